@@ -1,0 +1,269 @@
+"""Streaming kernel attention over an entry store (SPEC §2).
+
+The store is visited chunk by chunk along N; each chunk contributes a ``(B, chunk)`` block
+of scores and is folded into a running *partial result* ``(m, num, den)``:
+
+- ``m (B,)``        the largest logit seen so far (softmax; 0 for linear and RBF),
+- ``num (B, d_out)`` ``Σ_j e^{z_j − m} ṽ_j`` (softmax) or ``Σ_j w_j κ(q, k_j) v_j``,
+- ``den (B,)``      ``Σ_j w_j e^{z_j − m}`` (softmax only).
+
+Two partials over disjoint sets of entries merge exactly (:func:`merge_partials`, the
+log-sum-exp rescaling), so a store split into chunks, or into shards on several devices,
+gives the same answer as one pass over all of it; :func:`finalize` turns a partial into
+the output. No ``(B, N, d)`` tensor is ever formed, and working memory is a few
+``(B, chunk)`` blocks.
+
+:func:`attention` wraps this in a custom autograd function with exact gradients w.r.t. the
+queries, keys, values and weights. For the backward pass it keeps the ``(B, N)`` kernel
+values when they cost less than ``save_fraction`` of the store's bytes (cheap at small B,
+the training case), and recomputes them chunk by chunk otherwise (large-B evaluation with
+gradients).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from rcdl.kernels import check_kernel, guard_denominator, softmax_scale
+
+__all__ = [
+    "Partial",
+    "attention",
+    "attention_partial",
+    "default_chunk_size",
+    "finalize",
+    "merge_partials",
+]
+
+_NEG_INF = float("-inf")
+
+
+class Partial(NamedTuple):
+    """Attention over a subset of the entries, mergeable with other subsets."""
+
+    m: Tensor  # (B,) running max logit (softmax), zeros otherwise
+    num: Tensor  # (B, d_out)
+    den: Tensor  # (B,)
+
+
+def default_chunk_size(batch: int) -> int:
+    """Entries per chunk: blocks of ~2M scores, between 1024 and 16384 entries."""
+    return max(1024, min(16384, (1 << 21) // max(batch, 1)))
+
+
+def _empty_partial(q: Tensor, d_out: int, kernel: str) -> Partial:
+    b = q.shape[0]
+    m = q.new_full((b,), _NEG_INF) if kernel == "softmax" else q.new_zeros(b)
+    return Partial(m, q.new_zeros(b, d_out), q.new_zeros(b))
+
+
+def _chunk_kernel_values(
+    kernel: str, q: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float
+) -> Tensor:  # (B, c)
+    """Unweighted kernel values of one chunk; for softmax the raw logits ``z``."""
+    scores = q @ keys.T  # (B, c)
+    if kernel == "linear":
+        return scores
+    if kernel == "rbf":
+        k_sqnorm = (keys * keys).sum(1)  # (c,)
+        # exp(-(|q|^2 - 2 q.k + |k|^2) / (2 tau)), built in place on the score block
+        return scores.mul_(2).sub_(q_sqnorm[:, None]).sub_(k_sqnorm).div_(2 * tau).exp_()
+    return scores.div_(tau)
+
+
+def _fold_chunk(
+    kernel: str, part: Partial, block: Tensor, values: Tensor, weights: Tensor
+) -> tuple[Partial, Tensor | None]:
+    """Fold one chunk's block into ``part``. Softmax turns ``block`` into ``e^{z − m_new}``
+    in place and returns ``m_new``; the other kernels leave it as it is."""
+    if kernel != "softmax":
+        return Partial(part.m, part.num.addmm_(block * weights, values), part.den), None
+    m_new = torch.maximum(part.m, block.amax(dim=1))  # (B,)
+    rescale = torch.exp(part.m - m_new)  # (B,), 0 where m was -inf
+    block.sub_(m_new[:, None]).exp_()
+    num = part.num.mul_(rescale[:, None]).addmm_(block, values)
+    den = part.den.mul_(rescale).add_(block @ weights)
+    return Partial(m_new, num, den), m_new
+
+
+def _check_inputs(q: Tensor, keys: Tensor, values: Tensor, weights: Tensor) -> None:
+    if q.dim() != 2 or keys.dim() != 2 or values.dim() != 2 or weights.dim() != 1:
+        raise ValueError(
+            "attention expects q (B, d_in), keys (N, d_in), values (N, d_out), weights (N,); got "
+            f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}, {tuple(weights.shape)}"
+        )
+    n = keys.shape[0]
+    if q.shape[1] != keys.shape[1] or values.shape[0] != n or weights.shape[0] != n:
+        raise ValueError(
+            f"attention shape mismatch: q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
+            f"values {tuple(values.shape)}, weights {tuple(weights.shape)}"
+        )
+    for name, t in (("keys", keys), ("values", values), ("weights", weights)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(
+                f"attention: {name} are {t.dtype} on {t.device}, queries {q.dtype} on {q.device}"
+            )
+
+
+@torch.no_grad()
+def attention_partial(
+    q: Tensor,  # (B, d_in)
+    keys: Tensor,  # (N, d_in)
+    values: Tensor,  # (N, d_out)
+    weights: Tensor,  # (N,)
+    *,
+    kernel: str,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> Partial:
+    """The partial result of attending from ``q`` to these entries (no autograd)."""
+    part, _ = _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep=False)
+    return part
+
+
+def _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep):
+    check_kernel(kernel)
+    _check_inputs(q, keys, values, weights)
+    tau = softmax_scale(temperature, q.shape[1])
+    chunk = chunk_size or default_chunk_size(q.shape[0])
+    q_sqnorm = (q * q).sum(1) if kernel == "rbf" else None
+    part = _empty_partial(q, values.shape[1], kernel)
+    saved = []  # per chunk: (block, m used for it) when keep
+    for start in range(0, keys.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        block = _chunk_kernel_values(kernel, q, q_sqnorm, keys[rows], tau)
+        part, m_used = _fold_chunk(kernel, part, block, values[rows], weights[rows])
+        if keep:
+            saved.append((block, m_used))
+    return part, saved
+
+
+def merge_partials(a: Partial, b: Partial) -> Partial:
+    """Exact merge of the partials of two disjoint sets of entries (log-sum-exp rescaling)."""
+    m = torch.maximum(a.m, b.m)
+    scale_a = torch.where(a.m == _NEG_INF, 0.0, torch.exp(a.m - m))  # (B,)
+    scale_b = torch.where(b.m == _NEG_INF, 0.0, torch.exp(b.m - m))
+    num = a.num * scale_a[:, None] + b.num * scale_b[:, None]
+    return Partial(m, num, a.den * scale_a + b.den * scale_b)
+
+
+def finalize(part: Partial, *, kernel: str, eps: float = 1e-6) -> Tensor:  # (B, d_out)
+    """Output of the attention from the partial over *all* entries."""
+    if kernel != "softmax":
+        return part.num
+    return part.num / guard_denominator(part.den, eps)[:, None]
+
+
+class _StreamingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, keys, values, weights, kernel, temperature, chunk_size, eps, save_fraction):
+        b, n = q.shape[0], keys.shape[0]
+        store_bytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
+        keep = b * n * q.element_size() <= save_fraction * store_bytes
+        part, saved = _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep)
+        out = finalize(part, kernel=kernel, eps=eps)
+        ctx.kernel, ctx.chunk = kernel, chunk_size or default_chunk_size(b)
+        ctx.tau = softmax_scale(temperature, q.shape[1])
+        ctx.saved_blocks = saved if keep else None
+        # the softmax backward needs the final max and the (guarded) denominator
+        clamped = (part.den.abs() < eps) if kernel == "softmax" else None
+        ctx.clamped = clamped
+        den = guard_denominator(part.den, eps) if kernel == "softmax" else None
+        ctx.save_for_backward(q, keys, values, weights, out, part.m, den)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):  # grad_out (B, d_out)
+        q, keys, values, weights, out, m, den = ctx.saved_tensors
+        kernel, tau, chunk = ctx.kernel, ctx.tau, ctx.chunk
+        need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
+        grad_q = torch.zeros_like(q) if need_q else None
+        grad_k = torch.empty_like(keys) if need_k else None
+        grad_v = torch.empty_like(values) if need_v else None
+        grad_w = torch.empty_like(weights) if need_w else None
+        q_sqnorm = (q * q).sum(1) if kernel == "rbf" else None
+        if kernel == "softmax":
+            # ⟨g, s⟩ per row; a clamped denominator is a constant, so its terms vanish
+            g_dot_s = (grad_out * out).sum(1).masked_fill_(ctx.clamped, 0.0)  # (B,)
+            inv_den = 1.0 / den  # (B,)
+        for i, start in enumerate(range(0, keys.shape[0], chunk)):
+            rows = slice(start, start + chunk)
+            k_c, v_c, w_c = keys[rows], values[rows], weights[rows]
+            if ctx.saved_blocks is not None:
+                block, m_used = ctx.saved_blocks[i]
+            else:
+                block = _chunk_kernel_values(kernel, q, q_sqnorm, k_c, tau)
+                m_used = None
+                if kernel == "softmax":
+                    m_used = m
+                    block.sub_(m[:, None]).exp_()
+            g_dot_v = grad_out @ v_c.T  # (B, c)
+            if kernel == "softmax":
+                # a_j = e^{z_j - m} / D;  ∂s/∂z_j = a_j (ṽ_j − w_j s)
+                attn = block * (torch.exp(m_used - m) * inv_den)[:, None]  # (B, c)
+                grad_scores = attn * (g_dot_v - g_dot_s[:, None] * w_c)  # (B, c) wrt z
+                scale = 1.0 / tau
+                if need_v:
+                    grad_v[rows] = attn.T @ grad_out
+                if need_w:
+                    grad_w[rows] = -(attn.T @ g_dot_s)
+            else:
+                if need_v:
+                    grad_v[rows] = (block * w_c).T @ grad_out
+                if need_w:
+                    grad_w[rows] = (block * g_dot_v).sum(0)
+                grad_scores = g_dot_v.mul_(w_c)  # (B, c) wrt the kernel values
+                scale = 1.0
+                if kernel == "rbf":
+                    grad_scores.mul_(block)  # wrt -|q-k|^2/(2 tau), times 2 tau ... see below
+                    scale = 1.0 / tau
+            # d(score)/dq = k (linear), k/tau (softmax); rbf adds the -q term below
+            if need_q:
+                grad_q.addmm_(grad_scores, k_c, alpha=scale)
+                if kernel == "rbf":
+                    grad_q.sub_(q * (grad_scores.sum(1) * scale)[:, None])
+            if need_k:
+                grad_k[rows] = grad_scores.T @ q * scale
+                if kernel == "rbf":
+                    grad_k[rows] -= k_c * (grad_scores.sum(0) * scale)[:, None]
+        return grad_q, grad_k, grad_v, grad_w, None, None, None, None, None
+
+
+def attention(
+    q: Tensor,  # (B, d_in)
+    keys: Tensor,  # (N, d_in)
+    values: Tensor,  # (N, d_out)
+    weights: Tensor,  # (N,)
+    *,
+    kernel: str,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    eps: float = 1e-6,
+    save_fraction: float = 0.05,
+) -> Tensor:  # (B, d_out)
+    """Kernel attention from queries ``q`` over the entries ``(keys, values, weights)``.
+
+    The kernels are those of :mod:`rcdl.kernels` (``"linear"``, ``"rbf"``, ``"softmax"``),
+    with ``τ = temperature · √d_in``. Differentiable w.r.t. all four tensors (first order).
+
+    Args:
+        chunk_size: entries per block (default: :func:`default_chunk_size`).
+        eps: floor on the magnitude of the softmax denominator relative to its largest term.
+        save_fraction: keep the ``(B, N)`` kernel values for backward when they take at most
+            this fraction of the bytes of ``keys`` and ``values``; otherwise recompute.
+
+    Example:
+        >>> q, k, v = torch.randn(4, 8), torch.randn(100, 8), torch.randn(100, 3)
+        >>> attention(q, k, v, torch.ones(100), kernel="softmax").shape
+        torch.Size([4, 3])
+    """
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _StreamingAttention.apply(
+        q, keys, values, weights, kernel, temperature, chunk_size, eps, save_fraction
+    )

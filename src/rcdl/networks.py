@@ -1,0 +1,116 @@
+"""Networks: the MLP baseline, the residual backbone of SPEC §6, and the dual form.
+
+- :class:`MLP` — ``d_in → hidden × depth → d_out`` with ReLU (or another activation).
+- :class:`ResidualNet` — the backbone of SPEC §6: residual stream ``x₀ = x``, blocks
+  ``x ← x + act(layer(RMSNorm(x)))`` and a readout on ``RMSNorm(x)``, for any layer kind.
+- :func:`to_dual_form` — a copy of a network with every ``nn.Linear`` replaced by its
+  exact dual form (:class:`rcdl.layers.GrowingLinear`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rcdl.layers import GrowingLinear, GrowingRBF
+
+__all__ = ["MLP", "GrowingRBFNet", "RMSNorm", "ResidualNet", "to_dual_form"]
+
+_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "identity": nn.Identity}
+
+
+def _activation(name: str) -> nn.Module:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; known: {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]()
+
+
+class MLP(nn.Sequential):
+    """``depth`` hidden layers of width ``hidden`` with activation ``act``, then a readout."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int, depth: int = 2, act: str = "relu"):
+        if depth < 0:
+            raise ValueError(f"MLP depth must be >= 0, got {depth}")
+        widths = [d_in] + [hidden] * depth
+        layers: list[nn.Module] = []
+        for a, b in zip(widths[:-1], widths[1:], strict=True):
+            layers += [nn.Linear(a, b), _activation(act)]
+        super().__init__(*layers, nn.Linear(widths[-1], d_out))
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x²) + eps)`` over the last dim, no learned scale (SPEC §6)."""
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class ResidualNet(nn.Module):
+    """Pre-norm residual backbone of SPEC §6 over any layer kind.
+
+    ``x ← lift(x)``; ``depth`` times ``x ← x + act(block(RMSNorm(x)))``; logits
+    ``= readout(RMSNorm(x))``. ``make_block(width)`` and ``make_readout(width, d_out)``
+    build the layers. ``lift`` is the identity when ``width == d_in`` (the paper's setting);
+    otherwise a fixed random map ``d_in → width`` (not trained).
+    """
+
+    def __init__(self, d_in: int, d_out: int, depth: int, *,
+                 make_block: Callable[[int], nn.Module],
+                 make_readout: Callable[[int, int], nn.Module],
+                 width: int | None = None, act: str = "identity", seed: int = 0) -> None:
+        super().__init__()
+        width = width or d_in
+        self.norm = RMSNorm()
+        self.act = _activation(act)
+        self.blocks = nn.ModuleList(make_block(width) for _ in range(depth))
+        self.readout = make_readout(width, d_out)
+        lift = None
+        if width != d_in:
+            gen = torch.Generator().manual_seed(seed)
+            lift = torch.randn(width, d_in, generator=gen) / math.sqrt(d_in)
+        self.register_buffer("lift", lift)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.lift is not None:
+            x = F.linear(x, self.lift.to(x.dtype))
+        for block in self.blocks:
+            x = x + self.act(block(self.norm(x)))
+        return self.readout(self.norm(x))
+
+
+class GrowingRBFNet(ResidualNet):
+    """The growing RBF network of SPEC §6: residual backbone, every layer a growing RBF."""
+
+    def __init__(self, d_in: int, hidden: int | None, d_out: int, depth: int = 2, *,
+                 temperature: float = 10.0, lr: float = 10.0, **kw) -> None:
+        def rbf(a: int, b: int) -> GrowingRBF:
+            return GrowingRBF(a, b, temperature=temperature, lr=lr)
+
+        super().__init__(d_in, d_out, depth, make_block=lambda w: rbf(w, w),
+                         make_readout=rbf, width=hidden, **kw)
+
+
+def to_dual_form(model: nn.Module, *, lr: float, weight_decay: float = 0.0,
+                 momentum: float = 0.0) -> nn.Module:
+    """A deep copy of ``model`` with every ``nn.Linear`` replaced by its dual form.
+
+    Trained by :class:`rcdl.grower.Grower`, the copy computes exactly what ``model``
+    trained by ``torch.optim.SGD(params, lr, momentum, weight_decay=weight_decay)`` computes
+    (SPEC §1, §3), while storing one entry per training sample per layer.
+    """
+    dual = copy.deepcopy(model)
+    for name, module in list(dual.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, GrowingLinear.from_linear(
+                    child, lr=lr, weight_decay=weight_decay, momentum=momentum))
+    return dual

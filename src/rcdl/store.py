@@ -1,0 +1,255 @@
+"""The entry store: the growing database a layer answers from (SPEC §2).
+
+One store per layer holds N entries, each a key ``k_j (d_in,)``, a value ``v_j (d_out,)``
+(the *weighted* value ``ṽ_j = w_j v_j`` for the weighted softmax), a scalar weight ``w_j``
+and the step at which the entry was written (for the age coefficients of SPEC §3).
+
+Storage is a set of capacity-sized buffers of which the first ``N`` rows are live.
+Appending B entries is amortised O(B): when the capacity runs out it grows geometrically
+(or to exactly what :meth:`EntryStore.reserve` asked for), so no step copies the whole
+store. The store is an ``nn.Module`` so that ``.to()``, ``.double()`` and ``state_dict()``
+of the enclosing layer carry it along; the state dict holds only the live rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["EntryStore", "format_bytes"]
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable byte count, e.g. ``1.23 GB`` (powers of 1000)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+class EntryStore(nn.Module):
+    """A growable table of (key, value, weight, written_at) entries.
+
+    Args:
+        d_in: key width.
+        d_out: value width.
+        capacity: rows allocated up front (grow later as needed).
+        growth: factor by which the capacity grows when an append does not fit (> 1).
+        dtype, device: of keys, values and weights (``written_at`` is always int64).
+
+    Views ``keys (N, d_in)``, ``values (N, d_out)``, ``weights (N,)``, ``written_at (N,)``
+    are slices of the buffers: they are invalidated by the next append that reallocates.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        capacity: int = 0,
+        growth: float = 1.5,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if d_in <= 0 or d_out <= 0:
+            raise ValueError(f"EntryStore widths must be positive, got d_in={d_in}, d_out={d_out}")
+        if growth <= 1:
+            raise ValueError(f"EntryStore growth factor must be > 1, got {growth}")
+        if capacity < 0:
+            raise ValueError(f"EntryStore capacity must be >= 0, got {capacity}")
+        self.d_in, self.d_out, self.growth = d_in, d_out, growth
+        dtype = dtype or torch.get_default_dtype()
+        self.size = 0
+        self._keys = torch.empty(capacity, d_in, dtype=dtype, device=device)
+        self._values = torch.empty(capacity, d_out, dtype=dtype, device=device)
+        self._weights = torch.empty(capacity, dtype=dtype, device=device)
+        self._written_at = torch.empty(capacity, dtype=torch.long, device=device)
+
+    # Buffers are kept as plain attributes of capacity size; ``_apply`` and the state-dict
+    # hooks below make them behave like module buffers, trimmed to the live rows.
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch signature
+        super()._apply(fn, recurse)
+        for name in ("_keys", "_values", "_weights", "_written_at"):
+            setattr(self, name, fn(getattr(self, name)))
+        return self
+
+    # ---------------------------------------------------------------- views and sizes
+    @property
+    def keys(self) -> Tensor:  # (N, d_in)
+        return self._keys[: self.size]
+
+    @property
+    def values(self) -> Tensor:  # (N, d_out)
+        return self._values[: self.size]
+
+    @property
+    def weights(self) -> Tensor:  # (N,)
+        return self._weights[: self.size]
+
+    @property
+    def written_at(self) -> Tensor:  # (N,)
+        return self._written_at[: self.size]
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._keys.device
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _row_bytes(self) -> int:
+        float_bytes = (self.d_in + self.d_out + 1) * self._keys.element_size()
+        return float_bytes + self._written_at.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the live entries."""
+        return self.size * self._row_bytes()
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated, live or not (capacity × row size)."""
+        return self.capacity * self._row_bytes()
+
+    def extra_repr(self) -> str:
+        return (
+            f"N={self.size}, d_in={self.d_in}, d_out={self.d_out}, dtype={self.dtype}, "
+            f"{format_bytes(self.nbytes)} used / {format_bytes(self.reserved_nbytes)} reserved"
+        )
+
+    # ---------------------------------------------------------------- growth
+    def reserve(self, capacity: int) -> None:
+        """Make room for ``capacity`` entries in total (never shrinks)."""
+        if capacity <= self.capacity:
+            return
+        n = self.size
+        for name in ("_keys", "_values", "_weights", "_written_at"):
+            old = getattr(self, name)
+            new = old.new_empty((capacity, *old.shape[1:]))
+            new[:n] = old[:n]
+            setattr(self, name, new)
+
+    def append(
+        self,
+        keys: Tensor,
+        values: Tensor,
+        weights: Tensor | None = None,
+        written_at: int | Tensor = 0,
+    ) -> None:
+        """Append B entries: ``keys (B, d_in)``, ``values (B, d_out)``, ``weights (B,)``.
+
+        ``weights`` defaults to ones. Everything is validated before anything is written,
+        so a refused append leaves the store unchanged. Non-finite entries are refused.
+        """
+        b = keys.shape[0] if keys.dim() == 2 else -1
+        if weights is None:
+            weights = torch.ones(max(b, 0), dtype=self.dtype, device=self.device)
+        written_at = torch.as_tensor(written_at, dtype=torch.long, device=self.device)
+        written_at = written_at.expand(max(b, 0)) if written_at.dim() == 0 else written_at
+        self._check_entries(keys, values, weights, written_at)
+        if b == 0:
+            return
+        if self.size + b > self.capacity:
+            self.reserve(max(self.size + b, int(self.capacity * self.growth) + 1))
+        rows = slice(self.size, self.size + b)
+        self._keys[rows] = keys
+        self._values[rows] = values
+        self._weights[rows] = weights
+        self._written_at[rows] = written_at
+        self.size += b
+
+    def _check_entries(self, keys: Tensor, values: Tensor, weights: Tensor, written_at: Tensor):
+        expected = {"keys": (-1, self.d_in), "values": (-1, self.d_out), "weights": (-1,)}
+        given = {"keys": keys, "values": values, "weights": weights}
+        b = keys.shape[0] if keys.dim() == 2 else None
+        for name, tensor in given.items():
+            shape = expected[name]
+            ok = tensor.dim() == len(shape) and all(
+                s == -1 or s == t for s, t in zip(shape, tensor.shape, strict=True)
+            )
+            if not ok or (b is not None and tensor.shape[0] != b):
+                want = tuple("B" if s == -1 else s for s in shape)
+                raise ValueError(
+                    f"EntryStore.append: {name} must have shape {want} with the same B for all, "
+                    f"got {tuple(tensor.shape)} (keys {tuple(keys.shape)})"
+                )
+            if tensor.dtype != self.dtype:
+                raise TypeError(
+                    f"EntryStore.append: {name} dtype {tensor.dtype} != store dtype {self.dtype}"
+                )
+            if tensor.device != self.device:
+                raise ValueError(
+                    f"EntryStore.append: {name} on {tensor.device}, store on {self.device}"
+                )
+            if not torch.isfinite(tensor).all():
+                raise ValueError(f"EntryStore.append: {name} contain NaN or inf; nothing written")
+        if written_at.shape != (b,):
+            raise ValueError(f"EntryStore.append: written_at must have shape ({b},)")
+
+    # ---------------------------------------------------------------- removal
+    def remove(self, mask: Tensor) -> int:
+        """Remove the entries where ``mask (N,)`` is True, keeping order; returns the count."""
+        if mask.shape != (self.size,) or mask.dtype != torch.bool:
+            raise ValueError(
+                f"EntryStore.remove: mask must be a bool tensor of shape ({self.size},), "
+                f"got {mask.dtype} {tuple(mask.shape)}"
+            )
+        keep = (~mask).nonzero().squeeze(1).to(self.device)  # (N_keep,)
+        n_keep = keep.numel()
+        for name in ("_keys", "_values", "_weights", "_written_at"):
+            buf = getattr(self, name)
+            buf[:n_keep] = buf[: self.size].index_select(0, keep)
+        removed = self.size - n_keep
+        self.size = n_keep
+        return removed
+
+    def compact(self) -> None:
+        """Release the unused capacity (capacity becomes N)."""
+        for name in ("_keys", "_values", "_weights", "_written_at"):
+            setattr(self, name, getattr(self, name)[: self.size].clone())
+
+    def clear(self) -> None:
+        self.size = 0
+
+    # ---------------------------------------------------------------- state dict
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "keys"] = self.keys.clone()
+        destination[prefix + "values"] = self.values.clone()
+        destination[prefix + "weights"] = self.weights.clone()
+        destination[prefix + "written_at"] = self.written_at.clone()
+
+    def _load_from_state_dict(  # noqa: ANN001, PLR0913
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        names = ("keys", "values", "weights", "written_at")
+        present = [prefix + n in state_dict for n in names]
+        if not all(present):
+            missing_keys.extend(prefix + n for n, p in zip(names, present, strict=True) if not p)
+            return
+        keys, values, weights, written_at = (state_dict[prefix + n] for n in names)
+        if keys.shape[1:] != (self.d_in,) or values.shape[1:] != (self.d_out,):
+            errors.append(
+                f"EntryStore {prefix!r}: checkpoint has keys {tuple(keys.shape)} and values "
+                f"{tuple(values.shape)}, this store expects (N, {self.d_in}) and (N, {self.d_out})"
+            )
+            return
+        self.clear()
+        self.reserve(keys.shape[0])
+        self.append(
+            keys.to(self.device, self.dtype),
+            values.to(self.device, self.dtype),
+            weights.to(self.device, self.dtype),
+            written_at.to(self.device),
+        )

@@ -1,0 +1,134 @@
+"""The streaming attention against its dense twin: outputs and every gradient (float64)."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rcdl.attention import attention, attention_partial, finalize, merge_partials
+from rcdl.kernels import KERNELS, naive_attention
+
+TEMPERATURE = {"linear": 1.0, "rbf": 2.0, "softmax": 0.7}
+
+
+def make_entries(n, d_in=5, d_out=3, batch=4, seed=0, positive_weights=True):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, d_in, generator=gen, dtype=torch.float64)
+    keys = torch.randn(n, d_in, generator=gen, dtype=torch.float64)
+    values = torch.randn(n, d_out, generator=gen, dtype=torch.float64)
+    weights = torch.rand(n, generator=gen, dtype=torch.float64) + 0.1
+    if not positive_weights:
+        weights = weights - 0.6
+    return q, keys, values, weights
+
+
+def both(kernel, q, keys, values, weights, **kw):
+    t = TEMPERATURE[kernel]
+    fast = attention(q, keys, values, weights, kernel=kernel, temperature=t, **kw)
+    ref = naive_attention(q, keys, values, weights, kernel=kernel, temperature=t)
+    return fast, ref
+
+
+CASES = [  # (N, chunk): chunk 1, N not a multiple of the chunk, chunk > N, empty store
+    pytest.param(7, 1, id="chunk1"),
+    pytest.param(11, 4, id="ragged"),
+    pytest.param(6, 64, id="chunk>N"),
+    pytest.param(0, 4, id="empty"),
+]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(("n", "chunk"), CASES)
+@pytest.mark.parametrize("save_fraction", [0.0, 1e9], ids=["recompute", "saved"])
+def test_outputs_and_gradients_match_dense_reference(kernel, n, chunk, save_fraction):
+    tensors = [t.requires_grad_() for t in make_entries(n)]
+    fast, ref = both(kernel, *tensors, chunk_size=chunk, save_fraction=save_fraction)
+    assert_close(fast, ref)
+    grad_out = torch.randn_like(ref)
+    fast_grads = torch.autograd.grad(fast, tensors, grad_out)
+    ref_grads = torch.autograd.grad(ref, tensors, grad_out, allow_unused=True)
+    for name, g_fast, g_ref in zip(("q", "keys", "values", "weights"), fast_grads, ref_grads):
+        g_ref = torch.zeros_like(g_fast) if g_ref is None else g_ref
+        assert_close(g_fast, g_ref, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("save_fraction", [0.0, 1e9], ids=["recompute", "saved"])
+def test_gradcheck(kernel, save_fraction):
+    tensors = [t.requires_grad_() for t in make_entries(9, d_in=3, d_out=2, batch=3)]
+
+    def fn(*args):
+        return attention(*args, kernel=kernel, temperature=TEMPERATURE[kernel], chunk_size=4,
+                         save_fraction=save_fraction)
+
+    assert torch.autograd.gradcheck(fn, tensors)
+
+
+def test_gradient_wrt_queries_only_matches():
+    q, keys, values, weights = make_entries(13)
+    q.requires_grad_()
+    fast, ref = both("softmax", q, keys, values, weights, chunk_size=5)
+    (g_fast,) = torch.autograd.grad(fast.sum(), q)
+    (g_ref,) = torch.autograd.grad(ref.sum(), q)
+    assert_close(g_fast, g_ref)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_shards_merge_exactly(kernel):
+    q, keys, values, weights = make_entries(20)
+    t = TEMPERATURE[kernel]
+    parts = [
+        attention_partial(q, keys[s], values[s], weights[s], kernel=kernel, temperature=t,
+                          chunk_size=3)
+        for s in (slice(0, 0), slice(0, 8), slice(8, 20))
+    ]
+    merged = merge_partials(merge_partials(parts[0], parts[1]), parts[2])
+    assert_close(finalize(merged, kernel=kernel), naive_attention(
+        q, keys, values, weights, kernel=kernel, temperature=t))
+
+
+def test_large_logits_stay_finite():
+    q, keys, values, weights = make_entries(10)
+    out = attention(q * 1e4, keys, values, weights, kernel="softmax", chunk_size=3)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 50])
+def test_vanishing_or_negative_denominator_stays_finite(chunk):
+    """Adversarial store: weights that cancel exactly, and negative totals (SPEC §2)."""
+    q, keys, values, _ = make_entries(4, batch=3)
+    keys = torch.zeros_like(keys)  # all logits equal: denominator = sum of weights
+    for weights in (torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64),
+                    torch.tensor([-1.0, -2.0, 0.5, 0.1], dtype=torch.float64)):
+        tensors = [t.clone().requires_grad_() for t in (q, keys, values, weights)]
+        fast, ref = both("softmax", *tensors, chunk_size=chunk)
+        assert torch.isfinite(fast).all()
+        assert_close(fast, ref)
+        grads = torch.autograd.grad(fast.sum(), tensors)
+        assert all(torch.isfinite(g).all() for g in grads)
+        ref_grads = torch.autograd.grad(ref.sum(), tensors, allow_unused=True)
+        for g, r in zip(grads, ref_grads):
+            assert_close(g, torch.zeros_like(g) if r is None else r)
+    # a negative total keeps its sign: out = num / D with D < 0
+    out = attention(q, keys, values, torch.full((4,), -0.25, dtype=torch.float64),
+                    kernel="softmax")
+    assert_close(out, -values.sum(0).expand_as(out))
+
+
+def test_float32_matches_float64():
+    q, keys, values, weights = make_entries(300, d_in=16, d_out=8, batch=7)
+    out64 = attention(q, keys, values, weights, kernel="softmax", chunk_size=64)
+    out32 = attention(*(t.float() for t in (q, keys, values, weights)), kernel="softmax",
+                      chunk_size=64)
+    assert_close(out32.double(), out64, rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_kernel_and_bad_temperature():
+    q, keys, values, weights = make_entries(3)
+    with pytest.raises(ValueError, match="unknown kernel 'cosine'"):
+        attention(q, keys, values, weights, kernel="cosine")
+    with pytest.raises(ValueError, match="temperature must be a positive"):
+        attention(q, keys, values, weights, kernel="softmax", temperature=0.0)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        attention(q[:, :2], keys, values, weights, kernel="softmax")
+    with pytest.raises(TypeError, match="keys are torch.float32"):
+        attention(q, keys.float(), values, weights, kernel="softmax")

@@ -1,0 +1,94 @@
+"""Exact equivalences: the dual form of an MLP trained by SGD is that MLP (SPEC §1, §3)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from rcdl import MLP, AgeCoefficients, Grower, to_dual_form
+
+SETTINGS = [
+    pytest.param({}, id="plain"),
+    pytest.param({"weight_decay": 0.05}, id="weight_decay"),
+    pytest.param({"momentum": 0.9}, id="momentum"),
+    pytest.param({"weight_decay": 0.05, "momentum": 0.9}, id="decay+momentum"),
+]
+
+
+def teacher_batches(steps, batch=8, d_in=6, d_out=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(d_in, d_out, generator=gen, dtype=torch.float64)
+    for _ in range(steps):
+        x = torch.randn(batch, d_in, generator=gen, dtype=torch.float64)
+        yield x, torch.tanh(x @ w)
+
+
+@pytest.mark.parametrize("loss_name", ["mse", "cross_entropy"])
+@pytest.mark.parametrize("opt_kw", SETTINGS)
+def test_dual_form_mlp_equals_sgd_trained_mlp(opt_kw, loss_name):
+    torch.manual_seed(0)
+    mlp = MLP(6, 16, 3, depth=2, act="relu").double()
+    dual = to_dual_form(mlp, lr=0.05, **opt_kw)
+    opt = torch.optim.SGD(mlp.parameters(), lr=0.05, **opt_kw)
+    grower = Grower(dual)
+    x_held = torch.randn(32, 6, dtype=torch.float64)
+
+    def loss_fn(out, y):
+        if loss_name == "mse":
+            return F.mse_loss(out, y)
+        return F.cross_entropy(out, y.argmax(1))
+
+    for x, y in teacher_batches(25):
+        opt.zero_grad()
+        loss_fn(mlp(x), y).backward()
+        opt.step()
+        loss_fn(dual(x), y).backward()
+        grower.step()
+
+    mlp.eval()
+    dual.eval()
+    with torch.no_grad():
+        assert_close(dual(x_held), mlp(x_held), rtol=1e-10, atol=1e-10)
+    assert grower.num_entries == 25 * 8 * 3  # one entry per sample per layer
+
+
+def test_layers_grow_by_batch_and_record_steps():
+    dual = to_dual_form(MLP(6, 16, 3, depth=2).double(), lr=0.1)
+    grower = Grower(dual)
+    for x, y in teacher_batches(3, batch=5):
+        F.mse_loss(dual(x), y).backward()
+        grower.step()
+    for layer in grower.layers:
+        assert len(layer.store) == 15
+        assert int(layer.steps) == 3
+        assert layer.store.written_at.tolist() == [1] * 5 + [2] * 5 + [3] * 5
+
+
+@pytest.mark.parametrize(("lr", "wd", "mu"), [(0.1, 0.3, 0.0), (0.1, 0.0, 0.8), (0.05, 0.2, 0.7)])
+def test_age_coefficients_closed_forms(lr, wd, mu):
+    ages = AgeCoefficients(lr, wd, mu)
+    a = torch.arange(12)
+    h = ages.entry(a)
+    if mu == 0:
+        assert_close(h, (1 - lr * wd) ** a.double())
+        assert ages.initial(7) == pytest.approx((1 - lr * wd) ** 7)
+    elif wd == 0:
+        assert_close(h, (1 - mu ** (a.double() + 1)) / (1 - mu))
+        assert ages.initial(7) == 1.0
+    else:  # scalar SGD on one weight, with the impulse written at step 0, matches h
+        w = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=lr, momentum=mu, weight_decay=wd)
+        for step in range(12):
+            w.grad = torch.tensor(1.0 if step == 0 else 0.0, dtype=torch.float64)
+            opt.step()
+            assert float(w.detach()) == pytest.approx(-lr * float(h[step]))
+
+
+def test_sgd_copy_is_independent():
+    mlp = MLP(4, 8, 2).double()
+    before = copy.deepcopy(mlp.state_dict())
+    to_dual_form(mlp, lr=0.1)
+    for k, v in mlp.state_dict().items():
+        assert torch.equal(v, before[k])
