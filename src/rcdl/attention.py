@@ -51,8 +51,8 @@ class Partial(NamedTuple):
 
 
 def default_chunk_size(batch: int) -> int:
-    """Entries per chunk: blocks of ~2M scores, between 1024 and 16384 entries."""
-    return max(1024, min(16384, (1 << 21) // max(batch, 1)))
+    """Entries per chunk: blocks of ~1M scores, between 1024 and 16384 entries."""
+    return max(1024, min(16384, (1 << 20) // max(batch, 1)))
 
 
 def _empty_partial(q: Tensor, d_out: int, kernel: str) -> Partial:

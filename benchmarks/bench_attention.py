@@ -1,0 +1,133 @@
+"""Weighted-softmax streaming attention: speed against the GEMM rate, and working memory.
+
+For each batch size B and store size N (d_in = d_out = 3072, float32) this measures, in
+one run on this machine:
+
+- ``fwd+bwd``: the streaming attention forward plus backward w.r.t. the queries, counted
+  as 8·B·N·d useful flops (two GEMMs forward — scores and values — and two backward);
+- ``gemm``: ``torch.matmul`` on the same shapes, ``(B, d) @ (d, N)`` and ``(B, N) @ (N, d)``,
+  counted the same way, as the rate to compare against;
+- ``peak``: the process's peak resident memory during fwd+bwd above what it held with the
+  store allocated (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``), as a fraction
+  of the store's bytes. Each (B, N) runs in a fresh subprocess so peaks do not mix.
+
+Run: ``python benchmarks/bench_attention.py`` (``--quick`` for a small smoke run).
+Targets (issue 2): ratio ≥ 0.6 at B = 16 and ≥ 0.75 at B = 500 for N ≥ 50k; peak < 10 %
+of the store at N = 100k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(batch: int, n: int, d: int, repeats: int, chunk_size: int | None,
+            save_fraction: float) -> dict:
+    """One configuration, in this process."""
+    from rcdl.attention import attention
+
+    torch.manual_seed(0)
+    keys = torch.empty(n, d).normal_().div_(d**0.5)
+    values = torch.empty(n, d).normal_()
+    weights = torch.rand(n)
+    q = torch.randn(batch, d)
+    grad_out = torch.randn(batch, d)
+    store_bytes = (keys.numel() + values.numel() + weights.numel()) * 4
+
+    def fwd_bwd():
+        qq = q.detach().requires_grad_()
+        out = attention(qq, keys, values, weights, kernel="softmax", temperature=6.0,
+                        chunk_size=chunk_size, save_fraction=save_fraction)
+        out.backward(grad_out)
+
+    def gemms():
+        scores = torch.matmul(q, keys.T)  # (B, N)
+        torch.matmul(scores, values)  # (B, d)
+        back = torch.matmul(grad_out, values.T)  # (B, N)
+        torch.matmul(back, keys)  # (B, d)
+
+    fwd_bwd()  # warm-up, then measure the peak of one clean call
+    rss_before = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    fwd_bwd()
+    peak_bytes = max(0, _rss_kib("VmHWM") - rss_before) * 1024
+    flops = 8 * batch * n * d
+    t_attn = _median_time(fwd_bwd, repeats)
+    t_gemm = _median_time(gemms, repeats)
+    return {
+        "B": batch, "N": n, "d": d,
+        "attn_gflops": flops / t_attn / 1e9, "gemm_gflops": flops / t_gemm / 1e9,
+        "ratio": t_gemm / t_attn, "attn_s": t_attn, "gemm_s": t_gemm,
+        "peak_over_store": peak_bytes / store_bytes, "store_gb": store_bytes / 1e9,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 500])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 50_000, 100_000])
+    parser.add_argument("--dim", type=int, default=3072)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--save-fraction", type=float, default=0.05,
+                        help="attention's save_fraction (keep (B, N) blocks for backward)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)  # child mode
+    args = parser.parse_args()
+    if args.quick:
+        args.batches, args.sizes, args.dim, args.repeats = [16, 64], [2_000, 5_000], 256, 2
+    if args.one:
+        print(json.dumps(measure(*args.one, args.dim, args.repeats, args.chunk_size,
+                                 args.save_fraction)))
+        return
+
+    print(f"# machine: {platform.node()} {platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, float32, d_in = d_out = {args.dim}")
+    header = "|   B |       N | attn GFLOP/s | GEMM GFLOP/s | ratio | peak / store |"
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    for batch in args.batches:
+        for n in args.sizes:
+            cmd = [sys.executable, __file__, "--one", str(batch), str(n), "--dim", str(args.dim),
+                   "--repeats", str(args.repeats), "--save-fraction", str(args.save_fraction)]
+            if args.chunk_size:
+                cmd += ["--chunk-size", str(args.chunk_size)]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+            if out.returncode != 0:
+                print(out.stderr, file=sys.stderr)
+                raise SystemExit(f"benchmark child failed for B={batch}, N={n}")
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"| {batch:3d} | {n:7d} | {r['attn_gflops']:12.1f} | {r['gemm_gflops']:12.1f} "
+                  f"| {r['ratio']:5.2f} | {100 * r['peak_over_store']:10.1f} % |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Bad input gets a clear error naming the problem, and refused writes change nothing."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rcdl import GrowingLayer, GrowingRBF, GrowingRBFNet, Grower, MLP
+from rcdl.rules import FunctionalSGD
+
+
+def net_and_grower():
+    net = GrowingRBFNet(4, None, 2, depth=2, temperature=1.0, lr=1.0)
+    grower = Grower(net)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    F.mse_loss(net(x), y).backward()
+    grower.step()
+    return net, grower
+
+
+def snapshot(net):
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("x", "error", "match"),
+    [
+        (torch.randn(3, 5), ValueError, r"'blocks.0': expected input \(\.\.\., 4\)"),
+        (torch.randn(3, 4, dtype=torch.float64), TypeError, "dtype torch.float64"),
+        (torch.randn(3, 4, device="meta"), ValueError, "on meta"),
+        (torch.tensor([[0.0, float("nan"), 0.0, 0.0]]), ValueError, "NaN or inf"),
+        (torch.tensor([[0.0, float("inf"), 0.0, 0.0]]), ValueError, "NaN or inf"),
+        (torch.randn(0, 4), ValueError, "empty batch"),
+        (torch.randn(4), ValueError, "expected input"),
+    ],
+    ids=["width", "dtype", "device", "nan", "inf", "empty", "1d"],
+)
+def test_bad_queries(x, error, match):
+    net, _ = net_and_grower()
+    with pytest.raises(error, match=match):
+        net(x)
+
+
+def test_nan_gradient_is_refused_and_no_store_changes():
+    net, grower = net_and_grower()
+    before = snapshot(net)
+    out = net(torch.randn(3, 4))
+    (out * float("nan")).sum().backward()
+    with pytest.raises(ValueError, match=r"GrowingRBF '(readout|blocks\.\d)'.*NaN or inf"):
+        grower.step()
+    after = snapshot(net)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_step_without_backward():
+    net, grower = net_and_grower()
+    net(torch.randn(3, 4))
+    with pytest.raises(RuntimeError, match="call loss.backward"):
+        grower.step()
+
+
+def test_bad_construction():
+    with pytest.raises(ValueError, match="temperature must be a positive"):
+        GrowingRBF(4, 2, temperature=0.0, lr=1.0)
+    with pytest.raises(ValueError, match="temperature must be a positive"):
+        GrowingRBF(4, 2, temperature=-1.0, lr=1.0)
+    with pytest.raises(ValueError, match="unknown kernel 'cosine'"):
+        GrowingLayer(4, 2, kernel="cosine", rule=FunctionalSGD(1.0))
+    with pytest.raises(ValueError, match="momentum must be in"):
+        GrowingRBF(4, 2, temperature=1.0, lr=1.0, momentum=1.0)
+    with pytest.raises(ValueError, match="has no growing layers"):
+        Grower(MLP(2, 3, 1))
+
+
+def test_eval_mode_records_nothing():
+    net, grower = net_and_grower()
+    net.eval()
+    net(torch.randn(3, 4))
+    with torch.no_grad():
+        net.train()(torch.randn(3, 4))
+    grower.step()  # nothing recorded: nothing written, no error
+    assert grower.num_entries == 3 * 3
