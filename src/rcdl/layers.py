@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.attention import attention
+from rcdl.attention import attention, attention_partial
 from rcdl.kernels import check_kernel, softmax_scale
-from rcdl.rules import Entries, FunctionalSGD
+from rcdl.rules import ClippedSoftmaxRule, Entries, FunctionalSGD, GaugeSoftmaxRule
 from rcdl.store import EntryStore
 
-__all__ = ["GrowingLayer", "GrowingLinear", "GrowingRBF", "growing_layers"]
+__all__ = ["GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "growing_layers"]
 
 
 @dataclass
@@ -258,6 +258,50 @@ class GrowingRBF(GrowingLayer):
     ) -> None:
         rule = FunctionalSGD(lr, weight_decay, momentum, per_sample=True)
         super().__init__(d_in, d_out, kernel="rbf", temperature=temperature, rule=rule, **kw)
+
+
+class GrowingSoftmax(GrowingLayer):
+    """Growing weighted-softmax layer (SPEC §2): ``s(q) = Σ_j e^{z_j} ṽ_j / Σ_j w_j e^{z_j}``.
+
+    The store keeps weighted values ``ṽ_j`` and weights ``w_j``; logits are
+    ``z_j = ⟨q, k_j⟩ / (T √d_in)``. ``rule`` is :class:`rcdl.rules.ClippedSoftmaxRule` ("gws",
+    optionally the exact ``1/Z`` rule) or :class:`rcdl.rules.GaugeSoftmaxRule`.
+
+    Args:
+        initial_entries: the starting database of SPEC §6 — this many entries with
+            RMS-normalised random keys and weighted values, weight ``1/initial_entries`` each.
+        seed: seed of those initial entries (default: torch's global generator).
+    """
+
+    def __init__(self, d_in: int, d_out: int, *, temperature: float, rule,  # noqa: ANN001
+                 initial_entries: int = 16, seed: int | None = None, **kw) -> None:
+        super().__init__(d_in, d_out, kernel="softmax", temperature=temperature, rule=rule,
+                         **kw)
+        if initial_entries < 0:
+            raise ValueError(f"initial_entries must be >= 0, got {initial_entries}")
+        if initial_entries:
+            gen = None if seed is None else torch.Generator().manual_seed(seed)
+            keys = _rms_normalised(torch.randn(initial_entries, d_in, generator=gen))
+            values = _rms_normalised(torch.randn(initial_entries, d_out, generator=gen))
+            factory = {"dtype": self.store.dtype, "device": self.store.device}
+            self.store.append(keys.to(**factory), values.to(**factory),
+                              torch.full((initial_entries,), 1 / initial_entries, **factory))
+
+    @torch.no_grad()
+    def log_normalizer(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B,)
+        """``log Z(q) = log Σ_j w_j e^{⟨q, k_j⟩/τ}`` over the current store."""
+        part = attention_partial(q, self.store.keys, self.store.values[:, :0], self.store.weights,
+                                 kernel="softmax", temperature=self.temperature,
+                                 chunk_size=self.chunk_size)
+        return part.m + torch.log(part.den)
+
+    def make_entries(self, record: _Record) -> Entries:
+        log_z = self.log_normalizer(record.q) if self.rule.needs_log_normalizer else None
+        return self.rule.entries(record.q, record.s, record.grad, record.n_samples, log_z)
+
+
+def _rms_normalised(x: Tensor) -> Tensor:  # (N, d) rows scaled to unit RMS
+    return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True))
 
 
 def growing_layers(model: nn.Module) -> list[tuple[str, GrowingLayer]]:

@@ -16,7 +16,9 @@ from torch import Tensor
 
 from rcdl.age import AgeCoefficients
 
-__all__ = ["Entries", "FunctionalSGD"]
+_GAUGE_EPS = 1e-8
+
+__all__ = ["ClippedSoftmaxRule", "Entries", "FunctionalSGD", "GaugeSoftmaxRule"]
 
 Entries = tuple[Tensor, Tensor, Tensor]  # keys (B, d_in), values (B, d_out), weights (B,)
 
@@ -50,3 +52,60 @@ class FunctionalSGD:
         g = grad_mean * n_samples if self.per_sample else grad_mean
         weights = torch.ones(q.shape[0], dtype=q.dtype, device=q.device)
         return q, -self.lr * g, weights
+
+
+@dataclass(frozen=True)
+class ClippedSoftmaxRule:
+    """The growing weighted-softmax rule "gws" (SPEC §3), per-sample units.
+
+    Append ``k = q``, ``ṽ = −β g``, ``w = max(0, η · clip(⟨s, g⟩, −B, B))`` with ``B`` the
+    batch size. With ``exact=True`` both ``ṽ`` and ``w`` are divided by
+    ``Z(q) = Σ_j w_j e^{⟨q, k_j⟩/τ}`` of the pre-step store: the exact L² functional-gradient
+    step of SPEC §3 (same direction, different step size per sample).
+
+    Appending ``(εw, k, εṽ)`` changes the sample's loss by ``ε c(q)(⟨g, ṽ⟩ − w⟨g, s⟩) + O(ε²)``,
+    ``c(q) = e^{⟨q,k⟩/τ}/Z(q) > 0``; for this rule that is ``−ε c (β‖g‖² + w⟨g, s⟩) ≤ 0``
+    because ``w`` has the sign of ``⟨s, g⟩`` or is zero. SPEC §6: T = 6, β = 3, η = 0.003.
+    """
+
+    eta: float
+    beta: float
+    exact: bool = False
+    needs_log_normalizer = property(lambda self: self.exact)
+
+    def entries(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int,
+                log_z: Tensor | None = None) -> Entries:
+        g = grad_mean * n_samples  # (B, d_out) per-sample gradient
+        s_dot_g = (s * g).sum(1)  # (B,)
+        weights = (self.eta * s_dot_g.clamp(-n_samples, n_samples)).clamp_min(0.0)
+        values = -self.beta * g
+        if self.exact:
+            inv_z = torch.exp(-log_z)  # (B,)
+            weights, values = weights * inv_z, values * inv_z[:, None]
+        return q, values, weights
+
+
+@dataclass(frozen=True)
+class GaugeSoftmaxRule:
+    """The gauge-invariant weighted-softmax rule (SPEC §3), batch-mean units ``ḡ = g/B``.
+
+    Append ``k = q``, ``w = η α ‖ḡ‖``, ``ṽ = (−η α² − β + η α ⟨s, ḡ⟩ / (‖ḡ‖ + 1e−8)) ḡ``:
+    the gws step taken in the frame shifted by ``b = (α − ⟨s, ĝ⟩) ĝ``, where
+    ``⟨s + b, ḡ⟩ = α‖ḡ‖ > 0``, and mapped back. Existing entries are untouched and the new
+    weight is never negative. First-order change of the loss: ``−c (β + ηα²)‖ḡ‖²``.
+    SPEC §6: T = 5, α = 10, η = 0.03, β = 100.
+    """
+
+    alpha: float
+    eta: float
+    beta: float
+    needs_log_normalizer = False
+
+    def entries(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int,
+                log_z: Tensor | None = None) -> Entries:
+        g_norm = grad_mean.norm(dim=1)  # (B,)
+        s_dot_g = (s * grad_mean).sum(1)  # (B,)
+        weights = self.eta * self.alpha * g_norm
+        coef = -self.eta * self.alpha**2 - self.beta + self.eta * self.alpha * s_dot_g / (
+            g_norm + _GAUGE_EPS)
+        return q, coef[:, None] * grad_mean, weights
