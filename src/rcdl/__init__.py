@@ -5,14 +5,30 @@ from rcdl.age import AgeCoefficients
 from rcdl.attention import Partial, attention, attention_partial, finalize, merge_partials
 from rcdl.grower import Grower
 from rcdl.kernels import KERNELS, naive_attention
-from rcdl.layers import GrowingLayer, GrowingLinear, GrowingRBF, GrowingSoftmax, growing_layers
-from rcdl.networks import MLP, GrowingRBFNet, ResidualNet, RMSNorm, to_dual_form
+from rcdl.layers import (
+    GrowingLayer,
+    GrowingLinear,
+    GrowingRBF,
+    GrowingSoftmax,
+    ParametricSoftmax,
+    growing_layers,
+)
+from rcdl.networks import (
+    MLP,
+    GrowingRBFNet,
+    ParametricSoftmaxNet,
+    ResidualNet,
+    ResNetMLP,
+    RMSNorm,
+    growing_softmax_net,
+    to_dual_form,
+)
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
 from rcdl.store import EntryStore
 
 __all__ = [
     "KERNELS", "MLP", "AgeCoefficients", "ClippedSoftmaxRule", "EntryStore", "FunctionalSGD",
-    "GaugeSoftmaxRule", "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "GrowingRBFNet", "Grower", "Partial", "RMSNorm",
-    "ResidualNet", "__version__", "attention", "attention_partial", "finalize",
-    "growing_layers", "merge_partials", "naive_attention", "to_dual_form",
+    "GaugeSoftmaxRule", "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "GrowingRBFNet", "Grower", "ParametricSoftmax", "ParametricSoftmaxNet",
+    "Partial", "RMSNorm", "ResNetMLP", "ResidualNet", "__version__", "attention", "attention_partial", "finalize",
+    "growing_layers", "growing_softmax_net", "merge_partials", "naive_attention", "to_dual_form",
 ]

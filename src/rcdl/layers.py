@@ -21,7 +21,10 @@ from rcdl.kernels import check_kernel, softmax_scale
 from rcdl.rules import ClippedSoftmaxRule, Entries, FunctionalSGD, GaugeSoftmaxRule
 from rcdl.store import EntryStore
 
-__all__ = ["GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "growing_layers"]
+__all__ = [
+    "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "ParametricSoftmax",
+    "growing_layers",
+]
 
 
 @dataclass
@@ -298,6 +301,36 @@ class GrowingSoftmax(GrowingLayer):
     def make_entries(self, record: _Record) -> Entries:
         log_z = self.log_normalizer(record.q) if self.rule.needs_log_normalizer else None
         return self.rule.entries(record.q, record.s, record.grad, record.n_samples, log_z)
+
+
+class ParametricSoftmax(nn.Module):
+    """A fixed table of weighted-softmax entries trained as parameters (SPEC §5).
+
+    Same function as :class:`GrowingSoftmax`, but ``keys (N, d_in) ~ N(0, 1)/√d_in``,
+    weighted values ``(N, d_out) ~ N(0, 0.02²)`` and weights ``(N,) = 1`` are
+    ``nn.Parameter``s updated by an optimizer (Adam 1e−3 in the paper), T = 3.
+    """
+
+    def __init__(self, d_in: int, d_out: int, entries: int, *, temperature: float = 3.0,
+                 chunk_size: int | None = None) -> None:
+        super().__init__()
+        softmax_scale(temperature, d_in)
+        if entries < 1:
+            raise ValueError(f"ParametricSoftmax needs at least one entry, got {entries}")
+        self.temperature, self.chunk_size = temperature, chunk_size
+        self.keys = nn.Parameter(torch.randn(entries, d_in) / math.sqrt(d_in))
+        self.values = nn.Parameter(torch.randn(entries, d_out) * 0.02)
+        self.weights = nn.Parameter(torch.ones(entries))
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., d_in) -> (..., d_out)
+        q = x.reshape(-1, x.shape[-1])
+        s = attention(q, self.keys, self.values, self.weights, kernel="softmax",
+                      temperature=self.temperature, chunk_size=self.chunk_size)
+        return s.reshape(*x.shape[:-1], -1)
+
+    def extra_repr(self) -> str:
+        n, d_in = self.keys.shape
+        return f"{d_in} -> {self.values.shape[1]}, entries={n}, T={self.temperature}"
 
 
 def _rms_normalised(x: Tensor) -> Tensor:  # (N, d) rows scaled to unit RMS

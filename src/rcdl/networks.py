@@ -3,6 +3,9 @@
 - :class:`MLP` — ``d_in → hidden × depth → d_out`` with ReLU (or another activation).
 - :class:`ResidualNet` — the backbone of SPEC §6: residual stream ``x₀ = x``, blocks
   ``x ← x + act(layer(RMSNorm(x)))`` and a readout on ``RMSNorm(x)``, for any layer kind.
+- :class:`ResNetMLP` — the ResNet-MLP baseline of SPEC §6 (Linear + tanh-GELU blocks).
+- :func:`growing_softmax_net`, :class:`GrowingRBFNet`, :class:`ParametricSoftmaxNet` — the
+  RCDL models of SPEC §5–6 on the same backbone.
 - :func:`to_dual_form` — a copy of a network with every ``nn.Linear`` replaced by its
   exact dual form (:class:`rcdl.layers.GrowingLinear`).
 """
@@ -17,11 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.layers import GrowingLinear, GrowingRBF
+from rcdl.layers import GrowingLinear, GrowingRBF, GrowingSoftmax, ParametricSoftmax
 
-__all__ = ["MLP", "GrowingRBFNet", "RMSNorm", "ResidualNet", "to_dual_form"]
+__all__ = [
+    "MLP", "GrowingRBFNet", "ParametricSoftmaxNet", "RMSNorm", "ResNetMLP", "ResidualNet",
+    "growing_softmax_net", "lecun_normal_", "to_dual_form",
+]
 
-_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "identity": nn.Identity}
+_ACTIVATIONS = {
+    "relu": nn.ReLU, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    "tanh": nn.Tanh, "identity": nn.Identity,
+}
 
 
 def _activation(name: str) -> nn.Module:
@@ -85,6 +94,56 @@ class ResidualNet(nn.Module):
         for block in self.blocks:
             x = x + self.act(block(self.norm(x)))
         return self.readout(self.norm(x))
+
+
+def lecun_normal_(weight: Tensor) -> Tensor:
+    """Truncated-normal LeCun init of SPEC §6: N(0, 1) truncated to [−2, 2], times
+    ``√(1/d_in) / 0.8796`` (0.8796 is the std of the truncated unit normal)."""
+    with torch.no_grad():
+        nn.init.trunc_normal_(weight, 0.0, 1.0, -2.0, 2.0)
+        return weight.mul_(math.sqrt(1 / weight.shape[1]) / 0.87962566103423978)
+
+
+def _lecun_linear(d_in: int, d_out: int) -> nn.Linear:
+    linear = nn.Linear(d_in, d_out)
+    lecun_normal_(linear.weight)
+    nn.init.zeros_(linear.bias)
+    return linear
+
+
+class ResNetMLP(ResidualNet):
+    """The ResNet-MLP baseline of SPEC §6: ``depth`` blocks of Linear d→d + tanh-GELU,
+    biases zero, truncated-normal LeCun weights, and a linear readout."""
+
+    def __init__(self, d_in: int = 3072, d_out: int = 10, depth: int = 8) -> None:
+        super().__init__(d_in, d_out, depth, make_block=lambda w: _lecun_linear(w, w),
+                         make_readout=_lecun_linear, act="gelu_tanh")
+
+
+def growing_softmax_net(d_in: int, d_out: int, depth: int, *, temperature: float, rule,  # noqa: ANN001
+                        initial_entries: int = 16, seed: int = 0) -> ResidualNet:
+    """The growing weighted-softmax network of SPEC §6 ("gws" or "gauge" by ``rule``):
+    ``depth`` blocks d→d and a readout d→``d_out``, all :class:`GrowingSoftmax`."""
+    seeds = iter(range(seed, seed + depth + 1))
+
+    def layer(a: int, b: int) -> GrowingSoftmax:
+        return GrowingSoftmax(a, b, temperature=temperature, rule=rule,
+                              initial_entries=initial_entries, seed=next(seeds))
+
+    return ResidualNet(d_in, d_out, depth, make_block=lambda w: layer(w, w), make_readout=layer)
+
+
+class ParametricSoftmaxNet(ResidualNet):
+    """The parametric-softmax baseline of SPEC §5: the backbone with fixed tables of
+    ``entries`` weighted-softmax entries per layer, trained as ordinary parameters."""
+
+    def __init__(self, d_in: int, d_out: int, depth: int = 2, *, entries: int,
+                 temperature: float = 3.0) -> None:
+        def layer(a: int, b: int) -> ParametricSoftmax:
+            return ParametricSoftmax(a, b, entries, temperature=temperature)
+
+        super().__init__(d_in, d_out, depth, make_block=lambda w: layer(w, w),
+                         make_readout=layer)
 
 
 class GrowingRBFNet(ResidualNet):

@@ -1,0 +1,71 @@
+"""Parametric optimizers of the one-epoch comparison, with their tuned settings (SPEC §6).
+
+``make_optimizer(name, model)`` returns a ``torch.optim.Optimizer``-like object for the
+ResNet-MLP baselines and the parametric-softmax networks:
+
+| name    | setting (batch 16)                                                          |
+|---------|-----------------------------------------------------------------------------|
+| sgd     | lr 1e−3, momentum 0.85                                                      |
+| adam    | lr 1e−4 (1e−3 for the parametric-softmax tables, SPEC §5)                   |
+| adamw   | lr 1e−4, weight decay 1e−4                                                  |
+| rmsprop | lr 1e−4, alpha 0.9, eps 1e−8                                                |
+| muon    | ``torch.optim.Muon`` lr 1e−3 on 2-D weights (weight_decay=0 given, momentum  |
+|         | 0.95, Nesterov) + Adam lr 1e−3 on the other parameters                      |
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["OPTIMIZERS", "OptimizerGroup", "make_optimizer"]
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "muon")
+
+
+class OptimizerGroup:
+    """Several optimizers stepped together (Muon on matrices, Adam on the rest)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = [opt for opt in optimizers if opt is not None]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(s)
+
+
+def make_optimizer(name: str, model: nn.Module, lr: float | None = None):  # noqa: ANN201
+    """The optimizer ``name`` over ``model``'s parameters with the SPEC §6 settings.
+
+    ``lr`` overrides the tuned learning rate (of Muon's matrices, for ``muon``).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters to optimize")
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr or 1e-3, momentum=0.85)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr or 1e-4)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr or 1e-4, weight_decay=1e-4)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr or 1e-4, alpha=0.9, eps=1e-8)
+    if name == "muon":
+        matrices = [p for p in params if p.ndim == 2]
+        others = [p for p in params if p.ndim != 2]
+        muon = torch.optim.Muon(matrices, lr=lr or 1e-3, weight_decay=0.0, momentum=0.95,
+                                nesterov=True)
+        adam = torch.optim.Adam(others, lr=1e-3) if others else None
+        return OptimizerGroup(muon, adam)
+    raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
