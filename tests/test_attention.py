@@ -46,7 +46,8 @@ def test_outputs_and_gradients_match_dense_reference(kernel, n, chunk, save_frac
     grad_out = torch.randn_like(ref)
     fast_grads = torch.autograd.grad(fast, tensors, grad_out)
     ref_grads = torch.autograd.grad(ref, tensors, grad_out, allow_unused=True)
-    for name, g_fast, g_ref in zip(("q", "keys", "values", "weights"), fast_grads, ref_grads):
+    names = ("q", "keys", "values", "weights")
+    for name, g_fast, g_ref in zip(names, fast_grads, ref_grads, strict=True):
         g_ref = torch.zeros_like(g_fast) if g_ref is None else g_ref
         assert_close(g_fast, g_ref, msg=lambda m, name=name: f"grad {name}: {m}")
 
@@ -106,7 +107,7 @@ def test_vanishing_or_negative_denominator_stays_finite(chunk):
         grads = torch.autograd.grad(fast.sum(), tensors)
         assert all(torch.isfinite(g).all() for g in grads)
         ref_grads = torch.autograd.grad(ref.sum(), tensors, allow_unused=True)
-        for g, r in zip(grads, ref_grads):
+        for g, r in zip(grads, ref_grads, strict=False):
             assert_close(g, torch.zeros_like(g) if r is None else r)
     # a negative total keeps its sign: out = num / D with D < 0
     out = attention(q, keys, values, torch.full((4,), -0.25, dtype=torch.float64),

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rcdl import GrowingLayer, GrowingRBF, GrowingRBFNet, Grower, MLP
+from rcdl import MLP, Grower, GrowingLayer, GrowingRBF, GrowingRBFNet
 from rcdl.rules import FunctionalSGD
 
 

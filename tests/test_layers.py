@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from rcdl import GrowingLinear, GrowingRBF, GrowingRBFNet, Grower, MLP, to_dual_form
+from rcdl import MLP, Grower, GrowingLinear, GrowingRBF, GrowingRBFNet, to_dual_form
 
 
 def regression_batch(batch=6, d_in=5, d_out=3, seed=0, target=torch.tanh):
@@ -36,7 +36,7 @@ def test_records_hold_per_sample_gradients():
     record = net.readout._records[0]
     per_sample = torch.stack([
         torch.autograd.grad(F.mse_loss(s, t), s)[0]
-        for s, t in zip(record.s.clone().requires_grad_(), y)
+        for s, t in zip(record.s.clone().requires_grad_(), y, strict=False)
     ])
     assert_close(record.grad * record.n_samples, per_sample)
     net.readout.discard()
@@ -50,7 +50,7 @@ def test_rbf_rule_decreases_the_loss_at_first_order():
     F.mse_loss(net(x), y).backward()
     proposals = [layer.propose() for layer in grower.layers]
     predicted = 0.0
-    for layer, (keys, values, _) in zip(grower.layers, proposals):
+    for layer, (keys, values, _) in zip(grower.layers, proposals, strict=False):
         record = layer._records[0]
         tau = layer.temperature * layer.d_in**0.5
         phi = torch.exp(-torch.cdist(record.q, keys) ** 2 / (2 * tau))  # (B, B)
@@ -59,7 +59,7 @@ def test_rbf_rule_decreases_the_loss_at_first_order():
 
     def loss_after(eps):
         moved = copy.deepcopy(net)
-        for layer, (keys, values, weights) in zip(Grower(moved).layers, proposals):
+        for layer, (keys, values, weights) in zip(Grower(moved).layers, proposals, strict=False):
             layer.commit((keys, eps * values, weights))
         with torch.no_grad():
             return float(F.mse_loss(moved(x), y))

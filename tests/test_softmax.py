@@ -92,7 +92,8 @@ def test_single_sample_gauge_descent_closed_form():
     layer.discard()
     c = torch.exp(q @ keys.T / (layer.temperature * 6**0.5) - layer.log_normalizer(q))
     lhs = c * ((g * values).sum() - weights * (g * s).sum())
-    assert_close(lhs.squeeze(), -c.squeeze() * (rule.beta + rule.eta * rule.alpha**2) * g.pow(2).sum())
+    expected = -c * (rule.beta + rule.eta * rule.alpha**2) * g.pow(2).sum()
+    assert_close(lhs.squeeze(), expected.squeeze())
 
 
 def test_gauge_rule_keeps_old_entries_and_writes_positive_weights():

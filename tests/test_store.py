@@ -60,7 +60,7 @@ def test_matches_a_list_model(ops):
             mask = (op + [False] * len(model))[: len(model)]
             removed = store.remove(torch.tensor(mask, dtype=torch.bool))
             assert removed == sum(mask)
-            model = [m for m, drop in zip(model, mask) if not drop]
+            model = [m for m, drop in zip(model, mask, strict=False) if not drop]
         assert len(store) == len(model)
         assert store.keys[:, 0].tolist() == [float(k) for k, _ in model]
         assert store.values[:, 1].tolist() == [-float(k) for k, _ in model]

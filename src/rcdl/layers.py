@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from rcdl.attention import attention, attention_partial
 from rcdl.kernels import check_kernel, softmax_scale
-from rcdl.rules import ClippedSoftmaxRule, Entries, FunctionalSGD, GaugeSoftmaxRule
+from rcdl.rules import Entries, FunctionalSGD
 from rcdl.store import EntryStore
 
 __all__ = [

@@ -167,7 +167,7 @@ def to_dual_form(model: nn.Module, *, lr: float, weight_decay: float = 0.0,
     (SPEC §1, §3), while storing one entry per training sample per layer.
     """
     dual = copy.deepcopy(model)
-    for name, module in list(dual.named_modules()):
+    for _name, module in list(dual.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, GrowingLinear.from_linear(

@@ -1,0 +1,5 @@
+"""Experiments: one module per experiment, each with one frozen config dataclass.
+
+- :mod:`rcdl.experiments.demo` — teacher–student regression: a growing RBF network against
+  MLPs trained by SGD and by Adam, one pass over the data (``rcdl demo``).
+"""

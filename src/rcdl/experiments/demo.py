@@ -1,0 +1,204 @@
+"""The demo: a growing RBF network against MLP baselines on teacher–student regression.
+
+A random teacher MLP (:mod:`rcdl.data`) labels Gaussian inputs; three students see the
+training set once, in batches, and are evaluated on held-out test MSE as they go:
+
+- ``growing RBF``: :class:`rcdl.networks.GrowingRBFNet`, no parameters; every training
+  sample writes one entry per layer (``Grower.step``), SPEC §2–3;
+- ``MLP + SGD`` and ``MLP + Adam``: :class:`rcdl.networks.MLP` of the same shape.
+
+Everything lands in one run folder: ``config.json``, ``environment.json``,
+``metrics.jsonl`` (every evaluation of every model), ``summary.json``, ``results.md`` (the
+table below plus the machine) and ``test_mse.png`` (test MSE against samples seen).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from matplotlib.figure import Figure
+from torch import nn
+
+from rcdl.data import TeacherConfig, make_teacher_data
+from rcdl.grower import Grower
+from rcdl.networks import MLP, GrowingRBFNet
+from rcdl.rundir import RunDir, atomic_write_bytes, atomic_write_text, environment_info
+from rcdl.store import format_bytes
+from rcdl.training import train_one_pass
+
+__all__ = ["DemoConfig", "run_demo"]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """The demo's settings; the defaults run in about a minute on two CPU cores.
+
+    Attributes:
+        teacher: the regression task (sizes of the teacher and of the data sets).
+        batch_size: samples per step ``B``.
+        eval_every: steps between evaluations of the test MSE.
+        seed: seeds the data order and the students' initialisation (the task has its own
+            seed in ``teacher``).
+        depth: blocks of every student: ``MLP(d_in, mlp_hidden, d_out, depth)`` and
+            ``GrowingRBFNet(d_in, rbf_width, d_out, depth, ...)`` (``depth`` residual growing
+            RBF blocks plus a growing RBF readout: ``depth + 1`` growing layers).
+        mlp_hidden: hidden width of the MLP baselines.
+        rbf_width: residual-stream width of the growing RBF net; ``None`` keeps ``d_in``
+            (the paper's setting, no input projection).
+        rbf_temperature: temperature ``T`` of the growing RBF layers.
+        rbf_lr: per-sample learning rate ``η`` of the growing RBF layers.
+        sgd_lr, sgd_momentum: the SGD baseline.
+        adam_lr: the Adam baseline.
+
+    The defaults were tuned briefly on this task (seed 0, 4 000 and 16 000 samples):
+    ``T`` over 0.3–4 and ``η`` over 0.1–1 (``rbf_width = 64`` with its fixed random input
+    map did worse); SGD ``lr`` over 0.003–0.03 (0.1 diverges); Adam ``lr`` over 1e-3–1e-2.
+    """
+
+    teacher: TeacherConfig = field(
+        default_factory=lambda: TeacherConfig(n_train=16_000, n_test=2_000)
+    )
+    batch_size: int = 16
+    eval_every: int = 50
+    seed: int = 0
+    depth: int = 2
+    mlp_hidden: int = 64
+    rbf_width: int | None = None
+    rbf_temperature: float = 1.0
+    rbf_lr: float = 0.5
+    sgd_lr: float = 0.03
+    sgd_momentum: float = 0.9
+    adam_lr: float = 1e-3
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> DemoConfig:
+        """A tiny configuration that runs in seconds (for tests and smoke checks).
+
+        With ``d_in = 8`` the RBF kernels overlap more, so ``η`` is halved: a growing RBF
+        step overshoots (and the net diverges) once ``η`` times the kernel mass of a batch
+        is too large.
+        """
+        small = TeacherConfig(d_in=8, hidden=16, depth=1, n_train=128, n_test=64)
+        quick = {"teacher": small, "mlp_hidden": 16, "eval_every": 4, "rbf_lr": 0.25}
+        return cls(**{**quick, **overrides})
+
+
+def _students(cfg: DemoConfig, device: torch.device) -> dict[str, dict[str, Any]]:
+    """Build each student with its learner, seeded so the run is reproducible."""
+    t = cfg.teacher
+
+    def seeded(cls: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
+        torch.manual_seed(cfg.seed)  # every student starts from the same seed
+        return cls(*args, **kwargs).to(device=device, dtype=t.torch_dtype)
+
+    rbf = seeded(
+        GrowingRBFNet, t.d_in, cfg.rbf_width, t.d_out, cfg.depth,
+        temperature=cfg.rbf_temperature, lr=cfg.rbf_lr,
+    )  # fmt: skip
+    mlp = (t.d_in, cfg.mlp_hidden, t.d_out, cfg.depth)
+    mlp_sgd, mlp_adam = seeded(MLP, *mlp), seeded(MLP, *mlp)
+    return {
+        "growing RBF": {"model": rbf, "grower": Grower(rbf)},
+        "MLP + SGD": {
+            "model": mlp_sgd,
+            "optimizer": torch.optim.SGD(
+                mlp_sgd.parameters(), lr=cfg.sgd_lr, momentum=cfg.sgd_momentum
+            ),
+        },
+        "MLP + Adam": {
+            "model": mlp_adam,
+            "optimizer": torch.optim.Adam(mlp_adam.parameters(), lr=cfg.adam_lr),
+        },
+    }
+
+
+def results_table(results: dict[str, dict[str, Any]]) -> str:
+    """A markdown table of the students' final results."""
+    lines = [
+        "| model | test MSE | entries | store | parameters | train s | eval s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        entries = "—" if r["entries"] is None else f"{r['entries']:,}"
+        store = "—" if r["bytes"] is None else format_bytes(r["bytes"])
+        lines.append(
+            f"| {name} | {r['test_mse']:.4f} | {entries} | {store} | {r['parameters']:,} "
+            f"| {r['train_seconds']:.1f} | {r['eval_seconds']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
+    """Plot test MSE against samples seen for every student (log scale) to ``path``."""
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    for name, r in results.items():
+        samples, mse = zip(*r["history"], strict=True)
+        ax.plot(samples, mse, marker=".", label=name)
+    ax.set(xlabel="training samples seen", ylabel="test MSE", yscale="log", title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    return atomic_write_bytes(buf.getvalue(), path)
+
+
+def run_demo(
+    cfg: DemoConfig,
+    *,
+    out: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> tuple[RunDir, dict[str, dict[str, Any]]]:
+    """Run the demo into a run folder (``out``, or ``runs/demo-<timestamp>``).
+
+    Returns:
+        The run folder and ``{model name: result}`` (see :func:`rcdl.training.train_one_pass`,
+        plus ``"parameters"``).
+    """
+    start = time.perf_counter()
+    device = torch.device(device)
+    run = RunDir.create("demo", path=out, config=cfg, device=device)
+    data = make_teacher_data(cfg.teacher)
+    zero_mse = float(data[3].pow(2).mean())  # predicting 0 everywhere
+
+    results: dict[str, dict[str, Any]] = {}
+    for name, student in _students(cfg, device).items():
+        model = student.pop("model")
+        result = train_one_pass(
+            model, data, batch_size=cfg.batch_size, seed=cfg.seed, eval_every=cfg.eval_every,
+            device=device, run=run, name=name, progress=progress, **student,
+        )  # fmt: skip
+        result["parameters"] = sum(p.numel() for p in model.parameters())
+        results[name] = result
+
+    env = environment_info(device)
+    machine = f"{env['platform']}, torch {env['torch']}, {device}, {env['num_threads']} threads"
+    if env["cuda_device"] and device.type == "cuda":
+        machine += f" ({env['cuda_device']})"
+    t = cfg.teacher
+    task = (
+        f"teacher MLP {t.d_in}→{t.hidden}×{t.depth}→{t.d_out} ({t.act}), "
+        f"{t.n_train} train / {t.n_test} test samples, batch {cfg.batch_size}, one pass"
+    )
+    table = results_table(results)
+    report = (
+        f"# rcdl demo: teacher–student regression\n\n{task}.\n"
+        f"Predicting 0 everywhere scores test MSE {zero_mse:.4f}.\n\n{table}\n\n"
+        f"Machine: {machine}.\n"
+    )
+    atomic_write_text(report, run.file("results.md"))
+    plot_curves(results, run.file("test_mse.png"), title=f"one pass, {t.n_train} samples")
+    total = time.perf_counter() - start
+    run.write_summary(
+        {"task": task, "zero_predictor_mse": zero_mse, "total_seconds": total, "models": results}
+    )
+    print("\n" + report, end="")
+    print(f"Total {total:.1f} s. Run folder: {run.path}")
+    return run, results

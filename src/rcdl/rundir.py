@@ -1,0 +1,278 @@
+"""Self-describing run folders and atomic file writes.
+
+A run folder holds everything needed to read a run back without its author:
+
+    runs/<name>-<YYYYmmdd-HHMMSS>/
+        config.json       the resolved config (a dataclass, via dataclasses.asdict)
+        environment.json  python, torch, device, threads, host, git revision, command line
+        metrics.jsonl     one JSON object per line, appended and flushed as the run goes
+        summary.json      the final results
+        ...               plots, tables, checkpoints (written with the atomic helpers)
+
+Every whole-file write goes to a temporary file in the same folder, is fsynced and then
+moved into place with ``os.replace``, so a reader (or a resumed run) never sees half a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from rcdl._version import __version__
+
+__all__ = [
+    "RunDir",
+    "atomic_save_torch",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "environment_info",
+    "to_jsonable",
+]
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+
+def _atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
+    """Call ``write(f)`` on a temporary file beside ``path``, fsync it, then rename it over."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
+    """Write ``data`` to ``path`` atomically; returns the path."""
+    return _atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_text(text: str, path: str | os.PathLike) -> Path:
+    """Write UTF-8 ``text`` to ``path`` atomically; returns the path."""
+    return atomic_write_bytes(text.encode("utf-8"), path)
+
+
+def atomic_write_json(obj: Any, path: str | os.PathLike) -> Path:
+    """Write ``obj`` (see :func:`to_jsonable`) as indented JSON to ``path`` atomically."""
+    return atomic_write_text(json.dumps(to_jsonable(obj), indent=2) + "\n", path)
+
+
+def atomic_save_torch(obj: Any, path: str | os.PathLike) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically (for checkpoints); returns the path."""
+    return _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Convert dataclasses, paths, tensors-of-one, torch dtypes/devices and containers to JSON.
+
+    Non-finite floats are kept (``json`` writes them as ``NaN``/``Infinity``, which Python
+    reads back); anything else that JSON cannot hold raises ``TypeError`` naming its type.
+    """
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return to_jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [to_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, torch.device | torch.dtype):
+        return str(obj)
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        return obj.item()
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        return obj.item()
+    raise TypeError(f"cannot write a value of type {type(obj).__name__} to JSON: {obj!r}")
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def _git(args: list[str], cwd: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def environment_info(device: str | torch.device | None = None) -> dict[str, Any]:
+    """Describe the machine and code a run used.
+
+    The git revision is that of the repository holding the rcdl source (``None`` for an
+    installed wheel or a repository without commits); ``git_dirty`` says whether the
+    working tree differs from it (untracked files included).
+    """
+    src = Path(__file__).resolve().parent
+    revision = _git(["rev-parse", "HEAD"], src)
+    dirty = None if revision is None else bool(_git(["status", "--porcelain"], src))
+    cuda = torch.cuda.is_available()
+    return {
+        "rcdl": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": None if device is None else str(device),
+        "cuda_available": cuda,
+        "cuda_device": torch.cuda.get_device_name() if cuda else None,
+        "num_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "git_revision": revision,
+        "git_dirty": dirty,
+        "command": list(sys.argv),
+        "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+
+
+# ----------------------------------------------------------------------------- run folder
+
+
+class RunDir:
+    """A folder holding one run's config, environment, metrics, summary and artifacts.
+
+    Use :meth:`create` to start a run; ``RunDir(path)`` attaches to an existing folder (the
+    seam for resuming a run from its checkpoint).
+
+    Example::
+
+        run = RunDir.create("demo", config=cfg, device="cpu")
+        run.log(step=10, samples=160, test_mse=0.4)
+        run.write_summary({"test_mse": 0.3})
+    """
+
+    CONFIG, ENVIRONMENT, METRICS, SUMMARY = (
+        "config.json",
+        "environment.json",
+        "metrics.jsonl",
+        "summary.json",
+    )
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"run folder {self.path} does not exist")
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        *,
+        root: str | os.PathLike = "runs",
+        path: str | os.PathLike | None = None,
+        config: Any = None,
+        device: str | torch.device | None = None,
+    ) -> RunDir:
+        """Make a new run folder and write its ``config.json`` and ``environment.json``.
+
+        Args:
+            name: run name; the folder is ``root/<name>-<YYYYmmdd-HHMMSS>`` (with ``-2``,
+                ``-3``... appended if that exists) unless ``path`` is given.
+            root: parent folder for named runs.
+            path: exact folder to use; it may exist but must not already hold a run.
+            config: the resolved config, a dataclass (or a mapping).
+            device: the device the run uses, recorded in ``environment.json``.
+        """
+        if path is not None:
+            folder = Path(path)
+            if (folder / cls.CONFIG).exists():
+                raise FileExistsError(
+                    f"{folder} already holds a run ({cls.CONFIG} exists); choose another folder"
+                )
+            folder.mkdir(parents=True, exist_ok=True)
+        else:
+            if not name or os.sep in name:
+                raise ValueError(f"run name must be a non-empty folder name, got {name!r}")
+            stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+            Path(root).mkdir(parents=True, exist_ok=True)
+            folder, i = Path(root) / f"{name}-{stamp}", 1
+            while True:
+                try:
+                    folder.mkdir()
+                    break
+                except FileExistsError:
+                    i += 1
+                    folder = Path(root) / f"{name}-{stamp}-{i}"
+        run = cls(folder)
+        if config is not None:
+            run.write_json(cls.CONFIG, config)
+        run.write_json(cls.ENVIRONMENT, environment_info(device))
+        return run
+
+    def file(self, name: str) -> Path:
+        """The path of a file in this run folder."""
+        return self.path / name
+
+    def write_json(self, name: str, obj: Any) -> Path:
+        """Write ``obj`` as JSON to ``name`` in the run folder, atomically."""
+        return atomic_write_json(obj, self.file(name))
+
+    def write_summary(self, summary: Mapping[str, Any]) -> Path:
+        """Write ``summary.json`` atomically."""
+        return self.write_json(self.SUMMARY, summary)
+
+    def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None:
+        """Append one JSON line to ``metrics.jsonl`` and flush it to disk.
+
+        Floats that are not finite are written as JSON ``NaN``/``Infinity`` tokens.
+        """
+        line = json.dumps(to_jsonable({**(record or {}), **fields}))
+        with open(self.file(self.METRICS), "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """All records of ``metrics.jsonl`` (an empty list before the first :meth:`log`)."""
+        path = self.file(self.METRICS)
+        if not path.exists():
+            return []
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"

@@ -1,0 +1,67 @@
+"""`rcdl demo --quick` end to end through the CLI, and the CLI's errors."""
+
+import json
+
+import pytest
+
+from rcdl._version import __version__
+from rcdl.cli import main
+
+MODELS = {"growing RBF", "MLP + SGD", "MLP + Adam"}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    assert main(["demo", "--quick", "--no-progress", "--out", str(out), "--seed", "3"]) == 0
+    return out
+
+
+def test_demo_writes_a_self_describing_run(quick_run):
+    for name in ("config.json", "environment.json", "metrics.jsonl", "summary.json",
+                 "results.md", "test_mse.png"):  # fmt: skip
+        assert (quick_run / name).is_file(), name
+    config = json.loads((quick_run / "config.json").read_text())
+    assert config["seed"] == 3 and config["teacher"]["seed"] == 3
+    assert (quick_run / "test_mse.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_demo_logs_every_model_and_summarises(quick_run):
+    records = [json.loads(line) for line in (quick_run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["model"] for r in records} == MODELS
+    assert all(r["samples"] == 0 for r in records if r["step"] == 0)
+    summary = json.loads((quick_run / "summary.json").read_text())
+    models = summary["models"]
+    assert set(models) == MODELS
+    n_train = json.loads((quick_run / "config.json").read_text())["teacher"]["n_train"]
+    assert models["growing RBF"]["entries"] > 0 and models["growing RBF"]["parameters"] == 0
+    assert models["growing RBF"]["entries"] % n_train == 0  # one entry per sample per layer
+    assert models["MLP + Adam"]["entries"] is None and models["MLP + Adam"]["parameters"] > 0
+    table = (quick_run / "results.md").read_text()
+    assert all(f"| {name} |" in table for name in MODELS) and "Machine:" in table
+
+
+def test_demo_refuses_to_overwrite_a_run(quick_run, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--quick", "--no-progress", "--out", str(quick_run)])
+    assert exc.value.code == 2 and "already holds a run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["demo", "--seed", "-1"], ["demo", "--device", "tpu"], ["nope"], []],
+    ids=["negative-seed", "unknown-device", "unknown-command", "no-command"],
+)
+def test_bad_usage_exits_2_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and "usage: rcdl" in capsys.readouterr().err
+
+
+def test_version_and_info(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and __version__ in capsys.readouterr().out
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"rcdl {__version__}" in out and "torch" in out

@@ -1,0 +1,116 @@
+"""Run folders: the files a run leaves, atomic writes, the metrics log."""
+
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from rcdl.rundir import (
+    RunDir,
+    atomic_save_torch,
+    atomic_write_bytes,
+    atomic_write_json,
+    environment_info,
+    to_jsonable,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    lr: float = 0.1
+    sizes: tuple[int, ...] = (2, 3)
+
+
+def test_create_writes_config_and_environment(tmp_path):
+    run = RunDir.create("exp", root=tmp_path, config=_Config(), device="cpu")
+    assert run.path.parent == tmp_path and run.path.name.startswith("exp-")
+    assert json.loads(run.file("config.json").read_text()) == {"lr": 0.1, "sizes": [2, 3]}
+    env = json.loads(run.file("environment.json").read_text())
+    for key in ("python", "torch", "device", "cuda_available", "num_threads", "platform",
+                "hostname", "git_revision", "git_dirty", "command"):  # fmt: skip
+        assert key in env
+    assert env["torch"] == torch.__version__ and env["device"] == "cpu"
+
+
+def test_named_runs_in_the_same_second_get_distinct_folders(tmp_path):
+    paths = {RunDir.create("exp", root=tmp_path).path for _ in range(3)}
+    assert len(paths) == 3
+
+
+def test_exact_path_refuses_an_existing_run(tmp_path):
+    RunDir.create("exp", path=tmp_path / "run", config=_Config())
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        RunDir.create("exp", path=tmp_path / "run", config=_Config())
+
+
+def test_attach_to_missing_folder_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        RunDir(tmp_path / "nope")
+
+
+def test_metrics_are_appended_one_json_line_each(tmp_path):
+    run = RunDir.create("exp", path=tmp_path)
+    assert run.read_metrics() == []
+    run.log(step=0, loss=1.5)
+    run.log({"step": 1}, loss=float("nan"), entries=torch.tensor(3))
+    lines = run.file("metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[0]) == {"step": 0, "loss": 1.5}
+    last = run.read_metrics()[1]
+    assert last["step"] == 1 and math.isnan(last["loss"]) and last["entries"] == 3
+
+
+def test_summary_is_written(tmp_path):
+    run = RunDir.create("exp", path=tmp_path)
+    run.write_summary({"mse": 0.25, "path": tmp_path})
+    assert json.loads(run.file("summary.json").read_text()) == {"mse": 0.25, "path": str(tmp_path)}
+
+
+def test_atomic_write_replaces_and_leaves_no_temp_files(tmp_path):
+    path = tmp_path / "sub" / "f.bin"
+    atomic_write_bytes(b"old", path)
+    atomic_write_bytes(b"new", path)
+    assert path.read_bytes() == b"new"
+    assert os.listdir(path.parent) == ["f.bin"]
+
+
+def test_failed_atomic_write_keeps_the_old_file(tmp_path):
+    path = tmp_path / "c.json"
+    atomic_write_json({"a": 1}, path)
+    with pytest.raises(TypeError, match="object"):
+        atomic_write_json({"a": object()}, path)
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert os.listdir(tmp_path) == ["c.json"]
+
+
+def test_atomic_save_torch_round_trips(tmp_path):
+    state = {"w": torch.arange(6.0).reshape(2, 3), "step": 7}
+    path = atomic_save_torch(state, tmp_path / "ckpt.pt")
+    loaded = torch.load(path)
+    assert loaded["step"] == 7 and torch.equal(loaded["w"], state["w"])
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_to_jsonable_converts_torch_types_and_rejects_unknown():
+    assert to_jsonable({"d": torch.device("cpu"), "t": torch.float64}) == {
+        "d": "cpu",
+        "t": "torch.float64",
+    }
+    with pytest.raises(TypeError, match="set"):
+        to_jsonable({1, 2})
+
+
+def test_environment_records_the_command_line():
+    env = environment_info()
+    assert isinstance(env["command"], list) and env["device"] is None
+
+
+def test_atomic_writes_get_the_usual_permissions(tmp_path):
+    mask = os.umask(0o022)
+    try:
+        path = atomic_write_bytes(b"x", tmp_path / "f")
+    finally:
+        os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o644
