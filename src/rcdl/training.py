@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -21,10 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from rcdl.rundir import RunDir
+from rcdl.rundir import RunDir, atomic_save_torch
 from rcdl.store import format_bytes
 
-__all__ = ["GrowerLike", "evaluate", "train_one_pass"]
+__all__ = ["GrowerLike", "accuracy", "evaluate", "train_one_pass"]
 
 Metric = Callable[[Tensor, Tensor], Tensor]  # (predictions, targets) -> scalar
 
@@ -43,29 +44,49 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def accuracy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Fraction of rows whose largest logit is the target class."""
+    return (logits.argmax(dim=1) == targets).float().mean()
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
     x: Tensor,
     y: Tensor,
-    metric: Metric = F.mse_loss,
+    metrics: Mapping[str, Metric],
     *,
     batch_size: int = 1000,
     device: torch.device | str = "cpu",
-) -> float:
-    """``metric(model(x), y)`` over the whole set, predicting in batches, in eval mode.
+) -> dict[str, float]:
+    """Every ``metric(model(x), y)`` over the whole set, from one prediction pass in eval mode.
 
     Args:
         x: inputs ``(N, D_in)``; y: targets ``(N, ...)``; both moved to ``device`` per batch.
-        metric: ``(predictions, targets) -> scalar`` over all ``N`` samples at once.
+        metrics: ``{name: (predictions, targets) -> scalar}`` over all ``N`` samples at once.
     """
     was_training = model.training
     model.eval()
     try:
-        preds = [model(xb.to(device)) for xb in x.split(batch_size)]  # [(b, D_out)]
-        return float(metric(torch.cat(preds), y.to(device)))
+        preds = torch.cat([model(xb.to(device)) for xb in x.split(batch_size)])  # (N, D_out)
+        y = y.to(device)
+        return {name: float(fn(preds, y)) for name, fn in metrics.items()}
     finally:
         model.train(was_training)
+
+
+def _load_checkpoint(path: Path, model, optimizer, expected: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN001
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    for key, value in expected.items():
+        if state["run"].get(key) != value:
+            raise ValueError(
+                f"checkpoint {path} was written by a different run: {key}={state['run'].get(key)!r}"
+                f", this run has {value!r}; delete it or use another checkpoint path"
+            )
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return state["loop"]
 
 
 def train_one_pass(
@@ -77,14 +98,15 @@ def train_one_pass(
     optimizer: torch.optim.Optimizer | None = None,
     grower: GrowerLike | None = None,
     loss_fn: Metric = F.mse_loss,
-    metric: Metric = F.mse_loss,
-    metric_name: str = "test_mse",
+    metrics: Mapping[str, Metric] | None = None,
     eval_every: int = 50,
     eval_batch_size: int = 1000,
     device: torch.device | str = "cpu",
     run: RunDir | None = None,
     name: str = "model",
     progress: bool = True,
+    checkpoint_path: str | Path | None = None,
+    checkpoint_every: int | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` for one pass over the training set; evaluate as it goes.
 
@@ -98,24 +120,33 @@ def train_one_pass(
             ``(M, D_in)``, ``(M, ...)``; batches are moved to ``device`` as needed.
         batch_size: samples per step ``B``; the last batch may be smaller.
         seed: seeds the permutation of the training set.
+        metrics: ``{name: fn(predictions, targets)}`` on the test set (default
+            ``{"test_mse": mse}``); the first is shown in the progress bar.
         eval_every: evaluate every this many steps (also before the first and after the last).
         run: if given, every evaluation is appended to its ``metrics.jsonl``.
         name: the model's name in logs and the progress bar.
+        checkpoint_path: if given, the loop saves its whole state there (atomically) every
+            ``checkpoint_every`` steps (default ``eval_every``); if the file exists at the
+            start, training resumes from it and ends with the same result as an
+            uninterrupted run (batches are a pure function of ``seed`` and the step).
 
     Returns:
-        ``{metric_name, "train_loss", "entries", "bytes", "steps", "samples",
+        ``{<metric names>, "train_loss", "entries", "bytes", "steps", "samples",
         "train_seconds", "eval_seconds", "history"}``; ``entries``/``bytes`` are ``None``
-        without a grower; ``history`` lists ``(samples_seen, metric)`` per evaluation.
+        without a grower; ``history`` lists ``{"step", "samples", <metrics>}`` per evaluation.
 
     Raises:
         FloatingPointError: if a training loss is not finite (naming the step).
     """
+    metrics = dict(metrics or {"test_mse": F.mse_loss})
     if optimizer is None and grower is None:
         raise ValueError(f"{name}: give an optimizer, a grower or both; got neither")
     if batch_size < 1 or eval_every < 1:
         raise ValueError(
             f"{name}: batch_size and eval_every must be >= 1, got {batch_size} and {eval_every}"
         )
+    if not metrics:
+        raise ValueError(f"{name}: give at least one test metric")
     x_train, y_train, x_test, y_test = data
     if len(x_train) != len(y_train) or len(x_test) != len(y_test):
         raise ValueError(
@@ -128,42 +159,59 @@ def train_one_pass(
     device = torch.device(device)
     steps = math.ceil(n / batch_size)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))  # (N,)
+    checkpoint_path = None if checkpoint_path is None else Path(checkpoint_path)
+    checkpoint_every = checkpoint_every or eval_every
+    identity = {"name": name, "seed": seed, "batch_size": batch_size, "train_samples": n}
 
-    history: list[tuple[int, float]] = []
-    clock = {"train": 0.0, "eval": 0.0}
-    loss_sum, loss_count = 0.0, 0
-    last_loss: float | None = None  # mean training loss since the previous evaluation
-    bar = tqdm(total=n, unit="sample", desc=name, disable=not progress, dynamic_ncols=True)
+    # the loop's whole state besides the model and optimizer: what a checkpoint holds
+    loop: dict[str, Any] = {
+        "step": 0, "history": [], "clock": {"train": 0.0, "eval": 0.0},
+        "loss_sum": 0.0, "loss_count": 0, "last_loss": None,
+    }  # fmt: skip
+    resumed = checkpoint_path is not None and checkpoint_path.exists()
+    if resumed:
+        loop = _load_checkpoint(checkpoint_path, model, optimizer, identity)
+    first_metric = next(iter(metrics))
+    bar = tqdm(total=n, initial=min(loop["step"] * batch_size, n), unit="sample", desc=name,
+               disable=not progress, dynamic_ncols=True)
 
-    def log_eval(step: int, seen: int) -> float:
-        nonlocal loss_sum, loss_count, last_loss
+    def log_eval(step: int, seen: int) -> dict[str, float]:
         _sync(device)
         t0 = time.perf_counter()
-        value = evaluate(model, x_test, y_test, metric, batch_size=eval_batch_size, device=device)
+        values = evaluate(model, x_test, y_test, metrics, batch_size=eval_batch_size,
+                          device=device)
         _sync(device)
-        clock["eval"] += time.perf_counter() - t0
-        history.append((seen, value))
-        if loss_count:
-            last_loss, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
+        loop["clock"]["eval"] += time.perf_counter() - t0
+        loop["history"].append({"step": step, "samples": seen, **values})
+        if loop["loss_count"]:
+            loop["last_loss"] = loop["loss_sum"] / loop["loss_count"]
+            loop["loss_sum"], loop["loss_count"] = 0.0, 0
         entries = None if grower is None else int(grower.num_entries)
         nbytes = None if grower is None else int(grower.nbytes)
         record = {
-            "model": name, "step": step, "samples": seen, metric_name: value,
-            "train_loss": last_loss, "entries": entries, "bytes": nbytes,
-            "train_seconds": clock["train"], "eval_seconds": clock["eval"],
+            "model": name, "step": step, "samples": seen, **values,
+            "train_loss": loop["last_loss"], "entries": entries, "bytes": nbytes,
+            "train_seconds": loop["clock"]["train"], "eval_seconds": loop["clock"]["eval"],
         }  # fmt: skip
         if run is not None:
             run.log(record)
-        postfix = {metric_name: f"{value:.4g}"}
+        postfix = {first_metric: f"{values[first_metric]:.4g}"}
         if grower is not None:
             postfix |= {"entries": entries, "store": format_bytes(nbytes)}
         bar.set_postfix(postfix, refresh=False)
-        return value
+        return values
+
+    def save_checkpoint() -> None:
+        state = {"run": identity, "loop": loop, "model": model.state_dict(),
+                 "optimizer": None if optimizer is None else optimizer.state_dict()}
+        atomic_save_torch(state, checkpoint_path)
 
     model.train()
     with bar:
-        log_eval(0, 0)
-        for step in range(steps):
+        if not loop["history"]:
+            log_eval(0, 0)
+        final = loop["history"][-1]
+        for step in range(loop["step"], steps):
             t0 = time.perf_counter()
             idx = perm[step * batch_size : (step + 1) * batch_size]  # (B,)
             xb, yb = x_train[idx].to(device), y_train[idx].to(device)
@@ -177,20 +225,26 @@ def train_one_pass(
                 optimizer.zero_grad(set_to_none=True)
             if grower is not None:
                 grower.step()
-            loss_sum, loss_count = loss_sum + loss_value, loss_count + 1
-            clock["train"] += time.perf_counter() - t0
+            loop["loss_sum"] += loss_value
+            loop["loss_count"] += 1
+            loop["step"] = step + 1
+            loop["clock"]["train"] += time.perf_counter() - t0
             bar.update(len(idx))
             if (step + 1) % eval_every == 0 or step + 1 == steps:
                 final = log_eval(step + 1, min((step + 1) * batch_size, n))
+            if checkpoint_path is not None and (step + 1) % checkpoint_every == 0 \
+                    and step + 1 < steps:
+                save_checkpoint()
 
     return {
-        metric_name: final,
-        "train_loss": last_loss,
+        **{k: final[k] for k in metrics},
+        "train_loss": loop["last_loss"],
         "entries": None if grower is None else int(grower.num_entries),
         "bytes": None if grower is None else int(grower.nbytes),
         "steps": steps,
         "samples": n,
-        "train_seconds": clock["train"],
-        "eval_seconds": clock["eval"],
-        "history": history,
+        "train_seconds": loop["clock"]["train"],
+        "eval_seconds": loop["clock"]["eval"],
+        "history": loop["history"],
+        "resumed": resumed,
     }

@@ -139,7 +139,8 @@ def plot_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> P
     fig = Figure(figsize=(6.4, 4.2), layout="constrained")
     ax = fig.add_subplot()
     for name, r in results.items():
-        samples, mse = zip(*r["history"], strict=True)
+        samples = [h["samples"] for h in r["history"]]
+        mse = [h["test_mse"] for h in r["history"]]
         ax.plot(samples, mse, marker=".", label=name)
     ax.set(xlabel="training samples seen", ylabel="test MSE", yscale="log", title=title)
     ax.grid(True, which="both", alpha=0.3)
