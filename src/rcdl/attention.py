@@ -172,7 +172,8 @@ class _StreamingAttention(torch.autograd.Function):
     def forward(ctx, q, keys, values, weights, kernel, temperature, chunk_size, eps, save_fraction):
         b, n = q.shape[0], keys.shape[0]
         store_bytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
-        keep = b * n * q.element_size() <= save_fraction * store_bytes
+        needs_grad = any(ctx.needs_input_grad[:4])
+        keep = needs_grad and b * n * q.element_size() <= save_fraction * store_bytes
         part, saved = _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep)
         out = finalize(part, kernel=kernel, eps=eps)
         ctx.kernel, ctx.chunk = kernel, chunk_size or default_chunk_size(b)
