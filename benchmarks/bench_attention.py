@@ -8,8 +8,8 @@ one run on this machine:
 - ``gemm``: ``torch.matmul`` on the same shapes, ``(B, d) @ (d, N)`` and ``(B, N) @ (N, d)``
   and their backward products, counted the same way, as the rate to compare against — the
   faster of the ``(B, N)`` layout and the entry-major ``(N, B)`` layout the attention uses;
-- ``peak``: the process's peak resident memory during fwd+bwd above what it held with the
-  store allocated (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``), as a fraction
+- ``peak``: the process's peak resident memory during the first fwd+bwd above what it held
+  with the store allocated (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``), as a fraction
   of the store's bytes. Each (B, N) runs in a fresh subprocess so peaks do not mix.
 
 Run: ``python benchmarks/bench_attention.py`` (``--quick`` for a small smoke run).
@@ -80,7 +80,8 @@ def measure(batch: int, n: int, d: int, repeats: int, chunk_size: int | None,
         back = torch.matmul(values, grad_out.T)  # (N, B)
         torch.matmul(keys.T, back)  # (d, B)
 
-    fwd_bwd()  # warm-up, then measure the peak of one clean call
+    # peak of the very first call (no warm-up), so that memory kept by the allocator after
+    # an earlier call cannot hide it: an upper bound that includes one-time BLAS buffers
     rss_before = _rss_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")

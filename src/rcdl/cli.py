@@ -1,4 +1,4 @@
-"""The ``rcdl`` command line: ``rcdl demo``, ``rcdl info``, ``rcdl --version``.
+"""The ``rcdl`` command line: ``rcdl demo``, ``rcdl reproduce``, ``rcdl info``, ``rcdl --version``.
 
 Each experiment subcommand maps its flags onto the experiment's frozen config dataclass;
 the resolved config is saved in the run folder. ``main`` returns the exit status:
@@ -67,18 +67,107 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from e
     print("\nAvailable commands (see `rcdl --help` and `rcdl COMMAND --help`):")
     print(_command_list())
-    print("The CIFAR-10 one-epoch comparison of the paper comes in a later release.")
+    print("The paper's CIFAR-10 one-epoch comparison: rcdl reproduce cifar10-1epoch --help")
+    return 0
+
+
+def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
+    from rcdl.cifar import CorruptDataError
+    from rcdl.experiments.cifar10 import Cifar10Config, load_data, load_run_config, run_cifar10
+
+    settings = {
+        "models": args.models, "train_size": args.train_size, "test_size": args.test_size,
+        "seeds": args.seeds, "eval_every": args.eval_every,
+    }  # fmt: skip
+    settings = {k: v for k, v in settings.items() if v is not None}
+    try:
+        if args.resume is not None:
+            given = [f"--{k.replace('_', '-')}" for k in settings]
+            given += [flag for flag, on in (("--quick", args.quick), ("--out", args.out)) if on]
+            if given:
+                raise CLIError(f"--resume continues a run with its saved config; drop "
+                               f"{', '.join(given)}")
+            cfg = load_run_config(args.resume)
+        else:
+            cfg = Cifar10Config.quick() if args.quick else Cifar10Config()
+            cfg = dataclasses.replace(cfg, **settings)
+        if args.data_dir is not None:
+            cfg = dataclasses.replace(cfg, data_dir=args.data_dir)
+        if args.device is not None and args.resume is None:
+            cfg = dataclasses.replace(cfg, device=args.device)
+        device = resolve_device(args.device or cfg.device)
+        data = load_data(cfg, download=not args.no_download)
+    except (OSError, CorruptDataError, ValueError) as e:  # bad settings, data or run folder
+        raise CLIError(str(e)) from e
+    try:
+        run_cifar10(cfg, out=args.out, resume=args.resume, data=data, device=device,
+                    progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints)
+    except FileExistsError as e:
+        raise CLIError(str(e)) from e
     return 0
 
 
 _COMMANDS = {
     "demo": "teacher–student regression: a growing RBF net vs MLPs (SGD, Adam), one pass",
+    "reproduce": "reproduce an experiment of the paper (see `rcdl reproduce --help`)",
     "info": "print the rcdl and torch versions and the device rcdl would use",
+}
+
+_EXPERIMENTS = {
+    "cifar10-1epoch": "the paper's Fig. 2: growing and parametric models, one epoch of "
+    "CIFAR-10 (SPEC §6)",
 }
 
 
 def _command_list() -> str:
-    return "\n".join(f"  rcdl {name:<6} {help_}" for name, help_ in _COMMANDS.items())
+    width = max(map(len, _COMMANDS))
+    return "\n".join(f"  rcdl {name:<{width}} {help_}" for name, help_ in _COMMANDS.items())
+
+
+def _add_reproduce(sub: argparse._SubParsersAction) -> None:
+    experiments = "\n".join(f"  {name}  {help_}" for name, help_ in _EXPERIMENTS.items())
+    reproduce = sub.add_parser(
+        "reproduce", help=_COMMANDS["reproduce"],
+        description=f"Reproduce an experiment of the paper. Experiments:\n{experiments}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    which = reproduce.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
+    cifar = which.add_parser(
+        "cifar10-1epoch", help=_EXPERIMENTS["cifar10-1epoch"],
+        description="One epoch of CIFAR-10, batch 16, for the growing models (gws, gauge, rbf),"
+        " the ResNet-MLP baselines (mlp-sgd, mlp-adam, mlp-adamw, mlp-rmsprop, mlp-muon) and the"
+        " parametric-softmax baselines (psoftmax-5000, psoftmax-50016; any psoftmax-<N>). "
+        "Writes a run folder with results.md, results.csv and test_accuracy.png. "
+        "See docs/cifar10.md.",
+    )  # fmt: skip
+    cifar.add_argument("--models", nargs="+", metavar="NAME", help="models to train, in order "
+                       "(default: all; with --quick: gws gauge rbf mlp-adam)")
+    cifar.add_argument("--train-size", type=int, metavar="N",
+                       help="random subset of N training images (default: all 50000)")
+    cifar.add_argument("--test-size", type=int, metavar="N",
+                       help="random subset of N test images (default: all 10000)")
+    cifar.add_argument("--seeds", nargs="+", type=int, metavar="K",
+                       help="one run per seed, reported as mean ± sd (default: 0)")
+    cifar.add_argument("--eval-every", type=int, metavar="STEPS",
+                       help="steps between test evaluations (default: 250; --quick: 50)")
+    cifar.add_argument("--data-dir", metavar="DIR", help="folder holding cifar10.npz or the "
+                       "official files (default: $RCDL_DATA, then the cache folder)")
+    cifar.add_argument("--out", metavar="DIR",
+                       help="run folder to write (default: runs/cifar10-1epoch-<timestamp>)")
+    cifar.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run: "
+                       "finished models are skipped, the interrupted one resumes from its "
+                       "checkpoint")
+    cifar.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                       help="default: auto (CUDA when available)")
+    cifar.add_argument("--quick", action="store_true", help="2000 train / 1000 test images, "
+                       "evaluations every 50 steps, models gws gauge rbf mlp-adam: a smoke "
+                       "test (minutes)")
+    cifar.add_argument("--keep-checkpoints", action="store_true",
+                       help="keep each model's last checkpoint after it finishes")
+    cifar.add_argument("--no-download", action="store_true",
+                       help="never download the data set when no local copy is found")
+    cifar.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    cifar.set_defaults(func=_cmd_reproduce_cifar10)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     demo.set_defaults(func=_cmd_demo)
+
+    _add_reproduce(sub)
 
     info = sub.add_parser("info", help=_COMMANDS["info"], description=_COMMANDS["info"])
     info.set_defaults(func=_cmd_info)

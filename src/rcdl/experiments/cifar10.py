@@ -1,0 +1,665 @@
+"""The paper's one-epoch CIFAR-10 comparison, its Fig. 2 (SPEC §6).
+
+Run it with ``rcdl reproduce cifar10-1epoch`` (see docs/cifar10.md).
+
+Protocol (SPEC §6): every model sees the training images once, in batches of 16 taken from a
+seeded random permutation, and minimises the batch-mean cross-entropy; test accuracy and
+test loss on the whole test set are computed from one prediction pass every ``eval_every``
+steps and at the end. Images are standardised and flattened to ``d = 3072``
+(:mod:`rcdl.cifar`). All models share the residual backbone of :mod:`rcdl.networks`.
+
+Models (:data:`MODELS`). Each builder uses the library's networks, rules and optimizers.
+None of them reimplements a layer.
+
+====================  ==================================================================
+``gws``               growing weighted softmax, L = 2, T = 6, clipped rule β = 3, η = 0.003
+``gauge``             gauge-invariant weighted softmax, L = 2, T = 5, α = 10, η = 0.03, β = 100
+``rbf``               growing RBF, L = 2, T = 10, η = 10
+``mlp-<opt>``         ResNet-MLP (8 blocks) trained by ``sgd``, ``adam``, ``adamw``,
+                      ``rmsprop`` or ``muon`` with the tuned settings of :mod:`rcdl.optim`
+``psoftmax-<N>``      parametric softmax, L = 2, T = 3, N entries per layer, Adam 1e−3
+                      (SPEC §5; the paper's N are 5000 and 50016)
+====================  ==================================================================
+
+The growing models write one entry per training sample per layer. They have no
+parameters, so :class:`rcdl.grower.Grower` plays the optimizer's part.
+
+Run folder (one per invocation, every model and seed in it)::
+
+    config.json         the resolved Cifar10Config
+    environment.json    machine, torch, git revision of the first session
+    metrics.jsonl       every evaluation of every (model, seed), tagged with both
+    summary.json        per-(model, seed) results with their histories, per-model rows,
+                        the data used, one record per session; ``complete`` says if done
+    results.md/.csv     the table: accuracy (mean ± sd over seeds), loss, entries, store,
+                        parameters, train/eval seconds, the paper's reference
+    test_accuracy.png   test accuracy against training samples seen (mean over seeds)
+    checkpoints/<model>-seed<k>.pt   while that model trains (deleted when it finishes)
+
+Resume: :func:`run_cifar10` with ``resume=RUN_DIR`` skips the (model, seed) pairs that
+``summary.json`` lists as finished. It continues an interrupted pair from its checkpoint,
+and that pair ends with the same result as an uninterrupted run
+(:func:`rcdl.training.train_one_pass`). ``metrics.jsonl`` may repeat the evaluations made
+between the last checkpoint and the interruption. ``summary.json`` is authoritative.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import hashlib
+import io
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from matplotlib.figure import Figure
+from torch import nn
+
+from rcdl.cifar import CifarData, load_cifar
+from rcdl.grower import Grower
+from rcdl.networks import GrowingRBFNet, ParametricSoftmaxNet, ResNetMLP, growing_softmax_net
+from rcdl.optim import make_optimizer
+from rcdl.rules import ClippedSoftmaxRule, GaugeSoftmaxRule
+from rcdl.rundir import RunDir, atomic_write_bytes, atomic_write_text, environment_info
+from rcdl.store import format_bytes
+from rcdl.training import accuracy, train_one_pass
+
+__all__ = [
+    "EXPERIMENT", "MODELS", "Cifar10Config", "ModelSpec", "Reference", "build_model",
+    "load_data", "load_run_config", "model_spec", "run_cifar10",
+]  # fmt: skip
+
+EXPERIMENT = "cifar10-1epoch"
+D_IN, CLASSES = 3072, 10
+METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}  # first: the progress bar's
+# SHA-256 of the JPEG-decoded CIFAR-10 copy described in shared/data/README.md and docs/data.md
+_LOSSY_NPZ_SHA256 = "ceb463d2555a42a78d4a20ad460779f39fd9d827bc592b2b09b8dc850425cc09"
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+# --------------------------------------------------------------------------- the models
+
+
+@dataclass(frozen=True)
+class Reference:
+    """SPEC §6's numbers for one model (accuracy in percent; ``None`` where none is given).
+
+    ``test_acc``, ``test_loss`` and ``entries`` come from the authors' one-seed run. For the
+    tuned MLPs, ``seeds_acc = (mean, sd)`` is the accuracy over several seeds.
+    """
+
+    test_acc: float | None = None
+    test_loss: float | None = None
+    entries: int | None = None
+    seeds_acc: tuple[float, float] | None = None
+
+    def describe(self) -> str:
+        """E.g. ``59.18 %``, ``57.2 ± 0.4 % (seeds)``, ``49.69 % (seeds: 48.2 ± 1.0)``, ``—``."""
+        if self.seeds_acc is None:
+            return "—" if self.test_acc is None else f"{self.test_acc:.2f} %"
+        mean, sd = self.seeds_acc
+        if self.test_acc is None:
+            return f"{mean:.1f} ± {sd:.1f} % (seeds)"
+        return f"{self.test_acc:.2f} % (seeds: {mean:.1f} ± {sd:.1f})"
+
+
+Learner = tuple[nn.Module, Any, Grower | None]  # (model, optimizer or None, grower or None)
+Builder = Callable[[int, torch.device, torch.dtype], Learner]  # (seed, device, dtype)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model of the comparison: readable label, builder and the paper's numbers."""
+
+    label: str
+    build: Builder
+    reference: Reference = field(default_factory=Reference)
+
+
+def _grown(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Learner:
+    model = model.to(device=device, dtype=dtype)
+    return model, None, Grower(model)
+
+
+def _gws(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
+    rule = ClippedSoftmaxRule(eta=0.003, beta=3.0)
+    net = growing_softmax_net(D_IN, CLASSES, 2, temperature=6.0, rule=rule, seed=seed)
+    return _grown(net, device, dtype)
+
+
+def _gauge(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
+    rule = GaugeSoftmaxRule(alpha=10.0, eta=0.03, beta=100.0)
+    net = growing_softmax_net(D_IN, CLASSES, 2, temperature=5.0, rule=rule, seed=seed)
+    return _grown(net, device, dtype)
+
+
+def _rbf(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
+    return _grown(GrowingRBFNet(D_IN, None, CLASSES, depth=2, temperature=10.0, lr=10.0),
+                  device, dtype)
+
+
+def _mlp(optimizer: str, seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
+    model = ResNetMLP(D_IN, CLASSES, depth=8).to(device=device, dtype=dtype)
+    return model, make_optimizer(optimizer, model), None
+
+
+def _psoftmax(entries: int, seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
+    model = ParametricSoftmaxNet(D_IN, CLASSES, 2, entries=entries, temperature=3.0)
+    model = model.to(device=device, dtype=dtype)
+    return model, make_optimizer("adam", model, lr=1e-3), None  # SPEC §5: Adam 1e−3
+
+
+MODELS: dict[str, ModelSpec] = {
+    "gws": ModelSpec("growing weighted softmax (gws)", _gws, Reference(59.18, 1.163, 150_048)),
+    "gauge": ModelSpec("gauge-invariant WS", _gauge, Reference(58.33, 1.203, 150_048)),
+    "rbf": ModelSpec("growing RBF", _rbf, Reference(58.42, 1.200, 150_000)),
+    "mlp-sgd": ModelSpec("ResNet-MLP, SGD", partial(_mlp, "sgd"), Reference(seeds_acc=(46.3, 2.0))),
+    "mlp-adam": ModelSpec("ResNet-MLP, Adam", partial(_mlp, "adam"),
+                          Reference(49.69, 1.409, seeds_acc=(48.2, 1.0))),
+    "mlp-adamw": ModelSpec("ResNet-MLP, AdamW", partial(_mlp, "adamw"),
+                           Reference(seeds_acc=(48.3, 1.0))),
+    "mlp-rmsprop": ModelSpec("ResNet-MLP, RMSprop", partial(_mlp, "rmsprop"),
+                             Reference(seeds_acc=(49.9, 0.7))),
+    "mlp-muon": ModelSpec("ResNet-MLP, Muon", partial(_mlp, "muon"),
+                          Reference(seeds_acc=(57.2, 0.4))),
+    "psoftmax-5000": ModelSpec("parametric softmax, N = 5000", partial(_psoftmax, 5000),
+                               Reference(42.02, 1.634)),
+    "psoftmax-50016": ModelSpec("parametric softmax, N = 50016", partial(_psoftmax, 50016),
+                                Reference(40.60, 1.672)),
+}  # fmt: skip
+_PSOFTMAX = re.compile(r"psoftmax-([1-9][0-9]*)")
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The spec of model ``name``: a key of :data:`MODELS`, or ``psoftmax-<N>`` for any N ≥ 1.
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones.
+    """
+    if name in MODELS:
+        return MODELS[name]
+    match = _PSOFTMAX.fullmatch(name)
+    if match:
+        n = int(match.group(1))
+        return ModelSpec(f"parametric softmax, N = {n}", partial(_psoftmax, n))
+    raise ValueError(
+        f"unknown model {name!r}; known: {', '.join(MODELS)} (or psoftmax-<N>, N entries "
+        "per layer)"
+    )
+
+
+def build_model(name: str, seed: int, *, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32, reserve: int = 0) -> Learner:
+    """Build model ``name`` with its learner, reproducibly from ``seed``.
+
+    torch's global generator is seeded with ``seed`` first (the MLP and parametric-softmax
+    initialisations draw from it). The growing softmax nets seed their 16 initial entries
+    from ``seed`` too. A grower reserves ``reserve`` more entries per layer, so its stores
+    never reallocate during a pass over that many samples.
+
+    Returns:
+        ``(model, optimizer or None, grower or None)``, the model on ``device`` in ``dtype``.
+    """
+    spec = model_spec(name)
+    torch.manual_seed(seed)
+    model, optimizer, grower = spec.build(seed, torch.device(device), dtype)
+    if grower is not None and reserve:
+        grower.reserve(reserve)
+    return model, optimizer, grower
+
+
+# --------------------------------------------------------------------------- the config
+
+
+@dataclass(frozen=True)
+class Cifar10Config:
+    """Settings of the one-epoch comparison; the defaults are the paper's full protocol.
+
+    Attributes:
+        models: names from :data:`MODELS` (or ``psoftmax-<N>``), trained in this order.
+        train_size, test_size: random subsets of that many images (``None``: all 50 000 /
+            10 000); the subsets depend on ``data_seed`` only, so every model and seed
+            sees the same images.
+        seeds: each model is trained once per seed. The seed fixes the initialisation and
+            the order of the training images.
+        batch_size: samples per step ``B`` (SPEC §6: 16).
+        eval_every: steps between test evaluations (SPEC §6: 250), and also at the end.
+        eval_batch_size: test images per prediction batch (SPEC §6: 500).
+        data_dir: folder holding ``cifar10.npz`` or the official files (see
+            :func:`rcdl.cifar.load_cifar`; ``None`` searches ``$RCDL_DATA``, then the cache).
+        data_seed: seed of the subsets.
+        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+        dtype: ``"float32"`` (the paper's) or ``"float64"``.
+        checkpoint: save each model's state under ``checkpoints/`` while it trains.
+        checkpoint_every: steps between checkpoints (``None``: ``eval_every``).
+    """
+
+    models: tuple[str, ...] = tuple(MODELS)
+    train_size: int | None = None
+    test_size: int | None = None
+    seeds: tuple[int, ...] = (0,)
+    batch_size: int = 16
+    eval_every: int = 250
+    eval_batch_size: int = 500
+    data_dir: str | None = None
+    data_seed: int = 0
+    device: str = "auto"
+    dtype: str = "float32"
+    checkpoint: bool = True
+    checkpoint_every: int | None = None
+
+    def __post_init__(self) -> None:
+        # lists (from JSON or argparse) become tuples, paths strings, so configs compare equal
+        object.__setattr__(self, "models", tuple(self.models))
+        object.__setattr__(self, "seeds", tuple(self.seeds))
+        if self.data_dir is not None:
+            object.__setattr__(self, "data_dir", str(self.data_dir))
+        if not self.models:
+            raise ValueError("Cifar10Config: give at least one model")
+        for name in self.models:
+            model_spec(name)
+        _unique("models", self.models)
+        if not self.seeds:
+            raise ValueError("Cifar10Config: give at least one seed")
+        _unique("seeds", self.seeds)
+        for seed in (*self.seeds, self.data_seed):
+            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+                raise ValueError(f"Cifar10Config: seeds must be ints >= 0, got {seed!r}")
+        for what in ("train_size", "test_size", "checkpoint_every"):
+            _positive(what, getattr(self, what), optional=True)
+        for what in ("batch_size", "eval_every", "eval_batch_size"):
+            _positive(what, getattr(self, what))
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"Cifar10Config: dtype must be one of {list(_DTYPES)}, "
+                             f"got {self.dtype!r}")
+        if self.device not in _DEVICES:
+            raise ValueError(f"Cifar10Config: device must be one of {list(_DEVICES)}, "
+                             f"got {self.device!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> Cifar10Config:
+        """A smoke-test scale: 2 000 train / 1 000 test images, evaluations every 50 steps.
+
+        By default it runs the three growing models and ``mlp-adam``. Each parametric
+        baseline updates 75–770 M parameters per step; on two shared CPU cores ``mlp-adam``
+        alone took 5.6 minutes here (``--models`` adds the others).
+        """
+        quick = {
+            "models": ("gws", "gauge", "rbf", "mlp-adam"),
+            "train_size": 2000, "test_size": 1000, "eval_every": 50,
+        }  # fmt: skip
+        return cls(**{**quick, **overrides})
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Cifar10Config:
+        """The config saved as ``config.json`` (unknown keys are an error)."""
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"Cifar10Config: unknown settings {sorted(unknown)}")
+        return cls(**d)
+
+
+def _unique(what: str, items: tuple) -> None:
+    if len(set(items)) != len(items):
+        raise ValueError(f"Cifar10Config: {what} must not repeat, got {list(items)}")
+
+
+def _positive(what: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Cifar10Config: {what} must be an int >= 1, got {value!r}")
+
+
+def load_run_config(run_dir: str | Path) -> Cifar10Config:
+    """The config of the run in ``run_dir`` (its ``config.json``), for resuming it."""
+    path = Path(run_dir) / RunDir.CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} holds no run to resume: {path} does not exist")
+    return Cifar10Config.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+# --------------------------------------------------------------------------- the data
+
+
+def load_data(cfg: Cifar10Config, *, download: bool = True) -> CifarData:
+    """CIFAR-10 from ``cfg.data_dir`` (or the usual places), subset as ``cfg`` asks.
+
+    Raises:
+        rcdl.cifar.CifarNotFoundError, rcdl.cifar.CorruptDataError: from the loader.
+        ValueError: if a subset is larger than the split.
+    """
+    data = load_cifar("cifar10", cfg.data_dir, download=download)
+    if cfg.train_size is None and cfg.test_size is None:
+        return data
+    for what, size, available in (("train_size", cfg.train_size, len(data.y_train)),
+                                  ("test_size", cfg.test_size, len(data.y_test))):
+        if size is not None and size > available:
+            raise ValueError(f"{what} {size} is larger than the {available} images of "
+                             f"{data.source}")
+    return data.subset(cfg.train_size, cfg.test_size, seed=cfg.data_seed)
+
+
+def data_provenance(source: Path) -> str:
+    """What the data file is, for the results table (lossy JPEG copy or official files)."""
+    if source.is_dir() or source.name.endswith(".tar.gz"):
+        return "the official CIFAR-10 files (lossless)"
+    digest = hashlib.sha256()
+    with open(source, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() == _LOSSY_NPZ_SHA256:
+        return ("the JPEG-decoded copy of CIFAR-10 (lossy, about 30 dB PSNR from the original "
+                "pixels; models trained on it are known to lose about 2–3 points against the "
+                "paper's numbers; see docs/data.md)")
+    return "an npz copy of unknown provenance (not the known JPEG-decoded one)"
+
+
+# --------------------------------------------------------------------------- running
+
+
+class _ModelLog:
+    """Hands the trainer's records to the run's ``metrics.jsonl``, tagged with model and seed."""
+
+    def __init__(self, run: RunDir, model: str, seed: int) -> None:
+        self.run, self.model, self.seed = run, model, seed
+
+    def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None:
+        rest = {k: v for k, v in {**(record or {}), **fields}.items() if k != "model"}
+        self.run.log({"model": self.model, "seed": self.seed, **rest})
+
+
+def _run_name(model: str, seed: int) -> str:
+    return f"{model}-seed{seed}"
+
+
+def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
+           device: torch.device, progress: bool) -> dict[str, Any]:
+    """Train one (model, seed); returns its result (see ``train_one_pass``) plus identity."""
+    model, optimizer, grower = build_model(name, seed, device=device, dtype=cfg.torch_dtype,
+                                           reserve=len(data[0]))
+    checkpoint = run.file(f"checkpoints/{_run_name(name, seed)}.pt") if cfg.checkpoint else None
+    result = train_one_pass(
+        model, data, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer, grower=grower,
+        loss_fn=F.cross_entropy, metrics=METRICS, eval_every=cfg.eval_every,
+        eval_batch_size=cfg.eval_batch_size, device=device, run=_ModelLog(run, name, seed),
+        name=_run_name(name, seed), progress=progress, checkpoint_path=checkpoint,
+        checkpoint_every=cfg.checkpoint_every,
+    )  # fmt: skip
+    parameters = sum(p.numel() for p in model.parameters())
+    return {"model": name, "seed": seed, "parameters": parameters, **result}
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run_cifar10(
+    cfg: Cifar10Config,
+    *,
+    out: str | Path | None = None,
+    resume: str | Path | None = None,
+    data: CifarData | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    keep_checkpoints: bool = False,
+    download: bool = True,
+) -> tuple[RunDir, dict[str, Any]]:
+    """Run the comparison into a new run folder, or continue the one at ``resume``.
+
+    Args:
+        cfg: the settings; to resume, the run's own (:func:`load_run_config`), where only
+            ``data_dir`` and ``device`` may differ.
+        out: the new run folder (default ``runs/cifar10-1epoch-<timestamp>``); not with
+            ``resume``.
+        resume: an interrupted run folder. Finished (model, seed) pairs are skipped and an
+            interrupted one continues from its checkpoint.
+        data: the data already loaded by :func:`load_data` (default: load it here).
+        device: overrides ``cfg.device``.
+        keep_checkpoints: keep each model's last checkpoint after it finishes.
+
+    Returns:
+        The run folder and its summary (the content of ``summary.json``).
+    """
+    start = time.perf_counter()
+    device = _resolve_device(cfg.device) if device is None else torch.device(device)
+    if resume is not None and out is not None:
+        raise ValueError("give either out (a new run) or resume (an existing one), not both")
+    if data is None:
+        data = load_data(cfg, download=download)
+    if resume is None:
+        run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device)
+        summary = {"experiment": EXPERIMENT, "complete": False, "runs": [], "sessions": []}
+    else:
+        run = RunDir(resume)
+        summary = _resumable_summary(run, cfg)
+    session = {**environment_info(device), "seconds": None}
+    summary["sessions"].append(session)
+    summary["data"] = {**data.describe(), "provenance": data_provenance(data.source),
+                       "data_seed": cfg.data_seed}
+    tensors = tuple(t.to(device) if device.type == "cuda" else t for t in
+                    (data.x_train.to(cfg.torch_dtype), data.y_train,
+                     data.x_test.to(cfg.torch_dtype), data.y_test))  # fmt: skip
+
+    finished = {(r["model"], r["seed"]) for r in summary["runs"]}
+    try:
+        for name in cfg.models:
+            for seed in cfg.seeds:
+                checkpoint = run.file(f"checkpoints/{_run_name(name, seed)}.pt")
+                if (name, seed) in finished:
+                    print(f"{_run_name(name, seed)}: finished in an earlier session, skipped")
+                else:
+                    summary["runs"].append(
+                        _train(name, seed, cfg, tensors, run, device, progress)
+                    )
+                    summary["models"] = model_rows(summary["runs"], cfg.models)
+                    session["seconds"] = time.perf_counter() - start
+                    run.write_summary(summary)
+                    _free(device)
+                if not keep_checkpoints:
+                    checkpoint.unlink(missing_ok=True)
+    except KeyboardInterrupt:
+        print(f"\nInterrupted. Continue with: rcdl reproduce {EXPERIMENT} --resume {run.path}",
+              file=sys.stderr)
+        raise
+    checkpoints = run.file("checkpoints")
+    if checkpoints.is_dir() and not any(checkpoints.iterdir()):
+        checkpoints.rmdir()
+
+    summary["models"] = model_rows(summary["runs"], cfg.models)
+    summary["complete"] = True
+    session["seconds"] = time.perf_counter() - start
+    report = write_report(run, cfg, summary, device)
+    run.write_summary(summary)
+    print("\n" + report, end="")
+    print(f"Session time {session['seconds']:.1f} s. Run folder: {run.path}")
+    return run, summary
+
+
+def _resumable_summary(run: RunDir, cfg: Cifar10Config) -> dict[str, Any]:
+    """The summary to continue, after checking ``cfg`` is the run's own."""
+    saved = load_run_config(run.path)
+    mine, theirs = asdict(replace(cfg, data_dir=None, device="auto")), asdict(
+        replace(saved, data_dir=None, device="auto"))
+    if mine != theirs:
+        diff = {k: (theirs[k], mine[k]) for k in mine if mine[k] != theirs[k]}
+        raise ValueError(f"{run.path}: the config differs from the saved one (saved, given): "
+                         f"{diff}")
+    path = run.file(RunDir.SUMMARY)
+    if not path.exists():  # interrupted during its first model
+        return {"experiment": EXPERIMENT, "complete": False, "runs": [], "sessions": []}
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    summary["runs"] = [r for r in summary["runs"]
+                       if r["model"] in cfg.models and r["seed"] in cfg.seeds]
+    summary.setdefault("sessions", [])
+    return summary
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float | None]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def model_rows(runs: list[dict[str, Any]], models: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One row per model, its runs' numbers averaged over seeds (accuracy in percent)."""
+    rows = []
+    for name in models:
+        rs = [r for r in runs if r["model"] == name]
+        if not rs:
+            continue
+        acc, acc_sd = _mean_sd([100 * r["test_acc"] for r in rs])
+        loss, loss_sd = _mean_sd([r["test_loss"] for r in rs])
+        ref = model_spec(name).reference
+        rows.append({
+            "model": name, "seeds": [r["seed"] for r in rs],
+            "test_acc_pct": acc, "test_acc_pct_sd": acc_sd,
+            "test_loss": loss, "test_loss_sd": loss_sd,
+            "entries": rs[0]["entries"], "store_bytes": rs[0]["bytes"],
+            "parameters": rs[0]["parameters"],
+            "train_seconds": statistics.fmean(r["train_seconds"] for r in rs),
+            "eval_seconds": statistics.fmean(r["eval_seconds"] for r in rs),
+            "paper_test_acc_pct": ref.test_acc, "paper_test_loss": ref.test_loss,
+            "paper_entries": ref.entries,
+            "paper_seeds_acc_pct": None if ref.seeds_acc is None else list(ref.seeds_acc),
+        })  # fmt: skip
+    return rows
+
+
+def _pm(mean: float, sd: float | None, digits: int) -> str:
+    return f"{mean:.{digits}f}" if sd is None else f"{mean:.{digits}f} ± {sd:.{digits}f}"
+
+
+def results_table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of :func:`model_rows`."""
+    lines = [
+        "| model | seeds | test acc. % | test loss | entries | store | parameters | train s "
+        "| eval s | paper (SPEC §6) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        entries = "—" if r["entries"] is None else f"{r['entries']:,}"
+        store = "—" if r["store_bytes"] is None else format_bytes(r["store_bytes"])
+        lines.append(
+            f"| {r['model']} | {' '.join(map(str, r['seeds']))} "
+            f"| {_pm(r['test_acc_pct'], r['test_acc_pct_sd'], 2)} "
+            f"| {_pm(r['test_loss'], r['test_loss_sd'], 3)} | {entries} | {store} "
+            f"| {r['parameters']:,} | {r['train_seconds']:.1f} | {r['eval_seconds']:.1f} "
+            f"| {model_spec(r['model']).reference.describe()} |"
+        )
+    return "\n".join(lines)
+
+
+def results_csv(rows: list[dict[str, Any]]) -> str:
+    """The rows of :func:`model_rows` as CSV (empty cells where a value does not apply)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    columns = [k for k in rows[0] if k != "paper_seeds_acc_pct"] if rows else []
+    writer.writerow([*columns, "paper_seeds_acc_pct_mean", "paper_seeds_acc_pct_sd"])
+    for r in rows:
+        seeds_acc = r["paper_seeds_acc_pct"] or [None, None]
+        cells = [" ".join(map(str, r[k])) if k == "seeds" else r[k] for k in columns]
+        writer.writerow(["" if v is None else v for v in (*cells, *seeds_acc)])
+    return buf.getvalue()
+
+
+def plot_accuracy(runs: list[dict[str, Any]], models: tuple[str, ...], path: Path, *,
+                  title: str, full_data: bool) -> Path:
+    """Test accuracy against training samples seen, one line per model (mean over seeds,
+    a band of ± sd with several seeds); with the full data, the paper's final accuracies
+    as stars at the end."""
+    fig = Figure(figsize=(7.2, 4.6), layout="constrained")
+    ax = fig.add_subplot()
+    for name in models:
+        histories = [r["history"] for r in runs if r["model"] == name]
+        if not histories:
+            continue
+        n = min(map(len, histories))
+        samples = [histories[0][i]["samples"] for i in range(n)]
+        accs = [[100 * h[i]["test_acc"] for h in histories] for i in range(n)]
+        mean = [statistics.fmean(a) for a in accs]
+        (line,) = ax.plot(samples, mean, marker=".", label=name)
+        if len(histories) > 1:
+            sd = [statistics.stdev(a) for a in accs]
+            ax.fill_between(samples, [m - s for m, s in zip(mean, sd, strict=True)],
+                            [m + s for m, s in zip(mean, sd, strict=True)],
+                            color=line.get_color(), alpha=0.2)
+        ref = model_spec(name).reference.test_acc
+        if full_data and ref is not None:
+            ax.plot([samples[-1]], [ref], marker="*", markersize=10, color=line.get_color(),
+                    linestyle="none")
+    ax.set(xlabel="training samples seen", ylabel="test accuracy (%)", title=title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", ncols=2)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    return atomic_write_bytes(buf.getvalue(), path)
+
+
+def _machine(device: torch.device) -> str:
+    env = environment_info(device)
+    machine = (f"{env['platform']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
+               f"device {device}, {env['num_threads']} threads")
+    if device.type == "cuda" and env["cuda_device"]:
+        machine += f" ({env['cuda_device']})"
+    return machine
+
+
+def write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
+                 device: torch.device) -> str:
+    """Write ``results.md``, ``results.csv`` and ``test_accuracy.png``; return the markdown."""
+    d = summary["data"]
+    full = d["n_train"] == 50_000 and d["n_test"] == 10_000
+    scale = ("the full splits" if full else
+             f"random subsets (data seed {cfg.data_seed}); not comparable with the paper's "
+             "full-data numbers")
+    steps = math.ceil(d["n_train"] / cfg.batch_size)
+    protocol = (
+        f"{d['n_train']:,} train / {d['n_test']:,} test images ({scale}). One pass, batch "
+        f"{cfg.batch_size} ({steps:,} steps), cross-entropy, {cfg.dtype}. Test accuracy and "
+        f"loss on all {d['n_test']:,} test images every {cfg.eval_every} "
+        f"step{'s' if cfg.eval_every > 1 else ''} and at the end. Seeds: "
+        f"{' '.join(map(str, cfg.seeds))}."
+    )
+    rows = summary["models"]
+    report = (
+        f"# CIFAR-10, one epoch (the paper's Fig. 2, SPEC §6)\n\n{protocol}\n\n"
+        f"{results_table(rows)}\n\n"
+        "Accuracy and loss: mean ± sd over seeds. Entries and store: all layers at the end. "
+        "Train and eval seconds: mean per seed. Paper: the authors' one-seed run on one GPU, "
+        "with full data (\"seeds\": the tuned baselines' mean ± sd over seeds).\n\n"
+        f"Data: {d['source']}, {d['provenance']}.\n"
+        f"Machine: {_machine(device)}.\n"
+    )
+    atomic_write_text(report, run.file("results.md"))
+    atomic_write_text(results_csv(rows), run.file("results.csv"))
+    title = f"CIFAR-10, one epoch, {d['n_train']:,} training images"
+    plot_accuracy(summary["runs"], cfg.models, run.file("test_accuracy.png"), title=title,
+                  full_data=full)
+    return report

@@ -1,0 +1,203 @@
+"""`rcdl reproduce cifar10-1epoch` end to end on a tiny synthetic CIFAR-10: outputs, errors,
+and resume-after-interrupt giving the same result as an uninterrupted run."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from rcdl.cli import main
+from rcdl.experiments import cifar10
+from rcdl.experiments.cifar10 import MODELS, Cifar10Config, build_model, model_spec
+from rcdl.networks import ResNetMLP
+
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+           "truck")  # fmt: skip
+TINY = ["--train-size", "48", "--test-size", "24", "--eval-every", "2", "--device", "cpu",
+        "--no-progress", "--no-download"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A random CIFAR-10 in the npz layout: 64 train / 32 test images."""
+    folder = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    np.savez(
+        folder / "cifar10.npz",
+        x_train=rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8),
+        y_train=rng.integers(0, 10, 64).astype(np.int64),
+        x_test=rng.integers(0, 256, (32, 32, 32, 3), dtype=np.uint8),
+        y_test=rng.integers(0, 10, 32).astype(np.int64),
+        class_names=np.array(CLASSES),
+    )
+    return folder
+
+
+def _reproduce(data_dir, *argv):
+    return main(["reproduce", "cifar10-1epoch", "--data-dir", str(data_dir), *TINY, *argv])
+
+
+def _summary(run):
+    return json.loads((run / "summary.json").read_text())
+
+
+def _outcome(summary):
+    """What must not depend on interruptions: every run's metrics, history and entries."""
+    keep = ("model", "seed", "test_acc", "test_loss", "train_loss", "entries", "history")
+    return [{k: r[k] for k in keep} for r in summary["runs"]]
+
+
+@pytest.fixture(scope="module")
+def run(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "run"
+    models = ["gws", "mlp-sgd", "psoftmax-8"]
+    with pytest.MonkeyPatch.context() as mp:  # 1 block instead of 8: its init takes seconds
+        mp.setattr(cifar10, "ResNetMLP", lambda d_in, d_out, depth: ResNetMLP(d_in, d_out, 1))
+        argv = ["--out", str(out), "--models", *models, "--seeds", "0", "1"]
+        assert _reproduce(data_dir, *argv) == 0
+    return out
+
+
+def test_run_folder_holds_the_results(run):
+    for name in ("config.json", "environment.json", "metrics.jsonl", "summary.json",
+                 "results.md", "results.csv", "test_accuracy.png"):  # fmt: skip
+        assert (run / name).is_file(), name
+    assert (run / "test_accuracy.png").read_bytes().startswith(b"\x89PNG")
+    assert not (run / "checkpoints").exists()  # deleted once every model finished
+    config = json.loads((run / "config.json").read_text())
+    assert config["models"] == ["gws", "mlp-sgd", "psoftmax-8"] and config["seeds"] == [0, 1]
+    assert config["train_size"] == 48 and config["batch_size"] == 16
+
+
+def test_every_model_and_seed_is_trained_and_logged(run):
+    summary = _summary(run)
+    assert summary["complete"] and summary["data"]["n_train"] == 48
+    assert [(r["model"], r["seed"]) for r in summary["runs"]] == [
+        (m, s) for m in ("gws", "mlp-sgd", "psoftmax-8") for s in (0, 1)
+    ]
+    for r in summary["runs"]:
+        assert 0 <= r["test_acc"] <= 1 and r["test_loss"] > 0
+        assert [h["samples"] for h in r["history"]] == [0, 32, 48]  # 3 steps, eval every 2
+    gws = next(r for r in summary["runs"] if r["model"] == "gws")
+    assert gws["entries"] == 3 * (16 + 48) and gws["parameters"] == 0  # 3 layers
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 6 * 3
+    assert {(r["model"], r["seed"]) for r in records} == {
+        (r["model"], r["seed"]) for r in summary["runs"]
+    }
+
+
+def test_tables_have_a_row_per_model(run):
+    table = (run / "results.md").read_text()
+    for name in ("gws", "mlp-sgd", "psoftmax-8"):
+        assert f"| {name} | 0 1 |" in table
+    assert "59.18 %" in table  # the paper's gws accuracy beside it
+    assert "Machine:" in table and "unknown provenance" in table and "not comparable" in table
+    rows = list(csv.DictReader((run / "results.csv").read_text().splitlines()))
+    assert [r["model"] for r in rows] == ["gws", "mlp-sgd", "psoftmax-8"]
+    assert rows[0]["seeds"] == "0 1" and float(rows[0]["paper_test_acc_pct"]) == 59.18
+    assert rows[1]["entries"] == "" and float(rows[1]["paper_seeds_acc_pct_mean"]) == 46.3
+
+
+def test_unknown_model_lists_the_known_ones(data_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _reproduce(data_dir, "--out", str(tmp_path / "r"), "--models", "gws", "resnet")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "unknown model 'resnet'" in err and "mlp-muon" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_missing_data_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("RCDL_DATA", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit) as exc:
+        _reproduce(tmp_path, "--out", str(tmp_path / "r"))
+    assert exc.value.code == 2 and "CIFAR-10 not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--seeds", "-1"], ["--train-size", "0"], ["--quick"],
+                                  ["--train-size", "100"]],
+                         ids=["negative-seed", "empty-train", "resume-with-quick", "too-big"])
+def test_bad_settings_exit_2(data_dir, tmp_path, argv, capsys):
+    if argv == ["--quick"]:
+        argv = ["--quick", "--resume", str(tmp_path)]
+    with pytest.raises(SystemExit) as exc:
+        _reproduce(data_dir, *argv)
+    assert exc.value.code == 2 and "usage: rcdl" in capsys.readouterr().err
+
+
+def test_interrupted_run_resumes_to_the_same_result(data_dir, tmp_path, monkeypatch):
+    models = ["gws", "psoftmax-8", "rbf"]
+    reference = tmp_path / "reference"
+    assert _reproduce(data_dir, "--out", str(reference), "--models", *models) == 0
+
+    # kill the run at psoftmax-8's third step: after its step-2 checkpoint, before rbf
+    real_train = cifar10.train_one_pass
+
+    def interrupted(model, data, **kw):
+        if kw["name"] == "psoftmax-8-seed0":
+            step, calls = kw["optimizer"].step, {"n": 0}
+
+            def stop():
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise KeyboardInterrupt
+                step()
+
+            kw["optimizer"].step = stop
+        return real_train(model, data, **kw)
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(cifar10, "train_one_pass", interrupted)
+    assert _reproduce(data_dir, "--out", str(run), "--models", *models) == 130
+    assert (run / "checkpoints" / "psoftmax-8-seed0.pt").is_file()
+    assert [r["model"] for r in _summary(run)["runs"]] == ["gws"]
+
+    trained = []
+
+    def spy(model, data, **kw):
+        trained.append(kw["name"])
+        return real_train(model, data, **kw)
+
+    monkeypatch.setattr(cifar10, "train_one_pass", spy)
+    argv = ["reproduce", "cifar10-1epoch", "--resume", str(run), "--data-dir", str(data_dir),
+            "--no-progress", "--device", "cpu", "--no-download"]  # fmt: skip
+    assert main(argv) == 0
+    assert trained == ["psoftmax-8-seed0", "rbf-seed0"]  # gws was not retrained
+    summary = _summary(run)
+    assert summary["complete"] and len(summary["sessions"]) == 2
+    assert [r["resumed"] for r in summary["runs"]] == [False, True, False]
+    assert _outcome(summary) == _outcome(_summary(reference))
+    assert not (run / "checkpoints").exists()
+
+
+def test_keep_checkpoints(data_dir, tmp_path):
+    out = tmp_path / "run"
+    assert _reproduce(data_dir, "--out", str(out), "--models", "rbf", "--keep-checkpoints") == 0
+    assert (out / "checkpoints" / "rbf-seed0.pt").is_file()
+
+
+def test_resume_refuses_a_changed_config(data_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["reproduce", "cifar10-1epoch", "--resume", str(tmp_path), "--models", "gws"])
+    assert exc.value.code == 2 and "drop --models" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # no run there
+        main(["reproduce", "cifar10-1epoch", "--resume", str(tmp_path / "none")])
+    assert exc.value.code == 2 and "holds no run" in capsys.readouterr().err
+
+
+def test_registry_builds_the_spec_models():
+    """SPEC §6 settings, read back from the built objects (no training, small tables)."""
+    assert set(MODELS) >= {"gws", "gauge", "rbf", "mlp-muon", "psoftmax-5000", "psoftmax-50016"}
+    model, opt, grower = build_model("gauge", 0, reserve=10)
+    layers = grower.layers
+    assert opt is None and len(layers) == 3 and layers[0].temperature == 5.0
+    assert (layers[0].rule.alpha, layers[0].rule.eta, layers[0].rule.beta) == (10, 0.03, 100)
+    assert all(layer.store.capacity >= 16 + 10 for layer in layers)
+    model, opt, grower = build_model("psoftmax-4", 0)
+    assert grower is None and opt.param_groups[0]["lr"] == 1e-3
+    assert model_spec("psoftmax-50016").reference.test_acc == 40.60
+    with pytest.raises(ValueError, match="unknown model 'psoftmax-0'"):
+        model_spec("psoftmax-0")
+    assert "psoftmax-50016" not in Cifar10Config.quick().models
