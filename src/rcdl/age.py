@@ -49,6 +49,7 @@ class AgeCoefficients:
         self._h_state = torch.tensor([-lr, 1.0], dtype=torch.float64)  # M^a u at a = 0
         self._r = torch.ones(1, dtype=torch.float64)  # r(0) = 1
         self._r_state = torch.eye(2, dtype=torch.float64)  # M^T at T = 0
+        self._h_on_device: Tensor | None = None  # _h on the device of the last query
 
     @property
     def trivial(self) -> bool:
@@ -69,7 +70,10 @@ class AgeCoefficients:
         if ages.numel() == 0:
             return torch.zeros(ages.shape, dtype=torch.float64, device=ages.device)
         self._extend(int(ages.max()))
-        return self._h.to(ages.device)[ages]
+        cached = self._h_on_device
+        if cached is None or cached.device != ages.device or len(cached) != len(self._h):
+            self._h_on_device = cached = self._h.to(ages.device)  # re-copied only when _h grows
+        return cached[ages]
 
     def initial(self, step: int) -> float:
         """``r(T)``: the factor on the initial weight ``W_0`` after ``step`` steps."""

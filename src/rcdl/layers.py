@@ -293,6 +293,7 @@ class GrowingSoftmax(GrowingLayer):
     @torch.no_grad()
     def log_normalizer(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B,)
         """``log Z(q) = log Σ_j w_j e^{⟨q, k_j⟩/τ}`` over the current store."""
+        # the normaliser needs no values: attend with a zero-width slice of them
         part = attention_partial(q, self.store.keys, self.store.values[:, :0], self.store.weights,
                                  kernel="softmax", temperature=self.temperature,
                                  chunk_size=self.chunk_size)
