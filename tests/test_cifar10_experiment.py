@@ -201,3 +201,17 @@ def test_registry_builds_the_spec_models():
     with pytest.raises(ValueError, match="unknown model 'psoftmax-0'"):
         model_spec("psoftmax-0")
     assert "psoftmax-50016" not in Cifar10Config.quick().models
+
+
+def test_registry_builds_the_hybrid_of_spec_6():
+    model, opt, grower = build_model("hybrid", 0, reserve=4)
+    layers = grower.layers
+    assert len(layers) == 4 and all(layer.temperature == 5.0 for layer in layers)
+    assert layers[0].trigger.tau == 50.0
+    assert (layers[0].rule.eta, layers[0].rule.beta) == (1.0, 30.0)
+    assert opt.lr == 1e-3 and len(opt.layers) == 4
+    assert model_spec("hybrid-tau62.5").build is not None
+    assert model_spec("hybrid-tau50").reference.test_acc == 55.12
+    assert model_spec("hybrid-always").reference.test_acc is None
+    with pytest.raises(ValueError, match="unknown model 'hybrid-tau'"):
+        model_spec("hybrid-tau")

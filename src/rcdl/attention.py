@@ -37,6 +37,7 @@ __all__ = [
     "default_chunk_size",
     "finalize",
     "merge_partials",
+    "nearest_sq_distance",
 ]
 
 _NEG_INF = float("-inf")
@@ -279,3 +280,28 @@ def attention(
     return _StreamingAttention.apply(
         q, keys, values, weights, kernel, temperature, chunk_size, eps, save_fraction
     )
+
+
+@torch.no_grad()
+def nearest_sq_distance(
+    q: Tensor,  # (B, d_in)
+    keys: Tensor,  # (N, d_in)
+    *,
+    chunk_size: int | None = None,
+) -> Tensor:  # (B,)
+    """``min_j ‖q − k_j‖²`` for every query, streamed over chunks of the keys (SPEC §4).
+
+    Each chunk costs one ``(c, B)`` score block, ``‖k‖² − 2⟨q, k⟩``, folded into a running
+    minimum; ``‖q‖²`` is added at the end. No ``(B, N, d)`` tensor is formed. An empty store
+    gives ``+inf``. The result is clamped at 0 (the expansion can round slightly below).
+    """
+    if q.dim() != 2 or keys.dim() != 2 or q.shape[1] != keys.shape[1]:
+        raise ValueError(f"nearest_sq_distance expects q (B, d) and keys (N, d), got "
+                         f"{tuple(q.shape)} and {tuple(keys.shape)}")
+    chunk = chunk_size or default_chunk_size(q.shape[0])
+    best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
+    for start in range(0, keys.shape[0], chunk):
+        k_c = keys[start : start + chunk]  # (c, d)
+        block = (k_c @ q.T).mul_(-2).add_((k_c * k_c).sum(1)[:, None])  # (c, B)
+        best = torch.minimum(best, block.amin(0))
+    return (best + (q * q).sum(1)).clamp_min_(0.0)

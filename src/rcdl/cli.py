@@ -107,6 +107,60 @@ def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_tau(text: str) -> float | None:
+    if text == "always":
+        return None
+    try:
+        tau = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or 'always': {text!r}") from None
+    if not (0 <= tau < float("inf")):
+        raise argparse.ArgumentTypeError(f"tau must be a finite number >= 0, got {text}")
+    return tau
+
+
+def _cmd_reproduce_tau_sweep(args: argparse.Namespace) -> int:
+    from rcdl.cifar import CorruptDataError
+    from rcdl.experiments.cifar10 import load_data, load_run_config
+    from rcdl.experiments.tau_sweep import TauSweepConfig, run_tau_sweep
+
+    settings = {
+        "taus": args.taus, "references": args.references, "train_size": args.train_size,
+        "test_size": args.test_size, "eval_every": args.eval_every, "seed": args.seed,
+    }  # fmt: skip
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if args.full:
+        settings |= {"train_size": None, "test_size": None, "eval_every": 250}
+    try:
+        if args.resume is not None:
+            given = [f"--{k.replace('_', '-')}" for k in settings]
+            given += [flag for flag, on in (("--quick", args.quick), ("--out", args.out)) if on]
+            if given:
+                raise CLIError(f"--resume continues a run with its saved config; drop "
+                               f"{', '.join(given)}")
+            cfg, comparison = None, load_run_config(args.resume)
+        else:
+            cfg = TauSweepConfig.quick() if args.quick else TauSweepConfig()
+            cfg = dataclasses.replace(cfg, **settings)
+            if args.data_dir is not None:
+                cfg = dataclasses.replace(cfg, data_dir=args.data_dir)
+            if args.device is not None:
+                cfg = dataclasses.replace(cfg, device=args.device)
+            comparison = cfg.comparison()
+        if args.data_dir is not None:
+            comparison = dataclasses.replace(comparison, data_dir=args.data_dir)
+        device = resolve_device(args.device or comparison.device)
+        data = load_data(comparison, download=not args.no_download)
+    except (OSError, CorruptDataError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    try:
+        run_tau_sweep(cfg, out=args.out, resume=args.resume, data=data, device=device,
+                      progress=not args.no_progress)
+    except FileExistsError as e:
+        raise CLIError(str(e)) from e
+    return 0
+
+
 _COMMANDS = {
     "demo": "teacher–student regression: a growing RBF net vs MLPs (SGD, Adam), one pass",
     "reproduce": "reproduce an experiment of the paper (see `rcdl reproduce --help`)",
@@ -116,6 +170,8 @@ _COMMANDS = {
 _EXPERIMENTS = {
     "cifar10-1epoch": "the paper's Fig. 2: growing and parametric models, one epoch of "
     "CIFAR-10 (SPEC §6)",
+    "hybrid-tau-sweep": "the paper's Fig. 5: the hybrid network over a range of distance "
+    "thresholds τ, entries stored against accuracy (SPEC §4)",
 }
 
 
@@ -134,7 +190,8 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     which = reproduce.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
     cifar = which.add_parser(
         "cifar10-1epoch", help=_EXPERIMENTS["cifar10-1epoch"],
-        description="One epoch of CIFAR-10, batch 16, for the growing models (gws, gauge, rbf),"
+        description="One epoch of CIFAR-10, batch 16, for the growing models (gws, gauge, rbf, "
+        "hybrid; hybrid-tau<τ> and hybrid-always for other thresholds),"
         " the ResNet-MLP baselines (mlp-sgd, mlp-adam, mlp-adamw, mlp-rmsprop, mlp-muon) and the"
         " parametric-softmax baselines (psoftmax-5000, psoftmax-50016; any psoftmax-<N>). "
         "Writes a run folder with results.md, results.csv and test_accuracy.png. "
@@ -168,6 +225,41 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
                        help="never download the data set when no local copy is found")
     cifar.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     cifar.set_defaults(func=_cmd_reproduce_cifar10)
+
+    sweep = which.add_parser(
+        "hybrid-tau-sweep", help=_EXPERIMENTS["hybrid-tau-sweep"],
+        description="The hybrid growing network (SPEC §4, §6) trained for one epoch with each "
+        "distance threshold τ, beside the pure growing gws network and a parametric-softmax "
+        "network on the same images. Writes the one-epoch comparison's run folder plus "
+        "tau_sweep.md, tau_sweep.csv and entries_vs_accuracy.png. See docs/hybrid.md.",
+    )  # fmt: skip
+    sweep.add_argument("--taus", nargs="+", type=_parse_tau, metavar="TAU",
+                       help="thresholds, 'always' for always grow (default: always 30 40 50 "
+                       "55 60 65 70)")
+    sweep.add_argument("--references", nargs="*", metavar="NAME", help="other models of "
+                       "cifar10-1epoch to train on the same images (default: gws psoftmax-5000)")
+    sweep.add_argument("--train-size", type=int, metavar="N",
+                       help="training images (default: 2000; --full: all 50000)")
+    sweep.add_argument("--test-size", type=int, metavar="N",
+                       help="test images (default: 1000; --full: all 10000)")
+    sweep.add_argument("--eval-every", type=int, metavar="STEPS",
+                       help="steps between test evaluations (default: 25; --full: 250)")
+    sweep.add_argument("--seed", type=int, help="seed of the models and data order (default 0)")
+    sweep.add_argument("--full", action="store_true", help="the paper's scale: all 50 000 / "
+                       "10 000 images (hours per threshold on a CPU)")
+    sweep.add_argument("--quick", action="store_true", help="3 thresholds and gws on 300 / 200 "
+                       "images: a smoke test (about a minute)")
+    sweep.add_argument("--data-dir", metavar="DIR", help="folder holding cifar10.npz or the "
+                       "official files (default: $RCDL_DATA, then the cache folder)")
+    sweep.add_argument("--out", metavar="DIR",
+                       help="run folder to write (default: runs/hybrid-tau-sweep-<timestamp>)")
+    sweep.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted sweep")
+    sweep.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                       help="default: auto (CUDA when available)")
+    sweep.add_argument("--no-download", action="store_true",
+                       help="never download the data set when no local copy is found")
+    sweep.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    sweep.set_defaults(func=_cmd_reproduce_tau_sweep)
 
 
 def build_parser() -> argparse.ArgumentParser:

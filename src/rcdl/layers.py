@@ -173,6 +173,12 @@ class GrowingLayer(nn.Module):
         """Forget this step's records without writing anything."""
         self._records.clear()
 
+    @torch.no_grad()
+    def remove_entries(self, mask: Tensor) -> int:
+        """Remove the entries where ``mask (N,)`` is True (and any per-entry state that
+        subclasses keep beside them); returns how many were removed."""
+        return self.store.remove(mask)
+
     def extra_repr(self) -> str:
         return (
             f"{self.d_in} -> {self.d_out}, kernel={self.kernel}, T={self.temperature}, "

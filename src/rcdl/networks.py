@@ -4,8 +4,8 @@
 - :class:`ResidualNet` — the backbone of SPEC §6: residual stream ``x₀ = x``, blocks
   ``x ← x + act(layer(RMSNorm(x)))`` and a readout on ``RMSNorm(x)``, for any layer kind.
 - :class:`ResNetMLP` — the ResNet-MLP baseline of SPEC §6 (Linear + tanh-GELU blocks).
-- :func:`growing_softmax_net`, :class:`GrowingRBFNet`, :class:`ParametricSoftmaxNet` — the
-  RCDL models of SPEC §5–6 on the same backbone.
+- :func:`growing_softmax_net`, :func:`hybrid_softmax_net`, :class:`GrowingRBFNet`,
+  :class:`ParametricSoftmaxNet` — the RCDL models of SPEC §4–6 on the same backbone.
 - :func:`to_dual_form` — a copy of a network with every ``nn.Linear`` replaced by its
   exact dual form (:class:`rcdl.layers.GrowingLinear`).
 """
@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rcdl.hybrid import DistanceGate, GrowthTrigger, HybridSoftmax
 from rcdl.layers import GrowingLinear, GrowingRBF, GrowingSoftmax, ParametricSoftmax
 
 __all__ = [
     "MLP", "GrowingRBFNet", "ParametricSoftmaxNet", "RMSNorm", "ResNetMLP", "ResidualNet",
-    "growing_softmax_net", "lecun_normal_", "to_dual_form",
+    "growing_softmax_net", "hybrid_softmax_net", "lecun_normal_", "to_dual_form",
 ]
 
 _ACTIVATIONS = {
@@ -129,6 +130,23 @@ def growing_softmax_net(d_in: int, d_out: int, depth: int, *, temperature: float
     def layer(a: int, b: int) -> GrowingSoftmax:
         return GrowingSoftmax(a, b, temperature=temperature, rule=rule,
                               initial_entries=initial_entries, seed=next(seeds))
+
+    return ResidualNet(d_in, d_out, depth, make_block=lambda w: layer(w, w), make_readout=layer)
+
+
+def hybrid_softmax_net(d_in: int, d_out: int, depth: int = 3, *, temperature: float = 5.0,
+                       rule, trigger: GrowthTrigger | None = None,  # noqa: ANN001
+                       initial_entries: int = 16, seed: int = 0) -> ResidualNet:
+    """The hybrid growing network of SPEC §4, §6: ``depth`` blocks d→d and a readout
+    d→``d_out``, all :class:`~rcdl.hybrid.HybridSoftmax` (entries trained by
+    :class:`~rcdl.hybrid.EntryAdam`, growth by ``trigger``, default ``DistanceGate(50)``).
+    SPEC §6: depth 3, T = 5, τ = 50, ``ClippedSoftmaxRule(eta=1, beta=30)``, Adam 1e−3."""
+    seeds = iter(range(seed, seed + depth + 1))
+    trigger = DistanceGate(50.0) if trigger is None else trigger
+
+    def layer(a: int, b: int) -> HybridSoftmax:
+        return HybridSoftmax(a, b, temperature=temperature, rule=rule, trigger=trigger,
+                             initial_entries=initial_entries, seed=next(seeds))
 
     return ResidualNet(d_in, d_out, depth, make_block=lambda w: layer(w, w), make_readout=layer)
 

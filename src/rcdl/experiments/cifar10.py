@@ -17,12 +17,16 @@ None of them reimplements a layer.
 ``rbf``               growing RBF, L = 2, T = 10, η = 10
 ``mlp-<opt>``         ResNet-MLP (8 blocks) trained by ``sgd``, ``adam``, ``adamw``,
                       ``rmsprop`` or ``muon`` with the tuned settings of :mod:`rcdl.optim`
+``hybrid``            hybrid growing weighted softmax, L = 3, T = 5, τ = 50, η = 1, β = 30,
+                      entries also trained by Adam 1e−3 (SPEC §4)
 ``psoftmax-<N>``      parametric softmax, L = 2, T = 3, N entries per layer, Adam 1e−3
                       (SPEC §5; the paper's N are 5000 and 50016)
 ====================  ==================================================================
 
 The growing models write one entry per training sample per layer. They have no
-parameters, so :class:`rcdl.grower.Grower` plays the optimizer's part.
+parameters, so :class:`rcdl.grower.Grower` plays the optimizer's part. The hybrid writes
+only the samples its distance gate lets through (the table gives its entries as a fraction
+of the possible ones) and trains its entries by :class:`rcdl.hybrid.EntryAdam`.
 
 Run folder (one per invocation, every model and seed in it)::
 
@@ -68,7 +72,14 @@ from torch import nn
 
 from rcdl.cifar import CifarData, load_cifar
 from rcdl.grower import Grower
-from rcdl.networks import GrowingRBFNet, ParametricSoftmaxNet, ResNetMLP, growing_softmax_net
+from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam
+from rcdl.networks import (
+    GrowingRBFNet,
+    ParametricSoftmaxNet,
+    ResNetMLP,
+    growing_softmax_net,
+    hybrid_softmax_net,
+)
 from rcdl.optim import make_optimizer
 from rcdl.rules import ClippedSoftmaxRule, GaugeSoftmaxRule
 from rcdl.rundir import RunDir, atomic_write_bytes, atomic_write_text, environment_info
@@ -77,6 +88,7 @@ from rcdl.training import accuracy, train_one_pass
 
 __all__ = [
     "EXPERIMENT", "MODELS", "Cifar10Config", "ModelSpec", "Reference", "build_model",
+    "hybrid_name",
     "load_data", "load_run_config", "model_spec", "run_cifar10",
 ]  # fmt: skip
 
@@ -150,6 +162,16 @@ def _rbf(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
                   device, dtype)
 
 
+def _hybrid(tau: float | None, seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
+    """SPEC §4, §6; ``tau=None`` grows on every sample (:class:`AlwaysGrow`)."""
+    rule = ClippedSoftmaxRule(eta=1.0, beta=30.0)
+    trigger = AlwaysGrow() if tau is None else DistanceGate(tau)
+    net = hybrid_softmax_net(D_IN, CLASSES, 3, temperature=5.0, rule=rule, trigger=trigger,
+                             seed=seed)
+    net = net.to(device=device, dtype=dtype)
+    return net, EntryAdam(net, lr=1e-3), Grower(net)
+
+
 def _mlp(optimizer: str, seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
     model = ResNetMLP(D_IN, CLASSES, depth=8).to(device=device, dtype=dtype)
     return model, make_optimizer(optimizer, model), None
@@ -165,6 +187,8 @@ MODELS: dict[str, ModelSpec] = {
     "gws": ModelSpec("growing weighted softmax (gws)", _gws, Reference(59.18, 1.163, 150_048)),
     "gauge": ModelSpec("gauge-invariant WS", _gauge, Reference(58.33, 1.203, 150_048)),
     "rbf": ModelSpec("growing RBF", _rbf, Reference(58.42, 1.200, 150_000)),
+    "hybrid": ModelSpec("hybrid growing WS (τ = 50)", partial(_hybrid, 50.0),
+                        Reference(55.12, 1.330, 93_339)),
     "mlp-sgd": ModelSpec("ResNet-MLP, SGD", partial(_mlp, "sgd"), Reference(seeds_acc=(46.3, 2.0))),
     "mlp-adam": ModelSpec("ResNet-MLP, Adam", partial(_mlp, "adam"),
                           Reference(49.69, 1.409, seeds_acc=(48.2, 1.0))),
@@ -180,10 +204,17 @@ MODELS: dict[str, ModelSpec] = {
                                 Reference(40.60, 1.672)),
 }  # fmt: skip
 _PSOFTMAX = re.compile(r"psoftmax-([1-9][0-9]*)")
+_HYBRID = re.compile(r"hybrid-(always|tau([0-9]+(?:\.[0-9]+)?))")
+
+
+def hybrid_name(tau: float | None) -> str:
+    """The model name of the hybrid with threshold ``tau`` (``None``: always grow)."""
+    return "hybrid-always" if tau is None else f"hybrid-tau{tau:g}"
 
 
 def model_spec(name: str) -> ModelSpec:
-    """The spec of model ``name``: a key of :data:`MODELS`, or ``psoftmax-<N>`` for any N ≥ 1.
+    """The spec of model ``name``: a key of :data:`MODELS`, ``psoftmax-<N>`` for any N ≥ 1,
+    ``hybrid-tau<τ>`` for the hybrid with another threshold, or ``hybrid-always``.
 
     Raises:
         ValueError: for an unknown name, listing the known ones.
@@ -194,9 +225,15 @@ def model_spec(name: str) -> ModelSpec:
     if match:
         n = int(match.group(1))
         return ModelSpec(f"parametric softmax, N = {n}", partial(_psoftmax, n))
+    match = _HYBRID.fullmatch(name)
+    if match:
+        tau = None if match.group(1) == "always" else float(match.group(2))
+        label = "hybrid growing WS, " + ("always grow" if tau is None else f"τ = {tau:g}")
+        reference = MODELS["hybrid"].reference if tau == 50.0 else Reference()
+        return ModelSpec(label, partial(_hybrid, tau), reference)
     raise ValueError(
         f"unknown model {name!r}; known: {', '.join(MODELS)} (or psoftmax-<N>, N entries "
-        "per layer)"
+        "per layer; hybrid-tau<τ> or hybrid-always)"
     )
 
 
@@ -395,6 +432,8 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
     """Train one (model, seed); returns its result (see ``train_one_pass``) plus identity."""
     model, optimizer, grower = build_model(name, seed, device=device, dtype=cfg.torch_dtype,
                                            reserve=len(data[0]))
+    # every growing layer could write one entry per training sample
+    possible = None if grower is None else grower.num_entries + len(grower.layers) * len(data[0])
     checkpoint = run.file(f"checkpoints/{_run_name(name, seed)}.pt") if cfg.checkpoint else None
     result = train_one_pass(
         model, data, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer, grower=grower,
@@ -404,7 +443,11 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
         checkpoint_every=cfg.checkpoint_every,
     )  # fmt: skip
     parameters = sum(p.numel() for p in model.parameters())
-    return {"model": name, "seed": seed, "parameters": parameters, **result}
+    layer_stats = {layer.name: layer.stats() for layer in (grower.layers if grower else [])
+                   if hasattr(layer, "stats")}  # written / refused per hybrid layer
+    return {"model": name, "seed": seed, "parameters": parameters,
+            "possible_entries": possible, **result,
+            **({"layer_stats": layer_stats} if layer_stats else {})}
 
 
 def _free(device: torch.device) -> None:
@@ -541,7 +584,8 @@ def model_rows(runs: list[dict[str, Any]], models: tuple[str, ...]) -> list[dict
             "model": name, "seeds": [r["seed"] for r in rs],
             "test_acc_pct": acc, "test_acc_pct_sd": acc_sd,
             "test_loss": loss, "test_loss_sd": loss_sd,
-            "entries": rs[0]["entries"], "store_bytes": rs[0]["bytes"],
+            "entries": rs[0]["entries"], "possible_entries": rs[0].get("possible_entries"),
+            "store_bytes": rs[0]["bytes"],
             "parameters": rs[0]["parameters"],
             "train_seconds": statistics.fmean(r["train_seconds"] for r in rs),
             "eval_seconds": statistics.fmean(r["eval_seconds"] for r in rs),
@@ -565,6 +609,9 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         entries = "—" if r["entries"] is None else f"{r['entries']:,}"
+        possible = r.get("possible_entries")
+        if possible and r["entries"] is not None and r["entries"] < possible:
+            entries += f" ({100 * r['entries'] / possible:.1f} % of {possible:,})"
         store = "—" if r["store_bytes"] is None else format_bytes(r["store_bytes"])
         lines.append(
             f"| {r['model']} | {' '.join(map(str, r['seeds']))} "

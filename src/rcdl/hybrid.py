@@ -1,0 +1,319 @@
+"""The hybrid growing network (SPEC §4): entries trained by Adam, growth gated by distance.
+
+A :class:`HybridSoftmax` layer is a :class:`rcdl.layers.GrowingSoftmax` whose stored keys,
+weighted values and weights are *also* trained, jointly, by one Adam step per batch
+(:class:`EntryAdam`, lr 1e−3). After the Adam step, a sample writes its gws entry only if its
+query is farther than τ from every stored key of that layer (:class:`DistanceGate`); other
+growth triggers are :class:`AlwaysGrow`, :class:`CapacityGate` and :class:`ErrorScaledGate`.
+
+One training step, in the order the trainer runs it::
+
+    loss = F.cross_entropy(model(x), y)     # the forward records q, s and (by a hook) ḡ
+    loss.backward()                         # gradients w.r.t. every stored entry, too
+    adam.step(); adam.zero_grad()           # EntryAdam: entries move
+    grower.step()                           # gated gws writes, after the Adam step
+
+Entries are plain rows of the layer's :class:`~rcdl.store.EntryStore`, not ``nn.Parameter``s:
+the store grows, and a growing parameter list does not fit ``torch.optim``. In training mode
+the forward pass attends over fresh leaf tensors that share the store's memory, so
+``backward()`` leaves the entries' gradients on them; Adam's moments live beside the
+entries in two more stores (same rows, so growth and removal keep them aligned, and they
+travel in the model's ``state_dict`` for checkpoints). Each entry carries its own Adam step
+count, so its bias correction is that of a parameter created when it was written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from rcdl.attention import attention, nearest_sq_distance
+from rcdl.layers import GrowingSoftmax, _Record
+from rcdl.rules import Entries
+from rcdl.store import EntryStore
+
+__all__ = [
+    "AlwaysGrow", "CapacityGate", "DistanceGate", "EntryAdam", "ErrorScaledGate",
+    "GrowthTrigger", "HybridSoftmax", "hybrid_layers",
+]  # fmt: skip
+
+
+class GrowthTrigger(Protocol):
+    """Decides which proposed entries are written.
+
+    ``accept(sq_distance (B,) or None, size, errors (B,)) -> (B,) bool``, given each query's
+    squared distance to the nearest stored key (computed only if ``needs_distance``), the
+    number of entries stored and each sample's error ``‖g_i‖``.
+    """
+
+    needs_distance: bool
+
+    def accept(self, sq_distance: Tensor | None, size: int, errors: Tensor) -> Tensor: ...
+
+
+# --------------------------------------------------------------------------- growth triggers
+
+
+@dataclass(frozen=True)
+class AlwaysGrow:
+    """Every sample writes its entry (the pure growing network's behaviour)."""
+
+    needs_distance = False
+
+    def accept(self, sq_distance: Tensor | None, size: int, errors: Tensor) -> Tensor:
+        return torch.ones(errors.shape[0], dtype=torch.bool, device=errors.device)
+
+
+def _check_tau(tau: float) -> None:
+    if not (tau >= 0 and math.isfinite(tau)):
+        raise ValueError(f"the distance threshold tau must be a finite number >= 0, got {tau}")
+
+
+@dataclass(frozen=True)
+class DistanceGate:
+    """Write iff ``min_j ‖q − k_j‖ > τ`` over the layer's stored keys (SPEC §4 default).
+
+    The comparison is made on squared distances, ``d² > τ²``; samples of one batch do not
+    gate each other (each is compared with the store as it stands after the Adam step).
+    """
+
+    tau: float
+    needs_distance = True
+
+    def __post_init__(self) -> None:
+        _check_tau(self.tau)
+
+    def threshold(self, size: int) -> float:
+        return self.tau
+
+    def accept(self, sq_distance: Tensor, size: int, errors: Tensor) -> Tensor:  # (B,) bool
+        return sq_distance > self.threshold(size) ** 2
+
+
+@dataclass(frozen=True)
+class CapacityGate(DistanceGate):
+    """Distance gate whose threshold rises as the store fills (SPEC §4):
+    ``τ_eff = τ · (1 + p · (N / capacity)²)`` with ``N`` entries stored."""
+
+    capacity: int = 1
+    penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.capacity < 1 or self.penalty < 0:
+            raise ValueError(f"CapacityGate needs capacity >= 1 and penalty >= 0, got "
+                             f"{self.capacity} and {self.penalty}")
+
+    def threshold(self, size: int) -> float:
+        return self.tau * (1 + self.penalty * (size / self.capacity) ** 2)
+
+
+@dataclass(frozen=True)
+class ErrorScaledGate(DistanceGate):
+    """Distance scaled by the sample's error: write iff ``d · e_i / ē > τ`` (SPEC §4).
+
+    The error ``e_i = ‖g_i‖`` is the norm of the per-sample gradient of the loss at this
+    layer's output, ``ē`` its batch mean: a local measure of how badly the sample is served
+    (for the readout under cross-entropy it is ``‖softmax − onehot‖``), available to every
+    layer without extra plumbing. A badly served sample writes from nearer than τ, a
+    well-served one only from farther.
+    """
+
+    def accept(self, sq_distance: Tensor, size: int, errors: Tensor) -> Tensor:
+        relative = errors / errors.mean().clamp_min(torch.finfo(errors.dtype).tiny)  # (B,)
+        return sq_distance * relative.square() > self.tau**2
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+class HybridSoftmax(GrowingSoftmax):
+    """Weighted-softmax layer whose entries are trained by Adam and grown by a trigger (SPEC §4).
+
+    ``s(q) = Σ_j e^{z_j} ṽ_j / Σ_j w_j e^{z_j}`` as in :class:`~rcdl.layers.GrowingSoftmax`;
+    ``k_j``, ``ṽ_j`` and ``w_j`` all receive gradients in training mode. Trained weights may
+    turn negative and the denominator small: the attention's guard keeps outputs finite.
+
+    Args:
+        rule: the rule proposing entries (SPEC §6: ``ClippedSoftmaxRule(eta=1, beta=30)``).
+        trigger: which proposed entries are written (default ``DistanceGate(50.0)``).
+        Other arguments as :class:`~rcdl.layers.GrowingSoftmax` (SPEC §6: T = 5).
+
+    Statistics (buffers, saved with the model): ``entries_written``, ``entries_refused``.
+    """
+
+    def __init__(self, d_in: int, d_out: int, *, temperature: float, rule,  # noqa: ANN001
+                 trigger: GrowthTrigger | None = None, initial_entries: int = 16,
+                 seed: int | None = None, **kw) -> None:
+        super().__init__(d_in, d_out, temperature=temperature, rule=rule,
+                         initial_entries=initial_entries, seed=seed, **kw)
+        self.trigger = DistanceGate(50.0) if trigger is None else trigger
+        factory = {"dtype": self.store.dtype, "device": self.store.device}
+        # Adam's first and second moments of (keys, weighted values, weights), row-aligned
+        # with the store; their ``written_at`` is the layer's Adam step count at the write.
+        self.adam_m = EntryStore(self.store.d_in, d_out, **factory)
+        self.adam_v = EntryStore(self.store.d_in, d_out, **factory)
+        for name in ("adam_steps", "entries_written", "entries_refused"):
+            self.register_buffer(name, torch.zeros((), dtype=torch.long,
+                                                   device=self.store.device))
+        self._zero_moments(len(self.store))
+        self._leaves: tuple[Tensor, Tensor, Tensor] | None = None
+        self._refused = 0  # refused by the trigger in the pending proposal
+
+    # ---------------------------------------------------------------- forward
+    def attend(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, d_out)
+        if not (self.training and torch.is_grad_enabled()):
+            return super().attend(q)
+        keys, values, weights = self.entry_leaves()
+        return attention(q, keys, values, weights, kernel=self.kernel,
+                         temperature=self.temperature, chunk_size=self.chunk_size)
+
+    def entry_leaves(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Leaf tensors sharing the store's live rows, on which backward leaves the entries'
+        gradients (made once per step, reused if the layer runs twice in a step)."""
+        n = len(self.store)
+        if self._leaves is None or self._leaves[0].shape[0] != n:
+            self._leaves = tuple(t.detach().requires_grad_() for t in
+                                 (self.store.keys, self.store.values, self.store.weights))
+        return self._leaves
+
+    # ---------------------------------------------------------------- Adam on entries
+    @torch.no_grad()
+    def adam_step(self, lr: float, betas: tuple[float, float], eps: float,
+                  rows_per_chunk: int = 4096) -> None:
+        """One Adam step on every entry that received a gradient since the last step.
+
+        Per entry ``j`` with its own step count ``t_j`` (steps since it was written):
+        ``m ← β₁m + (1−β₁)g``, ``v ← β₂v + (1−β₂)g²``,
+        ``θ ← θ − lr · (m / (1−β₁^{t_j})) / (√(v / (1−β₂^{t_j})) + ε)``.
+        Rows are visited in chunks so the temporaries stay small.
+        """
+        leaves, self._leaves = self._leaves, None
+        if leaves is None or all(t.grad is None for t in leaves):
+            return
+        n = leaves[0].shape[0]
+        if n != len(self.store):
+            raise RuntimeError(f"HybridSoftmax {self.name!r}: the store changed between the "
+                               "forward pass and the Adam step; step Adam before the Grower")
+        b1, b2 = betas
+        self.adam_steps += 1
+        t = (self.adam_steps - self.adam_m.written_at).to(self.store.dtype)  # (N,) >= 1
+        bias1, bias2 = 1 - b1**t, 1 - b2**t  # (N,)
+        groups = ((self.store.keys, self.adam_m.keys, self.adam_v.keys, leaves[0].grad),
+                  (self.store.values, self.adam_m.values, self.adam_v.values, leaves[1].grad),
+                  (self.store.weights, self.adam_m.weights, self.adam_v.weights, leaves[2].grad))
+        for param, m, v, grad in groups:
+            if grad is None:
+                grad = torch.zeros_like(param)
+            for start in range(0, n, rows_per_chunk):
+                rows = slice(start, start + rows_per_chunk)
+                g, m_c, v_c = grad[rows], m[rows], v[rows]
+                shape = (-1,) + (1,) * (param.dim() - 1)  # per-row correction, broadcast
+                m_c.mul_(b1).add_(g, alpha=1 - b1)
+                v_c.mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (v_c / bias2[rows].view(shape)).sqrt_().add_(eps)
+                param[rows].addcdiv_(m_c / bias1[rows].view(shape), denom, value=-lr)
+
+    # ---------------------------------------------------------------- growth
+    def make_entries(self, record: _Record) -> Entries:
+        keys, values, weights = super().make_entries(record)
+        errors = (record.grad * record.n_samples).norm(dim=1)  # (B,) per-sample ‖g‖
+        sq_distance = None
+        if self.trigger.needs_distance:
+            sq_distance = nearest_sq_distance(record.q, self.store.keys,
+                                              chunk_size=self.chunk_size)
+        accept = self.trigger.accept(sq_distance, len(self.store), errors)  # (B,) bool
+        self._refused += int((~accept).sum())
+        return keys[accept], values[accept], weights[accept]
+
+    def propose(self) -> Entries | None:
+        self._refused = 0
+        return super().propose()
+
+    @torch.no_grad()
+    def commit(self, entries: Entries | None) -> None:
+        written = 0 if entries is None else int(entries[0].shape[0])
+        super().commit(entries)
+        self._leaves = None
+        self._zero_moments(written)
+        self.entries_written += written
+        self.entries_refused += self._refused
+        self._refused = 0
+
+    def _zero_moments(self, count: int) -> None:
+        factory = {"dtype": self.store.dtype, "device": self.store.device}
+        for moments in (self.adam_m, self.adam_v):
+            moments.append(torch.zeros(count, self.store.d_in, **factory),
+                           torch.zeros(count, self.d_out, **factory),
+                           torch.zeros(count, **factory), written_at=int(self.adam_steps))
+
+    @torch.no_grad()
+    def remove_entries(self, mask: Tensor) -> int:
+        self._leaves = None
+        self.adam_m.remove(mask)
+        self.adam_v.remove(mask)
+        return self.store.remove(mask)
+
+    def stats(self) -> dict[str, int]:
+        """Entries written and refused so far, entries stored and their bytes."""
+        return {"written": int(self.entries_written), "refused": int(self.entries_refused),
+                "entries": len(self.store), "bytes": self.store.nbytes}
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, trigger={self.trigger}"
+
+
+def hybrid_layers(model: nn.Module) -> list[tuple[str, HybridSoftmax]]:
+    """All hybrid layers of ``model`` with their module paths."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, HybridSoftmax)]
+
+
+# --------------------------------------------------------------------------- the optimizer
+
+
+class EntryAdam:
+    """Adam on the entries of every :class:`HybridSoftmax` layer of ``model`` (SPEC §4),
+    plus ``torch.optim.Adam`` on the model's ordinary parameters, if it has any.
+
+    Step it after ``loss.backward()`` and before :meth:`rcdl.grower.Grower.step`. The
+    entries' moments are layer state (saved with the model); :meth:`state_dict` holds the
+    hyperparameters and the ordinary parameters' Adam state.
+    """
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9,
+                 0.999), eps: float = 1e-8) -> None:
+        if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
+            raise ValueError(f"EntryAdam: need lr > 0, 0 <= betas < 1, eps > 0; got lr={lr}, "
+                             f"betas={betas}, eps={eps}")
+        self.layers = [layer for _, layer in hybrid_layers(model)]
+        if not self.layers:
+            raise ValueError(f"EntryAdam: {type(model).__name__} has no HybridSoftmax layers")
+        self.lr, self.betas, self.eps = lr, tuple(betas), eps
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.param_adam = torch.optim.Adam(params, lr=lr, betas=betas, eps=eps) if params else None
+
+    def step(self) -> None:
+        for layer in self.layers:
+            layer.adam_step(self.lr, self.betas, self.eps)
+        if self.param_adam is not None:
+            self.param_adam.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the entries' gradients (they live on per-step leaves) and the parameters'."""
+        for layer in self.layers:
+            layer._leaves = None
+        if self.param_adam is not None:
+            self.param_adam.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
+                "param_adam": None if self.param_adam is None else self.param_adam.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lr, self.betas, self.eps = state["lr"], tuple(state["betas"]), state["eps"]
+        if self.param_adam is not None and state["param_adam"] is not None:
+            self.param_adam.load_state_dict(state["param_adam"])

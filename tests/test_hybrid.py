@@ -1,0 +1,273 @@
+"""The hybrid growing layer (SPEC §4): distance-gated growth, Adam on the entries, gradients
+against the dense reference, finite outputs on adversarial stores, checkpoint/resume."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from rcdl.attention import nearest_sq_distance
+from rcdl.grower import Grower
+from rcdl.hybrid import (
+    AlwaysGrow,
+    CapacityGate,
+    DistanceGate,
+    EntryAdam,
+    ErrorScaledGate,
+    HybridSoftmax,
+)
+from rcdl.kernels import naive_attention
+from rcdl.networks import hybrid_softmax_net
+from rcdl.rules import ClippedSoftmaxRule
+from rcdl.training import train_one_pass
+
+RULE = ClippedSoftmaxRule(eta=1.0, beta=30.0)
+F64 = {"dtype": torch.float64}
+
+
+def _layer(d_in=4, d_out=3, trigger=None, initial_entries=5, **kw):
+    layer = HybridSoftmax(d_in, d_out, temperature=1.0, rule=RULE, trigger=trigger,
+                          initial_entries=initial_entries, seed=0, **kw).double()
+    layer.name = "layer"
+    return layer
+
+
+def _train_step(layer, q, adam=None, target=None):
+    target = torch.zeros(q.shape[0], layer.d_out, **F64) if target is None else target
+    loss = F.mse_loss(layer(q), target)
+    loss.backward()
+    if adam is not None:
+        adam.step()
+        adam.zero_grad()
+    Grower(layer).step()
+    return loss.item()
+
+
+# --------------------------------------------------------------------------- distances
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_nearest_distance_matches_dense(chunk):
+    gen = torch.Generator().manual_seed(0)
+    q, keys = torch.randn(7, 5, generator=gen, **F64), torch.randn(20, 5, generator=gen, **F64)
+    expected = torch.cdist(q, keys).pow(2).amin(1)
+    assert_close(nearest_sq_distance(q, keys, chunk_size=chunk), expected)
+
+
+def test_nearest_distance_of_an_empty_store_is_infinite():
+    d = nearest_sq_distance(torch.randn(3, 4), torch.empty(0, 4))
+    assert torch.isinf(d).all()
+
+
+# --------------------------------------------------------------------------- gating
+
+
+@pytest.mark.parametrize(("dtype", "eps"), [(torch.float64, 1e-9), (torch.float32, 1e-3)])
+def test_distance_gate_is_exact_at_tau(dtype, eps):
+    tau = 50.0
+    layer = _layer(d_in=3, trigger=DistanceGate(tau), initial_entries=0).to(dtype)
+    anchor = torch.tensor([[1.0, -2.0, 0.5]], dtype=dtype)  # one stored key
+    layer.commit((anchor, torch.zeros(1, 3, dtype=dtype), torch.ones(1, dtype=dtype)))
+    direction = torch.tensor([0.6, 0.0, 0.8], dtype=dtype)  # unit vector
+    q = anchor + torch.stack([(tau - eps) * direction, (tau + eps) * direction])  # (2, 3)
+    loss = layer(q).sum()
+    loss.backward()
+    Grower(layer).step()
+    assert len(layer.store) == 2
+    assert_close(layer.store.keys[1], q[1])  # only the query beyond tau was written
+    assert layer.stats() == {"written": 2, "refused": 1, "entries": 2,
+                             "bytes": layer.store.nbytes}
+
+
+def test_samples_far_from_everything_are_written_near_ones_refused():
+    layer = _layer(trigger=DistanceGate(1.0))
+    near = layer.store.keys[:2] + 0.01
+    far = layer.store.keys[:2] + 10.0
+    _train_step(layer, torch.cat([near, far]))
+    assert len(layer.store) == 5 + 2
+    assert int(layer.entries_refused) == 2
+
+
+def test_always_grow_writes_every_sample():
+    layer = _layer(trigger=AlwaysGrow())
+    _train_step(layer, layer.store.keys[:3].clone())  # duplicates of stored keys
+    assert len(layer.store) == 8
+
+
+def test_capacity_gate_threshold_rises_as_the_store_fills():
+    gate = CapacityGate(tau=2.0, capacity=100, penalty=3.0)
+    assert gate.threshold(0) == 2.0
+    assert gate.threshold(50) == pytest.approx(2.0 * (1 + 3.0 * 0.25))
+    d2 = torch.tensor([9.0, 9.0])  # distance 3
+    errors = torch.ones(2)
+    assert gate.accept(d2, 0, errors).all()
+    assert not gate.accept(d2, 100, errors).any()  # threshold 8
+
+
+def test_error_scaled_gate_prefers_badly_served_samples():
+    gate = ErrorScaledGate(tau=1.0)
+    d2 = torch.full((2,), 0.8**2)  # both nearer than tau
+    accepted = gate.accept(d2, 10, torch.tensor([3.0, 1.0]))  # relative errors 1.5, 0.5
+    assert accepted.tolist() == [True, False]
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_bad_tau_is_refused(bad):
+    with pytest.raises(ValueError, match="tau"):
+        DistanceGate(bad)
+
+
+def test_bad_capacity_is_refused():
+    with pytest.raises(ValueError, match="capacity"):
+        CapacityGate(1.0, capacity=0)
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def test_gradients_wrt_entries_match_the_dense_reference():
+    layer = _layer(d_in=6, d_out=4, initial_entries=9)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 6, generator=gen, **F64, requires_grad=True)
+    out_grad = torch.randn(5, 4, generator=gen, **F64)
+    (layer(q) * out_grad).sum().backward()
+    keys, values, weights = layer.entry_leaves()
+
+    ref = [t.detach().clone().requires_grad_() for t in (q, keys, values, weights)]
+    (naive_attention(*ref, kernel="softmax", temperature=1.0) * out_grad).sum().backward()
+    for mine, theirs in zip((q, keys, values, weights), ref, strict=True):
+        assert_close(mine.grad, theirs.grad)
+
+
+def test_adversarial_store_keeps_outputs_and_gradients_finite():
+    layer = _layer(d_in=4, d_out=2, initial_entries=0)
+    keys = torch.eye(4, **F64)[:2].repeat(2, 1)  # pairs of equal keys
+    weights = torch.tensor([1.0, 1.0, -1.0, -1.0], **F64)  # denominator cancels exactly
+    layer.commit((keys, torch.randn(4, 2, **F64), weights))
+    q = torch.randn(6, 4, **F64, requires_grad=True)
+    out = layer(q)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    assert all(torch.isfinite(t.grad).all() for t in layer.entry_leaves())
+
+
+# --------------------------------------------------------------------------- Adam
+
+
+def test_entry_adam_equals_torch_adam_on_the_same_table():
+    """Without growth, EntryAdam is Adam on (keys, weighted values, weights) as parameters."""
+    layer = _layer(d_in=5, d_out=3, trigger=DistanceGate(1e9), initial_entries=7)
+    params = [t.detach().clone().requires_grad_() for t in
+              (layer.store.keys, layer.store.values, layer.store.weights)]
+    reference = torch.optim.Adam(params, lr=0.05)
+    adam = EntryAdam(layer, lr=0.05)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        q, y = torch.randn(6, 5, generator=gen, **F64), torch.randn(6, 3, generator=gen, **F64)
+        _train_step(layer, q, adam, target=y)
+        ref_out = naive_attention(q, *params, kernel="softmax", temperature=1.0)
+        F.mse_loss(ref_out, y).backward()
+        reference.step()
+        reference.zero_grad()
+    assert len(layer.store) == 7  # the gate refused everything
+    for mine, theirs in zip((layer.store.keys, layer.store.values, layer.store.weights), params,
+                            strict=True):
+        assert_close(mine, theirs.detach())
+
+
+def test_a_new_entry_gets_its_own_bias_correction():
+    """An entry written after k Adam steps moves on its next step like a fresh Adam
+    parameter: by ``lr · g / (|g| + eps)`` per coordinate."""
+    layer = _layer(d_in=3, d_out=2, trigger=AlwaysGrow(), initial_entries=4)
+    adam = EntryAdam(layer, lr=0.01)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        _train_step(layer, torch.randn(2, 3, generator=gen, **F64), adam)
+    assert len(layer.store) == 10
+    before = layer.store.values[-1].clone()
+    q = torch.randn(2, 3, generator=gen, **F64)
+    F.mse_loss(layer(q), torch.zeros(2, 2, **F64)).backward()
+    grad = layer.entry_leaves()[1].grad[-1].clone()
+    adam.step()
+    assert_close(layer.store.values[-1], before - 0.01 * grad / (grad.abs() + 1e-8))
+
+
+def test_removal_keeps_moments_aligned_with_entries():
+    layer = _layer(initial_entries=6)
+    adam = EntryAdam(layer, lr=0.01)
+    _train_step(layer, torch.randn(3, 4, **F64) * 10, adam)
+    mask = torch.zeros(len(layer.store), dtype=torch.bool)
+    mask[[0, 4]] = True
+    expected = layer.adam_v.keys[~mask].clone()
+    layer.remove_entries(mask)
+    assert len(layer.adam_m) == len(layer.adam_v) == len(layer.store)
+    assert_close(layer.adam_v.keys, expected)
+
+
+def test_entry_adam_needs_hybrid_layers():
+    with pytest.raises(ValueError, match="no HybridSoftmax"):
+        EntryAdam(torch.nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------- networks
+
+
+def _task(n, gen):
+    x = torch.randn(n, 8, generator=gen, **F64)
+    return x, (x[:, :2].sum(1) > 0).long()
+
+
+def _hybrid_net(tau=3.0):
+    torch.manual_seed(0)
+    net = hybrid_softmax_net(8, 2, depth=1, temperature=1.0,
+                             rule=ClippedSoftmaxRule(eta=1.0, beta=3.0),
+                             trigger=DistanceGate(tau), initial_entries=4).double()
+    return net, {"optimizer": EntryAdam(net, lr=1e-2), "grower": Grower(net)}
+
+
+def test_adam_and_growth_learn_a_small_task():
+    gen = torch.Generator().manual_seed(0)
+    data = (*_task(256, gen), *_task(128, gen))
+    net, learner = _hybrid_net()
+    result = train_one_pass(net, data, batch_size=8, loss_fn=F.cross_entropy,
+                            metrics={"test_loss": F.cross_entropy}, eval_every=8,
+                            progress=False, **learner)
+    losses = [h["test_loss"] for h in result["history"]]
+    assert losses[-1] < 0.8 * losses[0]
+    layers = [m for m in net.modules() if isinstance(m, HybridSoftmax)]
+    stats = [layer.stats() for layer in layers]
+    assert all(0 < s["written"] < 256 for s in stats)  # the gate both wrote and refused
+    assert all(s["written"] + s["refused"] == 256 for s in stats)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_hybrid_run_resumes_to_the_same_result(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    data = (*_task(96, gen), *_task(32, gen))
+    kw = {"batch_size": 8, "eval_every": 4, "progress": False, "seed": 3,
+          "loss_fn": F.cross_entropy, "metrics": {"test_loss": F.cross_entropy}}
+    net, learner = _hybrid_net()
+    reference = train_one_pass(net, data, **learner, **kw)
+
+    ckpt = tmp_path / "ckpt.pt"
+    net, learner = _hybrid_net()
+    grower, calls = learner["grower"], {"n": 0}
+    original = grower.step
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] > 7:
+            raise _Interrupt
+        original()
+
+    grower.step = step
+    with pytest.raises(_Interrupt):
+        train_one_pass(net, data, **learner, checkpoint_path=ckpt, checkpoint_every=3, **kw)
+    net, learner = _hybrid_net()  # a fresh process: only the checkpoint survives
+    resumed = train_one_pass(net, data, **learner, checkpoint_path=ckpt, **kw)
+    assert resumed["resumed"]
+    assert resumed["history"] == reference["history"]
+    assert resumed["entries"] == reference["entries"]
