@@ -11,6 +11,13 @@ ResNet-MLP baselines and the parametric-softmax networks:
 | rmsprop | lr 1e−4, alpha 0.9, eps 1e−8                                                |
 | muon    | ``torch.optim.Muon`` lr 1e−3 on 2-D weights (weight_decay=0 given, momentum  |
 |         | 0.95, Nesterov) + Adam lr 1e−3 on the other parameters                      |
+| foof    | ``FOOF`` (rcdl.dual_optim) lr 1e−3, momentum 0.85, damping 1e−3, ema 0.95,  |
+|         | refresh every 10 steps (SPEC §7; untuned)                                   |
+| deltanet| ``DeltaNetDecay`` (rcdl.dual_optim) lr 1e−3, momentum 0.85, decay 1e−4      |
+|         | (SPEC §7; untuned)                                                          |
+
+``foof`` and ``deltanet`` need a model whose trainable parameters all sit in ``nn.Linear``
+layers (the ResNet-MLP); they raise ``ValueError`` naming any other parameter.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rcdl.dual_optim import FOOF, DeltaNetDecay
+
 __all__ = ["OPTIMIZERS", "OptimizerGroup", "make_optimizer"]
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "muon")
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "muon", "foof", "deltanet")
 
 
 class OptimizerGroup:
@@ -68,4 +77,9 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None):  # noq
                                 nesterov=True)
         adam = torch.optim.Adam(others, lr=1e-3) if others else None
         return OptimizerGroup(muon, adam)
+    if name == "foof":
+        return FOOF(model, lr=lr or 1e-3, damping=1e-3, ema=0.95, refresh_every=10,
+                    momentum=0.85)
+    if name == "deltanet":
+        return DeltaNetDecay(model, lr=lr or 1e-3, decay=1e-4, momentum=0.85)
     raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
