@@ -1,4 +1,4 @@
-"""The one-pass training loop: evaluations, logging, learners, errors."""
+"""The training loop: evaluations, logging, learners, errors, epochs, resume."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
 from rcdl.networks import GrowingRBFNet
 from rcdl.rundir import RunDir
-from rcdl.training import train_one_pass
+from rcdl.training import epoch_permutation, evaluate, train_one_pass
 
 DATA = make_teacher_data(TeacherConfig(d_in=4, hidden=8, depth=1, n_train=50, n_test=20))
 
@@ -113,8 +113,115 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     _stop_after(opt, 4)
     with pytest.raises(_Interrupt):
         train_one_pass(model, DATA, batch_size=8, optimizer=opt, progress=False,
-                       checkpoint_path=ckpt, checkpoint_every=2)
+                       checkpoint_path=ckpt, checkpoint_every=2)  # fmt: skip
     model = _linear()
     with pytest.raises(ValueError, match="different run: seed=0"):
         train_one_pass(model, DATA, batch_size=8, seed=5, progress=False, checkpoint_path=ckpt,
-                       optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.05))  # fmt: skip
+
+
+# --------------------------------------------------------------------------- several epochs
+
+
+def test_epoch_zero_is_the_one_pass_order():
+    one_pass = torch.randperm(50, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(epoch_permutation(50, 3, 0), one_pass)
+    orders = [epoch_permutation(50, 3, e) for e in range(3)]
+    assert torch.equal(epoch_permutation(50, 3, 2), orders[2])  # a pure function of (seed, e)
+    assert not torch.equal(orders[0], orders[1]) and not torch.equal(orders[1], orders[2])
+    assert all(torch.equal(o.sort().values, torch.arange(50)) for o in orders)
+    with pytest.raises(ValueError, match="epoch must be >= 0"):
+        epoch_permutation(50, 3, -1)
+
+
+def test_first_epoch_of_several_is_the_one_pass_run():
+    def fit(epochs):
+        model = _linear()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return train_one_pass(model, DATA, batch_size=8, seed=2, optimizer=opt, eval_every=3,
+                              epochs=epochs, progress=False)  # fmt: skip
+
+    one, three = fit(1), fit(3)
+    # 7 steps per epoch; evaluations every 3 steps (counted over all epochs) and at epoch ends
+    assert [h["step"] for h in three["history"]] == [0, 3, 6, 7, 9, 12, 14, 15, 18, 21]
+    assert [h["epoch"] for h in three["history"] if h["epoch"] == int(h["epoch"])] == [0, 1, 2, 3]
+    assert three["history"][:4] == one["history"]
+    assert (three["steps"], three["samples"], three["epochs"]) == (21, 150, 3)
+    assert three["test_mse"] < one["test_mse"]
+
+
+def test_growing_model_writes_entries_every_epoch():
+    model = GrowingRBFNet(4, None, 1, 1, temperature=1.0, lr=0.5)
+    r = train_one_pass(model, DATA, batch_size=8, grower=Grower(model), epochs=3, progress=False)
+    assert r["entries"] == 3 * 2 * 50
+
+
+def test_on_epoch_end_adds_train_metrics_at_epoch_ends():
+    model = _linear()
+    x_train, y_train = DATA[0], DATA[1]
+    calls = []
+
+    def train_mse(epoch):
+        calls.append(epoch)
+        return evaluate(model, x_train, y_train, {"train_mse": nn.functional.mse_loss})
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    r = train_one_pass(model, DATA, batch_size=8, optimizer=opt, eval_every=3, epochs=2,
+                       on_epoch_end=train_mse, progress=False)  # fmt: skip
+    assert calls == [0, 1, 2]
+    with_train = [h["epoch"] for h in r["history"] if "train_mse" in h]
+    assert with_train == [0.0, 1.0, 2.0]
+    assert r["history"][-1]["train_mse"] < r["history"][0]["train_mse"]
+
+
+@pytest.mark.parametrize("kind", ["grower", "adam"])
+@pytest.mark.parametrize("stop", [8, 16], ids=["checkpoint-in-epoch-1", "checkpoint-in-epoch-2"])
+def test_run_interrupted_in_a_later_epoch_resumes_to_the_same_result(tmp_path, kind, stop):
+    """7 steps per epoch, checkpoints every 3 steps: stopping after 8 steps resumes from the
+    step-6 checkpoint across the epoch boundary; after 16, from step 15 in epoch 3."""
+
+    def build():
+        torch.manual_seed(0)
+        if kind == "grower":
+            model = GrowingRBFNet(4, None, 1, 1, temperature=1.0, lr=0.5)
+            return model, {"grower": Grower(model)}
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        return model, {"optimizer": torch.optim.Adam(model.parameters(), lr=1e-2)}
+
+    def fit(model, learner, **extra):
+        def train_mse(epoch):
+            return evaluate(model, DATA[0], DATA[1], {"train_mse": nn.functional.mse_loss})
+
+        kw = {"batch_size": 8, "eval_every": 4, "seed": 3, "epochs": 3, "progress": False}
+        return train_one_pass(model, DATA, **learner, **kw, on_epoch_end=train_mse, **extra)
+
+    reference = fit(*build())
+    ckpt = tmp_path / "ckpt.pt"
+    model, learner = build()
+    _stop_after(next(iter(learner.values())), stop)
+    with pytest.raises(_Interrupt):
+        fit(model, learner, checkpoint_path=ckpt, checkpoint_every=3)
+    resumed = fit(*build(), checkpoint_path=ckpt)
+    assert resumed["resumed"]
+    assert resumed["history"] == reference["history"]
+    assert resumed["entries"] == reference["entries"]
+
+
+def test_checkpoint_past_the_last_epoch_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    model = _linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    _stop_after(opt, 11)
+    with pytest.raises(_Interrupt):
+        train_one_pass(model, DATA, batch_size=8, optimizer=opt, epochs=3, progress=False,
+                       checkpoint_path=ckpt, checkpoint_every=10)  # fmt: skip
+    model = _linear()
+    with pytest.raises(ValueError, match="at step 10, past the 7 steps of 1 epoch"):
+        train_one_pass(model, DATA, batch_size=8, progress=False, checkpoint_path=ckpt,
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.05))  # fmt: skip
+
+
+def test_epochs_must_be_positive():
+    with pytest.raises(ValueError, match="epochs must be >= 1, got 8, 50 and 0"):
+        train_one_pass(_linear(), DATA, batch_size=8, epochs=0, progress=False,
+                       optimizer=torch.optim.SGD(_linear().parameters(), lr=0.1))  # fmt: skip

@@ -1,12 +1,17 @@
-"""One-pass online training for growing and parametric models alike.
+"""Online training for growing and parametric models alike: one pass, or several epochs.
 
 A growing model learns by writing entries (``Grower.step`` after ``loss.backward()``); a
 parametric model learns by a torch optimizer step; a hybrid does both, optimizer first.
-Either way the loop is the same: one pass over a seeded random permutation of the training
-set in batches, with the test metric evaluated every ``eval_every`` steps and at the end.
+Either way the loop is the same: one pass (SPEC §6) — or ``epochs`` passes (SPEC §8) — over
+seeded random permutations of the training set in batches, with the test metric evaluated
+every ``eval_every`` steps and at the end of every epoch. A growing model keeps writing
+entries in every epoch: ``epochs`` passes over ``N`` samples store ``epochs · N`` entries
+per layer.
 
-Batch ``t`` is ``perm[t*B : (t+1)*B]`` with ``perm`` a pure function of ``seed``, so a run is
-fully described by ``(seed, step)`` — the seam a checkpoint/resume needs.
+Global step ``s`` is batch ``t = s mod S`` of epoch ``e = s div S`` (``S = ceil(N / B)``
+steps per epoch), i.e. ``perm_e[t*B : (t+1)*B]`` with ``perm_e = epoch_permutation(N, seed,
+e)`` a pure function of ``(seed, e)``, so a run is fully described by ``(seed, step)`` — the
+seam a checkpoint/resume needs.
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ from tqdm.auto import tqdm
 from rcdl.rundir import RunDir, atomic_save_torch
 from rcdl.store import format_bytes
 
-__all__ = ["GrowerLike", "accuracy", "evaluate", "train_one_pass"]
+__all__ = ["GrowerLike", "accuracy", "epoch_permutation", "evaluate", "train_one_pass"]
 
 Metric = Callable[[Tensor, Tensor], Tensor]  # (predictions, targets) -> scalar
+# the keys of an evaluation record besides the metrics (see ``train_one_pass``)
+_RECORD_KEYS = frozenset({"model", "step", "samples", "epoch", "train_loss", "entries", "bytes",
+                          "train_seconds", "eval_seconds"})  # fmt: skip
 
 
 class GrowerLike(Protocol):
@@ -75,6 +83,22 @@ def evaluate(
         model.train(was_training)
 
 
+def epoch_permutation(n: int, seed: int, epoch: int) -> Tensor:
+    """The order of the ``n`` training samples in epoch ``epoch`` (0-based), ``(n,)`` int64.
+
+    The ``epoch``-th permutation drawn from a generator seeded with ``seed``: epoch 0 is
+    ``torch.randperm(n, generator=torch.Generator().manual_seed(seed))`` (the one-pass
+    order), and every epoch's order is a pure function of ``(seed, epoch)`` that a resumed
+    run recomputes. Different seeds give unrelated sequences of orders.
+    """
+    if epoch < 0:
+        raise ValueError(f"epoch must be >= 0, got {epoch}")
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(epoch):  # O(epoch · n): negligible beside one training step
+        torch.randperm(n, generator=gen)
+    return torch.randperm(n, generator=gen)
+
+
 def _load_checkpoint(path: Path, model, optimizer, expected: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN001
     state = torch.load(path, map_location="cpu", weights_only=False)
     for key, value in expected.items():
@@ -107,8 +131,11 @@ def train_one_pass(
     progress: bool = True,
     checkpoint_path: str | Path | None = None,
     checkpoint_every: int | None = None,
+    epochs: int = 1,
+    on_epoch_end: Callable[[int], Mapping[str, float]] | None = None,
 ) -> dict[str, Any]:
-    """Train ``model`` for one pass over the training set; evaluate as it goes.
+    """Train ``model`` for one pass (or ``epochs`` passes) over the training set; evaluate as
+    it goes.
 
     Each step: ``loss = loss_fn(model(x_b), y_b)`` (a batch mean), ``loss.backward()``, then
     ``optimizer.step()`` and/or ``grower.step()`` (at least one must be given; a model
@@ -119,21 +146,35 @@ def train_one_pass(
         data: ``(x_train, y_train, x_test, y_test)``, ``(N, D_in)``, ``(N, ...)``,
             ``(M, D_in)``, ``(M, ...)``; batches are moved to ``device`` as needed.
         batch_size: samples per step ``B``; the last batch may be smaller.
-        seed: seeds the permutation of the training set.
+        seed: seeds the permutation of the training set in each epoch
+            (:func:`epoch_permutation`).
         metrics: ``{name: fn(predictions, targets)}`` on the test set (default
             ``{"test_mse": mse}``); the first is shown in the progress bar.
-        eval_every: evaluate every this many steps (also before the first and after the last).
+        eval_every: evaluate every this many steps, counted over all epochs (also before the
+            first step and after the last step of every epoch).
         run: if given, every evaluation is appended to its ``metrics.jsonl``.
         name: the model's name in logs and the progress bar.
         checkpoint_path: if given, the loop saves its whole state there (atomically) every
             ``checkpoint_every`` steps (default ``eval_every``); if the file exists at the
             start, training resumes from it and ends with the same result as an
-            uninterrupted run (batches are a pure function of ``seed`` and the step).
+            uninterrupted run (batches are a pure function of ``seed`` and the step). The
+            state at a step does not depend on ``epochs``, so a run may also be continued
+            for more epochs than it was started with.
+        epochs: passes over the training set, each in a fresh order (SPEC §8); 1 is the
+            one-pass protocol of SPEC §6, unchanged.
+        on_epoch_end: called as ``on_epoch_end(e)`` right after the evaluation before the
+            first step (``e = 0``) and after the last step of each epoch (``e = 1, 2, ...``
+            epochs done), e.g. to measure accuracy on the training data; the values it returns
+            join that evaluation's record (under names the record does not already use). It
+            must not train the model; its time counts as evaluation time.
 
     Returns:
-        ``{<metric names>, "train_loss", "entries", "bytes", "steps", "samples",
-        "train_seconds", "eval_seconds", "history"}``; ``entries``/``bytes`` are ``None``
-        without a grower; ``history`` lists ``{"step", "samples", <metrics>}`` per evaluation.
+        ``{<metric names>, "train_loss", "entries", "bytes", "steps", "samples", "epochs",
+        "train_seconds", "eval_seconds", "history", "resumed"}``; ``steps`` and ``samples``
+        count all epochs; ``entries``/``bytes`` are ``None`` without a grower; ``history``
+        lists ``{"step", "samples", "epoch", <metrics>, <on_epoch_end values>}`` per
+        evaluation, where ``samples`` counts all samples seen and ``epoch = samples / N``
+        (an integer at the end of an epoch).
 
     Raises:
         FloatingPointError: if a training loss is not finite (naming the step).
@@ -141,9 +182,10 @@ def train_one_pass(
     metrics = dict(metrics or {"test_mse": F.mse_loss})
     if optimizer is None and grower is None:
         raise ValueError(f"{name}: give an optimizer, a grower or both; got neither")
-    if batch_size < 1 or eval_every < 1:
+    if batch_size < 1 or eval_every < 1 or epochs < 1:
         raise ValueError(
-            f"{name}: batch_size and eval_every must be >= 1, got {batch_size} and {eval_every}"
+            f"{name}: batch_size, eval_every and epochs must be >= 1, got {batch_size}, "
+            f"{eval_every} and {epochs}"
         )
     if not metrics:
         raise ValueError(f"{name}: give at least one test metric")
@@ -157,8 +199,13 @@ def train_one_pass(
     if n == 0 or len(x_test) == 0:
         raise ValueError(f"{name}: empty data set: {n} train and {len(x_test)} test samples")
     device = torch.device(device)
-    steps = math.ceil(n / batch_size)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))  # (N,)
+    steps_per_epoch = math.ceil(n / batch_size)
+    steps = epochs * steps_per_epoch
+
+    def seen(step: int) -> int:  # samples seen after `step` steps, all epochs
+        done, t = divmod(step, steps_per_epoch)
+        return done * n + min(t * batch_size, n)
+
     checkpoint_path = None if checkpoint_path is None else Path(checkpoint_path)
     checkpoint_every = checkpoint_every or eval_every
     identity = {"name": name, "seed": seed, "batch_size": batch_size, "train_samples": n}
@@ -171,25 +218,45 @@ def train_one_pass(
     resumed = checkpoint_path is not None and checkpoint_path.exists()
     if resumed:
         loop = _load_checkpoint(checkpoint_path, model, optimizer, identity)
+        if loop["step"] > steps:
+            raise ValueError(
+                f"{name}: checkpoint {checkpoint_path} is at step {loop['step']}, past the "
+                f"{steps} steps of {epochs} epoch(s); delete it or train for more epochs"
+            )
     first_metric = next(iter(metrics))
-    bar = tqdm(total=n, initial=min(loop["step"] * batch_size, n), unit="sample", desc=name,
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=epochs * n,
+        initial=seen(loop["step"]),
+        unit="sample",
+        desc=name,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
 
-    def log_eval(step: int, seen: int) -> dict[str, float]:
+    def log_eval(step: int) -> dict[str, float]:
         _sync(device)
         t0 = time.perf_counter()
-        values = evaluate(model, x_test, y_test, metrics, batch_size=eval_batch_size,
-                          device=device)
+        values = evaluate(model, x_test, y_test, metrics, batch_size=eval_batch_size, device=device)
+        if on_epoch_end is not None and step % steps_per_epoch == 0:
+            extra = {k: float(v) for k, v in on_epoch_end(step // steps_per_epoch).items()}
+            taken = _RECORD_KEYS.union(values).intersection(extra)
+            if taken:
+                raise ValueError(
+                    f"{name}: on_epoch_end returned {sorted(taken)}, names the loop's records "
+                    f"already use ({', '.join(sorted(_RECORD_KEYS.union(values)))})"
+                )
+            values |= extra
         _sync(device)
         loop["clock"]["eval"] += time.perf_counter() - t0
-        loop["history"].append({"step": step, "samples": seen, **values})
+        samples = seen(step)
+        loop["history"].append({"step": step, "samples": samples, "epoch": samples / n, **values})
         if loop["loss_count"]:
             loop["last_loss"] = loop["loss_sum"] / loop["loss_count"]
             loop["loss_sum"], loop["loss_count"] = 0.0, 0
         entries = None if grower is None else int(grower.num_entries)
         nbytes = None if grower is None else int(grower.nbytes)
         record = {
-            "model": name, "step": step, "samples": seen, **values,
+            "model": name, "step": step, "samples": samples, "epoch": samples / n, **values,
             "train_loss": loop["last_loss"], "entries": entries, "bytes": nbytes,
             "train_seconds": loop["clock"]["train"], "eval_seconds": loop["clock"]["eval"],
         }  # fmt: skip
@@ -202,18 +269,26 @@ def train_one_pass(
         return values
 
     def save_checkpoint() -> None:
-        state = {"run": identity, "loop": loop, "model": model.state_dict(),
-                 "optimizer": None if optimizer is None else optimizer.state_dict()}
+        state = {
+            "run": identity,
+            "loop": loop,
+            "model": model.state_dict(),
+            "optimizer": None if optimizer is None else optimizer.state_dict(),
+        }
         atomic_save_torch(state, checkpoint_path)
 
     model.train()
     with bar:
         if not loop["history"]:
-            log_eval(0, 0)
+            log_eval(0)
         final = loop["history"][-1]
+        perm, perm_epoch = None, None
         for step in range(loop["step"], steps):
             t0 = time.perf_counter()
-            idx = perm[step * batch_size : (step + 1) * batch_size]  # (B,)
+            epoch, t = divmod(step, steps_per_epoch)
+            if epoch != perm_epoch:
+                perm, perm_epoch = epoch_permutation(n, seed, epoch), epoch  # (N,)
+            idx = perm[t * batch_size : (t + 1) * batch_size]  # (B,)
             xb, yb = x_train[idx].to(device), y_train[idx].to(device)
             loss = loss_fn(model(xb), yb)
             loss_value = loss.item()  # syncs the device, so the train clock is honest
@@ -230,10 +305,13 @@ def train_one_pass(
             loop["step"] = step + 1
             loop["clock"]["train"] += time.perf_counter() - t0
             bar.update(len(idx))
-            if (step + 1) % eval_every == 0 or step + 1 == steps:
-                final = log_eval(step + 1, min((step + 1) * batch_size, n))
-            if checkpoint_path is not None and (step + 1) % checkpoint_every == 0 \
-                    and step + 1 < steps:
+            if (step + 1) % eval_every == 0 or (step + 1) % steps_per_epoch == 0:
+                final = log_eval(step + 1)
+            if (
+                checkpoint_path is not None
+                and (step + 1) % checkpoint_every == 0
+                and step + 1 < steps
+            ):
                 save_checkpoint()
 
     return {
@@ -242,7 +320,8 @@ def train_one_pass(
         "entries": None if grower is None else int(grower.num_entries),
         "bytes": None if grower is None else int(grower.nbytes),
         "steps": steps,
-        "samples": n,
+        "samples": epochs * n,
+        "epochs": epochs,
         "train_seconds": loop["clock"]["train"],
         "eval_seconds": loop["clock"]["eval"],
         "history": loop["history"],
