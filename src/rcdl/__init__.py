@@ -3,7 +3,16 @@
 from rcdl._version import __version__
 from rcdl.age import AgeCoefficients
 from rcdl.attention import Partial, attention, attention_partial, finalize, merge_partials
+from rcdl.dual_optim import FOOF, DeltaNetDecay
 from rcdl.grower import Grower
+from rcdl.hybrid import (
+    AlwaysGrow,
+    CapacityGate,
+    DistanceGate,
+    EntryAdam,
+    ErrorScaledGate,
+    HybridSoftmax,
+)
 from rcdl.kernels import KERNELS, naive_attention
 from rcdl.layers import (
     GrowingLayer,
@@ -13,6 +22,7 @@ from rcdl.layers import (
     ParametricSoftmax,
     growing_layers,
 )
+from rcdl.memory import EVICTION_POLICIES, MemoryBudget, contribution_scores
 from rcdl.networks import (
     MLP,
     GrowingRBFNet,
@@ -21,6 +31,7 @@ from rcdl.networks import (
     ResNetMLP,
     RMSNorm,
     growing_softmax_net,
+    hybrid_softmax_net,
     to_dual_form,
 )
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
@@ -28,8 +39,16 @@ from rcdl.store import EntryStore
 
 __all__ = [
     "AgeCoefficients",
+    "AlwaysGrow",
+    "CapacityGate",
     "ClippedSoftmaxRule",
+    "DeltaNetDecay",
+    "DistanceGate",
+    "EVICTION_POLICIES",
+    "EntryAdam",
     "EntryStore",
+    "ErrorScaledGate",
+    "FOOF",
     "FunctionalSGD",
     "GaugeSoftmaxRule",
     "Grower",
@@ -38,8 +57,10 @@ __all__ = [
     "GrowingRBF",
     "GrowingRBFNet",
     "GrowingSoftmax",
+    "HybridSoftmax",
     "KERNELS",
     "MLP",
+    "MemoryBudget",
     "ParametricSoftmax",
     "ParametricSoftmaxNet",
     "Partial",
@@ -49,9 +70,11 @@ __all__ = [
     "__version__",
     "attention",
     "attention_partial",
+    "contribution_scores",
     "finalize",
     "growing_layers",
     "growing_softmax_net",
+    "hybrid_softmax_net",
     "merge_partials",
     "naive_attention",
     "to_dual_form",

@@ -187,6 +187,16 @@ def _cmd_reproduce_generalisation(args: argparse.Namespace) -> int:
     return _run_experiment(args, GeneralisationConfig, fields, run_generalisation)
 
 
+def _cmd_reproduce_memory_budget(args: argparse.Namespace) -> int:
+    from rcdl.experiments.memory_budget import MemoryBudgetConfig, run_memory_budget
+
+    if args.no_unbounded:
+        args.unbounded = False
+    fields = ("model", "train_size", "test_size", "capacities", "policies", "unbounded",
+              "slack", "seed", "eval_every")
+    return _run_experiment(args, MemoryBudgetConfig, fields, run_memory_budget)
+
+
 def _add_common(parser: argparse.ArgumentParser, experiment: str) -> None:
     """The data, device, output and display flags every experiment takes."""
     parser.add_argument("--data-dir", metavar="DIR", help="folder holding cifar10.npz or the "
@@ -213,6 +223,8 @@ _EXPERIMENTS = {
     "thresholds τ, entries stored against accuracy (SPEC §4)",
     "generalisation": "parametric vs growing softmax networks over several epochs: train and "
     "test accuracy and their gap (SPEC §8)",
+    "memory-budget": "growing networks under a memory budget: accuracy against capacity for "
+    "several eviction policies (SPEC §8, known limits)",
 }
 
 
@@ -323,6 +335,34 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
                      help="200 / 200 images, 3 epochs: a smoke test")
     _add_common(gen, "generalisation")
     gen.set_defaults(func=_cmd_reproduce_generalisation)
+
+    mem = which.add_parser(
+        "memory-budget", help=_EXPERIMENTS["memory-budget"],
+        description="One epoch of a growing model on a CIFAR-10 subset with every layer's "
+        "store capped at a capacity, for each eviction policy, beside the unbounded model. "
+        "Writes results.md, results.csv and accuracy_vs_capacity.png. See docs/memory.md.",
+    )  # fmt: skip
+    mem.add_argument("--model", choices=("gws", "gauge", "rbf", "hybrid"),
+                     help="the growing model (gws)")
+    mem.add_argument("--train-size", type=int, metavar="N", help="training images (10000)")
+    mem.add_argument("--test-size", type=int, metavar="N", help="test images (2000)")
+    mem.add_argument("--capacities", nargs="+", type=int, metavar="N",
+                     help="entries per layer, initial entries included (250 1000 4000)")
+    mem.add_argument("--policies", nargs="+", metavar="NAME", help="eviction policies, "
+                     "optionally with +merge (oldest newest random contribution "
+                     "contribution+merge newest+merge)")
+    mem.add_argument("--no-unbounded", action="store_true",
+                     help="skip the unbounded reference run")
+    mem.add_argument("--slack", type=float, metavar="F", help="a full store is cut to "
+                     "(1 − F) × capacity at once, so evictions happen every few steps (0.125)")
+    mem.add_argument("--seed", type=int, help="seed of the model, data order and the random "
+                     "policy (0)")
+    mem.add_argument("--eval-every", type=int, metavar="STEPS", help="steps between test "
+                     "evaluations (250)")
+    mem.add_argument("--quick", action="store_true", help="480 / 200 images, capacities 60 "
+                     "and 240: a smoke test (under a minute)")
+    _add_common(mem, "memory-budget")
+    mem.set_defaults(func=_cmd_reproduce_memory_budget, unbounded=None)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,4 +4,11 @@
   MLPs trained by SGD and by Adam, one pass over the data (``rcdl demo``).
 - :mod:`rcdl.experiments.cifar10` — the paper's one-epoch CIFAR-10 comparison, Fig. 2
   (``rcdl reproduce cifar10-1epoch``).
+- :mod:`rcdl.experiments.tau_sweep` — the hybrid network over distance thresholds τ, Fig. 5
+  (``rcdl reproduce hybrid-tau-sweep``).
+- :mod:`rcdl.experiments.generalisation` — parametric vs growing softmax networks over
+  several epochs (``rcdl reproduce generalisation``).
+- :mod:`rcdl.experiments.memory_budget` — the growing ``gws`` model under a bounded memory:
+  test accuracy against entries per layer for several eviction policies (SPEC §8;
+  ``rcdl reproduce memory-budget``).
 """
