@@ -215,3 +215,16 @@ def test_registry_builds_the_hybrid_of_spec_6():
     assert model_spec("hybrid-always").reference.test_acc is None
     with pytest.raises(ValueError, match="unknown model 'hybrid-tau'"):
         model_spec("hybrid-tau")
+
+
+def test_classical_baselines_join_the_table(data_dir, tmp_path):
+    out = tmp_path / "run"
+    assert _reproduce(data_dir, "--out", str(out), "--models", "knn-cosine", "svm-linear") == 0
+    summary = _summary(out)
+    knn = next(r for r in summary["runs"] if r["model"] == "knn-cosine")
+    assert knn["entries"] == 48 and knn["test_loss"] is None and knn["settings"]["k"] >= 1
+    assert knn["history"][-1]["step"] == 3  # 48 images / batch 16
+    table = (out / "results.md").read_text()
+    assert "| knn-cosine |" in table and "| svm-linear |" in table
+    with pytest.raises(ValueError, match="classical baseline"):
+        build_model("svm-rbf", 0)

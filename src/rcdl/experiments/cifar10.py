@@ -21,7 +21,14 @@ None of them reimplements a layer.
                       entries also trained by Adam 1e−3 (SPEC §4)
 ``psoftmax-<N>``      parametric softmax, L = 2, T = 3, N entries per layer, Adam 1e−3
                       (SPEC §5; the paper's N are 5000 and 50016)
+``knn-l2``,           k-nearest neighbours (k chosen on 10 % of the training set held out),
+``knn-cosine``        L2 or cosine distance (:mod:`rcdl.classical`)
+``svm-linear``        linear SVM (``LinearSVC``, C = 0.01)
+``svm-rbf``           RBF SVM through a Nyström map with 2 000 landmarks, then a linear SVM
 ====================  ==================================================================
+
+The classical baselines are fitted on the whole training set at once and scored once; their
+"train" and "eval" seconds are fit and predict times, and they report no test loss.
 
 The growing models write one entry per training sample per layer. They have no
 parameters, so :class:`rcdl.grower.Grower` plays the optimizer's part. The hybrid writes
@@ -71,6 +78,7 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from rcdl.cifar import CifarData, load_cifar
+from rcdl.classical import CLASSICAL_MODELS, fit_classical
 from rcdl.grower import Grower
 from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam
 from rcdl.networks import (
@@ -133,11 +141,16 @@ Builder = Callable[[int, torch.device, torch.dtype], Learner]  # (seed, device, 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model of the comparison: readable label, builder and the paper's numbers."""
+    """A model of the comparison: readable label, builder and the paper's numbers.
+
+    A classical baseline (:mod:`rcdl.classical`) has no builder: it is fitted on the whole
+    training set at once (``classical=True``) and scored once, at the end.
+    """
 
     label: str
-    build: Builder
+    build: Builder | None
     reference: Reference = field(default_factory=Reference)
+    classical: bool = False
 
 
 def _grown(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Learner:
@@ -202,6 +215,8 @@ MODELS: dict[str, ModelSpec] = {
                                Reference(42.02, 1.634)),
     "psoftmax-50016": ModelSpec("parametric softmax, N = 50016", partial(_psoftmax, 50016),
                                 Reference(40.60, 1.672)),
+    **{name: ModelSpec(label, None, classical=True)
+       for name, (label, _) in CLASSICAL_MODELS.items()},
 }  # fmt: skip
 _PSOFTMAX = re.compile(r"psoftmax-([1-9][0-9]*)")
 _HYBRID = re.compile(r"hybrid-(always|tau([0-9]+(?:\.[0-9]+)?))")
@@ -250,6 +265,8 @@ def build_model(name: str, seed: int, *, device: torch.device | str = "cpu",
         ``(model, optimizer or None, grower or None)``, the model on ``device`` in ``dtype``.
     """
     spec = model_spec(name)
+    if spec.classical:
+        raise ValueError(f"{name!r} is a classical baseline, fitted by rcdl.classical, not built")
     torch.manual_seed(seed)
     model, optimizer, grower = spec.build(seed, torch.device(device), dtype)
     if grower is not None and reserve:
@@ -430,6 +447,8 @@ def _run_name(model: str, seed: int) -> str:
 def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
            device: torch.device, progress: bool) -> dict[str, Any]:
     """Train one (model, seed); returns its result (see ``train_one_pass``) plus identity."""
+    if model_spec(name).classical:
+        return _fit_classical(name, seed, cfg, data, run)
     model, optimizer, grower = build_model(name, seed, device=device, dtype=cfg.torch_dtype,
                                            reserve=len(data[0]))
     # every growing layer could write one entry per training sample
@@ -448,6 +467,27 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
     return {"model": name, "seed": seed, "parameters": parameters,
             "possible_entries": possible, **result,
             **({"layer_stats": layer_stats} if layer_stats else {})}
+
+
+def _fit_classical(name: str, seed: int, cfg: Cifar10Config, data: tuple,
+                   run: RunDir) -> dict[str, Any]:
+    """Fit a classical baseline on the whole training set; its one evaluation is logged at
+    the step count of the one-epoch models, so it sits at the end of their curves."""
+    x_train, y_train, x_test, y_test = (t.cpu() for t in data)
+    print(f"{_run_name(name, seed)}: fitting {model_spec(name).label} on {len(x_train):,} "
+          "images (no progress bar)")
+    fitted = fit_classical(name, x_train, y_train, x_test, y_test, seed=seed)
+    steps, n = math.ceil(len(x_train) / cfg.batch_size), len(x_train)
+    evaluation = {"step": steps, "samples": n, "test_acc": fitted.test_acc, "test_loss": None}
+    nbytes = None if fitted.entries is None else x_train.nbytes + y_train.nbytes
+    _ModelLog(run, name, seed).log(evaluation, entries=fitted.entries, bytes=nbytes,
+                                   train_seconds=fitted.fit_seconds,
+                                   eval_seconds=fitted.predict_seconds)
+    return {"model": name, "seed": seed, "parameters": 0, "possible_entries": None,
+            "test_acc": fitted.test_acc, "test_loss": None, "train_loss": None,
+            "entries": fitted.entries, "bytes": nbytes, "steps": steps, "samples": n,
+            "train_seconds": fitted.fit_seconds, "eval_seconds": fitted.predict_seconds,
+            "history": [evaluation], "resumed": False, "settings": fitted.settings}
 
 
 def _free(device: torch.device) -> None:
@@ -578,7 +618,8 @@ def model_rows(runs: list[dict[str, Any]], models: tuple[str, ...]) -> list[dict
         if not rs:
             continue
         acc, acc_sd = _mean_sd([100 * r["test_acc"] for r in rs])
-        loss, loss_sd = _mean_sd([r["test_loss"] for r in rs])
+        losses = [r["test_loss"] for r in rs if r["test_loss"] is not None]
+        loss, loss_sd = _mean_sd(losses) if losses else (None, None)
         ref = model_spec(name).reference
         rows.append({
             "model": name, "seeds": [r["seed"] for r in rs],
@@ -616,7 +657,8 @@ def results_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['model']} | {' '.join(map(str, r['seeds']))} "
             f"| {_pm(r['test_acc_pct'], r['test_acc_pct_sd'], 2)} "
-            f"| {_pm(r['test_loss'], r['test_loss_sd'], 3)} | {entries} | {store} "
+            f"| {'—' if r['test_loss'] is None else _pm(r['test_loss'], r['test_loss_sd'], 3)} "
+            f"| {entries} | {store} "
             f"| {r['parameters']:,} | {r['train_seconds']:.1f} | {r['eval_seconds']:.1f} "
             f"| {model_spec(r['model']).reference.describe()} |"
         )
