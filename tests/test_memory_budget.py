@@ -146,3 +146,20 @@ def test_bad_settings_are_errors(settings, message):
 def test_unknown_saved_setting_is_an_error():
     with pytest.raises(ValueError, match="unknown settings \\['budget'\\]"):
         MemoryBudgetConfig.from_dict({"budget": 3})
+
+
+def test_cli_flags_reach_the_config(tmp_path, monkeypatch):
+    """`rcdl reproduce memory-budget` maps its flags onto MemoryBudgetConfig."""
+    from rcdl import cli
+    from rcdl.experiments import memory_budget
+
+    seen = {}
+    monkeypatch.setattr(memory_budget, "run_memory_budget",
+                        lambda cfg, **kw: seen.update(cfg=cfg, kw=kw))
+    argv = ["reproduce", "memory-budget", "--quick", "--capacities", "30", "90", "--policies",
+            "oldest", "contribution+merge", "--no-unbounded", "--slack", "0.25", "--data-dir",
+            str(tmp_path), "--device", "cpu", "--no-progress"]
+    assert cli.main(argv) == 0
+    cfg = seen["cfg"]
+    assert cfg.capacities == (30, 90) and cfg.policies == ("oldest", "contribution+merge")
+    assert (cfg.unbounded, cfg.slack, cfg.train_size) == (False, 0.25, 480)
