@@ -6,10 +6,12 @@ flattened images that every other model sees:
 
 - :func:`fit_knn` — kNN with the L2 or the cosine distance. ``k`` is chosen by accuracy on
   a held-out part of the training set, and the final classifier is fitted on all of it.
-- :func:`fit_linear_svm` — a linear SVM (``LinearSVC``, one-vs-rest, squared hinge).
+- :func:`fit_linear_svm` — a linear SVM (hinge loss, L2 penalty chosen on the held-out
+  part, one-vs-rest), trained by scikit-learn's SGD solver so that it scales to 50 000
+  images.
 - :func:`fit_rbf_svm` — an RBF-kernel SVM approximated so that it fits a small machine. A
   Nyström map with ``n_components`` landmarks (``gamma = 1 / (d · Var(x))``, scikit-learn's
-  ``"scale"``) is followed by a linear SVM. The exact kernel SVM costs O(N²) memory and
+  ``"scale"``) is followed by that linear SVM. The exact kernel SVM costs O(N²) memory and
   O(N²–N³) time on 50 000 images.
 
 Each function returns a :class:`ClassicalResult` with the test accuracy, the fit and predict
@@ -100,14 +102,11 @@ def fit_knn(x_train: Tensor, y_train: Tensor, x_test: Tensor, y_test: Tensor, *,
     metrics = {"l2": "euclidean", "cosine": "cosine"}
     if metric not in metrics:
         raise ValueError(f"unknown kNN metric {metric!r}; known: l2, cosine")
-    if not 0 < holdout < 1:
-        raise ValueError(f"holdout must be a fraction in (0, 1), got {holdout}")
     x, y, xt, yt = map(_numpy, (x_train, y_train, x_test, y_test))
     classes = int(max(y.max(), yt.max())) + 1
     start = time.perf_counter()
-    order = np.random.default_rng(seed).permutation(len(x))
-    n_held = max(1, int(round(holdout * len(x))))
-    held, fit = order[:n_held], order[n_held:]
+    held, fit = _holdout_split(len(x), holdout, seed)
+    n_held = len(held)
     ks = sorted({int(k) for k in ks if 1 <= k <= len(fit)})
     if not ks:
         raise ValueError(f"no candidate k fits {len(fit)} fitting points")
@@ -130,43 +129,63 @@ def fit_knn(x_train: Tensor, y_train: Tensor, x_test: Tensor, y_test: Tensor, *,
     )  # fmt: skip
 
 
-def _fit_linear(features_train: np.ndarray, y: np.ndarray, c: float, max_iter: int, seed: int):  # noqa: ANN202
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.svm import LinearSVC
+def _holdout_split(n: int, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    if not 0 < holdout < 1:
+        raise ValueError(f"holdout must be a fraction in (0, 1), got {holdout}")
+    order = np.random.default_rng(seed).permutation(n)
+    n_held = max(1, int(round(holdout * n)))
+    return order[:n_held], order[n_held:]
 
-    svm = LinearSVC(C=c, max_iter=max_iter, random_state=seed)
+
+def _fit_svm(features: np.ndarray, y: np.ndarray, alphas: Sequence[float], holdout: float,
+             epochs: int, seed: int):  # noqa: ANN202
+    """A linear SVM (hinge loss, L2 penalty ``alpha``) trained by scikit-learn's SGD solver,
+    one-vs-rest; ``alpha`` chosen on the held-out part, then refitted on everything."""
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import SGDClassifier
+
+    if not alphas or min(alphas) <= 0:
+        raise ValueError(f"alphas must be positive penalties, got {list(alphas)}")
+    held, fit = _holdout_split(len(features), holdout, seed)
+
+    def svm(alpha: float) -> SGDClassifier:
+        return SGDClassifier(loss="hinge", alpha=alpha, max_iter=epochs, tol=1e-4,
+                             random_state=seed)
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConvergenceWarning)
-        svm.fit(features_train, y)
+        held_acc = {a: float(svm(a).fit(features[fit], y[fit]).score(features[held], y[held]))
+                    for a in alphas}
+        best = max(alphas, key=lambda a: (held_acc[a], a))
+        model = svm(best).fit(features, y)
     converged = not any(issubclass(w.category, ConvergenceWarning) for w in caught)
-    return svm, converged
+    return model, {"alpha": best, "holdout_accuracy": held_acc, "epochs": epochs,
+                   "converged": converged}
 
 
 def fit_linear_svm(x_train: Tensor, y_train: Tensor, x_test: Tensor, y_test: Tensor, *,
-                   c: float = 0.01, max_iter: int = 1000, seed: int = 0) -> ClassicalResult:
-    """A linear SVM (one-vs-rest ``LinearSVC``, squared hinge, penalty ``c``).
-
-    ``c = 0.01`` because 3 072 standardised pixels separate a few thousand images easily, and
-    a weak penalty then overfits. Whether the solver converged within ``max_iter`` is
-    recorded in the settings.
-    """
+                   alphas: Sequence[float] = (1e-4, 1e-3, 1e-2), holdout: float = 0.1,
+                   epochs: int = 20, seed: int = 0) -> ClassicalResult:
+    """A linear SVM: hinge loss with an L2 penalty ``alpha``, one-vs-rest, trained by SGD
+    (``SGDClassifier``: linear in N, where exact solvers such as liblinear took over 15
+    minutes on 5 000 images of 3 072 pixels here). ``alpha`` is chosen on a held-out
+    ``holdout`` fraction of the training set."""
     _sklearn()
     _check(x_train, y_train, x_test, y_test)
     x, y, xt, yt = map(_numpy, (x_train, y_train, x_test, y_test))
     start = time.perf_counter()
-    svm, converged = _fit_linear(x, y, c, max_iter, seed)
+    svm, settings = _fit_svm(x, y, alphas, holdout, epochs, seed)
     fit_seconds = time.perf_counter() - start
     start = time.perf_counter()
     acc = float((svm.predict(xt) == yt).mean())
-    return ClassicalResult(acc, fit_seconds, time.perf_counter() - start, None,
-                           {"C": c, "max_iter": max_iter, "converged": converged})
+    return ClassicalResult(acc, fit_seconds, time.perf_counter() - start, None, settings)
 
 
 def fit_rbf_svm(x_train: Tensor, y_train: Tensor, x_test: Tensor, y_test: Tensor, *,
-                n_components: int = 2000, c: float = 1.0, max_iter: int = 1000,
-                seed: int = 0) -> ClassicalResult:
-    """An RBF-kernel SVM through a Nyström map with ``n_components`` landmarks (at most the
-    number of training points) and a linear SVM on the mapped features."""
+                n_components: int = 2000, alphas: Sequence[float] = (1e-5, 1e-4, 1e-3),
+                holdout: float = 0.1, epochs: int = 20, seed: int = 0) -> ClassicalResult:
+    """An RBF-kernel SVM: a Nyström map with ``n_components`` landmarks (at most the number
+    of training points), then the linear SVM of :func:`fit_linear_svm` on the features."""
     _sklearn()
     from sklearn.kernel_approximation import Nystroem
 
@@ -177,13 +196,12 @@ def fit_rbf_svm(x_train: Tensor, y_train: Tensor, x_test: Tensor, y_test: Tensor
     nystroem = Nystroem(kernel="rbf", gamma=gamma, n_components=min(n_components, len(x)),
                         random_state=seed)
     features = nystroem.fit_transform(x)
-    svm, converged = _fit_linear(features, y, c, max_iter, seed)
+    svm, settings = _fit_svm(features, y, alphas, holdout, epochs, seed)
     fit_seconds = time.perf_counter() - start
     start = time.perf_counter()
     acc = float((svm.predict(nystroem.transform(xt)) == yt).mean())
     return ClassicalResult(acc, fit_seconds, time.perf_counter() - start, None,
-                           {"gamma": gamma, "n_components": nystroem.n_components, "C": c,
-                            "max_iter": max_iter, "converged": converged})
+                           {"gamma": gamma, "n_components": nystroem.n_components, **settings})
 
 
 CLASSICAL_MODELS = {
@@ -192,7 +210,7 @@ CLASSICAL_MODELS = {
     "knn-cosine": ("k-nearest neighbours, cosine",
                    lambda *d, seed: fit_knn(*d, metric="cosine", seed=seed)),
     "svm-linear": ("linear SVM", lambda *d, seed: fit_linear_svm(*d, seed=seed)),
-    "svm-rbf": ("RBF SVM (Nyström, 2000 landmarks)",
+    "svm-rbf": ("RBF SVM (Nyström, 2 000 landmarks)",
                 lambda *d, seed: fit_rbf_svm(*d, seed=seed)),
 }
 

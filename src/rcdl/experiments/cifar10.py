@@ -23,7 +23,7 @@ None of them reimplements a layer.
                       (SPEC §5; the paper's N are 5000 and 50016)
 ``knn-l2``,           k-nearest neighbours (k chosen on 10 % of the training set held out),
 ``knn-cosine``        L2 or cosine distance (:mod:`rcdl.classical`)
-``svm-linear``        linear SVM (``LinearSVC``, C = 0.01)
+``svm-linear``        linear SVM (hinge loss, SGD solver, penalty chosen on the held-out 10 %)
 ``svm-rbf``           RBF SVM through a Nyström map with 2 000 landmarks, then a linear SVM
 ====================  ==================================================================
 
