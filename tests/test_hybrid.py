@@ -271,3 +271,8 @@ def test_hybrid_run_resumes_to_the_same_result(tmp_path):
     assert resumed["resumed"]
     assert resumed["history"] == reference["history"]
     assert resumed["entries"] == reference["entries"]
+
+
+def test_the_exact_rule_is_refused():
+    with pytest.raises(ValueError, match="exact 1/Z rule"):
+        HybridSoftmax(4, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 1.0, exact=True))

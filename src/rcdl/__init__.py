@@ -36,6 +36,7 @@ from rcdl.networks import (
 )
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
 from rcdl.store import EntryStore
+from rcdl.vit import ViT, mlp_vit, rcdl_vit
 
 __all__ = [
     "AgeCoefficients",
@@ -67,6 +68,7 @@ __all__ = [
     "RMSNorm",
     "ResNetMLP",
     "ResidualNet",
+    "ViT",
     "__version__",
     "attention",
     "attention_partial",
@@ -76,6 +78,8 @@ __all__ = [
     "growing_softmax_net",
     "hybrid_softmax_net",
     "merge_partials",
+    "mlp_vit",
     "naive_attention",
+    "rcdl_vit",
     "to_dual_form",
 ]

@@ -170,7 +170,14 @@ def _run_experiment(args: argparse.Namespace, config_cls, fields: Sequence[str],
     if args.data_dir is not None:
         settings["data_dir"] = args.data_dir
     try:
-        cfg = config_cls.quick(**settings) if args.quick else config_cls(**settings)
+        if args.quick and getattr(args, "paper", False):
+            raise ValueError("give --quick or --paper, not both")
+        if args.quick:
+            cfg = config_cls.quick(**settings)
+        elif getattr(args, "paper", False):
+            cfg = config_cls.paper(**settings)
+        else:
+            cfg = config_cls(**settings)
         device = resolve_device(args.device or cfg.device)
         run(cfg, out=args.out, device=device, progress=not args.no_progress,
             download=not args.no_download)
@@ -195,6 +202,14 @@ def _cmd_reproduce_memory_budget(args: argparse.Namespace) -> int:
     fields = ("model", "train_size", "test_size", "capacities", "policies", "unbounded",
               "slack", "seed", "eval_every")
     return _run_experiment(args, MemoryBudgetConfig, fields, run_memory_budget)
+
+
+def _cmd_reproduce_vit(args: argparse.Namespace) -> int:
+    from rcdl.experiments.vit import ViTConfig, run_vit
+
+    fields = ("models", "train_size", "test_size", "seeds", "patch_size", "width", "depth",
+              "heads", "temperature", "tau_rel", "eta", "beta", "lr", "eval_every")
+    return _run_experiment(args, ViTConfig, fields, run_vit)
 
 
 def _add_common(parser: argparse.ArgumentParser, experiment: str) -> None:
@@ -225,6 +240,8 @@ _EXPERIMENTS = {
     "test accuracy and their gap (SPEC §8)",
     "memory-budget": "growing networks under a memory budget: accuracy against capacity for "
     "several eviction policies (SPEC §8, known limits)",
+    "vit": "a small ViT with MLP feed-forward blocks against the same ViT with hybrid RCDL "
+    "feed-forward blocks, one epoch of CIFAR-10 (SPEC §8)",
 }
 
 
@@ -363,6 +380,37 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
                      "and 240: a smoke test (under a minute)")
     _add_common(mem, "memory-budget")
     mem.set_defaults(func=_cmd_reproduce_memory_budget, unbounded=None)
+
+    vit = which.add_parser(
+        "vit", help=_EXPERIMENTS["vit"],
+        description="One epoch of CIFAR-10 for a small ViT with MLP feed-forward blocks and "
+        "the same ViT whose feed-forward blocks are hybrid weighted-softmax RCDL layers "
+        "(entries trained by Adam, growth gated at τ = tau_rel·√width), same data order. "
+        "Writes results.md, results.csv and vit.png. See docs/vit.md.",
+    )  # fmt: skip
+    vit.add_argument("--models", nargs="+", choices=("mlp", "rcdl"), help="(mlp rcdl)")
+    vit.add_argument("--train-size", type=int, metavar="N", help="training images (all)")
+    vit.add_argument("--test-size", type=int, metavar="N", help="test images (all)")
+    vit.add_argument("--seeds", nargs="+", type=int, metavar="K", help="seeds (0)")
+    vit.add_argument("--patch-size", type=int, metavar="P", help="patch side in pixels (8)")
+    vit.add_argument("--width", type=int, metavar="D", help="token width (64)")
+    vit.add_argument("--depth", type=int, metavar="L", help="blocks (4)")
+    vit.add_argument("--heads", type=int, metavar="H", help="attention heads (4)")
+    vit.add_argument("--temperature", type=float, metavar="T",
+                     help="softmax temperature of the RCDL layers (2.0)")
+    vit.add_argument("--tau-rel", type=float, metavar="R",
+                     help="growth threshold in units of √width (1.0)")
+    vit.add_argument("--eta", type=float, help="gws rule η of the RCDL layers (10)")
+    vit.add_argument("--beta", type=float, help="gws rule β of the RCDL layers (0.3)")
+    vit.add_argument("--lr", type=float, help="Adam learning rate, both models (1e-3)")
+    vit.add_argument("--eval-every", type=int, metavar="STEPS", help="steps between test "
+                     "evaluations (500)")
+    vit.add_argument("--quick", action="store_true", help="500 / 200 images, width 32, 2 "
+                     "blocks: a smoke test (seconds)")
+    vit.add_argument("--paper", action="store_true", help="a larger ViT (patch 4, width 128, "
+                     "6 blocks) on all images: hours on a CPU, for a GPU")
+    _add_common(vit, "vit")
+    vit.set_defaults(func=_cmd_reproduce_vit)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -151,6 +151,11 @@ class HybridSoftmax(GrowingSoftmax):
                  seed: int | None = None, **kw) -> None:
         super().__init__(d_in, d_out, temperature=temperature, rule=rule,
                          initial_entries=initial_entries, seed=seed, **kw)
+        if getattr(rule, "exact", False):
+            raise ValueError(
+                "HybridSoftmax: the exact 1/Z rule needs Z(q) > 0, but Adam may drive stored "
+                "weights negative (Z ≤ 0, log Z undefined); use the clipped gws rule "
+                "(ClippedSoftmaxRule(exact=False)) as SPEC §4 does")
         self.trigger = DistanceGate(50.0) if trigger is None else trigger
         factory = {"dtype": self.store.dtype, "device": self.store.device}
         # Adam's first and second moments of (keys, weighted values, weights), row-aligned

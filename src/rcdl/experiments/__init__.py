@@ -11,4 +11,6 @@
 - :mod:`rcdl.experiments.memory_budget` — the growing ``gws`` model under a bounded memory:
   test accuracy against entries per layer for several eviction policies (SPEC §8;
   ``rcdl reproduce memory-budget``).
+- :mod:`rcdl.experiments.vit` — a small ViT with MLP against hybrid RCDL feed-forward
+  blocks, one epoch (SPEC §8; ``rcdl reproduce vit``).
 """
