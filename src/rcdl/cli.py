@@ -167,7 +167,7 @@ def _run_experiment(args: argparse.Namespace, config_cls, fields: Sequence[str],
     from rcdl.cifar import CorruptDataError
 
     settings = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
-    if args.data_dir is not None:
+    if getattr(args, "data_dir", None) is not None:
         settings["data_dir"] = args.data_dir
     try:
         if args.quick and getattr(args, "paper", False):
@@ -179,8 +179,8 @@ def _run_experiment(args: argparse.Namespace, config_cls, fields: Sequence[str],
         else:
             cfg = config_cls(**settings)
         device = resolve_device(args.device or cfg.device)
-        run(cfg, out=args.out, device=device, progress=not args.no_progress,
-            download=not args.no_download)
+        kw = {"download": not args.no_download} if hasattr(args, "no_download") else {}
+        run(cfg, out=args.out, device=device, progress=not args.no_progress, **kw)
     except (OSError, CorruptDataError, ValueError) as e:  # bad settings, data or run folder
         raise CLIError(str(e)) from e
     return 0
@@ -212,16 +212,25 @@ def _cmd_reproduce_vit(args: argparse.Namespace) -> int:
     return _run_experiment(args, ViTConfig, fields, run_vit)
 
 
-def _add_common(parser: argparse.ArgumentParser, experiment: str) -> None:
+def _cmd_reproduce_teacher_student(args: argparse.Namespace) -> int:
+    from rcdl.experiments.teacher_student import TeacherStudentConfig, run_teacher_student
+
+    fields = ("n_train", "n_test", "seeds", "d_in", "teacher_width", "teacher_depth", "noise",
+              "temperature", "beta", "eta", "parametric_lr", "mlp_lr", "eval_every")
+    return _run_experiment(args, TeacherStudentConfig, fields, run_teacher_student)
+
+
+def _add_common(parser: argparse.ArgumentParser, experiment: str, data: bool = True) -> None:
     """The data, device, output and display flags every experiment takes."""
-    parser.add_argument("--data-dir", metavar="DIR", help="folder holding cifar10.npz or the "
-                        "official files (default: $RCDL_DATA, then the cache folder)")
+    if data:
+        parser.add_argument("--data-dir", metavar="DIR", help="folder holding cifar10.npz or "
+                            "the official files (default: $RCDL_DATA, then the cache folder)")
+        parser.add_argument("--no-download", action="store_true",
+                            help="never download the data set when no local copy is found")
     parser.add_argument("--out", metavar="DIR",
                         help=f"run folder to write (default: runs/{experiment}-<timestamp>)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"),
                         help="default: auto (CUDA when available)")
-    parser.add_argument("--no-download", action="store_true",
-                        help="never download the data set when no local copy is found")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
@@ -240,6 +249,8 @@ _EXPERIMENTS = {
     "test accuracy and their gap (SPEC §8)",
     "memory-budget": "growing networks under a memory budget: accuracy against capacity for "
     "several eviction policies (SPEC §8, known limits)",
+    "teacher-student": "teacher–student regression: growing weighted-softmax student vs a "
+    "size-matched parametric softmax and an MLP (SPEC §8)",
     "vit": "a small ViT with MLP feed-forward blocks against the same ViT with hybrid RCDL "
     "feed-forward blocks, one epoch of CIFAR-10 (SPEC §8)",
 }
@@ -380,6 +391,34 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
                      "and 240: a smoke test (under a minute)")
     _add_common(mem, "memory-budget")
     mem.set_defaults(func=_cmd_reproduce_memory_budget, unbounded=None)
+
+    ts = which.add_parser(
+        "teacher-student", help=_EXPERIMENTS["teacher-student"],
+        description="A random teacher network generates a regression stream; a growing "
+        "weighted-softmax student (gws rule), a parametric-softmax student with as many "
+        "entries as the growing one stores at the end (Adam) and an MLP (Adam) learn it in "
+        "one pass, several seeds. Writes results.md, results.csv and test_mse.png. No data "
+        "files needed. See docs/teacher_student.md.",
+    )  # fmt: skip
+    ts.add_argument("--n-train", type=int, metavar="N", help="training samples (16000)")
+    ts.add_argument("--n-test", type=int, metavar="N", help="test samples (1000)")
+    ts.add_argument("--seeds", nargs="+", type=int, metavar="K", help="seeds (0 1 2)")
+    ts.add_argument("--d-in", type=int, metavar="D", help="input dimension (32)")
+    ts.add_argument("--teacher-width", type=int, metavar="W", help="teacher width (64)")
+    ts.add_argument("--teacher-depth", type=int, metavar="L", help="teacher hidden layers (2)")
+    ts.add_argument("--noise", type=float, help="target noise sd (0)")
+    ts.add_argument("--temperature", type=float, metavar="T",
+                    help="growing student's T (0.7)")
+    ts.add_argument("--beta", type=float, help="growing student's β (1.0)")
+    ts.add_argument("--eta", type=float, help="growing student's η (1.0)")
+    ts.add_argument("--parametric-lr", type=float, help="Adam lr of the parametric student "
+                    "(1e-3)")
+    ts.add_argument("--mlp-lr", type=float, help="Adam lr of the MLP (3e-3)")
+    ts.add_argument("--eval-every", type=int, metavar="STEPS", help="steps between test "
+                    "evaluations (50)")
+    ts.add_argument("--quick", action="store_true", help="a smoke test (seconds)")
+    _add_common(ts, "teacher-student", data=False)
+    ts.set_defaults(func=_cmd_reproduce_teacher_student)
 
     vit = which.add_parser(
         "vit", help=_EXPERIMENTS["vit"],
