@@ -161,12 +161,15 @@ def _cmd_reproduce_tau_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_experiment(args: argparse.Namespace, config_cls, fields: Sequence[str], run) -> int:  # noqa: ANN001
-    """A subset-scale experiment without resume: ``config_cls`` (with ``quick()``) filled
-    from the flags named ``fields``, then ``run(cfg, out=, device=, progress=, download=)``."""
+def _run_experiment(args: argparse.Namespace, config_cls, fields: Sequence[str], run,  # noqa: ANN001
+                    **explicit) -> int:  # noqa: ANN003
+    """A subset-scale experiment without resume: ``config_cls`` (with ``quick()`` and perhaps
+    ``paper()``) filled from the flags named ``fields`` and the ``explicit`` settings, then
+    ``run(cfg, out=, device=, progress=, download=)``."""
     from rcdl.cifar import CorruptDataError
 
     settings = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    settings |= explicit
     if getattr(args, "data_dir", None) is not None:
         settings["data_dir"] = args.data_dir
     try:
@@ -220,6 +223,24 @@ def _cmd_reproduce_teacher_student(args: argparse.Namespace) -> int:
     return _run_experiment(args, TeacherStudentConfig, fields, run_teacher_student)
 
 
+def _cmd_reproduce_optimizers(args: argparse.Namespace) -> int:
+    from rcdl.experiments.optimizers import OptimizerComparisonConfig, run_optimizer_comparison
+
+    fields = ("datasets", "methods", "train_size", "test_size", "epochs", "seeds", "width")
+    explicit = {"width": None} if args.no_projection else {}
+    return _run_experiment(args, OptimizerComparisonConfig, fields, run_optimizer_comparison,
+                           **explicit)
+
+
+def _cmd_reproduce_deltanet_decay(args: argparse.Namespace) -> int:
+    from rcdl.experiments.deltanet_decay import DeltaNetDecayConfig, run_deltanet_decay
+
+    fields = ("variants", "train_size", "test_size", "epochs", "seeds", "width", "depth", "lr",
+              "weight_decay", "deltanet_decay")
+    explicit = {"width": None} if args.no_projection else {}
+    return _run_experiment(args, DeltaNetDecayConfig, fields, run_deltanet_decay, **explicit)
+
+
 def _add_common(parser: argparse.ArgumentParser, experiment: str, data: bool = True) -> None:
     """The data, device, output and display flags every experiment takes."""
     if data:
@@ -249,6 +270,10 @@ _EXPERIMENTS = {
     "test accuracy and their gap (SPEC §8)",
     "memory-budget": "growing networks under a memory budget: accuracy against capacity for "
     "several eviction policies (SPEC §8, known limits)",
+    "optimizers": "several epochs of MLPs trained by SGD, Adam, RMSprop, Muon and FOOF beside "
+    "the growing gws and RBF networks, CIFAR-10 and CIFAR-100 (SPEC §7, §8)",
+    "deltanet-decay": "a 10-block residual MLP without decay, with weight decay and with "
+    "DeltaNet decay, many epochs (SPEC §7, §8)",
     "teacher-student": "teacher–student regression: growing weighted-softmax student vs a "
     "size-matched parametric softmax and an MLP (SPEC §8)",
     "vit": "a small ViT with MLP feed-forward blocks against the same ViT with hybrid RCDL "
@@ -391,6 +416,60 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
                      "and 240: a smoke test (under a minute)")
     _add_common(mem, "memory-budget")
     mem.set_defaults(func=_cmd_reproduce_memory_budget, unbounded=None)
+
+    from rcdl.experiments.deltanet_decay import VARIANTS
+    from rcdl.experiments.optimizers import DATASETS, METHODS
+
+    opt = which.add_parser(
+        "optimizers", help=_EXPERIMENTS["optimizers"],
+        description="MLPs trained by SGD, Adam, RMSprop, Muon and FOOF beside the growing gws "
+        "and RBF networks (plain functional-gradient rules, writing every epoch), several "
+        "epochs on CIFAR-10 and, when its files are found, CIFAR-100; all see the same fixed "
+        "random projection of the pixels to --width dimensions. Writes results.md, "
+        "results.csv and the training-loss and test-accuracy figures. See "
+        "docs/optimizer_experiments.md.",
+    )  # fmt: skip
+    opt.add_argument("--datasets", nargs="+", choices=tuple(DATASETS),
+                     help="(cifar10 cifar100; a missing one is reported and skipped)")
+    opt.add_argument("--methods", nargs="+", choices=tuple(METHODS), help="(all)")
+    opt.add_argument("--train-size", type=int, metavar="N", help="training images (5000)")
+    opt.add_argument("--test-size", type=int, metavar="N", help="test images (2000)")
+    opt.add_argument("--epochs", type=int, metavar="E", help="epochs (10)")
+    opt.add_argument("--seeds", nargs="+", type=int, metavar="K", help="seeds (0)")
+    opt.add_argument("--width", type=int, metavar="W", help="projected input width (256)")
+    opt.add_argument("--no-projection", action="store_true",
+                     help="the raw 3 072 pixels (the paper's setting)")
+    opt.add_argument("--quick", action="store_true", help="300 / 300 images, width 64, 3 "
+                     "epochs: a smoke test")
+    opt.add_argument("--paper", action="store_true", help="whole data sets, no projection, "
+                     "SPEC §6's baselines: a GPU job")
+    _add_common(opt, "optimizers")
+    opt.set_defaults(func=_cmd_reproduce_optimizers)
+
+    dn = which.add_parser(
+        "deltanet-decay", help=_EXPERIMENTS["deltanet-decay"],
+        description="A 10-block residual MLP trained by SGD without decay, with "
+        "multiplicative weight decay and with DeltaNet decay (SPEC §7: forgetting only along "
+        "the current inputs' directions), many epochs on a CIFAR-10 subset. Writes "
+        "results.md, results.csv and the curves. See docs/optimizer_experiments.md.",
+    )  # fmt: skip
+    dn.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), help="(all three)")
+    dn.add_argument("--train-size", type=int, metavar="N", help="training images (2000)")
+    dn.add_argument("--test-size", type=int, metavar="N", help="test images (2000)")
+    dn.add_argument("--epochs", type=int, metavar="E", help="epochs (150; the paper: 2000)")
+    dn.add_argument("--seeds", nargs="+", type=int, metavar="K", help="seeds (0)")
+    dn.add_argument("--width", type=int, metavar="W", help="projected input width (256)")
+    dn.add_argument("--no-projection", action="store_true", help="the raw 3 072 pixels")
+    dn.add_argument("--depth", type=int, metavar="L", help="residual blocks (10)")
+    dn.add_argument("--lr", type=float, help="SGD learning rate (0.03)")
+    dn.add_argument("--weight-decay", type=float, help="multiplicative decay (1e-4)")
+    dn.add_argument("--deltanet-decay", type=float, help="DeltaNet decay λ (1e-5)")
+    dn.add_argument("--quick", action="store_true", help="300 / 300 images, width 64, 5 "
+                    "epochs: a smoke test")
+    dn.add_argument("--paper", action="store_true", help="the paper's run: all images, no "
+                    "projection, 2000 epochs (days on a CPU)")
+    _add_common(dn, "deltanet-decay")
+    dn.set_defaults(func=_cmd_reproduce_deltanet_decay)
 
     ts = which.add_parser(
         "teacher-student", help=_EXPERIMENTS["teacher-student"],

@@ -11,6 +11,10 @@
 - :mod:`rcdl.experiments.memory_budget` — the growing ``gws`` model under a bounded memory:
   test accuracy against entries per layer for several eviction policies (SPEC §8;
   ``rcdl reproduce memory-budget``).
+- :mod:`rcdl.experiments.optimizers` — MLP optimizers (incl. Muon and FOOF) against the
+  growing networks over several epochs (SPEC §7, §8; ``rcdl reproduce optimizers``).
+- :mod:`rcdl.experiments.deltanet_decay` — DeltaNet decay against weight decay and none
+  (SPEC §7, §8; ``rcdl reproduce deltanet-decay``).
 - :mod:`rcdl.experiments.teacher_student` — growing vs size-matched parametric softmax
   students of a random teacher (SPEC §8; ``rcdl reproduce teacher-student``).
 - :mod:`rcdl.experiments.vit` — a small ViT with MLP against hybrid RCDL feed-forward
