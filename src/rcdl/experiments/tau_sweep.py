@@ -188,11 +188,11 @@ def write_sweep_report(run: RunDir, rows: list[dict[str, Any]],
     ]
     for r in rows:
         tau = "always" if r["hybrid"] and r["tau"] is None else _cell(r["tau"], "g")
-        fraction = _cell(None if r["stored_fraction"] is None else 100 * r["stored_fraction"],
-                         ".1f")
+        fraction = ("—" if r["stored_fraction"] is None
+                    else f"{100 * r['stored_fraction']:.1f} %")
         store = "—" if r["store_bytes"] is None else format_bytes(r["store_bytes"])
         lines.append(
-            f"| {r['label']} | {tau} | {_cell(r['entries'], ',')} | {fraction} % | {store} "
+            f"| {r['label']} | {tau} | {_cell(r['entries'], ',')} | {fraction} | {store} "
             f"| {r['test_acc_pct']:.2f} | {r['test_loss']:.3f} | {r['train_seconds']:.1f} "
             f"| {r['eval_seconds']:.1f} |"
         )
