@@ -11,8 +11,9 @@ ResNet-MLP baselines and the parametric-softmax networks:
 | rmsprop | lr 1e−4, alpha 0.9, eps 1e−8                                                |
 | muon    | ``torch.optim.Muon`` lr 1e−3 on 2-D weights (weight_decay=0 given, momentum  |
 |         | 0.95, Nesterov) + Adam lr 1e−3 on the other parameters                      |
-| foof    | ``FOOF`` (rcdl.dual_optim) lr 1e−3, momentum 0.85, damping 1e−3, ema 0.95,  |
-|         | refresh every 10 steps (SPEC §7; untuned)                                   |
+| foof    | ``FOOF`` (rcdl.dual_optim) lr 1e−3, momentum 0.85, damping 1.0, ema 0.95,   |
+|         | refresh every 10 steps (SPEC §7; damping 1e−3 diverged at every lr from 1e−4 |
+|         | to 1e−2 in docs/optimizer_experiments.md's tuning, 1.0 trained; lr untuned)  |
 | deltanet| ``DeltaNetDecay`` (rcdl.dual_optim) lr 1e−3, momentum 0.85, decay 1e−4      |
 |         | (SPEC §7; untuned)                                                          |
 
@@ -78,7 +79,7 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None):  # noq
         adam = torch.optim.Adam(others, lr=1e-3) if others else None
         return OptimizerGroup(muon, adam)
     if name == "foof":
-        return FOOF(model, lr=lr or 1e-3, damping=1e-3, ema=0.95, refresh_every=10,
+        return FOOF(model, lr=lr or 1e-3, damping=1.0, ema=0.95, refresh_every=10,
                     momentum=0.85)
     if name == "deltanet":
         return DeltaNetDecay(model, lr=lr or 1e-3, decay=1e-4, momentum=0.85)
