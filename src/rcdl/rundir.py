@@ -102,6 +102,15 @@ def atomic_save_torch(obj: Any, path: str | os.PathLike) -> Path:
     return _atomic_write(path, lambda f: torch.save(obj, f))
 
 
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """Write a matplotlib ``Figure`` to ``path`` as PNG, atomically."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return atomic_write_bytes(buf.getvalue(), path)
+
+
 def to_jsonable(obj: Any) -> Any:
     """Convert dataclasses, paths, tensors-of-one, torch dtypes/devices and containers to JSON.
 
@@ -276,3 +285,32 @@ class RunDir:
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
+
+
+def describe_machine(device: str | torch.device) -> str:
+    """The machine a run used, in one line for its report: platform, CPUs, torch, device,
+    threads (and the CUDA device's name)."""
+    device = torch.device(device)
+    env = environment_info(device)
+    machine = (f"{env['platform']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
+               f"device {device}, {env['num_threads']} threads")
+    if device.type == "cuda" and env["cuda_device"]:
+        machine += f" ({env['cuda_device']})"
+    return machine
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """``"auto"`` (CUDA when available, else CPU), or the named device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def release_memory(device: str | torch.device) -> None:
+    """Give a finished model's memory back before the next one is built: collect reference
+    cycles, and return CUDA's cached blocks."""
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()

@@ -57,7 +57,6 @@ between the last checkpoint and the interruption. ``summary.json`` is authoritat
 from __future__ import annotations
 
 import csv
-import gc
 import hashlib
 import io
 import json
@@ -90,7 +89,15 @@ from rcdl.networks import (
 )
 from rcdl.optim import make_optimizer
 from rcdl.rules import ClippedSoftmaxRule, GaugeSoftmaxRule
-from rcdl.rundir import RunDir, atomic_write_bytes, atomic_write_text, environment_info
+from rcdl.rundir import (
+    RunDir,
+    atomic_write_text,
+    describe_machine,
+    environment_info,
+    release_memory,
+    resolve_device,
+    save_figure,
+)
 from rcdl.store import format_bytes
 from rcdl.training import accuracy, train_one_pass
 
@@ -490,18 +497,6 @@ def _fit_classical(name: str, seed: int, cfg: Cifar10Config, data: tuple,
             "history": [evaluation], "resumed": False, "settings": fitted.settings}
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def run_cifar10(
     cfg: Cifar10Config,
     *,
@@ -530,7 +525,7 @@ def run_cifar10(
         The run folder and its summary (the content of ``summary.json``).
     """
     start = time.perf_counter()
-    device = _resolve_device(cfg.device) if device is None else torch.device(device)
+    device = resolve_device(cfg.device) if device is None else torch.device(device)
     if resume is not None and out is not None:
         raise ValueError("give either out (a new run) or resume (an existing one), not both")
     if data is None:
@@ -563,7 +558,7 @@ def run_cifar10(
                     summary["models"] = model_rows(summary["runs"], cfg.models)
                     session["seconds"] = time.perf_counter() - start
                     run.write_summary(summary)
-                    _free(device)
+                    release_memory(device)
                 if not keep_checkpoints:
                     checkpoint.unlink(missing_ok=True)
     except KeyboardInterrupt:
@@ -706,18 +701,8 @@ def plot_accuracy(runs: list[dict[str, Any]], models: tuple[str, ...], path: Pat
     ax.set(xlabel="training samples seen", ylabel="test accuracy (%)", title=title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", ncols=2)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    return atomic_write_bytes(buf.getvalue(), path)
+    return save_figure(fig, path)
 
-
-def _machine(device: torch.device) -> str:
-    env = environment_info(device)
-    machine = (f"{env['platform']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
-               f"device {device}, {env['num_threads']} threads")
-    if device.type == "cuda" and env["cuda_device"]:
-        machine += f" ({env['cuda_device']})"
-    return machine
 
 
 def write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
@@ -744,7 +729,7 @@ def write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
         "Train and eval seconds: mean per seed. Paper: the authors' one-seed run on one GPU, "
         "with full data (\"seeds\": the tuned baselines' mean ± sd over seeds).\n\n"
         f"Data: {d['source']}, {d['provenance']}.\n"
-        f"Machine: {_machine(device)}.\n"
+        f"Machine: {describe_machine(device)}.\n"
     )
     atomic_write_text(report, run.file("results.md"))
     atomic_write_text(results_csv(rows), run.file("results.csv"))

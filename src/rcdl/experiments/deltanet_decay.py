@@ -74,20 +74,17 @@ from rcdl.experiments.optimizers import (
     _check_int,
     _check_positive,
     _check_seeds,
-    _free,
     _load_one,
-    _resolve_device,
     epoch_rows,
     epoch_table,
     final_table,
-    machine_line,
     plot_curves,
     project,
     results_csv,
     train_method,
 )
 from rcdl.networks import ResNetMLP
-from rcdl.rundir import RunDir, atomic_write_text
+from rcdl.rundir import RunDir, atomic_write_text, describe_machine, release_memory, resolve_device
 
 __all__ = [
     "EXPERIMENT", "PAPER", "VARIANTS", "DeltaNetDecayConfig", "build_variant", "load_data",
@@ -270,7 +267,7 @@ def run_deltanet_decay(
         (variant, epoch), mean and sd over seeds, accuracy in percent) and ``verdict``.
     """
     start = time.perf_counter()
-    device = _resolve_device(cfg.device) if device is None else torch.device(device)
+    device = resolve_device(cfg.device) if device is None else torch.device(device)
     if data is None:
         data = load_data(cfg, download=download)
     sizes, want = (len(data.y_train), len(data.y_test)), (cfg.train_size, cfg.test_size)
@@ -297,7 +294,7 @@ def run_deltanet_decay(
                                                 key="variant", dataset="cifar10"))  # fmt: skip
             summary["seconds"] = time.perf_counter() - start
             run.write_summary(summary)
-            _free(device)
+            release_memory(device)
 
     summary["rows"] = epoch_rows(summary["runs"], cfg.variants, key="variant")
     summary["verdict"] = verdict(summary["rows"], cfg.epochs)
@@ -366,7 +363,7 @@ def write_report(run: RunDir, cfg: DeltaNetDecayConfig, summary: dict[str, Any],
         f"Paper (SPEC §8; whole CIFAR-10, 2000 epochs, width 3072): {PAPER['none']:.0f} % "
         f"without decay, {PAPER['deltanet']:.0f} % with DeltaNet decay; multiplicative weight "
         "decay barely helps.",
-        f"Data: {d['source']}, {d['provenance']}.\nMachine: {machine_line(device)}.\n",
+        f"Data: {d['source']}, {d['provenance']}.\nMachine: {describe_machine(device)}.\n",
     ]  # fmt: skip
     report = "\n\n".join(parts)
     atomic_write_text(report, run.file("results.md"))

@@ -14,7 +14,6 @@ table below plus the machine) and ``test_mse.png`` (test MSE against samples see
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from torch import nn
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
 from rcdl.networks import MLP, GrowingRBFNet
-from rcdl.rundir import RunDir, atomic_write_bytes, atomic_write_text, environment_info
+from rcdl.rundir import RunDir, atomic_write_text, environment_info, save_figure
 from rcdl.store import format_bytes
 from rcdl.training import train_one_pass
 
@@ -145,9 +144,7 @@ def plot_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> P
     ax.set(xlabel="training samples seen", ylabel="test MSE", yscale="log", title=title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    return atomic_write_bytes(buf.getvalue(), path)
+    return save_figure(fig, path)
 
 
 def run_demo(

@@ -51,7 +51,6 @@ Run folder::
 from __future__ import annotations
 
 import csv
-import gc
 import io
 import math
 import statistics
@@ -71,7 +70,14 @@ from rcdl.experiments.cifar10 import data_provenance
 from rcdl.grower import Grower
 from rcdl.networks import ParametricSoftmaxNet, growing_softmax_net
 from rcdl.rules import ClippedSoftmaxRule
-from rcdl.rundir import RunDir, atomic_write_bytes, atomic_write_text, environment_info
+from rcdl.rundir import (
+    RunDir,
+    atomic_write_text,
+    describe_machine,
+    release_memory,
+    resolve_device,
+    save_figure,
+)
 from rcdl.training import accuracy, evaluate, train_one_pass
 
 __all__ = [
@@ -242,12 +248,6 @@ def build_model(
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class _ModelLog:
     """Hands the trainer's records to the run's ``metrics.jsonl``, tagged with model and seed."""
 
@@ -281,12 +281,6 @@ def _train(name: str, seed: int, cfg: GeneralisationConfig, tensors: tuple, fit:
     return {"model": name, "seed": seed, "parameters": parameters, **result}
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def run_generalisation(
     cfg: GeneralisationConfig,
     *,
@@ -315,7 +309,7 @@ def run_generalisation(
         ``gaps`` (per model: the gap after the first and the last epoch).
     """
     start = time.perf_counter()
-    device = _resolve_device(cfg.device) if device is None else torch.device(device)
+    device = resolve_device(cfg.device) if device is None else torch.device(device)
     if data is None:
         data = load_data(cfg, download=download)
     sizes = (len(data.y_train), len(data.y_test))
@@ -341,7 +335,7 @@ def run_generalisation(
             summary["runs"].append(_train(name, seed, cfg, tensors, fit, run, device, progress))
             summary["seconds"] = time.perf_counter() - start
             run.write_summary(summary)
-            _free(device)
+            release_memory(device)
 
     summary["rows"] = epoch_rows(summary["runs"], cfg.epochs)
     summary["gaps"] = gap_change(summary["rows"], cfg.epochs)
@@ -463,18 +457,8 @@ def plot_generalisation(rows: list[dict[str, Any]], path: Path, *, title: str) -
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
         ax.xaxis.get_major_locator().set_params(integer=True)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    return atomic_write_bytes(buf.getvalue(), path)
+    return save_figure(fig, path)
 
-
-def _machine(device: torch.device) -> str:
-    env = environment_info(device)
-    machine = (f"{env['platform']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
-               f"device {device}, {env['num_threads']} threads")  # fmt: skip
-    if device.type == "cuda" and env["cuda_device"]:
-        machine += f" ({env['cuda_device']})"
-    return machine
 
 
 def write_report(run: RunDir, cfg: GeneralisationConfig, summary: dict[str, Any],
@@ -516,7 +500,7 @@ def write_report(run: RunDir, cfg: GeneralisationConfig, summary: dict[str, Any]
         verdict,
         "The paper reports a widening gap for the parametric model and none for the growing "
         "one (SPEC §8; it gives no numbers).",
-        f"Data: {d['source']}, {d['provenance']}.\nMachine: {_machine(device)}.\n",
+        f"Data: {d['source']}, {d['provenance']}.\nMachine: {describe_machine(device)}.\n",
     ])  # fmt: skip
     atomic_write_text(report, run.file("results.md"))
     atomic_write_text(results_csv(rows), run.file("results.csv"))

@@ -48,7 +48,7 @@ from rcdl.cifar import CifarData
 from rcdl.experiments import cifar10
 from rcdl.grower import Grower
 from rcdl.memory import MemoryBudget
-from rcdl.rundir import RunDir, atomic_write_bytes, atomic_write_text, environment_info
+from rcdl.rundir import RunDir, atomic_write_text, describe_machine, resolve_device, save_figure
 from rcdl.store import format_bytes
 from rcdl.training import train_one_pass
 
@@ -240,12 +240,6 @@ def _train(cfg: MemoryBudgetConfig, budget: MemoryBudget | None, data: tuple, ru
     }  # fmt: skip
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def run_memory_budget(
     cfg: MemoryBudgetConfig,
     *,
@@ -268,7 +262,7 @@ def run_memory_budget(
         The run folder and its summary (the content of ``summary.json``).
     """
     start = time.perf_counter()
-    device = _resolve_device(cfg.device) if device is None else torch.device(device)
+    device = resolve_device(cfg.device) if device is None else torch.device(device)
     if data is None:
         data = load_data(cfg, download=download)
     run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device)
@@ -368,18 +362,8 @@ def plot_accuracy_vs_capacity(rows: list[dict[str, Any]], path: Path, *, title: 
     ax.set(xlabel="capacity (entries per layer)", ylabel="test accuracy (%)", title=title)
     ax.grid(True, alpha=0.3)
     fig.legend(fontsize="small", loc="outside right upper")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    return atomic_write_bytes(buf.getvalue(), path)
+    return save_figure(fig, path)
 
-
-def _machine(device: torch.device) -> str:
-    env = environment_info(device)
-    machine = (f"{env['platform']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
-               f"device {device}, {env['num_threads']} threads")
-    if device.type == "cuda" and env["cuda_device"]:
-        machine += f" ({env['cuda_device']})"
-    return machine
 
 
 def write_report(run: RunDir, cfg: MemoryBudgetConfig, summary: dict[str, Any],
@@ -402,7 +386,7 @@ def write_report(run: RunDir, cfg: MemoryBudgetConfig, summary: dict[str, Any],
         "seconds cover forward, backward, growth and eviction; wall seconds include building "
         "the model and the evaluations.\n\n"
         f"Data: {d['source']}, {d['provenance']}.\n"
-        f"Machine: {_machine(device)}.\n"
+        f"Machine: {describe_machine(device)}.\n"
     )
     atomic_write_text(report, run.file("results.md"))
     atomic_write_text(results_csv(rows), run.file("results.csv"))

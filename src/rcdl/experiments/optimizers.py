@@ -69,7 +69,6 @@ Run folder::
 from __future__ import annotations
 
 import csv
-import gc
 import io
 import math
 import statistics
@@ -92,7 +91,14 @@ from rcdl.grower import Grower
 from rcdl.networks import GrowingRBFNet, ResNetMLP, growing_softmax_net
 from rcdl.optim import OptimizerGroup, make_optimizer
 from rcdl.rules import ClippedSoftmaxRule
-from rcdl.rundir import RunDir, atomic_write_bytes, atomic_write_text, environment_info
+from rcdl.rundir import (
+    RunDir,
+    atomic_write_text,
+    describe_machine,
+    release_memory,
+    resolve_device,
+    save_figure,
+)
 from rcdl.training import accuracy, train_one_pass
 
 __all__ = [
@@ -522,20 +528,6 @@ def _history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for e, r in zip(epoch, records, strict=True)]  # fmt: skip
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _free(device: torch.device) -> None:
-    """Return a finished model's memory to CUDA (on a CPU, reference counting and the
-    automatic collector suffice; a forced collection costs about a second per call)."""
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
 def train_method(name: str, seed: int, cfg: Any, build: Any, tensors: tuple, run: RunDir, *,
                  device: torch.device, progress: bool, key: str = "method",
                  **tags: Any) -> dict[str, Any]:  # fmt: skip
@@ -595,7 +587,7 @@ def run_optimizer_comparison(
         rcdl.cifar.CifarNotFoundError: see :func:`load_datasets`.
     """
     start = time.perf_counter()
-    device = _resolve_device(cfg.device) if device is None else torch.device(device)
+    device = resolve_device(cfg.device) if device is None else torch.device(device)
     if data is None:
         data, missing = load_datasets(cfg, download=download)
     else:
@@ -637,7 +629,7 @@ def run_optimizer_comparison(
                                                     dataset=name))  # fmt: skip
                 summary["seconds"] = time.perf_counter() - start
                 run.write_summary(summary)
-                _free(device)
+                release_memory(device)
         del tensors
 
     summary["rows"] = epoch_rows(summary["runs"], cfg.methods, key="method")
@@ -796,19 +788,8 @@ def plot_curves(rows: list[dict[str, Any]], path: Path, *, title: str,
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
         ax.xaxis.get_major_locator().set_params(integer=True)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    return atomic_write_bytes(buf.getvalue(), path)
+    return save_figure(fig, path)
 
-
-def machine_line(device: torch.device) -> str:
-    """The machine a run used, in one line (for the reports)."""
-    env = environment_info(device)
-    machine = (f"{env['platform']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
-               f"device {device}, {env['num_threads']} threads")  # fmt: skip
-    if device.type == "cuda" and env["cuda_device"]:
-        machine += f" ({env['cuda_device']})"
-    return machine
 
 
 def _where(missing: Mapping[str, Any]) -> str:
@@ -884,7 +865,7 @@ def write_report(run: RunDir, cfg: OptimizerComparisonConfig, summary: dict[str,
         "Paper (SPEC §8): the weighted-softmax and RBF growing models clearly beat the "
         "SGD/Adam/RMSprop MLPs and drop the training loss fastest; Muon is the best parametric "
         "optimizer on CIFAR-10, Mesa/FOOF on CIFAR-100 (no numbers given).",
-        f"Machine: {machine_line(device)}.\n",
+        f"Machine: {describe_machine(device)}.\n",
     ]
     report = "\n\n".join(parts)
     atomic_write_text(report, run.file("results.md"))

@@ -45,7 +45,7 @@ from rcdl.experiments.cifar10 import (
     model_spec,
     run_cifar10,
 )
-from rcdl.rundir import RunDir, atomic_write_bytes, atomic_write_text
+from rcdl.rundir import RunDir, atomic_write_text, save_figure
 from rcdl.store import format_bytes
 
 __all__ = ["TauSweepConfig", "run_tau_sweep", "sweep_rows", "write_sweep_report"]
@@ -235,6 +235,4 @@ def _plot(rows: list[dict[str, Any]], path: Path, *, title: str) -> Path:
            title=title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    return atomic_write_bytes(buf.getvalue(), path)
+    return save_figure(fig, path)

@@ -75,7 +75,7 @@ from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
 from rcdl.networks import MLP, ParametricSoftmaxNet, growing_softmax_net
 from rcdl.rules import ClippedSoftmaxRule
-from rcdl.rundir import RunDir, atomic_write_bytes, atomic_write_text, environment_info
+from rcdl.rundir import RunDir, atomic_write_text, describe_machine, resolve_device, save_figure
 from rcdl.store import format_bytes
 from rcdl.training import train_one_pass
 
@@ -275,12 +275,6 @@ def build_model(
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class _ModelLog:
     """Hands the trainer's records to the run's ``metrics.jsonl``, tagged with model and seed."""
 
@@ -343,7 +337,7 @@ def run_teacher_student(
             diverged: lower β/η or raise T).
     """
     start = time.perf_counter()
-    device = _resolve_device(cfg.device) if device is None else torch.device(device)
+    device = resolve_device(cfg.device) if device is None else torch.device(device)
     run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device)
     summary: dict[str, Any] = {
         "experiment": EXPERIMENT, "complete": False, "parametric_entries": cfg.entries,
@@ -482,18 +476,8 @@ def plot_curves(curves: dict[str, dict[str, list]], path: Path, *, title: str,
     ax.set(xlabel="training samples seen", ylabel="test MSE", yscale="log", title=title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    return atomic_write_bytes(buf.getvalue(), path)
+    return save_figure(fig, path)
 
-
-def _machine(device: torch.device) -> str:
-    env = environment_info(device)
-    machine = (f"{env['platform']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
-               f"device {device}, {env['num_threads']} threads")  # fmt: skip
-    if device.type == "cuda" and env["cuda_device"]:
-        machine += f" ({env['cuda_device']})"
-    return machine
 
 
 def write_report(run: RunDir, cfg: TeacherStudentConfig, summary: dict[str, Any],
@@ -540,7 +524,7 @@ def write_report(run: RunDir, cfg: TeacherStudentConfig, summary: dict[str, Any]
         f"every {cfg.eval_every} steps. Entries: weighted-softmax entries (for the parametric "
         "student, its table rows); store: the growing student's entry store.",
         outcome,
-        f"Machine: {_machine(device)}.\n",
+        f"Machine: {describe_machine(device)}.\n",
     ] if part)  # fmt: skip
     atomic_write_text(report, run.file("results.md"))
     atomic_write_text(results_csv(summary["rows"]), run.file("results.csv"))

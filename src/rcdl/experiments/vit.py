@@ -55,7 +55,7 @@ from rcdl.experiments.cifar10 import data_provenance
 from rcdl.grower import Grower
 from rcdl.hybrid import EntryAdam, hybrid_layers
 from rcdl.rules import ClippedSoftmaxRule
-from rcdl.rundir import RunDir, atomic_write_bytes, atomic_write_text, environment_info
+from rcdl.rundir import RunDir, atomic_write_text, describe_machine, resolve_device, save_figure
 from rcdl.training import accuracy, train_one_pass
 from rcdl.vit import ViT, mlp_vit, rcdl_vit
 
@@ -271,12 +271,6 @@ def build_model(name: str, seed: int, cfg: ViTConfig, *, device: torch.device | 
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 # --------------------------------------------------------------------------- running
 
 
@@ -348,7 +342,7 @@ def run_vit(
         ``rows`` (per model, mean and sd over seeds).
     """
     start = time.perf_counter()
-    device = _resolve_device(cfg.device) if device is None else torch.device(device)
+    device = resolve_device(cfg.device) if device is None else torch.device(device)
     if data is None:
         data = load_data(cfg, download=download)
     sizes = (len(data.y_train), len(data.y_test))
@@ -479,18 +473,8 @@ def plot_vit(runs: list[dict[str, Any]], path: Path, *, title: str) -> Path:
         ax.grid(True, alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize="small")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    return atomic_write_bytes(buf.getvalue(), path)
+    return save_figure(fig, path)
 
-
-def _machine(device: torch.device) -> str:
-    env = environment_info(device)
-    machine = (f"{env['platform']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
-               f"device {device}, {env['num_threads']} threads")  # fmt: skip
-    if device.type == "cuda" and env["cuda_device"]:
-        machine += f" ({env['cuda_device']})"
-    return machine
 
 
 def write_report(run: RunDir, cfg: ViTConfig, summary: dict[str, Any],
@@ -528,7 +512,7 @@ def write_report(run: RunDir, cfg: ViTConfig, summary: dict[str, Any],
         "§8) are for one epoch on all of CIFAR-10 with a ViT whose size SPEC does not give.",
         "\n".join(["Store sizes at the end (fraction of the tokens that wrote an entry):",
                    *stores]) if stores else "",
-        f"Data: {d['source']}, {d['provenance']}.\nMachine: {_machine(device)}.\n",
+        f"Data: {d['source']}, {d['provenance']}.\nMachine: {describe_machine(device)}.\n",
     ])  # fmt: skip
     atomic_write_text(report, run.file("results.md"))
     atomic_write_text(results_csv(summary["runs"]), run.file("results.csv"))
