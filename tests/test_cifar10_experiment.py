@@ -210,7 +210,10 @@ def test_registry_builds_the_hybrid_of_spec_6():
     assert layers[0].trigger.tau == 50.0
     assert (layers[0].rule.eta, layers[0].rule.beta) == (1.0, 30.0)
     assert opt.lr == 1e-3 and len(opt.layers) == 4
-    assert model_spec("hybrid-tau62.5").build is not None
+    _, _, grower = build_model("hybrid-tau62.5", 0)
+    assert {layer.trigger.tau for layer in grower.layers} == {62.5}
+    _, _, grower = build_model("hybrid-always", 0)
+    assert not any(layer.trigger.needs_distance for layer in grower.layers)
     assert model_spec("hybrid-tau50").reference.test_acc == 55.12
     assert model_spec("hybrid-always").reference.test_acc is None
     with pytest.raises(ValueError, match="unknown model 'hybrid-tau'"):
