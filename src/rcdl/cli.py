@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from rcdl._version import __version__
 
@@ -162,31 +162,63 @@ def _cmd_reproduce_tau_sweep(args: argparse.Namespace) -> int:
 
 
 def _run_experiment(args: argparse.Namespace, config_cls, fields: Sequence[str], run,  # noqa: ANN001
-                    **explicit) -> int:  # noqa: ANN003
-    """A subset-scale experiment without resume: ``config_cls`` (with ``quick()`` and perhaps
-    ``paper()``) filled from the flags named ``fields`` and the ``explicit`` settings, then
-    ``run(cfg, out=, device=, progress=, download=)``."""
-    from rcdl.cifar import CorruptDataError
+                    switches: Mapping[str, Mapping[str, Any]] | None = None) -> int:
+    """A subset-scale experiment made of independent sub-runs, new or resumed.
 
+    A new run: ``config_cls`` (with ``quick()`` and perhaps ``paper()``) filled from the
+    flags named ``fields`` and, for each flag of ``switches`` that is on (e.g.
+    ``{"no_projection": {"width": None}}``), its settings. A resumed run (``--resume
+    RUN_DIR``): the run's saved config, where only ``--data-dir`` (and ``--device``) may
+    change; any flag that sets the experiment (``fields``, ``switches``, ``--quick``,
+    ``--paper``, ``--out``) is refused. Then ``run(cfg, out=, resume=, device=, progress=,
+    download=)``, which skips the sub-runs a resumed run finished earlier.
+    """
+    from rcdl.cifar import CorruptDataError
+    from rcdl.rundir import read_config
+
+    switches = switches or {}
     settings = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
-    settings |= explicit
-    if getattr(args, "data_dir", None) is not None:
-        settings["data_dir"] = args.data_dir
+    for flag, extra in switches.items():
+        if getattr(args, flag):
+            settings |= extra
     try:
-        if args.quick and getattr(args, "paper", False):
-            raise ValueError("give --quick or --paper, not both")
-        if args.quick:
-            cfg = config_cls.quick(**settings)
-        elif getattr(args, "paper", False):
-            cfg = config_cls.paper(**settings)
+        if args.resume is not None:
+            _refuse_beside_resume(args, fields, switches)
+            cfg = read_config(args.resume, config_cls)
         else:
-            cfg = config_cls(**settings)
+            cfg = _new_config(args, config_cls, settings)
+        if getattr(args, "data_dir", None) is not None:
+            cfg = dataclasses.replace(cfg, data_dir=args.data_dir)
         device = resolve_device(args.device or cfg.device)
         kw = {"download": not args.no_download} if hasattr(args, "no_download") else {}
-        run(cfg, out=args.out, device=device, progress=not args.no_progress, **kw)
+        run(cfg, out=args.out, resume=args.resume, device=device,
+            progress=not args.no_progress, **kw)
     except (OSError, CorruptDataError, ValueError) as e:  # bad settings, data or run folder
         raise CLIError(str(e)) from e
     return 0
+
+
+def _new_config(args: argparse.Namespace, config_cls, settings: dict[str, Any]):  # noqa: ANN001, ANN202
+    """``config_cls`` at the scale of ``--quick`` or ``--paper`` (or its defaults), with
+    ``settings`` on top."""
+    if args.quick and getattr(args, "paper", False):
+        raise ValueError("give --quick or --paper, not both")
+    if args.quick:
+        return config_cls.quick(**settings)
+    if getattr(args, "paper", False):
+        return config_cls.paper(**settings)
+    return config_cls(**settings)
+
+
+def _refuse_beside_resume(args: argparse.Namespace, fields: Sequence[str],
+                          switches: Mapping[str, Any]) -> None:
+    """A usage error naming every flag given beside ``--resume`` that would change the
+    resumed run's settings."""
+    given = [f for f in fields if getattr(args, f) is not None]
+    given += [f for f in (*switches, "quick", "paper", "out") if getattr(args, f, None)]
+    if given:
+        flags = ", ".join(f"--{f.replace('_', '-')}" for f in given)
+        raise CLIError(f"--resume continues a run with its saved config; drop {flags}")
 
 
 def _cmd_reproduce_generalisation(args: argparse.Namespace) -> int:
@@ -200,11 +232,10 @@ def _cmd_reproduce_generalisation(args: argparse.Namespace) -> int:
 def _cmd_reproduce_memory_budget(args: argparse.Namespace) -> int:
     from rcdl.experiments.memory_budget import MemoryBudgetConfig, run_memory_budget
 
-    if args.no_unbounded:
-        args.unbounded = False
-    fields = ("model", "train_size", "test_size", "capacities", "policies", "unbounded",
-              "slack", "seed", "eval_every")
-    return _run_experiment(args, MemoryBudgetConfig, fields, run_memory_budget)
+    fields = ("model", "train_size", "test_size", "capacities", "policies", "slack", "seed",
+              "eval_every")
+    return _run_experiment(args, MemoryBudgetConfig, fields, run_memory_budget,
+                           switches={"no_unbounded": {"unbounded": False}})
 
 
 def _cmd_reproduce_vit(args: argparse.Namespace) -> int:
@@ -227,9 +258,8 @@ def _cmd_reproduce_optimizers(args: argparse.Namespace) -> int:
     from rcdl.experiments.optimizers import OptimizerComparisonConfig, run_optimizer_comparison
 
     fields = ("datasets", "methods", "train_size", "test_size", "epochs", "seeds", "width")
-    explicit = {"width": None} if args.no_projection else {}
     return _run_experiment(args, OptimizerComparisonConfig, fields, run_optimizer_comparison,
-                           **explicit)
+                           switches={"no_projection": {"width": None}})
 
 
 def _cmd_reproduce_deltanet_decay(args: argparse.Namespace) -> int:
@@ -237,12 +267,12 @@ def _cmd_reproduce_deltanet_decay(args: argparse.Namespace) -> int:
 
     fields = ("variants", "train_size", "test_size", "epochs", "seeds", "width", "depth", "lr",
               "weight_decay", "deltanet_decay")
-    explicit = {"width": None} if args.no_projection else {}
-    return _run_experiment(args, DeltaNetDecayConfig, fields, run_deltanet_decay, **explicit)
+    return _run_experiment(args, DeltaNetDecayConfig, fields, run_deltanet_decay,
+                           switches={"no_projection": {"width": None}})
 
 
 def _add_common(parser: argparse.ArgumentParser, experiment: str, data: bool = True) -> None:
-    """The data, device, output and display flags every experiment takes."""
+    """The data, device, output, resume and display flags every experiment takes."""
     if data:
         parser.add_argument("--data-dir", metavar="DIR", help="folder holding cifar10.npz or "
                             "the official files (default: $RCDL_DATA, then the cache folder)")
@@ -250,6 +280,8 @@ def _add_common(parser: argparse.ArgumentParser, experiment: str, data: bool = T
                             help="never download the data set when no local copy is found")
     parser.add_argument("--out", metavar="DIR",
                         help=f"run folder to write (default: runs/{experiment}-<timestamp>)")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run with "
+                        "its saved config: finished sub-runs are skipped, the others rerun")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"),
                         help="default: auto (CUDA when available)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -415,7 +447,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     mem.add_argument("--quick", action="store_true", help="480 / 200 images, capacities 60 "
                      "and 240: a smoke test (under a minute)")
     _add_common(mem, "memory-budget")
-    mem.set_defaults(func=_cmd_reproduce_memory_budget, unbounded=None)
+    mem.set_defaults(func=_cmd_reproduce_memory_budget)
 
     from rcdl.experiments.deltanet_decay import VARIANTS
     from rcdl.experiments.optimizers import DATASETS, METHODS

@@ -7,14 +7,21 @@ A run folder holds everything needed to read a run back without its author:
         environment.json  python, torch, device, threads, host, git revision, command line
         metrics.jsonl     one JSON object per line, appended and flushed as the run goes
         summary.json      the final results
+        finished.json     the results of the sub-runs finished so far, by name (for resume)
         ...               plots, tables, checkpoints (written with the atomic helpers)
 
 Every whole-file write goes to a temporary file in the same folder, is fsynced and then
 moved into place with ``os.replace``, so a reader (or a resumed run) never sees half a file.
+
+An experiment made of independent sub-runs (model × seed, policy × capacity...) resumes
+through :meth:`RunDir.sub_run`, :func:`open_run` and :func:`read_config`: each finished
+sub-run's result is saved at once, and a resumed session reads it back instead of
+training it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -24,7 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,6 +46,8 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "environment_info",
+    "open_run",
+    "read_config",
     "to_jsonable",
 ]
 
@@ -200,6 +209,7 @@ class RunDir:
         "metrics.jsonl",
         "summary.json",
     )
+    FINISHED = "finished.json"
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -283,8 +293,112 @@ class RunDir:
         with open(path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
 
+    def finished(self) -> dict[str, dict[str, Any]]:
+        """The results of the sub-runs finished so far, by name (``finished.json``; empty
+        before the first)."""
+        path = self.file(self.FINISHED)
+        if not path.exists():
+            return {}
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise ValueError(f"cannot read the finished sub-runs of this run: {path}: {e}") from e
+
+    def sub_run(self, name: str, train: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
+        """The result of the sub-run ``name``: read back if an earlier session finished it
+        (saying so on stdout), else ``train()``'s, added to ``finished.json`` atomically
+        before it is returned.
+
+        Either way the result comes back in its JSON form (lists for tuples, string keys),
+        so a resumed run builds its tables from exactly the values an uninterrupted one
+        does. An interrupted ``train()`` leaves nothing behind: it reruns from scratch.
+
+        Example::
+
+            result = run.sub_run("gws-seed0", functools.partial(train, "gws", 0))
+        """
+        finished = self.finished()
+        if name in finished:
+            print(f"{name}: finished in an earlier session, skipped")
+            return finished[name]
+        result = json.loads(json.dumps(to_jsonable(train())))
+        self.write_json(self.FINISHED, {**finished, name: result})
+        return result
+
+    @contextlib.contextmanager
+    def resumable(self, command: str) -> Iterator[None]:
+        """On ``KeyboardInterrupt`` inside the block, print the command that continues this
+        run (``<command> --resume <folder>``) to stderr, then re-raise."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            print(f"\nInterrupted. Continue with: {command} --resume {self.path}",
+                  file=sys.stderr)
+            raise
+
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
+
+
+def read_config(run_dir: str | os.PathLike, config_cls: Any) -> Any:
+    """The config saved in ``run_dir/config.json``, built by ``config_cls.from_dict``.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` holds no ``config.json``.
+        ValueError: the file is not a JSON object, or ``config_cls`` refuses its settings;
+            the message names the file.
+    """
+    path = Path(run_dir) / RunDir.CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} holds no run to resume: {path} does not exist")
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"cannot read the saved config {path}: {e}") from e
+    if not isinstance(saved, dict):
+        raise ValueError(f"cannot read the saved config {path}: expected a JSON object, "
+                         f"got {type(saved).__name__}")
+    try:
+        return config_cls.from_dict(saved)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"cannot use the saved config {path}: {e}") from e
+
+
+def open_run(
+    name: str,
+    config: Any,
+    *,
+    out: str | os.PathLike | None = None,
+    resume: str | os.PathLike | None = None,
+    device: str | torch.device | None = None,
+    may_differ: tuple[str, ...] = ("data_dir", "device"),
+) -> RunDir:
+    """A new run folder (:meth:`RunDir.create` at ``out``), or the interrupted run at
+    ``resume`` after checking that ``config`` is its saved one.
+
+    Args:
+        name: the experiment's name, for a new folder ``runs/<name>-<timestamp>``.
+        config: the run's config, a dataclass with ``from_dict`` (see :func:`read_config`).
+        out, resume: at most one of them.
+        device: recorded in a new run's ``environment.json``.
+        may_differ: settings a resumed run may change (where the data lives, the device).
+
+    Raises:
+        ValueError: both ``out`` and ``resume``, or ``config`` differs from the saved one
+            (the message lists the differences, saved then given).
+        FileNotFoundError: ``resume`` holds no run (see :func:`read_config`).
+    """
+    if out is not None and resume is not None:
+        raise ValueError("give either out (a new run) or resume (an existing one), not both")
+    if resume is None:
+        return RunDir.create(name, path=out, config=config, device=device)
+    saved = to_jsonable(read_config(resume, type(config)))
+    given = to_jsonable(config)
+    diff = {k: (saved[k], v) for k, v in given.items() if k not in may_differ and saved[k] != v}
+    if diff:
+        raise ValueError(f"{resume}: the config differs from the saved one (saved, given): "
+                         f"{diff}")
+    return RunDir(resume)
 
 
 def describe_machine(device: str | torch.device) -> str:

@@ -49,9 +49,15 @@ Decisions:
 Run folder::
 
     config.json, environment.json, metrics.jsonl (every evaluation, tagged with variant and seed)
+    finished.json    each finished (variant, seed)'s result, written as it finishes
     summary.json     per-run histories, per-(variant, epoch) rows, the verdict
     results.md/.csv  final numbers and a per-epoch excerpt; every epoch in the CSV
     deltanet_decay.png   training loss and test accuracy against epochs, the three variants
+
+Resume: :func:`run_deltanet_decay` with ``resume=RUN_DIR`` skips the (variant, seed) runs
+that ``finished.json`` holds and trains the others from scratch; the tables are then those
+of an uninterrupted run. ``metrics.jsonl`` may repeat the evaluations of the run that was
+interrupted.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +91,14 @@ from rcdl.experiments.optimizers import (
     train_method,
 )
 from rcdl.networks import ResNetMLP
-from rcdl.rundir import RunDir, atomic_write_text, describe_machine, release_memory, resolve_device
+from rcdl.rundir import (
+    RunDir,
+    atomic_write_text,
+    describe_machine,
+    open_run,
+    release_memory,
+    resolve_device,
+)
 
 __all__ = [
     "EXPERIMENT", "PAPER", "VARIANTS", "DeltaNetDecayConfig", "build_variant", "load_data",
@@ -244,17 +258,22 @@ def run_deltanet_decay(
     cfg: DeltaNetDecayConfig,
     *,
     out: str | Path | None = None,
+    resume: str | Path | None = None,
     data: CifarData | None = None,
     device: str | torch.device | None = None,
     progress: bool = True,
     download: bool = True,
 ) -> tuple[RunDir, dict[str, Any]]:
-    """Train every variant for every seed into a new run folder; write the report.
+    """Train every variant for every seed into a new run folder, or continue the one at
+    ``resume``; write the report.
 
     Args:
-        cfg: the settings.
+        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+            only ``data_dir`` and ``device`` may differ.
         out: the run folder (default ``runs/deltanet-decay-<timestamp>``); it must not
-            already hold a run.
+            already hold a run. Not with ``resume``.
+        resume: an interrupted run folder: its finished (variant, seed) runs are read back,
+            the others trained from scratch.
         data: the subsets already loaded by :func:`load_data` (before projection; their
             sizes must be the config's). Default: load them here.
         device: overrides ``cfg.device``.
@@ -274,7 +293,7 @@ def run_deltanet_decay(
     if any(w is not None and s != w for s, w in zip(sizes, want, strict=True)):
         raise ValueError(f"the data has {sizes[0]} train / {sizes[1]} test images, the config "
                          f"asks for {want[0]} / {want[1]}; pass load_data(cfg) or no data")
-    run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device)
+    run = open_run(EXPERIMENT, cfg, out=out, resume=resume, device=device)
     summary: dict[str, Any] = {
         "experiment": EXPERIMENT, "complete": False,
         "data": {**data.describe(), "provenance": data_provenance(data.source),
@@ -287,14 +306,16 @@ def run_deltanet_decay(
     def build(name: str, seed: int) -> tuple[nn.Module, Any, None]:
         return build_variant(name, seed, cfg, device=device)
 
-    for seed in cfg.seeds:
-        for name in cfg.variants:
-            summary["runs"].append(train_method(name, seed, cfg, build, tensors, run,
-                                                device=device, progress=progress,
-                                                key="variant", dataset="cifar10"))  # fmt: skip
-            summary["seconds"] = time.perf_counter() - start
-            run.write_summary(summary)
-            release_memory(device)
+    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
+        for seed in cfg.seeds:
+            for name in cfg.variants:
+                train = partial(train_method, name, seed, cfg, build, tensors, run,
+                                device=device, progress=progress, key="variant",
+                                dataset="cifar10")  # fmt: skip
+                summary["runs"].append(run.sub_run(f"{name}-seed{seed}", train))
+                summary["seconds"] = time.perf_counter() - start
+                run.write_summary(summary)
+                release_memory(device)
 
     summary["rows"] = epoch_rows(summary["runs"], cfg.variants, key="variant")
     summary["verdict"] = verdict(summary["rows"], cfg.epochs)

@@ -43,9 +43,15 @@ Run folder::
     config.json          the resolved GeneralisationConfig
     environment.json     machine, torch, git revision
     metrics.jsonl        every evaluation of every (model, seed), tagged with both
+    finished.json        each finished (model, seed)'s result, written as it finishes
     summary.json         per-(model, seed) histories, per-(model, epoch) rows, the gaps
     results.md/.csv      train and test accuracy, gap, losses per epoch (mean ± sd over seeds)
     generalisation.png   train and test accuracy vs epoch for both models, and the gap
+
+Resume: :func:`run_generalisation` with ``resume=RUN_DIR`` skips the (model, seed) pairs
+that ``finished.json`` holds and trains the others from scratch; the tables are then those
+of an uninterrupted run. ``metrics.jsonl`` may repeat the evaluations of the pair that was
+interrupted.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +81,7 @@ from rcdl.rundir import (
     RunDir,
     atomic_write_text,
     describe_machine,
+    open_run,
     release_memory,
     resolve_device,
     save_figure,
@@ -285,17 +293,22 @@ def run_generalisation(
     cfg: GeneralisationConfig,
     *,
     out: str | Path | None = None,
+    resume: str | Path | None = None,
     data: CifarData | None = None,
     device: str | torch.device | None = None,
     progress: bool = True,
     download: bool = True,
 ) -> tuple[RunDir, dict[str, Any]]:
-    """Train both models for every seed into a new run folder; write the report.
+    """Train both models for every seed into a new run folder, or continue the one at
+    ``resume``; write the report.
 
     Args:
-        cfg: the settings.
+        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+            only ``data_dir`` and ``device`` may differ.
         out: the run folder (default ``runs/generalisation-<timestamp>``); it must not
-            already hold a run.
+            already hold a run. Not with ``resume``.
+        resume: an interrupted run folder: its finished (model, seed) pairs are read back,
+            the others trained from scratch.
         data: the subsets already loaded by :func:`load_data` (default: load them here);
             their sizes must be the config's.
         device: overrides ``cfg.device``.
@@ -318,7 +331,7 @@ def run_generalisation(
             f"the data has {sizes[0]} train / {sizes[1]} test images, the config asks for "
             f"{cfg.train_size} / {cfg.test_size}; pass load_data(cfg) or no data"
         )
-    run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device)
+    run = open_run(EXPERIMENT, cfg, out=out, resume=resume, device=device)
     summary: dict[str, Any] = {
         "experiment": EXPERIMENT, "complete": False,
         "data": {**data.describe(), "provenance": data_provenance(data.source),
@@ -330,12 +343,14 @@ def run_generalisation(
     fit = (tensors[0][idx], tensors[1][idx])  # (K, 3072), (K,)
     summary["data"]["train_eval_size"] = len(idx)
 
-    for seed in cfg.seeds:
-        for name in MODELS:
-            summary["runs"].append(_train(name, seed, cfg, tensors, fit, run, device, progress))
-            summary["seconds"] = time.perf_counter() - start
-            run.write_summary(summary)
-            release_memory(device)
+    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
+        for seed in cfg.seeds:
+            for name in MODELS:
+                train = partial(_train, name, seed, cfg, tensors, fit, run, device, progress)
+                summary["runs"].append(run.sub_run(f"{name}-seed{seed}", train))
+                summary["seconds"] = time.perf_counter() - start
+                run.write_summary(summary)
+                release_memory(device)
 
     summary["rows"] = epoch_rows(summary["runs"], cfg.epochs)
     summary["gaps"] = gap_change(summary["rows"], cfg.epochs)

@@ -18,6 +18,7 @@ Run folder::
     config.json         the resolved MemoryBudgetConfig
     environment.json    machine, torch, git revision
     metrics.jsonl       every evaluation of every run, tagged with policy and capacity
+    finished.json       each finished run's record, written as it finishes
     summary.json        one record per run (final metrics, entries kept and evicted per
                         layer, bytes, times, history), the data used; ``complete``
     results.md/.csv     the table: policy, capacity, entries kept, evicted, store bytes,
@@ -25,8 +26,10 @@ Run folder::
     accuracy_vs_capacity.png   final test accuracy against capacity, one line per policy,
                         the unbounded run as a dashed line
 
-An interrupted run is not resumed (each model trains in minutes); ``summary.json`` holds
-the runs finished so far.
+Resume: :func:`run_memory_budget` with ``resume=RUN_DIR`` skips the runs that
+``finished.json`` holds and trains the others from scratch; the tables are then those of an
+uninterrupted sweep. ``metrics.jsonl`` may repeat the evaluations of the run that was
+interrupted.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +52,15 @@ from rcdl.cifar import CifarData
 from rcdl.experiments import cifar10
 from rcdl.grower import Grower
 from rcdl.memory import MemoryBudget
-from rcdl.rundir import RunDir, atomic_write_text, describe_machine, resolve_device, save_figure
+from rcdl.rundir import (
+    RunDir,
+    atomic_write_text,
+    describe_machine,
+    open_run,
+    release_memory,
+    resolve_device,
+    save_figure,
+)
 from rcdl.store import format_bytes
 from rcdl.training import train_one_pass
 
@@ -244,16 +256,22 @@ def run_memory_budget(
     cfg: MemoryBudgetConfig,
     *,
     out: str | Path | None = None,
+    resume: str | Path | None = None,
     data: CifarData | None = None,
     device: str | torch.device | None = None,
     progress: bool = True,
     download: bool = True,
 ) -> tuple[RunDir, dict[str, Any]]:
-    """Train the model under every (policy, capacity) of ``cfg``, and unbounded.
+    """Train the model under every (policy, capacity) of ``cfg``, and unbounded, into a new
+    run folder or the one at ``resume``.
 
     Args:
-        cfg: the settings.
-        out: the run folder (default ``runs/memory-budget-<timestamp>``).
+        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+            only ``data_dir`` and ``device`` may differ.
+        out: the run folder (default ``runs/memory-budget-<timestamp>``); not with
+            ``resume``.
+        resume: an interrupted run folder: its finished runs are read back, the others
+            trained from scratch.
         data: the data already loaded by :func:`load_data` (default: load it here).
         device: overrides ``cfg.device``.
         download: allow the loader to download CIFAR-10 when no local copy is found.
@@ -265,7 +283,7 @@ def run_memory_budget(
     device = resolve_device(cfg.device) if device is None else torch.device(device)
     if data is None:
         data = load_data(cfg, download=download)
-    run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device)
+    run = open_run(EXPERIMENT, cfg, out=out, resume=resume, device=device)
     summary: dict[str, Any] = {
         "experiment": EXPERIMENT, "complete": False, "model": cfg.model, "runs": [],
         "data": {**data.describe(), "provenance": cifar10.data_provenance(data.source),
@@ -275,12 +293,13 @@ def run_memory_budget(
     tensors = tuple(t.to(device) if device.type == "cuda" else t for t in
                     (data.x_train.to(cfg.torch_dtype), data.y_train,
                      data.x_test.to(cfg.torch_dtype), data.y_test))  # fmt: skip
-    for budget in cfg.budgets():
-        summary["runs"].append(_train(cfg, budget, tensors, run, device, progress))
-        summary["seconds"] = time.perf_counter() - start
-        run.write_summary(summary)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
+        for budget in cfg.budgets():
+            train = partial(_train, cfg, budget, tensors, run, device, progress)
+            summary["runs"].append(run.sub_run(_label(budget), train))
+            summary["seconds"] = time.perf_counter() - start
+            run.write_summary(summary)
+            release_memory(device)
     summary["complete"] = True
     summary["seconds"] = time.perf_counter() - start
     report = write_report(run, cfg, summary, device)

@@ -59,11 +59,17 @@ Run folder::
     config.json           the resolved OptimizerComparisonConfig
     environment.json      machine, torch, git revision
     metrics.jsonl         every evaluation of every (dataset, method, seed), tagged with them
+    finished.json         each finished (dataset, method, seed)'s result, as it finishes
     summary.json          per-run histories, per-(dataset, method, epoch) rows, verdicts,
                           the data used and the data sets skipped
     results.md/.csv       final and per-epoch numbers per data set (mean ± sd over seeds)
     optimizers_<dataset>.png   training loss and test accuracy against epochs, one line
                           per method
+
+Resume: :func:`run_optimizer_comparison` with ``resume=RUN_DIR`` skips the (dataset,
+method, seed) runs that ``finished.json`` holds and trains the others from scratch; the
+tables are then those of an uninterrupted run. ``metrics.jsonl`` may repeat the evaluations
+of the run that was interrupted.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +102,7 @@ from rcdl.rundir import (
     RunDir,
     atomic_write_text,
     describe_machine,
+    open_run,
     release_memory,
     resolve_device,
     save_figure,
@@ -555,21 +563,49 @@ def train_method(name: str, seed: int, cfg: Any, build: Any, tensors: tuple, run
             "history": _history(recorder.records)}  # fmt: skip
 
 
+def _train_dataset(name: str, data: CifarData, cfg: OptimizerComparisonConfig,
+                   summary: dict[str, Any], run: RunDir, device: torch.device, progress: bool,
+                   start: float) -> None:  # fmt: skip
+    """Train every (seed, method) on data set ``name`` (or read it back from an earlier
+    session), appending each result to ``summary["runs"]`` and saving the summary."""
+    data = project(data, cfg.width, cfg.data_seed)
+    tensors = tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test))
+    n = len(data.y_train)
+
+    def build(method: str, seed: int):  # noqa: ANN202
+        return build_method(method, seed, cfg, data.num_classes, reserve=cfg.epochs * n,
+                            device=device)  # fmt: skip
+
+    for seed in cfg.seeds:
+        for method in cfg.methods:
+            train = partial(train_method, method, seed, cfg, build, tensors, run,
+                            device=device, progress=progress, dataset=name)  # fmt: skip
+            summary["runs"].append(run.sub_run(f"{name}-{method}-seed{seed}", train))
+            summary["seconds"] = time.perf_counter() - start
+            run.write_summary(summary)
+            release_memory(device)
+
+
 def run_optimizer_comparison(
     cfg: OptimizerComparisonConfig,
     *,
     out: str | Path | None = None,
+    resume: str | Path | None = None,
     data: Mapping[str, CifarData] | None = None,
     device: str | torch.device | None = None,
     progress: bool = True,
     download: bool = True,
 ) -> tuple[RunDir, dict[str, Any]]:
-    """Train every method on every data set found, for every seed; write the report.
+    """Train every method on every data set found, for every seed, into a new run folder
+    or the one at ``resume``; write the report.
 
     Args:
-        cfg: the settings.
+        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+            only ``data_dir`` and ``device`` may differ.
         out: the run folder (default ``runs/optimizers-<timestamp>``); it must not already
-            hold a run.
+            hold a run. Not with ``resume``.
+        resume: an interrupted run folder: its finished (dataset, method, seed) runs are
+            read back, the others trained from scratch.
         data: ``{dataset: subsets}`` already loaded by :func:`load_datasets` (before
             projection; sizes must be the config's); data sets of ``cfg.datasets`` absent
             from it count as missing. Default: load them here.
@@ -602,35 +638,20 @@ def run_optimizer_comparison(
             raise ValueError(f"the {name} data has {sizes[0]} train / {sizes[1]} test images, "
                              f"the config asks for {want[0]} / {want[1]}; pass "
                              "load_datasets(cfg) or no data")  # fmt: skip
-    run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device)
+    run = open_run(EXPERIMENT, cfg, out=out, resume=resume, device=device)
     summary: dict[str, Any] = {
         "experiment": EXPERIMENT, "complete": False, "data": {},
         "skipped": {name: missing[name] for name in cfg.datasets if name in missing},
         "input_width": cfg.input_width, "runs": [],
     }  # fmt: skip
-    for name in cfg.datasets:
-        if name not in data:
-            continue
-        d = data[name]
-        summary["data"][name] = {**d.describe(), "provenance": data_provenance(d.source),
-                                 "data_seed": cfg.data_seed}  # fmt: skip
-        d = project(d, cfg.width, cfg.data_seed)
-        tensors = tuple(t.to(device) for t in (d.x_train, d.y_train, d.x_test, d.y_test))
-        n = len(d.y_train)
-
-        def build(method: str, seed: int, classes: int = d.num_classes, n: int = n):  # noqa: ANN202
-            return build_method(method, seed, cfg, classes, reserve=cfg.epochs * n,
-                                device=device)  # fmt: skip
-
-        for seed in cfg.seeds:
-            for method in cfg.methods:
-                summary["runs"].append(train_method(method, seed, cfg, build, tensors, run,
-                                                    device=device, progress=progress,
-                                                    dataset=name))  # fmt: skip
-                summary["seconds"] = time.perf_counter() - start
-                run.write_summary(summary)
-                release_memory(device)
-        del tensors
+    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
+        for name in cfg.datasets:
+            if name not in data:
+                continue
+            d = data[name]
+            summary["data"][name] = {**d.describe(), "provenance": data_provenance(d.source),
+                                     "data_seed": cfg.data_seed}  # fmt: skip
+            _train_dataset(name, d, cfg, summary, run, device, progress, start)
 
     summary["rows"] = epoch_rows(summary["runs"], cfg.methods, key="method")
     summary["verdicts"] = {name: verdict(summary["rows"], name, cfg.epochs)

@@ -49,10 +49,17 @@ Run folder::
     config.json           the resolved TeacherStudentConfig
     environment.json      machine, torch, git revision
     metrics.jsonl         every evaluation of every (model, seed), tagged with both
+    finished.json         each finished (model, seed)'s result, written as it finishes
     summary.json          per-(model, seed) results and histories, per-model rows, the
                           mean ± sd curves, the verdict; ``complete``
     results.md/.csv       final test MSE (mean ± sd), entries, parameters, store, times
     test_mse.png          test MSE against samples seen, mean ± sd band over seeds
+
+Resume: :func:`run_teacher_student` with ``resume=RUN_DIR`` skips the (model, seed) pairs
+that ``finished.json`` holds and trains the others from scratch (each seed's task is
+generated again: it is a pure function of the seed); the tables are then those of an
+uninterrupted run. ``metrics.jsonl`` may repeat the evaluations of the pair that was
+interrupted.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +83,15 @@ from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
 from rcdl.networks import MLP, ParametricSoftmaxNet, growing_softmax_net
 from rcdl.rules import ClippedSoftmaxRule
-from rcdl.rundir import RunDir, atomic_write_text, describe_machine, resolve_device, save_figure
+from rcdl.rundir import (
+    RunDir,
+    atomic_write_text,
+    describe_machine,
+    open_run,
+    release_memory,
+    resolve_device,
+    save_figure,
+)
 from rcdl.store import format_bytes
 from rcdl.training import train_one_pass
 
@@ -312,15 +328,20 @@ def run_teacher_student(
     cfg: TeacherStudentConfig,
     *,
     out: str | Path | None = None,
+    resume: str | Path | None = None,
     device: str | torch.device | None = None,
     progress: bool = True,
 ) -> tuple[RunDir, dict[str, Any]]:
-    """Train the three students for every seed into a new run folder; write the report.
+    """Train the three students for every seed into a new run folder, or continue the one
+    at ``resume``; write the report.
 
     Args:
-        cfg: the settings.
+        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+            only ``device`` may differ.
         out: the run folder (default ``runs/teacher-student-<timestamp>``); it must not
-            already hold a run.
+            already hold a run. Not with ``resume``.
+        resume: an interrupted run folder: its finished (model, seed) pairs are read back,
+            the others trained from scratch.
         device: overrides ``cfg.device``.
         progress: show progress bars.
 
@@ -338,18 +359,21 @@ def run_teacher_student(
     """
     start = time.perf_counter()
     device = resolve_device(cfg.device) if device is None else torch.device(device)
-    run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device)
+    run = open_run(EXPERIMENT, cfg, out=out, resume=resume, device=device)
     summary: dict[str, Any] = {
         "experiment": EXPERIMENT, "complete": False, "parametric_entries": cfg.entries,
         "zero_predictor_mse": {}, "runs": [],
     }  # fmt: skip
-    for seed in cfg.seeds:
-        data = tuple(t.to(device) for t in make_data(cfg, seed))
-        summary["zero_predictor_mse"][str(seed)] = float(data[3].pow(2).mean())
-        for name in MODELS:
-            summary["runs"].append(_train(name, seed, cfg, data, run, device, progress))
-            summary["seconds"] = time.perf_counter() - start
-            run.write_summary(summary)
+    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
+        for seed in cfg.seeds:
+            data = tuple(t.to(device) for t in make_data(cfg, seed))
+            summary["zero_predictor_mse"][str(seed)] = float(data[3].pow(2).mean())
+            for name in MODELS:
+                train = partial(_train, name, seed, cfg, data, run, device, progress)
+                summary["runs"].append(run.sub_run(f"{name}-seed{seed}", train))
+                summary["seconds"] = time.perf_counter() - start
+                run.write_summary(summary)
+                release_memory(device)
 
     summary["rows"] = model_rows(summary["runs"])
     summary["curves"] = mean_curves(summary["runs"])

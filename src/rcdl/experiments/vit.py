@@ -27,21 +27,27 @@ Run folder::
     config.json          the resolved ViTConfig
     environment.json     machine, torch, git revision
     metrics.jsonl        every evaluation of every (model, seed), with the store sizes
+    finished.json        each finished (model, seed)'s result, written as it finishes
     summary.json         per-(model, seed) results, histories and per-layer store statistics
     results.md/.csv      accuracy, loss, entries, store bytes, parameters, times
     vit.png              test accuracy and store size against training images seen
+
+Resume: :func:`run_vit` with ``resume=RUN_DIR`` skips the (model, seed) pairs that
+``finished.json`` holds and trains the others from scratch; the tables are then those of an
+uninterrupted run. ``metrics.jsonl`` may repeat the evaluations of the pair that was
+interrupted.
 """
 
 from __future__ import annotations
 
 import csv
-import gc
 import io
 import math
 import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +61,15 @@ from rcdl.experiments.cifar10 import data_provenance
 from rcdl.grower import Grower
 from rcdl.hybrid import EntryAdam, hybrid_layers
 from rcdl.rules import ClippedSoftmaxRule
-from rcdl.rundir import RunDir, atomic_write_text, describe_machine, resolve_device, save_figure
+from rcdl.rundir import (
+    RunDir,
+    atomic_write_text,
+    describe_machine,
+    open_run,
+    release_memory,
+    resolve_device,
+    save_figure,
+)
 from rcdl.training import accuracy, train_one_pass
 from rcdl.vit import ViT, mlp_vit, rcdl_vit
 
@@ -317,17 +331,22 @@ def run_vit(
     cfg: ViTConfig,
     *,
     out: str | Path | None = None,
+    resume: str | Path | None = None,
     data: CifarData | None = None,
     device: str | torch.device | None = None,
     progress: bool = True,
     download: bool = True,
 ) -> tuple[RunDir, dict[str, Any]]:
-    """Train every model of ``cfg`` for every seed into a new run folder; write the report.
+    """Train every model of ``cfg`` for every seed into a new run folder, or continue the
+    one at ``resume``; write the report.
 
     Args:
-        cfg: the settings.
+        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+            only ``data_dir`` and ``device`` may differ.
         out: the run folder (default ``runs/vit-<timestamp>``); it must not already hold a
-            run.
+            run. Not with ``resume``.
+        resume: an interrupted run folder: its finished (model, seed) pairs are read back,
+            the others trained from scratch.
         data: the subsets already loaded by :func:`load_data` (default: load them here);
             their sizes must be the config's.
         device: overrides ``cfg.device``.
@@ -350,7 +369,7 @@ def run_vit(
     if any(want is not None and want != have for want, have in zip(asked, sizes, strict=True)):
         raise ValueError(f"the data has {sizes[0]} train / {sizes[1]} test images, the config "
                          f"asks for {asked[0]} / {asked[1]}; pass load_data(cfg) or no data")
-    run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device)
+    run = open_run(EXPERIMENT, cfg, out=out, resume=resume, device=device)
     summary: dict[str, Any] = {
         "experiment": EXPERIMENT, "complete": False,
         "data": {**data.describe(), "provenance": data_provenance(data.source),
@@ -358,14 +377,14 @@ def run_vit(
         "tau": cfg.tau, "tokens_per_image": cfg.tokens, "runs": [],
     }  # fmt: skip
     tensors = tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test))
-    for seed in cfg.seeds:
-        for name in cfg.models:
-            summary["runs"].append(_train(name, seed, cfg, tensors, run, device, progress))
-            summary["seconds"] = time.perf_counter() - start
-            run.write_summary(summary)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
+        for seed in cfg.seeds:
+            for name in cfg.models:
+                train = partial(_train, name, seed, cfg, tensors, run, device, progress)
+                summary["runs"].append(run.sub_run(f"{name}-seed{seed}", train))
+                summary["seconds"] = time.perf_counter() - start
+                run.write_summary(summary)
+                release_memory(device)
     summary["rows"] = model_rows(summary["runs"], cfg.models)
     summary["complete"] = True
     summary["seconds"] = time.perf_counter() - start
