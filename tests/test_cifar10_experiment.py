@@ -231,3 +231,65 @@ def test_classical_baselines_join_the_table(data_dir, tmp_path):
     assert "| knn-cosine |" in table and "| svm-linear |" in table
     with pytest.raises(ValueError, match="classical baseline"):
         build_model("svm-rbf", 0)
+
+
+@pytest.fixture(scope="module")
+def second_run(data_dir, tmp_path_factory):
+    """Another invocation with the same protocol: rbf, seed 0."""
+    out = tmp_path_factory.mktemp("runs") / "second"
+    assert _reproduce(data_dir, "--out", str(out), "--models", "rbf", "--seeds", "0") == 0
+    return out
+
+
+def test_combine_merges_runs_into_one_table(run, second_run, tmp_path):
+    out = tmp_path / "combined"
+    folder, combined = cifar10.combine_runs([second_run, run], out)
+    assert [row["model"] for row in combined["models"]] == ["gws", "rbf", "mlp-sgd",
+                                                            "psoftmax-8"]  # registry order
+    assert [s["models"] for s in combined["combined_from"]] == [
+        ["rbf"], ["gws", "mlp-sgd", "psoftmax-8"]]
+    by_source = {(r["model"], r["seed"]): r["source"] for r in combined["runs"]}
+    assert by_source[("rbf", 0)] == str(second_run) and by_source[("gws", 1)] == str(run)
+    gws = next(r for r in _summary(run)["models"] if r["model"] == "gws")
+    assert next(r for r in combined["models"] if r["model"] == "gws") == gws
+    for name in ("summary.json", "results.md", "results.csv", "test_accuracy.png"):
+        assert (folder / name).is_file(), name
+    report = (folder / "results.md").read_text()
+    assert "| rbf | 0 |" in report and str(second_run) in report and "48 train" in report
+
+
+def test_combine_refuses_a_pair_finished_twice(run, tmp_path):
+    with pytest.raises(ValueError, match="gws seed 0 finished in both"):
+        cifar10.combine_runs([run, run], tmp_path / "combined")
+
+
+def test_combine_refuses_another_protocol(run, second_run, tmp_path):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(second_run, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "eval_every": 3}))
+    with pytest.raises(ValueError, match="another protocol.*eval_every"):
+        cifar10.combine_runs([run, other], tmp_path / "combined")
+
+
+def test_combine_needs_a_finished_model(run, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((run / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="no model finished"):
+        cifar10.combine_runs([run, empty], tmp_path / "combined")
+
+
+def test_combine_from_the_command_line(run, second_run, tmp_path, capsys):
+    out = tmp_path / "combined"
+    argv = ["reproduce", "cifar10-1epoch", "--combine", str(run), str(second_run)]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert "Combined 7 runs" in capsys.readouterr().out
+    assert (out / "results.md").is_file()
+    for extra, message in (([], "needs --out"),
+                           (["--out", str(tmp_path / "x"), "--models", "gws"], "drop --models")):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, *extra])
+        assert exc.value.code == 2 and message in capsys.readouterr().err

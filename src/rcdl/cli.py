@@ -80,6 +80,8 @@ def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
         "seeds": args.seeds, "eval_every": args.eval_every,
     }  # fmt: skip
     settings = {k: v for k, v in settings.items() if v is not None}
+    if args.combine is not None:
+        return _combine_cifar10(args, settings)
     try:
         if args.resume is not None:
             given = [f"--{k.replace('_', '-')}" for k in settings]
@@ -104,6 +106,25 @@ def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
                     progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints)
     except FileExistsError as e:
         raise CLIError(str(e)) from e
+    return 0
+
+
+def _combine_cifar10(args: argparse.Namespace, settings: dict) -> int:
+    """``--combine RUN_DIR ... --out DIR``: one table from several finished runs."""
+    from rcdl.experiments.cifar10 import combine_runs
+
+    given = [f"--{k.replace('_', '-')}" for k in settings]
+    given += [flag for flag, on in (("--quick", args.quick), ("--resume", args.resume)) if on]
+    if given:
+        raise CLIError(f"--combine trains nothing; drop {', '.join(given)}")
+    if args.out is None:
+        raise CLIError("--combine needs --out DIR, the folder for the combined table")
+    try:
+        folder, combined = combine_runs(args.combine, args.out)
+    except (OSError, ValueError) as e:  # missing folders, other protocols, duplicates
+        raise CLIError(str(e)) from e
+    print((folder / "results.md").read_text(encoding="utf-8"), end="")
+    print(f"Combined {len(combined['runs'])} runs into {folder}")
     return 0
 
 
@@ -352,6 +373,9 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     cifar.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run: "
                        "finished models are skipped, the interrupted one resumes from its "
                        "checkpoint")
+    cifar.add_argument("--combine", nargs="+", metavar="RUN_DIR", help="train nothing: merge "
+                       "the finished models of these run folders (same protocol) into one "
+                       "table and figure in --out")
     cifar.add_argument("--device", choices=("auto", "cpu", "cuda"),
                        help="default: auto (CUDA when available)")
     cifar.add_argument("--quick", action="store_true", help="2000 train / 1000 test images, "

@@ -91,6 +91,7 @@ from rcdl.optim import make_optimizer
 from rcdl.rules import ClippedSoftmaxRule, GaugeSoftmaxRule
 from rcdl.rundir import (
     RunDir,
+    atomic_write_json,
     atomic_write_text,
     describe_machine,
     environment_info,
@@ -103,7 +104,7 @@ from rcdl.training import accuracy, train_one_pass
 
 __all__ = [
     "EXPERIMENT", "MODELS", "Cifar10Config", "ModelSpec", "Reference", "build_model",
-    "hybrid_name",
+    "combine_runs", "hybrid_name",
     "load_data", "load_run_config", "model_spec", "run_cifar10",
 ]  # fmt: skip
 
@@ -705,35 +706,155 @@ def plot_accuracy(runs: list[dict[str, Any]], models: tuple[str, ...], path: Pat
 
 
 
-def write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
-                 device: torch.device) -> str:
-    """Write ``results.md``, ``results.csv`` and ``test_accuracy.png``; return the markdown."""
-    d = summary["data"]
+_TABLE_NOTE = (
+    "Accuracy and loss: mean ± sd over seeds. Entries and store: all layers at the end. "
+    "Train and eval seconds: mean per seed. Paper: the authors' one-seed run on one GPU, "
+    "with full data (\"seeds\": the tuned baselines' mean ± sd over seeds)."
+)
+
+
+def _protocol_text(cfg: Cifar10Config, d: Mapping[str, Any], seeds: list[int]) -> str:
+    """The sentence on sizes, schedule and seeds above a results table."""
     full = d["n_train"] == 50_000 and d["n_test"] == 10_000
     scale = ("the full splits" if full else
              f"random subsets (data seed {cfg.data_seed}); not comparable with the paper's "
              "full-data numbers")
     steps = math.ceil(d["n_train"] / cfg.batch_size)
-    protocol = (
+    return (
         f"{d['n_train']:,} train / {d['n_test']:,} test images ({scale}). One pass, batch "
         f"{cfg.batch_size} ({steps:,} steps), cross-entropy, {cfg.dtype}. Test accuracy and "
         f"loss on all {d['n_test']:,} test images every {cfg.eval_every} "
         f"step{'s' if cfg.eval_every > 1 else ''} and at the end. Seeds: "
-        f"{' '.join(map(str, cfg.seeds))}."
+        f"{' '.join(map(str, seeds))}."
     )
-    rows = summary["models"]
+
+
+def write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
+                 device: torch.device) -> str:
+    """Write ``results.md``, ``results.csv`` and ``test_accuracy.png``; return the markdown."""
+    d = summary["data"]
     report = (
-        f"# CIFAR-10, one epoch (the paper's Fig. 2, SPEC §6)\n\n{protocol}\n\n"
-        f"{results_table(rows)}\n\n"
-        "Accuracy and loss: mean ± sd over seeds. Entries and store: all layers at the end. "
-        "Train and eval seconds: mean per seed. Paper: the authors' one-seed run on one GPU, "
-        "with full data (\"seeds\": the tuned baselines' mean ± sd over seeds).\n\n"
+        f"# CIFAR-10, one epoch (the paper's Fig. 2, SPEC §6)\n\n"
+        f"{_protocol_text(cfg, d, list(cfg.seeds))}\n\n"
+        f"{results_table(summary['models'])}\n\n{_TABLE_NOTE}\n\n"
         f"Data: {d['source']}, {d['provenance']}.\n"
         f"Machine: {describe_machine(device)}.\n"
     )
-    atomic_write_text(report, run.file("results.md"))
-    atomic_write_text(results_csv(rows), run.file("results.csv"))
-    title = f"CIFAR-10, one epoch, {d['n_train']:,} training images"
-    plot_accuracy(summary["runs"], cfg.models, run.file("test_accuracy.png"), title=title,
-                  full_data=full)
+    _write_outputs(run.path, report, summary, cfg.models)
     return report
+
+
+def _write_outputs(folder: Path, report: str, summary: dict[str, Any],
+                   models: tuple[str, ...]) -> None:
+    """``results.md`` (the given report), ``results.csv`` and ``test_accuracy.png``."""
+    d = summary["data"]
+    full = d["n_train"] == 50_000 and d["n_test"] == 10_000
+    atomic_write_text(report, folder / "results.md")
+    atomic_write_text(results_csv(summary["models"]), folder / "results.csv")
+    title = f"CIFAR-10, one epoch, {d['n_train']:,} training images"
+    plot_accuracy(summary["runs"], models, folder / "test_accuracy.png", title=title,
+                  full_data=full)
+
+
+# --------------------------------------------------------------------------- combining runs
+
+# settings that may differ between runs combined into one table (the rest is the protocol)
+_PER_RUN_SETTINGS = ("models", "seeds", "data_dir", "device", "checkpoint", "checkpoint_every")
+
+
+def _finished_runs(run_dir: Path) -> tuple[Cifar10Config, dict[str, Any]]:
+    """The config and summary of ``run_dir``; an error if no (model, seed) pair finished."""
+    cfg = load_run_config(run_dir)
+    path = run_dir / RunDir.SUMMARY
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no {RunDir.SUMMARY}, so no model finished there")
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    if not summary.get("runs"):
+        raise ValueError(f"{run_dir}: no model finished there ({path} lists no runs)")
+    return cfg, summary
+
+
+def _protocol(cfg: Cifar10Config, data: Mapping[str, Any]) -> dict[str, Any]:
+    """What must agree between runs for their numbers to share a table."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in _PER_RUN_SETTINGS}
+    return {**settings, "n_train": data["n_train"], "n_test": data["n_test"],
+            "provenance": data.get("provenance")}
+
+
+def combine_runs(run_dirs: list[str | Path], out: str | Path) -> tuple[Path, dict[str, Any]]:
+    """One table and figure from the finished (model, seed) pairs of several run folders.
+
+    Full-scale models take an hour each on a CPU, so the comparison is made over several
+    invocations (and sessions, and machines). This merges their ``summary.json`` files
+    after checking that they share the protocol (sizes, batch, evaluation schedule, dtype,
+    data seed and data provenance); a (model, seed) pair finished in two folders is an
+    error. Unfinished pairs of an interrupted run are not in its summary and are ignored.
+
+    Writes into ``out``: ``summary.json`` (the runs, per-model rows and, per source
+    folder, its path, models, sessions and environment), ``results.md``, ``results.csv``
+    and ``test_accuracy.png``. Models are ordered as in :data:`MODELS`, then by first
+    appearance.
+    """
+    if not run_dirs:
+        raise ValueError("combine: give at least one run folder")
+    folders = [Path(p) for p in run_dirs]
+    loaded = [(folder, *_finished_runs(folder)) for folder in folders]
+    first_folder, first_cfg, first_summary = loaded[0]
+    protocol = _protocol(first_cfg, first_summary["data"])
+    runs: list[dict[str, Any]] = []
+    origin: dict[tuple[str, int], Path] = {}
+    sources = []
+    for folder, cfg, summary in loaded:
+        theirs = _protocol(cfg, summary["data"])
+        if theirs != protocol:
+            diff = {k: (protocol[k], theirs[k]) for k in protocol if protocol[k] != theirs[k]}
+            raise ValueError(f"combine: {folder} used another protocol than {first_folder} "
+                             f"(theirs first, then this one's): {diff}")
+        for r in summary["runs"]:
+            key = (r["model"], r["seed"])
+            if key in origin:
+                raise ValueError(f"combine: {r['model']} seed {r['seed']} finished in both "
+                                 f"{origin[key]} and {folder}; leave one of them out")
+            origin[key] = folder
+            runs.append({**r, "source": str(folder)})
+        environment = folder / RunDir.ENVIRONMENT
+        sources.append({
+            "path": str(folder),
+            "models": list(dict.fromkeys(r["model"] for r in summary["runs"])),
+            "sessions": summary.get("sessions", []),
+            "environment": (json.loads(environment.read_text(encoding="utf-8"))
+                            if environment.is_file() else None),
+        })  # fmt: skip
+    present = list(dict.fromkeys(r["model"] for r in runs))
+    models = tuple([m for m in MODELS if m in present] + [m for m in present if m not in MODELS])
+    combined = {"experiment": EXPERIMENT, "combined_from": sources,
+                "data": first_summary["data"], "protocol": protocol, "runs": runs,
+                "models": model_rows(runs, models)}
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(combined, folder / RunDir.SUMMARY)
+    report = _combined_report(first_cfg, combined, [r["seed"] for r in runs])
+    _write_outputs(folder, report, combined, models)
+    return folder, combined
+
+
+def _combined_report(cfg: Cifar10Config, combined: dict[str, Any], seeds: list[int]) -> str:
+    d = combined["data"]
+    lines = []
+    for source in combined["combined_from"]:
+        sessions = source["sessions"]
+        machines = sorted({f"{s.get('cpu_count')} CPUs, {s.get('num_threads')} threads, "
+                           f"{s.get('device')}" for s in sessions})
+        revisions = sorted({(s.get("git_revision") or "?")[:10] for s in sessions})
+        minutes = sum(s.get("seconds") or 0 for s in sessions) / 60
+        lines.append(f"- `{source['path']}`: {', '.join(source['models'])}; "
+                     f"{len(sessions)} session(s), {minutes:.0f} min in all; "
+                     f"{'; '.join(machines)}; git {', '.join(revisions)}")
+    return (
+        f"# CIFAR-10, one epoch (the paper's Fig. 2, SPEC §6), combined\n\n"
+        f"{_protocol_text(cfg, d, sorted(set(seeds)))}\n\n"
+        f"{results_table(combined['models'])}\n\n{_TABLE_NOTE}\n\n"
+        f"Data: {d['source']}, {d['provenance']}.\n\n"
+        "Combined from these run folders (`rcdl reproduce cifar10-1epoch --combine`):\n"
+        + "\n".join(lines) + "\n"
+    )
