@@ -155,7 +155,8 @@ def test_adversarial_store_keeps_outputs_and_gradients_finite():
 
 
 def test_entry_adam_equals_torch_adam_on_the_same_table():
-    """Without growth, EntryAdam is Adam on (keys, weighted values, weights) as parameters."""
+    """Without growth, EntryAdam is Adam on (keys, weighted values, weights) as parameters
+    (to 1e-12 in float64: the kernel divides the update by the step size, see adam_step)."""
     layer = _layer(d_in=5, d_out=3, trigger=DistanceGate(1e9), initial_entries=7)
     params = [t.detach().clone().requires_grad_() for t in
               (layer.store.keys, layer.store.values, layer.store.weights)]
@@ -172,7 +173,124 @@ def test_entry_adam_equals_torch_adam_on_the_same_table():
     assert len(layer.store) == 7  # the gate refused everything
     for mine, theirs in zip((layer.store.keys, layer.store.values, layer.store.weights), params,
                             strict=True):
-        assert_close(mine, theirs.detach())
+        assert_close(mine, theirs.detach(), rtol=1e-12, atol=1e-15)
+
+
+def _reference_adam(param, m, v, grad, t, lr, betas, eps):
+    """Dense twin of ``HybridSoftmax.adam_step`` for one tensor, the rule as SPEC §4's Adam
+    reads, with a per-entry step count ``t (N,)``; ``grad=None`` is a zero gradient."""
+    b1, b2 = betas
+    grad = torch.zeros_like(param) if grad is None else grad
+    shape = (-1,) + (1,) * (param.dim() - 1)
+    bias1, bias2 = (1 - b1**t).view(shape), (1 - b2**t).view(shape)
+    m = b1 * m + (1 - b1) * grad
+    v = b2 * v + (1 - b2) * grad**2
+    return param - lr * (m / bias1) / ((v / bias2).sqrt() + eps), m, v
+
+
+def _grown_layer_with_gradients(dtype=torch.float64, drop_weight_grad=False):
+    """A layer whose entries were written at four different Adam steps (trained in float64,
+    then cast to ``dtype``), with the gradients of one more batch."""
+    layer = _layer(d_in=5, d_out=3, trigger=AlwaysGrow(), initial_entries=4)
+    adam = EntryAdam(layer, lr=0.01)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        _train_step(layer, torch.randn(3, 5, generator=gen, **F64), adam)
+    layer.to(dtype)
+    q, y = torch.randn(4, 5, generator=gen, **F64), torch.randn(4, 3, generator=gen, **F64)
+    F.mse_loss(layer(q.to(dtype)), y.to(dtype)).backward()
+    if drop_weight_grad:
+        layer.entry_leaves()[2].grad = None
+    return layer
+
+
+@pytest.mark.parametrize("drop_weight_grad", [False, True], ids=["all-grads", "no-weight-grad"])
+@pytest.mark.parametrize("chunk_elements", [1, 12, 1 << 18],
+                         ids=["row-by-row", "uneven-blocks", "one-block"])
+def test_adam_step_matches_the_dense_reference(chunk_elements, drop_weight_grad):
+    """Entries of different ages, blocks that split the store anywhere: the in-place kernel
+    computes the dense rule to 1e-12 in float64 (params and both moments)."""
+    layer = _grown_layer_with_gradients(drop_weight_grad=drop_weight_grad)
+    ages = (layer.adam_steps + 1 - layer.adam_m.written_at).to(torch.float64)  # (N,)
+    assert len(set(ages.tolist())) == 4  # four clocks
+    lr, betas, eps = 0.01, (0.9, 0.999), 1e-8
+    expected = [
+        _reference_adam(p.clone(), m.clone(), v.clone(), leaf.grad, ages, lr, betas, eps)
+        for p, m, v, leaf in zip(
+            (layer.store.keys, layer.store.values, layer.store.weights),
+            (layer.adam_m.keys, layer.adam_m.values, layer.adam_m.weights),
+            (layer.adam_v.keys, layer.adam_v.values, layer.adam_v.weights),
+            layer.entry_leaves(), strict=True)
+    ]
+    layer.adam_step(lr, betas, eps, chunk_elements=chunk_elements)
+    mine = [(layer.store.keys, layer.adam_m.keys, layer.adam_v.keys),
+            (layer.store.values, layer.adam_m.values, layer.adam_v.values),
+            (layer.store.weights, layer.adam_m.weights, layer.adam_v.weights)]
+    for got, want in zip(mine, expected, strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert_close(a, b, rtol=1e-12, atol=1e-15)
+
+
+def test_a_float32_store_takes_the_float64_step_to_float32_precision():
+    """In float32 (the experiments' dtype) the kernel's step agrees with the float64 one to
+    float32 precision; the per-entry scales are computed in float64 in both."""
+    layers = [_grown_layer_with_gradients(dtype) for dtype in (torch.float32, torch.float64)]
+    for layer in layers:
+        layer.adam_step(0.01, (0.9, 0.999), 1e-8, chunk_elements=12)
+    mine, theirs = ((layer.store.keys, layer.store.values, layer.store.weights)
+                    for layer in layers)
+    for a, b in zip(mine, theirs, strict=True):
+        assert a.dtype == torch.float32
+        assert_close(a, b.float())
+
+
+def test_a_run_with_the_reference_adam_ends_where_the_kernel_does(monkeypatch):
+    """A whole hybrid run (forward, Adam, gated growth) with the dense reference rule in
+    place of the kernel: the same entries written, the same losses and store to 1e-10
+    (float64)."""
+
+    @torch.no_grad()
+    def reference_step(self, lr, betas, eps):
+        leaves, self._leaves = self._leaves, None
+        if leaves is None or all(t.grad is None for t in leaves):
+            return
+        self.adam_steps += 1
+        ages = (self.adam_steps - self.adam_m.written_at).to(torch.float64)
+        for p, m, v, leaf in zip((self.store.keys, self.store.values, self.store.weights),
+                                 (self.adam_m.keys, self.adam_m.values, self.adam_m.weights),
+                                 (self.adam_v.keys, self.adam_v.values, self.adam_v.weights),
+                                 leaves, strict=True):
+            new = _reference_adam(p, m, v, leaf.grad, ages, lr, betas, eps)
+            for old, value in zip((p, m, v), new, strict=True):
+                old.copy_(value)
+
+    gen = torch.Generator().manual_seed(5)
+    data = (*_task(96, gen), *_task(32, gen))
+    kw = {"batch_size": 8, "eval_every": 4, "progress": False, "seed": 3,
+          "loss_fn": F.cross_entropy, "metrics": {"test_loss": F.cross_entropy}}
+    runs = []
+    for patch in (False, True):
+        if patch:
+            monkeypatch.setattr(HybridSoftmax, "adam_step", reference_step)
+        net, learner = _hybrid_net()
+        result = train_one_pass(net, data, **learner, **kw)
+        runs.append((result, [m for m in net.modules() if isinstance(m, HybridSoftmax)]))
+    (kernel, kernel_layers), (reference, reference_layers) = runs
+    assert kernel["entries"] == reference["entries"]
+    losses = [[h["test_loss"] for h in run["history"]] for run in (kernel, reference)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-10)
+    for mine, theirs in zip(kernel_layers, reference_layers, strict=True):
+        assert mine.stats() == theirs.stats()
+        for a, b in ((mine.store.keys, theirs.store.keys), (mine.store.values,
+                     theirs.store.values), (mine.store.weights, theirs.store.weights)):
+            assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_adam_on_an_empty_store_then_growth():
+    layer = _layer(initial_entries=0)
+    adam = EntryAdam(layer, lr=0.01)
+    _train_step(layer, torch.randn(2, 4, **F64), adam)  # gradients of shape (0, ...)
+    assert len(layer.store) == len(layer.adam_m) == 2 and int(layer.adam_steps) == 1
 
 
 def test_a_new_entry_gets_its_own_bias_correction():

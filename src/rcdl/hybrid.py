@@ -189,13 +189,23 @@ class HybridSoftmax(GrowingSoftmax):
     # ---------------------------------------------------------------- Adam on entries
     @torch.no_grad()
     def adam_step(self, lr: float, betas: tuple[float, float], eps: float,
-                  rows_per_chunk: int = 4096) -> None:
-        """One Adam step on every entry that received a gradient since the last step.
+                  chunk_elements: int = 1 << 18) -> None:
+        """One Adam step on every entry that received a gradient since the last step (SPEC §4).
 
-        Per entry ``j`` with its own step count ``t_j`` (steps since it was written):
-        ``m ← β₁m + (1−β₁)g``, ``v ← β₂v + (1−β₂)g²``,
+        Per entry ``j`` with its own step count ``t_j`` (steps since it was written), for
+        each of its key ``(d_in,)``, weighted value ``(d_out,)`` and weight, with gradient
+        ``g``: ``m ← β₁m + (1−β₁)g``, ``v ← β₂v + (1−β₂)g²``,
         ``θ ← θ − lr · (m / (1−β₁^{t_j})) / (√(v / (1−β₂^{t_j})) + ε)``.
-        Rows are visited in chunks so the temporaries stay small.
+
+        Computed as ``θ ← θ − m / (a_j √v + c_j)``: the same quotient with numerator and
+        denominator divided by the step size ``lr / (1−β₁^{t_j})``, so that the per-entry bias
+        corrections become two ``(N,)`` scales, ``a_j = (1−β₁^{t_j}) / (lr √(1−β₂^{t_j}))``
+        and ``c_j = ε (1−β₁^{t_j}) / lr`` (computed in float64). The step is bound by memory
+        traffic: it reads θ, m, v, g and writes θ, m, v, once each. Rows are visited in blocks
+        of about ``chunk_elements`` numbers (1 MB in float32) so that the seven element-wise
+        passes over a block (``lerp_``; ``mul_``, ``addcmul_``; ``sqrt``, ``mul_``, ``add_``;
+        ``addcdiv_``) run in cache, and one scratch block is the only temporary. The dense
+        rule it is checked against is in ``tests/test_hybrid.py``.
         """
         leaves, self._leaves = self._leaves, None
         if leaves is None or all(t.grad is None for t in leaves):
@@ -206,22 +216,27 @@ class HybridSoftmax(GrowingSoftmax):
                                "forward pass and the Adam step; step Adam before the Grower")
         b1, b2 = betas
         self.adam_steps += 1
-        t = (self.adam_steps - self.adam_m.written_at).to(self.store.dtype)  # (N,) >= 1
+        t = (self.adam_steps - self.adam_m.written_at).to(torch.float64)  # (N,) >= 1
         bias1, bias2 = 1 - b1**t, 1 - b2**t  # (N,)
+        a = (bias1 / (lr * bias2.sqrt())).to(self.store.dtype)  # (N,)
+        c = (eps * bias1 / lr).to(self.store.dtype)  # (N,)
         groups = ((self.store.keys, self.adam_m.keys, self.adam_v.keys, leaves[0].grad),
                   (self.store.values, self.adam_m.values, self.adam_v.values, leaves[1].grad),
                   (self.store.weights, self.adam_m.weights, self.adam_v.weights, leaves[2].grad))
         for param, m, v, grad in groups:
-            if grad is None:
-                grad = torch.zeros_like(param)
+            if grad is None:  # a zero gradient: the moments still decay and θ still moves
+                grad = param.new_zeros(()).expand_as(param)
+            rows_per_chunk = max(1, chunk_elements // math.prod(param.shape[1:]))
+            shape = (-1,) + (1,) * (param.dim() - 1)  # per-entry scales broadcast over a row
+            scratch = param.new_empty((min(rows_per_chunk, n), *param.shape[1:]))
             for start in range(0, n, rows_per_chunk):
                 rows = slice(start, start + rows_per_chunk)
                 g, m_c, v_c = grad[rows], m[rows], v[rows]
-                shape = (-1,) + (1,) * (param.dim() - 1)  # per-row correction, broadcast
-                m_c.mul_(b1).add_(g, alpha=1 - b1)
+                denom = scratch[: g.shape[0]]
+                m_c.lerp_(g, 1 - b1)
                 v_c.mul_(b2).addcmul_(g, g, value=1 - b2)
-                denom = (v_c / bias2[rows].view(shape)).sqrt_().add_(eps)
-                param[rows].addcdiv_(m_c / bias1[rows].view(shape), denom, value=-lr)
+                torch.sqrt(v_c, out=denom).mul_(a[rows].view(shape)).add_(c[rows].view(shape))
+                param[rows].addcdiv_(m_c, denom, value=-1.0)
 
     # ---------------------------------------------------------------- growth
     def make_entries(self, record: _Record) -> Entries:
