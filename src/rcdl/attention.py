@@ -219,13 +219,13 @@ class _StreamingAttention(torch.autograd.Function):
                 # a_j = e^{z_j - m} / D;  ∂s/∂z_j = a_j (ṽ_j − w_j s)
                 attn = block * (torch.exp(m_used - m) * inv_den)  # (c, B)
                 grad_scores = attn * (g_dot_v - w_c[:, None] * g_dot_s)  # (c, B) wrt z
-                if need_v:
-                    grad_v[rows] = attn @ grad_out
+                if need_v:  # written in place: no (c, d_out) temporary to copy
+                    torch.mm(attn, grad_out, out=grad_v[rows])
                 if need_w:
                     grad_w[rows] = -(attn @ g_dot_s)
             else:
                 if need_v:
-                    grad_v[rows] = (block * w_c[:, None]) @ grad_out
+                    torch.mm(block * w_c[:, None], grad_out, out=grad_v[rows])
                 if need_w:
                     grad_w[rows] = (block * g_dot_v).sum(1)
                 grad_scores = g_dot_v.mul_(w_c[:, None])  # (c, B) wrt the kernel values
@@ -236,7 +236,7 @@ class _StreamingAttention(torch.autograd.Function):
                 if kernel == "rbf":
                     rbf_q_coef += grad_scores.sum(0)
             if need_k:
-                grad_k[rows] = grad_scores @ q * scale
+                torch.mm(grad_scores, q, out=grad_k[rows]).mul_(scale)
                 if kernel == "rbf":
                     grad_k[rows] -= k_c * (grad_scores.sum(1) * scale)[:, None]
         grad_q = None
