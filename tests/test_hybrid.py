@@ -394,3 +394,17 @@ def test_hybrid_run_resumes_to_the_same_result(tmp_path):
 def test_the_exact_rule_is_refused():
     with pytest.raises(ValueError, match="exact 1/Z rule"):
         HybridSoftmax(4, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 1.0, exact=True))
+
+
+def test_moving_the_layer_drops_leaves_of_the_old_tensors():
+    layer = _layer()
+    adam = EntryAdam(layer, lr=0.01)
+    F.mse_loss(layer(torch.randn(3, 4, **F64)), torch.zeros(3, 3, **F64)).backward()
+    moved = layer.float()  # between backward and the Adam step
+    before = moved.store.keys.clone()
+    adam.step()  # the in-flight gradients belonged to the float64 tensors: nothing to apply
+    assert moved.store.keys.dtype == torch.float32 and torch.equal(moved.store.keys, before)
+    q = torch.randn(3, 4)
+    F.mse_loss(moved(q), torch.zeros(3, 3)).backward()
+    adam.step()  # new leaves on the moved store: a real step
+    assert not torch.equal(moved.store.keys, before)

@@ -186,6 +186,12 @@ class HybridSoftmax(GrowingSoftmax):
                                  (self.store.keys, self.store.values, self.store.weights))
         return self._leaves
 
+    def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        # .to() / .double() / .cuda() replace the store's tensors: leaves made before would be
+        # views of the old ones, so they are dropped (a step in flight loses its gradients)
+        self._leaves = None
+        return super()._apply(fn, *args, **kwargs)
+
     # ---------------------------------------------------------------- Adam on entries
     @torch.no_grad()
     def adam_step(self, lr: float, betas: tuple[float, float], eps: float,
