@@ -1,5 +1,5 @@
 """``python -m rcdl`` runs the command-line interface."""
 
-from rcdl.cli import main
+from rcdl.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

@@ -613,6 +613,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def entry() -> int:
+    """The ``rcdl`` command: :func:`main` after tuning the allocator for training
+    (:func:`rcdl.allocator.keep_freed_memory`; ``RCDL_MALLOC=system`` turns that off)."""
+    from rcdl.allocator import keep_freed_memory
+
+    keep_freed_memory()
+    return main()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rcdl`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()

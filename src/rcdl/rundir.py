@@ -38,6 +38,7 @@ from typing import IO, Any
 import torch
 
 from rcdl._version import __version__
+from rcdl.allocator import allocator_setting
 
 __all__ = [
     "RunDir",
@@ -177,6 +178,7 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
         "cuda_available": cuda,
         "cuda_device": torch.cuda.get_device_name() if cuda else None,
         "num_threads": torch.get_num_threads(),
+        "malloc": allocator_setting(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
