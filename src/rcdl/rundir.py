@@ -46,6 +46,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "config_from_dict",
     "environment_info",
     "open_run",
     "read_config",
@@ -340,6 +341,15 @@ class RunDir:
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
+
+
+def config_from_dict(config_cls: Any, saved: Mapping[str, Any]) -> Any:
+    """``config_cls(**saved)`` for a config dataclass read back from ``config.json``;
+    settings it does not know are an error naming the class."""
+    unknown = set(saved) - set(config_cls.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"{config_cls.__name__}: unknown settings {sorted(unknown)}")
+    return config_cls(**saved)
 
 
 def read_config(run_dir: str | os.PathLike, config_cls: Any) -> Any:

@@ -93,8 +93,10 @@ from rcdl.rundir import (
     RunDir,
     atomic_write_json,
     atomic_write_text,
+    config_from_dict,
     describe_machine,
     environment_info,
+    read_config,
     release_memory,
     resolve_device,
     save_figure,
@@ -371,11 +373,7 @@ class Cifar10Config:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Cifar10Config:
         """The config saved as ``config.json`` (unknown keys are an error)."""
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"Cifar10Config: unknown settings {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
 
 def _unique(what: str, items: tuple) -> None:
@@ -392,10 +390,7 @@ def _positive(what: str, value: Any, optional: bool = False) -> None:
 
 def load_run_config(run_dir: str | Path) -> Cifar10Config:
     """The config of the run in ``run_dir`` (its ``config.json``), for resuming it."""
-    path = Path(run_dir) / RunDir.CONFIG
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} holds no run to resume: {path} does not exist")
-    return Cifar10Config.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    return read_config(run_dir, Cifar10Config)
 
 
 # --------------------------------------------------------------------------- the data

@@ -94,6 +94,7 @@ from rcdl.networks import ResNetMLP
 from rcdl.rundir import (
     RunDir,
     atomic_write_text,
+    config_from_dict,
     describe_machine,
     open_run,
     release_memory,
@@ -214,10 +215,7 @@ class DeltaNetDecayConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DeltaNetDecayConfig:
         """The config saved as ``config.json`` (unknown keys are an error)."""
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"{_OWNER}: unknown settings {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
 
 def load_data(cfg: DeltaNetDecayConfig, *, download: bool = True) -> CifarData:

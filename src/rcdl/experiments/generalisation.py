@@ -80,6 +80,7 @@ from rcdl.rules import ClippedSoftmaxRule
 from rcdl.rundir import (
     RunDir,
     atomic_write_text,
+    config_from_dict,
     describe_machine,
     open_run,
     release_memory,
@@ -187,10 +188,7 @@ class GeneralisationConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GeneralisationConfig:
         """The config saved as ``config.json`` (unknown keys are an error)."""
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"GeneralisationConfig: unknown settings {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
 
 def _check_int(what: str, value: Any, *, minimum: int) -> None:

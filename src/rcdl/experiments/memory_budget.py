@@ -55,6 +55,7 @@ from rcdl.memory import MemoryBudget
 from rcdl.rundir import (
     RunDir,
     atomic_write_text,
+    config_from_dict,
     describe_machine,
     open_run,
     release_memory,
@@ -183,10 +184,7 @@ class MemoryBudgetConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MemoryBudgetConfig:
         """The config saved as ``config.json`` (unknown keys are an error)."""
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"MemoryBudgetConfig: unknown settings {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
     def budgets(self) -> list[MemoryBudget | None]:
         """The runs in training order: the unbounded reference (``None``) first, then every

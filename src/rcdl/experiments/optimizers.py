@@ -101,6 +101,7 @@ from rcdl.rules import ClippedSoftmaxRule
 from rcdl.rundir import (
     RunDir,
     atomic_write_text,
+    config_from_dict,
     describe_machine,
     open_run,
     release_memory,
@@ -345,10 +346,7 @@ class OptimizerComparisonConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> OptimizerComparisonConfig:
         """The config saved as ``config.json`` (unknown keys are an error)."""
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"OptimizerComparisonConfig: unknown settings {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
 
 def _check_int(what: str, value: Any, *, minimum: int, owner: str = "OptimizerComparisonConfig"

@@ -86,6 +86,7 @@ from rcdl.rules import ClippedSoftmaxRule
 from rcdl.rundir import (
     RunDir,
     atomic_write_text,
+    config_from_dict,
     describe_machine,
     open_run,
     release_memory,
@@ -227,10 +228,7 @@ class TeacherStudentConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TeacherStudentConfig:
         """The config saved as ``config.json`` (unknown keys are an error)."""
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"TeacherStudentConfig: unknown settings {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
 
 def _check_int(what: str, value: Any, *, minimum: int) -> None:

@@ -64,6 +64,7 @@ from rcdl.rules import ClippedSoftmaxRule
 from rcdl.rundir import (
     RunDir,
     atomic_write_text,
+    config_from_dict,
     describe_machine,
     open_run,
     release_memory,
@@ -219,10 +220,7 @@ class ViTConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ViTConfig:
         """The config saved as ``config.json`` (unknown keys are an error)."""
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"ViTConfig: unknown settings {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
 
 def _check_int(what: str, value: Any, *, minimum: int) -> None:
