@@ -133,3 +133,11 @@ def test_unknown_kernel_and_bad_temperature():
         attention(q[:, :2], keys, values, weights, kernel="softmax")
     with pytest.raises(TypeError, match="keys are torch.float32"):
         attention(q, keys.float(), values, weights, kernel="softmax")
+
+
+def test_default_chunk_size_is_cache_sized_on_cpu_and_large_on_gpus():
+    from rcdl.attention import default_chunk_size
+
+    assert default_chunk_size(16) == default_chunk_size(16, "cpu") == 2048
+    assert default_chunk_size(500, torch.device("cpu")) == 1024
+    assert default_chunk_size(16, "cuda") == default_chunk_size(500, "cuda:0") == 1 << 16

@@ -258,6 +258,16 @@ def test_combine_merges_runs_into_one_table(run, second_run, tmp_path):
     assert "| rbf | 0 |" in report and str(second_run) in report and "48 train" in report
 
 
+def test_combine_keeps_only_the_named_models(run, second_run, tmp_path):
+    folder, combined = cifar10.combine_runs([run, second_run], tmp_path / "combined",
+                                            models=["rbf", "gws"])
+    assert [row["model"] for row in combined["models"]] == ["gws", "rbf"]
+    assert {r["model"] for r in combined["runs"]} == {"gws", "rbf"}
+    assert [s["models"] for s in combined["combined_from"]] == [["gws"], ["rbf"]]
+    with pytest.raises(ValueError, match="gauge finished in none of"):
+        cifar10.combine_runs([run, second_run], tmp_path / "missing", models=["gws", "gauge"])
+
+
 def test_combine_refuses_a_pair_finished_twice(run, tmp_path):
     with pytest.raises(ValueError, match="gws seed 0 finished in both"):
         cifar10.combine_runs([run, run], tmp_path / "combined")
@@ -289,7 +299,26 @@ def test_combine_from_the_command_line(run, second_run, tmp_path, capsys):
     assert "Combined 7 runs" in capsys.readouterr().out
     assert (out / "results.md").is_file()
     for extra, message in (([], "needs --out"),
-                           (["--out", str(tmp_path / "x"), "--models", "gws"], "drop --models")):
+                           (["--out", str(tmp_path / "x"), "--seeds", "1"], "drop --seeds"),
+                           (["--out", str(tmp_path / "x"), "--no-checkpoint"],
+                            "drop --no-checkpoint")):
         with pytest.raises(SystemExit) as exc:
             main([*argv, *extra])
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_provenance_recognises_the_same_arrays_saved_again(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = {"x_train": rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8),
+              "y_train": np.arange(4), "x_test": rng.integers(0, 256, (2, 32, 32, 3),
+                                                              dtype=np.uint8),
+              "y_test": np.arange(2)}  # fmt: skip
+    np.savez_compressed(tmp_path / "a.npz", **arrays)
+    np.savez(tmp_path / "b.npz", **arrays, extra=np.zeros(3))
+    np.savez(tmp_path / "c.npz", **{**arrays, "y_test": np.array([1, 0])})
+    digest = cifar10._array_digest
+    assert digest(tmp_path / "a.npz") == digest(tmp_path / "b.npz") is not None
+    assert digest(tmp_path / "c.npz") != digest(tmp_path / "a.npz")
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    assert digest(tmp_path / "bad.npz") is None
+    assert "unknown provenance" in cifar10.data_provenance(tmp_path / "a.npz")

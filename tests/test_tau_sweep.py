@@ -70,3 +70,48 @@ def test_config_rejects_bad_taus():
     with pytest.raises(ValueError, match="taus"):
         TauSweepConfig(taus=(float("nan"),))
     assert TauSweepConfig().comparison().models[0] == "hybrid-always"
+
+
+@pytest.fixture(scope="module")
+def second_sweep(data_dir, tmp_path_factory):
+    """Another invocation with the same protocol and no checkpoints: τ = 40, psoftmax-8."""
+    out = tmp_path_factory.mktemp("runs") / "second"
+    argv = ["reproduce", "hybrid-tau-sweep", "--data-dir", str(data_dir), *TINY, "--out",
+            str(out), "--taus", "40", "--references", "psoftmax-8", "--no-checkpoint"]
+    assert main(argv) == 0
+    return out
+
+
+def test_no_checkpoint_is_recorded_and_writes_none(second_sweep):
+    assert json.loads((second_sweep / "config.json").read_text())["checkpoint"] is False
+    assert not (second_sweep / "checkpoints").exists()
+
+
+def test_combine_merges_sweeps_and_picks_models(sweep, second_sweep, tmp_path, capsys):
+    out = tmp_path / "combined"
+    argv = ["reproduce", "hybrid-tau-sweep", "--combine", str(sweep), str(second_sweep),
+            "--out", str(out), "--taus", "always", "40", "--references", "gws", "psoftmax-8"]
+    assert main(argv) == 0
+    assert "Combined 4 runs" in capsys.readouterr().out
+    rows = list(csv.DictReader((out / "tau_sweep.csv").read_text().splitlines()))
+    assert [r["model"] for r in rows] == ["hybrid-always", "hybrid-tau40", "gws", "psoftmax-8"]
+    for name in ("entries_vs_accuracy.png", "tau_sweep.md", "results.md", "summary.json"):
+        assert (out / name).is_file(), name
+    assert len(json.loads((out / "summary.json").read_text())["tau_sweep"]) == 4
+    # no filter: every finished model of both folders
+    assert main([*argv[:5], "--out", str(tmp_path / "all")]) == 0
+    rows = list(csv.DictReader((tmp_path / "all" / "tau_sweep.csv").read_text().splitlines()))
+    assert len(rows) == 6
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ([], "needs --out"),
+    (["--out", "x", "--train-size", "8"], "drop --train-size"),
+    (["--out", "x", "--full"], "drop --full"),
+    (["--out", "x", "--taus", "12"], "hybrid-tau12 finished in none of"),
+])  # fmt: skip
+def test_combine_errors_exit_2(sweep, tmp_path, monkeypatch, extra, message, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["reproduce", "hybrid-tau-sweep", "--combine", str(sweep), *extra])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

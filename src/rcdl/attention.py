@@ -51,9 +51,16 @@ class Partial(NamedTuple):
     den: Tensor  # (B,)
 
 
-def default_chunk_size(batch: int) -> int:
-    """Entries per chunk: 2048 for small batches, 1024 beyond 128 queries (measured best on
-    a 2-core AVX2 machine with d = 3072, see ``benchmarks/bench_attention.py``)."""
+def default_chunk_size(batch: int, device: torch.device | str | None = None) -> int:
+    """Entries per chunk.
+
+    On CPU: 2048 for small batches, 1024 beyond 128 queries (measured best on a 2-core AVX2
+    machine with d = 3072, see ``benchmarks/bench_attention.py``): a chunk's keys stay in
+    cache. On a GPU the cost is kernel launches, not cache misses, so chunks are large:
+    65 536 entries, whose ``(c, B)`` block is 131 MB at B = 500 in float32.
+    """
+    if device is not None and torch.device(device).type == "cuda":
+        return 1 << 16
     return 2048 if batch <= 128 else 1024
 
 
@@ -139,7 +146,7 @@ def _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep):
     check_kernel(kernel)
     _check_inputs(q, keys, values, weights)
     tau = softmax_scale(temperature, q.shape[1])
-    chunk = chunk_size or default_chunk_size(q.shape[0])
+    chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
     q_sqnorm = (q * q).sum(1) if kernel == "rbf" else None
     part = _empty_partial(q, values.shape[1], kernel)
     saved = []  # per chunk: (block, m used for it) when keep
@@ -177,7 +184,7 @@ class _StreamingAttention(torch.autograd.Function):
         keep = needs_grad and b * n * q.element_size() <= save_fraction * store_bytes
         part, saved = _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep)
         out = finalize(part, kernel=kernel, eps=eps)
-        ctx.kernel, ctx.chunk = kernel, chunk_size or default_chunk_size(b)
+        ctx.kernel, ctx.chunk = kernel, chunk_size or default_chunk_size(b, q.device)
         ctx.tau = softmax_scale(temperature, q.shape[1])
         ctx.saved_blocks = saved if keep else None
         # the softmax backward needs the final max and the (guarded) denominator
@@ -298,7 +305,7 @@ def nearest_sq_distance(
     if q.dim() != 2 or keys.dim() != 2 or q.shape[1] != keys.shape[1]:
         raise ValueError(f"nearest_sq_distance expects q (B, d) and keys (N, d), got "
                          f"{tuple(q.shape)} and {tuple(keys.shape)}")
-    chunk = chunk_size or default_chunk_size(q.shape[0])
+    chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
     best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
     for start in range(0, keys.shape[0], chunk):
         k_c = keys[start : start + chunk]  # (c, d)

@@ -78,13 +78,14 @@ def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
     settings = {
         "models": args.models, "train_size": args.train_size, "test_size": args.test_size,
         "seeds": args.seeds, "eval_every": args.eval_every,
+        "checkpoint": False if args.no_checkpoint else None,
     }  # fmt: skip
     settings = {k: v for k, v in settings.items() if v is not None}
     if args.combine is not None:
         return _combine_cifar10(args, settings)
     try:
         if args.resume is not None:
-            given = [f"--{k.replace('_', '-')}" for k in settings]
+            given = _flags(settings)
             given += [flag for flag, on in (("--quick", args.quick), ("--out", args.out)) if on]
             if given:
                 raise CLIError(f"--resume continues a run with its saved config; drop "
@@ -109,21 +110,46 @@ def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flags(settings: dict) -> list[str]:
+    """The command-line flags that set these config keys (for error messages)."""
+    return [f"--{'no-' if k == 'checkpoint' else ''}{k.replace('_', '-')}" for k in settings]
+
+
 def _combine_cifar10(args: argparse.Namespace, settings: dict) -> int:
     """``--combine RUN_DIR ... --out DIR``: one table from several finished runs."""
     from rcdl.experiments.cifar10 import combine_runs
 
-    given = [f"--{k.replace('_', '-')}" for k in settings]
+    given = _flags({k: v for k, v in settings.items() if k != "models"})
     given += [flag for flag, on in (("--quick", args.quick), ("--resume", args.resume)) if on]
     if given:
         raise CLIError(f"--combine trains nothing; drop {', '.join(given)}")
     if args.out is None:
         raise CLIError("--combine needs --out DIR, the folder for the combined table")
     try:
-        folder, combined = combine_runs(args.combine, args.out)
+        folder, combined = combine_runs(args.combine, args.out, models=settings.get("models"))
     except (OSError, ValueError) as e:  # missing folders, other protocols, duplicates
         raise CLIError(str(e)) from e
     print((folder / "results.md").read_text(encoding="utf-8"), end="")
+    print(f"Combined {len(combined['runs'])} runs into {folder}")
+    return 0
+
+
+def _combine_tau_sweep(args: argparse.Namespace, settings: dict) -> int:
+    """``hybrid-tau-sweep --combine RUN_DIR ... --out DIR``: one sweep from finished runs."""
+    from rcdl.experiments.tau_sweep import combine_sweep
+
+    given = _flags({k: v for k, v in settings.items() if k not in ("taus", "references")})
+    given += [flag for flag, on in (("--quick", args.quick), ("--full", args.full),
+                                    ("--resume", args.resume)) if on]
+    if given:
+        raise CLIError(f"--combine trains nothing; drop {', '.join(given)}")
+    if args.out is None:
+        raise CLIError("--combine needs --out DIR, the folder for the combined sweep")
+    try:
+        folder, combined = combine_sweep(args.combine, args.out, taus=args.taus,
+                                         references=args.references)
+    except (OSError, ValueError) as e:  # missing folders, other protocols, duplicates
+        raise CLIError(str(e)) from e
     print(f"Combined {len(combined['runs'])} runs into {folder}")
     return 0
 
@@ -148,13 +174,16 @@ def _cmd_reproduce_tau_sweep(args: argparse.Namespace) -> int:
     settings = {
         "taus": args.taus, "references": args.references, "train_size": args.train_size,
         "test_size": args.test_size, "eval_every": args.eval_every, "seed": args.seed,
+        "checkpoint": False if args.no_checkpoint else None,
     }  # fmt: skip
     settings = {k: v for k, v in settings.items() if v is not None}
+    if args.combine is not None:
+        return _combine_tau_sweep(args, settings)
     if args.full:
         settings |= {"train_size": None, "test_size": None, "eval_every": 250}
     try:
         if args.resume is not None:
-            given = [f"--{k.replace('_', '-')}" for k in settings]
+            given = _flags(settings)
             given += [flag for flag, on in (("--quick", args.quick), ("--out", args.out)) if on]
             if given:
                 raise CLIError(f"--resume continues a run with its saved config; drop "
@@ -383,6 +412,9 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
                        "test (minutes)")
     cifar.add_argument("--keep-checkpoints", action="store_true",
                        help="keep each model's last checkpoint after it finishes")
+    cifar.add_argument("--no-checkpoint", action="store_true",
+                       help="write no checkpoints (an interrupted model then restarts from "
+                       "scratch); saves the disk writes of large stores and optimizer states")
     cifar.add_argument("--no-download", action="store_true",
                        help="never download the data set when no local copy is found")
     cifar.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -416,6 +448,12 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     sweep.add_argument("--out", metavar="DIR",
                        help="run folder to write (default: runs/hybrid-tau-sweep-<timestamp>)")
     sweep.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted sweep")
+    sweep.add_argument("--combine", nargs="+", metavar="RUN_DIR", help="train nothing: merge "
+                       "the finished models of these run folders of the sweep or of "
+                       "cifar10-1epoch (same protocol) into one sweep table and figure in "
+                       "--out; --taus and --references then pick the models (default: all)")
+    sweep.add_argument("--no-checkpoint", action="store_true",
+                       help="write no checkpoints (an interrupted model restarts from scratch)")
     sweep.add_argument("--device", choices=("auto", "cpu", "cuda"),
                        help="default: auto (CUDA when available)")
     sweep.add_argument("--no-download", action="store_true",

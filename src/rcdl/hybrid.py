@@ -210,7 +210,8 @@ class HybridSoftmax(GrowingSoftmax):
         traffic: it reads θ, m, v, g and writes θ, m, v, once each. Rows are visited in blocks
         of about ``chunk_elements`` numbers (1 MB in float32) so that the seven element-wise
         passes over a block (``lerp_``; ``mul_``, ``addcmul_``; ``sqrt``, ``mul_``, ``add_``;
-        ``addcdiv_``) run in cache, and one scratch block is the only temporary. The dense
+        ``addcdiv_``) run in cache, and one scratch block is the only temporary. On a GPU the
+        whole tensor is one block (each pass is one kernel launch). The dense
         rule it is checked against is in ``tests/test_hybrid.py``.
         """
         leaves, self._leaves = self._leaves, None
@@ -233,6 +234,8 @@ class HybridSoftmax(GrowingSoftmax):
             if grad is None:  # a zero gradient: the moments still decay and θ still moves
                 grad = param.new_zeros(()).expand_as(param)
             rows_per_chunk = max(1, chunk_elements // math.prod(param.shape[1:]))
+            if param.is_cuda:  # launches, not cache misses, cost on a GPU: one block
+                rows_per_chunk = max(1, n)
             shape = (-1,) + (1,) * (param.dim() - 1)  # per-entry scales broadcast over a row
             scratch = param.new_empty((min(rows_per_chunk, n), *param.shape[1:]))
             for start in range(0, n, rows_per_chunk):

@@ -71,6 +71,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
@@ -115,6 +116,8 @@ D_IN, CLASSES = 3072, 10
 METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}  # first: the progress bar's
 # SHA-256 of the JPEG-decoded CIFAR-10 copy described in shared/data/README.md and docs/data.md
 _LOSSY_NPZ_SHA256 = "ceb463d2555a42a78d4a20ad460779f39fd9d827bc592b2b09b8dc850425cc09"
+# SHA-256 of the same copy's arrays (see _array_digest): recognises it re-saved, e.g. uncompressed
+_LOSSY_ARRAYS_SHA256 = "181097d0bc6ef07e5392cdb48337aeebc8ed12618473cc40878288ce20013db4"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _DEVICES = ("auto", "cpu", "cuda")
 
@@ -422,11 +425,27 @@ def data_provenance(source: Path) -> str:
     with open(source, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    if digest.hexdigest() == _LOSSY_NPZ_SHA256:
+    if digest.hexdigest() == _LOSSY_NPZ_SHA256 or _array_digest(source) == _LOSSY_ARRAYS_SHA256:
         return ("the JPEG-decoded copy of CIFAR-10 (lossy, about 30 dB PSNR from the original "
                 "pixels; models trained on it are known to lose about 2–3 points against the "
                 "paper's numbers; see docs/data.md)")
     return "an npz copy of unknown provenance (not the known JPEG-decoded one)"
+
+
+def _array_digest(source: Path) -> str | None:
+    """SHA-256 over the name, dtype, shape and bytes of the four arrays of an npz copy, so
+    that the same images saved again (compressed or not) are recognised; None if unreadable."""
+    digest = hashlib.sha256()
+    try:
+        with np.load(source) as arrays:
+            for key in ("x_train", "y_train", "x_test", "y_test"):
+                a = np.ascontiguousarray(arrays[key])
+                for part in (key, str(a.dtype), str(a.shape)):
+                    digest.update(part.encode())
+                digest.update(a.tobytes())
+    except (OSError, KeyError, ValueError):
+        return None
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- running
@@ -776,7 +795,9 @@ def _protocol(cfg: Cifar10Config, data: Mapping[str, Any]) -> dict[str, Any]:
             "provenance": data.get("provenance")}
 
 
-def combine_runs(run_dirs: list[str | Path], out: str | Path) -> tuple[Path, dict[str, Any]]:
+def combine_runs(run_dirs: list[str | Path], out: str | Path,
+                 models: list[str] | tuple[str, ...] | None = None,
+                 ) -> tuple[Path, dict[str, Any]]:
     """One table and figure from the finished (model, seed) pairs of several run folders.
 
     Full-scale models take an hour each on a CPU, so the comparison is made over several
@@ -784,6 +805,7 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path) -> tuple[Path, dic
     after checking that they share the protocol (sizes, batch, evaluation schedule, dtype,
     data seed and data provenance); a (model, seed) pair finished in two folders is an
     error. Unfinished pairs of an interrupted run are not in its summary and are ignored.
+    ``models`` keeps only those models (each must have finished in some folder).
 
     Writes into ``out``: ``summary.json`` (the runs, per-model rows and, per source
     folder, its path, models, sessions and environment), ``results.md``, ``results.csv``
@@ -806,6 +828,8 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path) -> tuple[Path, dic
             raise ValueError(f"combine: {folder} used another protocol than {first_folder} "
                              f"(theirs first, then this one's): {diff}")
         for r in summary["runs"]:
+            if models is not None and r["model"] not in models:
+                continue
             key = (r["model"], r["seed"])
             if key in origin:
                 raise ValueError(f"combine: {r['model']} seed {r['seed']} finished in both "
@@ -815,12 +839,17 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path) -> tuple[Path, dic
         environment = folder / RunDir.ENVIRONMENT
         sources.append({
             "path": str(folder),
-            "models": list(dict.fromkeys(r["model"] for r in summary["runs"])),
+            "models": list(dict.fromkeys(r["model"] for r in summary["runs"]
+                                         if models is None or r["model"] in models)),
             "sessions": summary.get("sessions", []),
             "environment": (json.loads(environment.read_text(encoding="utf-8"))
                             if environment.is_file() else None),
         })  # fmt: skip
     present = list(dict.fromkeys(r["model"] for r in runs))
+    missing = [m for m in models or () if m not in present]
+    if missing:
+        raise ValueError(f"combine: {', '.join(missing)} finished in none of "
+                         f"{', '.join(str(f) for f in folders)}")
     models = tuple([m for m in MODELS if m in present] + [m for m in present if m not in MODELS])
     combined = {"experiment": EXPERIMENT, "combined_from": sources,
                 "data": first_summary["data"], "protocol": protocol, "runs": runs,

@@ -40,6 +40,8 @@ from rcdl.cifar import CifarData
 from rcdl.experiments.cifar10 import (
     _HYBRID,
     Cifar10Config,
+    _finished_runs,
+    combine_runs,
     hybrid_name,
     load_run_config,
     model_spec,
@@ -48,7 +50,8 @@ from rcdl.experiments.cifar10 import (
 from rcdl.rundir import RunDir, atomic_write_text, save_figure
 from rcdl.store import format_bytes
 
-__all__ = ["TauSweepConfig", "run_tau_sweep", "sweep_rows", "write_sweep_report"]
+__all__ = ["TauSweepConfig", "combine_sweep", "run_tau_sweep", "sweep_rows",
+           "write_sweep_report"]
 
 EXPERIMENT = "hybrid-tau-sweep"
 
@@ -63,7 +66,7 @@ class TauSweepConfig:
             (any name :func:`rcdl.experiments.cifar10.model_spec` knows).
         train_size, test_size: CIFAR-10 subsets (``None``: the full 50 000 / 10 000). The
             default 2 000 / 1 000 took 14.5 minutes on one CPU thread here.
-        eval_every, seed, data_dir, device, dtype: as in
+        eval_every, seed, data_dir, device, dtype, checkpoint: as in
             :class:`~rcdl.experiments.cifar10.Cifar10Config`.
     """
 
@@ -76,6 +79,7 @@ class TauSweepConfig:
     data_dir: str | None = None
     device: str = "auto"
     dtype: str = "float32"
+    checkpoint: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "taus", tuple(self.taus))
@@ -101,7 +105,8 @@ class TauSweepConfig:
         return Cifar10Config(models=models, train_size=self.train_size,
                              test_size=self.test_size, seeds=(self.seed,),
                              eval_every=self.eval_every, data_dir=self.data_dir,
-                             device=self.device, dtype=self.dtype)
+                             device=self.device, dtype=self.dtype,
+                             checkpoint=self.checkpoint)
 
 
 def run_tau_sweep(
@@ -137,6 +142,44 @@ def run_tau_sweep(
     report = write_sweep_report(run, rows, summary)
     print("\n" + report, end="")
     return run, summary
+
+
+def combine_sweep(
+    run_dirs: list[str | Path],
+    out: str | Path,
+    *,
+    taus: tuple[float | None, ...] | None = None,
+    references: tuple[str, ...] | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """One sweep table and figure from the finished models of several run folders.
+
+    A full-size sweep takes hours per threshold on a CPU, so its thresholds and reference
+    models may come from different invocations, sessions or machines: any run folders of
+    the one-epoch comparison with the same protocol (:func:`~rcdl.experiments.cifar10.
+    combine_runs` checks it). ``taus`` keeps the hybrids of those thresholds and
+    ``references`` those other models; ``None`` keeps every one found.
+
+    Writes the combined comparison (``summary.json``, ``results.md``, ``results.csv``,
+    ``test_accuracy.png``) plus ``tau_sweep.md``, ``tau_sweep.csv`` and
+    ``entries_vs_accuracy.png`` into ``out``.
+    """
+    present = list(dict.fromkeys(r["model"] for folder in run_dirs
+                                 for r in _finished_runs(Path(folder))[1]["runs"]))
+    wanted_hybrids = None if taus is None else [hybrid_name(t) for t in taus]
+    models = []
+    for name in present:
+        is_hybrid, _ = _tau_of(name)
+        wanted = wanted_hybrids if is_hybrid else references
+        if wanted is None or name in wanted:
+            models.append(name)
+    models += [m for m in (wanted_hybrids or []) + list(references or []) if m not in models]
+    folder, summary = combine_runs(run_dirs, out, models=models)
+    rows = sweep_rows(summary)
+    summary["tau_sweep"] = rows
+    run = RunDir(folder)
+    run.write_summary(summary)
+    print("\n" + write_sweep_report(run, rows, summary), end="")
+    return folder, summary
 
 
 def _tau_of(model: str) -> tuple[bool, float | None]:
