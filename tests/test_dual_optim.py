@@ -374,3 +374,22 @@ def test_make_optimizer_builds_the_dual_optimizers(name, cls):
     x, y = next(toy_batches(1))
     batch_loss(model(x), y, "mse").backward()
     opt.step()
+
+
+def test_adamw_at_the_tuned_settings_equals_adam_in_float32():
+    """lr·wd = 1e−8 is below float32's resolution at 1: the decoupled decay is a no-op
+    there (the full-scale mlp-adam and mlp-adamw runs ended identical), not in float64."""
+    for dtype, identical in ((torch.float32, True), (torch.float64, False)):
+        torch.manual_seed(0)
+        nets = [nn.Linear(8, 4).to(dtype) for _ in range(2)]
+        nets[1].load_state_dict(nets[0].state_dict())
+        opts = [make_optimizer("adam", nets[0]), make_optimizer("adamw", nets[1])]
+        x = torch.randn(16, 8, dtype=dtype)
+        for _ in range(20):
+            for net, opt in zip(nets, opts, strict=True):
+                opt.zero_grad()
+                net(x).square().mean().backward()
+                opt.step()
+        pairs = zip(nets[0].parameters(), nets[1].parameters(), strict=True)
+        same = all(torch.equal(a, b) for a, b in pairs)
+        assert same is identical
