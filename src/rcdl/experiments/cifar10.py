@@ -795,6 +795,19 @@ def _protocol(cfg: Cifar10Config, data: Mapping[str, Any]) -> dict[str, Any]:
             "provenance": data.get("provenance")}
 
 
+def _table_position(model: str) -> tuple[int, int]:
+    """Where a model goes in a combined table: registry order, ``hybrid-*`` beside
+    ``hybrid`` and ``psoftmax-<N>`` beside the parametric softmaxes, others last."""
+    names = list(MODELS)
+    if model in MODELS:
+        return names.index(model), 0
+    if _HYBRID.fullmatch(model):
+        return names.index("hybrid"), 1
+    if model.startswith("psoftmax-"):
+        return names.index("psoftmax-50016"), 1
+    return len(names), 0
+
+
 def combine_runs(run_dirs: list[str | Path], out: str | Path,
                  models: list[str] | tuple[str, ...] | None = None,
                  ) -> tuple[Path, dict[str, Any]]:
@@ -809,8 +822,8 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
 
     Writes into ``out``: ``summary.json`` (the runs, per-model rows and, per source
     folder, its path, models, sessions and environment), ``results.md``, ``results.csv``
-    and ``test_accuracy.png``. Models are ordered as in :data:`MODELS`, then by first
-    appearance.
+    and ``test_accuracy.png``. Models are ordered as in :data:`MODELS` (``hybrid-*`` and
+    other ``psoftmax-<N>`` beside their kin), then by first appearance.
     """
     if not run_dirs:
         raise ValueError("combine: give at least one run folder")
@@ -850,7 +863,7 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
     if missing:
         raise ValueError(f"combine: {', '.join(missing)} finished in none of "
                          f"{', '.join(str(f) for f in folders)}")
-    models = tuple([m for m in MODELS if m in present] + [m for m in present if m not in MODELS])
+    models = tuple(sorted(present, key=_table_position))
     combined = {"experiment": EXPERIMENT, "combined_from": sources,
                 "data": first_summary["data"], "protocol": protocol, "runs": runs,
                 "models": model_rows(runs, models)}
