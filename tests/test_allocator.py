@@ -35,7 +35,16 @@ def test_the_library_alone_leaves_malloc_alone():
     assert environment_info()["malloc"] == "system default"  # main() and imports don't tune
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_python_m_rcdl_runs_through_the_tuned_entry():
-    out = subprocess.run([sys.executable, "-m", "rcdl", "--help"], capture_output=True,
-                         text=True, check=True)
+    # run rcdl/__main__.py as `python -m rcdl --help` does, then ask how malloc was set up
+    probe = ("import runpy, sys\n"
+             "sys.argv = ['rcdl', '--help']\n"
+             "try:\n    runpy.run_module('rcdl', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "from rcdl.allocator import allocator_setting\n"
+             "print('SETTING', allocator_setting())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, env={**os.environ, "RCDL_MALLOC": ""})
     assert "reproduce" in out.stdout
+    assert "SETTING glibc: no mmap" in out.stdout

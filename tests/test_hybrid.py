@@ -408,3 +408,12 @@ def test_moving_the_layer_drops_leaves_of_the_old_tensors():
     F.mse_loss(moved(q), torch.zeros(3, 3)).backward()
     adam.step()  # new leaves on the moved store: a real step
     assert not torch.equal(moved.store.keys, before)
+
+
+def test_adam_block_is_cache_sized_on_cpu_and_whole_on_gpus():
+    from rcdl.hybrid import adam_block_elements
+
+    cpu = torch.device("cpu")
+    assert adam_block_elements("cpu", 10**7) == adam_block_elements(cpu, 5) == 1 << 18
+    assert adam_block_elements("cuda", 10**7) == 10**7
+    assert adam_block_elements("cuda:0", 0) == 1

@@ -182,9 +182,10 @@ class _StreamingAttention(torch.autograd.Function):
         store_bytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
         needs_grad = any(ctx.needs_input_grad[:4])
         keep = needs_grad and b * n * q.element_size() <= save_fraction * store_bytes
-        part, saved = _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep)
+        chunk = chunk_size or default_chunk_size(b, q.device)
+        part, saved = _stream(q, keys, values, weights, kernel, temperature, chunk, keep)
         out = finalize(part, kernel=kernel, eps=eps)
-        ctx.kernel, ctx.chunk = kernel, chunk_size or default_chunk_size(b, q.device)
+        ctx.kernel, ctx.chunk = kernel, chunk
         ctx.tau = softmax_scale(temperature, q.shape[1])
         ctx.saved_blocks = saved if keep else None
         # the softmax backward needs the final max and the (guarded) denominator

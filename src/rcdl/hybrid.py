@@ -38,7 +38,7 @@ from rcdl.store import EntryStore
 
 __all__ = [
     "AlwaysGrow", "CapacityGate", "DistanceGate", "EntryAdam", "ErrorScaledGate",
-    "GrowthTrigger", "HybridSoftmax", "hybrid_layers",
+    "GrowthTrigger", "HybridSoftmax", "adam_block_elements", "hybrid_layers",
 ]  # fmt: skip
 
 
@@ -195,7 +195,7 @@ class HybridSoftmax(GrowingSoftmax):
     # ---------------------------------------------------------------- Adam on entries
     @torch.no_grad()
     def adam_step(self, lr: float, betas: tuple[float, float], eps: float,
-                  chunk_elements: int = 1 << 18) -> None:
+                  chunk_elements: int | None = None) -> None:
         """One Adam step on every entry that received a gradient since the last step (SPEC §4).
 
         Per entry ``j`` with its own step count ``t_j`` (steps since it was written), for
@@ -208,10 +208,11 @@ class HybridSoftmax(GrowingSoftmax):
         corrections become two ``(N,)`` scales, ``a_j = (1−β₁^{t_j}) / (lr √(1−β₂^{t_j}))``
         and ``c_j = ε (1−β₁^{t_j}) / lr`` (computed in float64). The step is bound by memory
         traffic: it reads θ, m, v, g and writes θ, m, v, once each. Rows are visited in blocks
-        of about ``chunk_elements`` numbers (1 MB in float32) so that the seven element-wise
-        passes over a block (``lerp_``; ``mul_``, ``addcmul_``; ``sqrt``, ``mul_``, ``add_``;
-        ``addcdiv_``) run in cache, and one scratch block is the only temporary. On a GPU the
-        whole tensor is one block (each pass is one kernel launch). The dense
+        of about ``chunk_elements`` numbers (default :func:`adam_block_elements`: 1 MB in
+        float32 on CPU) so that the seven element-wise passes over a block (``lerp_``;
+        ``mul_``, ``addcmul_``; ``sqrt``, ``mul_``, ``add_``; ``addcdiv_``) run in cache, and
+        one scratch block is the only temporary. On a GPU the default block is the whole
+        tensor (each pass is one kernel launch). The dense
         rule it is checked against is in ``tests/test_hybrid.py``.
         """
         leaves, self._leaves = self._leaves, None
@@ -233,9 +234,8 @@ class HybridSoftmax(GrowingSoftmax):
         for param, m, v, grad in groups:
             if grad is None:  # a zero gradient: the moments still decay and θ still moves
                 grad = param.new_zeros(()).expand_as(param)
-            rows_per_chunk = max(1, chunk_elements // math.prod(param.shape[1:]))
-            if param.is_cuda:  # launches, not cache misses, cost on a GPU: one block
-                rows_per_chunk = max(1, n)
+            block = chunk_elements or adam_block_elements(param.device, param.numel())
+            rows_per_chunk = max(1, block // math.prod(param.shape[1:]))
             shape = (-1,) + (1,) * (param.dim() - 1)  # per-entry scales broadcast over a row
             scratch = param.new_empty((min(rows_per_chunk, n), *param.shape[1:]))
             for start in range(0, n, rows_per_chunk):
@@ -294,6 +294,13 @@ class HybridSoftmax(GrowingSoftmax):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, trigger={self.trigger}"
+
+
+def adam_block_elements(device: torch.device | str, numel: int) -> int:
+    """Numbers per block of :meth:`HybridSoftmax.adam_step`: 2¹⁸ (1 MB in float32, cache
+    sized) on CPU; the whole tensor (``numel``) on a GPU, where each pass over a block is a
+    kernel launch and cache-sized blocks would mean thousands of launches per step."""
+    return max(1, numel) if torch.device(device).type == "cuda" else 1 << 18
 
 
 def hybrid_layers(model: nn.Module) -> list[tuple[str, HybridSoftmax]]:

@@ -163,16 +163,17 @@ def combine_sweep(
     ``test_accuracy.png``) plus ``tau_sweep.md``, ``tau_sweep.csv`` and
     ``entries_vs_accuracy.png`` into ``out``.
     """
-    present = list(dict.fromkeys(r["model"] for folder in run_dirs
-                                 for r in _finished_runs(Path(folder))[1]["runs"]))
-    wanted_hybrids = None if taus is None else [hybrid_name(t) for t in taus]
-    models = []
-    for name in present:
-        is_hybrid, _ = _tau_of(name)
-        wanted = wanted_hybrids if is_hybrid else references
-        if wanted is None or name in wanted:
-            models.append(name)
-    models += [m for m in (wanted_hybrids or []) + list(references or []) if m not in models]
+    hybrids = None if taus is None else [hybrid_name(t) for t in taus]
+
+    def wanted(name: str) -> bool:  # None: every model of that kind
+        names = hybrids if _tau_of(name)[0] else references
+        return names is None or name in names
+
+    # the names found, filtered; named ones found nowhere stay, so combine_runs reports them
+    present = dict.fromkeys(r["model"] for folder in run_dirs
+                            for r in _finished_runs(Path(folder))[1]["runs"])
+    named = [*(hybrids or ()), *(references or ())]
+    models = [m for m in present if wanted(m)] + [m for m in named if m not in present]
     folder, summary = combine_runs(run_dirs, out, models=models)
     rows = sweep_rows(summary)
     summary["tau_sweep"] = rows
