@@ -1,7 +1,7 @@
 # rcdl developer commands. Everything installs into the current interpreter ($(PYTHON)).
 PYTHON ?= python3
 
-.PHONY: setup demo test bench lint
+.PHONY: setup demo test bench lint check-results
 
 # torch==2.13.0 is installed only when no torch is importable, so a user's own (CUDA) build is kept.
 setup:
@@ -19,3 +19,9 @@ bench:
 
 lint:
 	$(PYTHON) -m ruff check src tests benchmarks
+
+# Re-run every committed --quick configuration under results/ and compare it with its committed
+# numbers (docs/results.md). Data: $RCDL_DATA, else ../shared/data; extra flags in ARGS, e.g.
+# make check-results ARGS="--only cifar10-1epoch --data-dir DIR"   (or ARGS=--update, --list)
+check-results:
+	$(PYTHON) benchmarks/check_results.py $(ARGS)

@@ -1,6 +1,6 @@
 """Hybrid growing network: where one training step's time goes (SPEC §4, §6).
 
-Builds ``hybrid_softmax_net`` at the paper's size (d = 3072, 3 blocks + a readout to 10
+Builds ``HybridSoftmaxNet`` at the paper's size (d = 3072, 3 blocks + a readout to 10
 classes, T = 5, τ = 50, gws η = 1, β = 30, ``EntryAdam`` lr 1e−3), pre-fills every layer's
 store with N entries, and times training steps of batch 16 on random data, phase by phase,
 in the order ``rcdl.training.train_one_pass`` runs them:
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import rcdl
 from rcdl.grower import Grower
 from rcdl.hybrid import DistanceGate, EntryAdam, hybrid_layers
-from rcdl.networks import hybrid_softmax_net
+from rcdl.networks import HybridSoftmaxNet
 from rcdl.rules import ClippedSoftmaxRule
 
 PHASES = ("forward", "backward", "adam", "growth")
@@ -54,7 +54,7 @@ D, CLASSES, BATCH = 3072, 10, 16
 def build(n: int, steps: int, device: torch.device, seed: int = 0):  # noqa: ANN201
     """The SPEC §6 hybrid net with ``n`` entries per layer, room for ``steps`` more steps."""
     torch.manual_seed(seed)
-    net = hybrid_softmax_net(D, CLASSES, 3, temperature=5.0,
+    net = HybridSoftmaxNet(D, CLASSES, 3, temperature=5.0,
                              rule=ClippedSoftmaxRule(eta=1.0, beta=30.0),
                              trigger=DistanceGate(50.0), initial_entries=0).to(device)
     adam_steps = 100

@@ -141,3 +141,91 @@ def test_default_chunk_size_is_cache_sized_on_cpu_and_large_on_gpus():
     assert default_chunk_size(16) == default_chunk_size(16, "cpu") == 2048
     assert default_chunk_size(500, torch.device("cpu")) == 1024
     assert default_chunk_size(16, "cuda") == default_chunk_size(500, "cuda:0") == 1 << 16
+
+
+# ------------------------------------------------------------------ the denominator's guard
+# Mixed-sign weights and a large eps put some queries under the floor |D| ≥ eps · Σ|w_j|e^{z_j}
+# and leave others above it, away from the boundary and from w_j = 0 (where |w_j| has a kink).
+GUARD_EPS = 0.3
+
+
+def guarded_store(n=9, d_in=3, d_out=2, batch=6, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, d_in, generator=gen, dtype=torch.float64)
+    keys = torch.randn(n, d_in, generator=gen, dtype=torch.float64)
+    values = torch.randn(n, d_out, generator=gen, dtype=torch.float64)
+    magnitudes = torch.rand(n, generator=gen, dtype=torch.float64) + 0.2
+    signs = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0).double()
+    return q, keys, values, magnitudes * signs
+
+
+def guard_ratio(q, keys, weights, temperature):  # (B,) |D| / mass
+    e = torch.exp(q @ keys.T / (temperature * q.shape[1] ** 0.5))
+    return (e @ weights).abs() / (e @ weights.abs())
+
+
+def test_guarded_store_has_both_regimes_away_from_the_boundary():
+    q, keys, _, weights = guarded_store()
+    ratio = guard_ratio(q, keys, weights, TEMPERATURE["softmax"])
+    assert (ratio < GUARD_EPS - 0.02).any() and (ratio > GUARD_EPS + 0.02).any()
+    assert ((ratio - GUARD_EPS).abs() > 0.02).all()
+
+
+def sdpa_reference(q, keys, values, weights, **kw):
+    from rcdl.kernels import sdpa_softmax_attention
+
+    return sdpa_softmax_attention(q, keys, values, weights, **kw)
+
+
+@pytest.mark.parametrize("save_fraction", [0.0, 1e9], ids=["recompute", "saved"])
+def test_gradcheck_with_the_floor_active(save_fraction):
+    tensors = [t.requires_grad_() for t in guarded_store()]
+
+    def fn(*args):
+        return attention(*args, kernel="softmax", temperature=TEMPERATURE["softmax"],
+                         chunk_size=4, eps=GUARD_EPS, save_fraction=save_fraction)
+
+    assert torch.autograd.gradcheck(fn, tensors)
+
+
+@pytest.mark.parametrize("reference", [naive_attention, sdpa_reference], ids=["dense", "sdpa"])
+def test_guarded_outputs_and_gradients_match_both_references(reference):
+    tensors = [t.requires_grad_() for t in guarded_store()]
+    t = TEMPERATURE["softmax"]
+    fast = attention(*tensors, kernel="softmax", temperature=t, chunk_size=4, eps=GUARD_EPS)
+    kw = {"kernel": "softmax"} if reference is naive_attention else {}
+    ref = reference(*tensors, temperature=t, eps=GUARD_EPS, **kw)
+    assert_close(fast, ref)
+    grad_out = torch.randn_like(ref)
+    fast_grads = torch.autograd.grad(fast, tensors, grad_out)
+    ref_grads = torch.autograd.grad(ref, tensors, grad_out)
+    for name, g_fast, g_ref in zip(("q", "keys", "values", "weights"), fast_grads, ref_grads,
+                                   strict=True):
+        assert_close(g_fast, g_ref, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def test_sdpa_reference_matches_dense_twin_unguarded():
+    q, keys, values, weights = make_entries(12)
+    assert_close(sdpa_reference(q, keys, values, weights, temperature=0.7),
+                 naive_attention(q, keys, values, weights, kernel="softmax", temperature=0.7))
+
+
+@pytest.mark.parametrize("eps", [1e-6, GUARD_EPS], ids=["floor-idle", "floor-active"])
+def test_zero_weight_entry_with_the_largest_logit_changes_nothing(eps):
+    """The clipped rule writes w = 0 entries; one of them holding the max logit must not move
+    the floor (it did when the floor was relative to e^{max logit})."""
+    q, keys, values, weights = guarded_store()
+    far = q.sum(0, keepdim=True) * 50  # (1, d_in): the largest logit for every query
+    with_zero = [torch.cat([keys, far]), torch.cat([values, torch.zeros(1, 2).double()]),
+                 torch.cat([weights, torch.zeros(1).double()])]
+    kw = {"kernel": "softmax", "temperature": TEMPERATURE["softmax"], "eps": eps}
+    assert_close(attention(q, *with_zero, **kw), attention(q, keys, values, weights, **kw))
+
+
+def test_store_without_weight_mass_answers_zero_with_zero_gradients():
+    q, keys, values, _ = make_entries(5)
+    tensors = [t.requires_grad_() for t in (q, keys, values, torch.zeros(5).double())]
+    out = attention(*tensors, kernel="softmax", chunk_size=2)
+    assert_close(out, torch.zeros_like(out))
+    for g in torch.autograd.grad(out.sum(), tensors):
+        assert_close(g, torch.zeros_like(g))

@@ -299,6 +299,27 @@ def test_not_found_lists_every_path_and_how_to_fix(tmp_path, monkeypatch):
         assert needle in message
 
 
+def test_not_found_brief_is_one_line_naming_files_and_folders(tmp_path, monkeypatch):
+    monkeypatch.setenv("RCDL_DATA", str(tmp_path / "env"))
+    with pytest.raises(CifarNotFoundError) as info:
+        load_cifar("cifar10", tmp_path / "flag", download=False)
+    dirs = f"{tmp_path / 'flag'}, {tmp_path / 'env'} or {tmp_path / 'xdg-cache' / 'rcdl'}"
+    assert info.value.brief == ("CIFAR-10 not found: no cifar10.npz, cifar-10-batches-py/ or "
+                                f"cifar-10-python.tar.gz in {dirs}")  # fmt: skip
+
+    def offline(url):
+        raise urllib.error.URLError("Name or service not known")
+
+    monkeypatch.setattr(cifar, "_open_url", offline)
+    with pytest.raises(CifarNotFoundError) as info:
+        load_cifar("cifar100", tmp_path / "flag")
+    brief = info.value.brief
+    assert "\n" not in brief and brief.startswith("CIFAR-100 not found: no cifar100.npz")
+    assert brief.endswith("; the download failed (URLError: <urlopen error Name or service "
+                          "not known>)")  # fmt: skip
+    assert CifarNotFoundError("first line\nmore", []).brief == "first line"
+
+
 def test_a_folder_named_twice_is_searched_once(tmp_path, monkeypatch):
     monkeypatch.setenv("RCDL_DATA", str(tmp_path / "data"))
     with pytest.raises(CifarNotFoundError) as info:

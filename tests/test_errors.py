@@ -9,7 +9,7 @@ from rcdl.rules import FunctionalSGD
 
 
 def net_and_grower():
-    net = GrowingRBFNet(4, None, 2, depth=2, temperature=1.0, lr=1.0)
+    net = GrowingRBFNet(4, 2, 2, temperature=1.0, rule=FunctionalSGD(1.0))
     grower = Grower(net)
     x, y = torch.randn(3, 4), torch.randn(3, 2)
     F.mse_loss(net(x), y).backward()
@@ -30,7 +30,7 @@ def snapshot(net):
         (torch.tensor([[0.0, float("nan"), 0.0, 0.0]]), ValueError, "NaN or inf"),
         (torch.tensor([[0.0, float("inf"), 0.0, 0.0]]), ValueError, "NaN or inf"),
         (torch.randn(0, 4), ValueError, "empty batch"),
-        (torch.randn(4), ValueError, "expected input"),
+        (torch.randn(4), ValueError, r"unbatched sample of shape \(4,\); inputs need a batch"),
     ],
     ids=["width", "dtype", "device", "nan", "inf", "empty", "1d"],
 )
@@ -54,20 +54,21 @@ def test_nan_gradient_is_refused_and_no_store_changes():
 
 def test_step_without_backward():
     net, grower = net_and_grower()
-    net(torch.randn(3, 4))
+    out = net(torch.randn(3, 4))  # the graph is alive: its backward may still come
     with pytest.raises(RuntimeError, match="call loss.backward"):
         grower.step()
+    del out
 
 
 def test_bad_construction():
     with pytest.raises(ValueError, match="temperature must be a positive"):
-        GrowingRBF(4, 2, temperature=0.0, lr=1.0)
+        GrowingRBF(4, 2, temperature=0.0, rule=FunctionalSGD(1.0))
     with pytest.raises(ValueError, match="temperature must be a positive"):
-        GrowingRBF(4, 2, temperature=-1.0, lr=1.0)
+        GrowingRBF(4, 2, temperature=-1.0, rule=FunctionalSGD(1.0))
     with pytest.raises(ValueError, match="unknown kernel 'cosine'"):
         GrowingLayer(4, 2, kernel="cosine", rule=FunctionalSGD(1.0))
     with pytest.raises(ValueError, match="momentum must be in"):
-        GrowingRBF(4, 2, temperature=1.0, lr=1.0, momentum=1.0)
+        GrowingRBF(4, 2, temperature=1.0, rule=FunctionalSGD(1.0, momentum=1.0))
     with pytest.raises(ValueError, match="has no growing layers"):
         Grower(MLP(2, 3, 1))
 

@@ -17,7 +17,7 @@ from rcdl.hybrid import (
     HybridSoftmax,
 )
 from rcdl.kernels import naive_attention
-from rcdl.networks import hybrid_softmax_net
+from rcdl.networks import HybridSoftmaxNet
 from rcdl.rules import ClippedSoftmaxRule
 from rcdl.training import train_one_pass
 
@@ -337,7 +337,7 @@ def _task(n, gen):
 
 def _hybrid_net(tau=3.0):
     torch.manual_seed(0)
-    net = hybrid_softmax_net(8, 2, depth=1, temperature=1.0,
+    net = HybridSoftmaxNet(8, 2, depth=1, temperature=1.0,
                              rule=ClippedSoftmaxRule(eta=1.0, beta=3.0),
                              trigger=DistanceGate(tau), initial_entries=4).double()
     return net, {"optimizer": EntryAdam(net, lr=1e-2), "grower": Grower(net)}
@@ -392,8 +392,8 @@ def test_hybrid_run_resumes_to_the_same_result(tmp_path):
 
 
 def test_the_exact_rule_is_refused():
-    with pytest.raises(ValueError, match="exact 1/Z rule"):
-        HybridSoftmax(4, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 1.0, exact=True))
+    with pytest.raises(ValueError, match="1/Z-normalised rule"):
+        HybridSoftmax(4, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 1.0, normalize=True))
 
 
 def test_moving_the_layer_drops_leaves_of_the_old_tensors():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from rcdl import MLP, Grower, GrowingLinear, GrowingRBF, GrowingRBFNet, to_dual_form
+from rcdl.rules import FunctionalSGD
 
 
 def regression_batch(batch=6, d_in=5, d_out=3, seed=0, target=torch.tanh):
@@ -19,7 +20,7 @@ def regression_batch(batch=6, d_in=5, d_out=3, seed=0, target=torch.tanh):
 
 def grown_rbf_net(steps=4, seed=0):
     torch.manual_seed(seed)
-    net = GrowingRBFNet(5, None, 3, depth=2, temperature=0.5, lr=0.5).double()
+    net = GrowingRBFNet(5, 3, 2, temperature=0.5, rule=FunctionalSGD(0.5)).double()
     grower = Grower(net)
     for i in range(steps):
         x, y = regression_batch(seed=100 + i, target=lambda t: torch.sin(2 * t))
@@ -33,7 +34,7 @@ def test_records_hold_per_sample_gradients():
     net, _ = grown_rbf_net()
     x, y = regression_batch(batch=4)
     F.mse_loss(net(x), y).backward()
-    record = net.readout._records[0]
+    record = net.readout.ready_records()[0]
     per_sample = torch.stack([
         torch.autograd.grad(F.mse_loss(s, t), s)[0]
         for s, t in zip(record.s.clone().requires_grad_(), y, strict=False)
@@ -51,7 +52,7 @@ def test_rbf_rule_decreases_the_loss_at_first_order():
     proposals = [layer.propose() for layer in grower.layers]
     predicted = 0.0
     for layer, (keys, values, _) in zip(grower.layers, proposals, strict=False):
-        record = layer._records[0]
+        record = layer.ready_records()[0]
         tau = layer.temperature * layer.d_in**0.5
         phi = torch.exp(-torch.cdist(record.q, keys) ** 2 / (2 * tau))  # (B, B)
         predicted += float((record.grad * (phi @ values)).sum())
@@ -72,7 +73,7 @@ def test_rbf_rule_decreases_the_loss_at_first_order():
 
 def test_training_reduces_loss():
     torch.manual_seed(0)
-    net = GrowingRBFNet(5, None, 3, depth=2, temperature=1.0, lr=0.3).double()
+    net = GrowingRBFNet(5, 3, 2, temperature=1.0, rule=FunctionalSGD(0.3)).double()
     grower = Grower(net)
     x_test, y_test = regression_batch(batch=200, seed=99)
     with torch.no_grad():
@@ -89,7 +90,7 @@ def test_training_reduces_loss():
 
 
 def test_rbf_weight_decay_scales_old_entries():
-    layer = GrowingRBF(2, 1, temperature=1.0, lr=1.0, weight_decay=0.5).double()
+    layer = GrowingRBF(2, 1, temperature=1.0, rule=FunctionalSGD(1.0, weight_decay=0.5)).double()
     keys = torch.zeros(1, 2, dtype=torch.float64)
     layer.commit((keys, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)))
     layer.commit((keys + 100, torch.zeros(1, 1, dtype=torch.float64),
@@ -100,7 +101,7 @@ def test_rbf_weight_decay_scales_old_entries():
 
 def test_state_dict_round_trip_and_double():
     net, _ = grown_rbf_net()
-    fresh = GrowingRBFNet(5, None, 3, depth=2, temperature=0.5, lr=0.5).double()
+    fresh = GrowingRBFNet(5, 3, 2, temperature=0.5, rule=FunctionalSGD(0.5)).double()
     fresh.load_state_dict(net.state_dict())
     x, _ = regression_batch(seed=3)
     with torch.no_grad():
@@ -112,7 +113,7 @@ def test_state_dict_round_trip_and_double():
 
 
 def test_layer_called_twice_writes_both_calls():
-    layer = GrowingLinear(3, 2, lr=0.1).double()
+    layer = GrowingLinear(3, 2, rule=FunctionalSGD(0.1, per_sample=False)).double()
     grower = Grower(layer)
     a, b = torch.randn(4, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
     (layer(a).sum() + layer(b).sum()).backward()
@@ -121,7 +122,7 @@ def test_layer_called_twice_writes_both_calls():
 
 
 def test_leading_dims_are_flattened():
-    layer = GrowingRBF(3, 2, temperature=1.0, lr=1.0)
+    layer = GrowingRBF(3, 2, temperature=1.0, rule=FunctionalSGD(1.0))
     grower = Grower(layer)
     x = torch.randn(4, 5, 3)  # (batch, tokens, d_in)
     assert layer(x).shape == (4, 5, 2)

@@ -15,12 +15,13 @@ from rcdl import (
     GrowingRBF,
     GrowingRBFNet,
     GrowingSoftmax,
+    GrowingSoftmaxNet,
     MemoryBudget,
     contribution_scores,
-    growing_softmax_net,
     naive_attention,
 )
 from rcdl.memory import merge_into_nearest
+from rcdl.rules import FunctionalSGD
 
 POLICIES = [*EVICTION_POLICIES, *(f"{p}+merge" for p in EVICTION_POLICIES)]
 
@@ -35,7 +36,14 @@ def blobs(n, seed, d=8, classes=3):
 
 def softmax_net(seed=0):
     rule = ClippedSoftmaxRule(eta=0.003, beta=3.0)
-    return growing_softmax_net(8, 3, 1, temperature=1.0, rule=rule, seed=seed).double()
+    net = GrowingSoftmaxNet(8, 3, 1, temperature=1.0, rule=rule, seed=seed).double()
+    # Tight budgets evict the initial entries, the store's main weight mass: the outputs
+    # then grow far past their first scale, which the divergence check rightly refuses.
+    # These tests count entries, so the check is off.
+    for layer in net.modules():
+        if isinstance(layer, GrowingSoftmax):
+            layer.max_output_growth = None
+    return net
 
 
 def train(net, grower, steps, batch=8, after_step=None):
@@ -56,10 +64,10 @@ def filled_layer(kernel="softmax", n=10, d_in=4, d_out=3, seed=0):
         weights = torch.rand(n, generator=gen, dtype=torch.float64)
         weights[::3] = 0.0  # the clipped rule writes w = 0 for many entries
     elif kernel == "rbf":
-        layer = GrowingRBF(d_in, d_out, temperature=1.0, lr=1.0).double()
+        layer = GrowingRBF(d_in, d_out, temperature=1.0, rule=FunctionalSGD(1.0)).double()
         weights = torch.ones(n, dtype=torch.float64)
     else:
-        layer = GrowingLinear(d_in - 1, d_out, lr=1.0).double()
+        layer = GrowingLinear(d_in - 1, d_out, rule=FunctionalSGD(1.0, per_sample=False)).double()
         weights = torch.ones(n, dtype=torch.float64)
     layer.name = f"{kernel}-layer"
     keys = torch.randn(n, d_in, generator=gen, dtype=torch.float64)
@@ -210,11 +218,12 @@ def test_merge_keeps_the_rbf_weighted_values():
 
 
 def test_merging_is_refused_for_linear_and_aged_layers():
-    net = torch.nn.Sequential(GrowingLinear(3, 2, lr=0.1))
+    net = torch.nn.Sequential(GrowingLinear(3, 2, rule=FunctionalSGD(0.1, per_sample=False)))
     with pytest.raises(ValueError, match="linear kernel; merging is defined for softmax and RBF"):
         Grower(net, budget=MemoryBudget(4, merge=True))
     Grower(net, budget=MemoryBudget(4))  # without merging, fine
-    aged = torch.nn.Sequential(GrowingRBF(3, 2, temperature=1.0, lr=0.1, momentum=0.9))
+    aged_rule = FunctionalSGD(0.1, momentum=0.9)
+    aged = torch.nn.Sequential(GrowingRBF(3, 2, temperature=1.0, rule=aged_rule))
     with pytest.raises(ValueError, match="by age"):
         Grower(aged, budget=MemoryBudget(4, "oldest", merge=True))
 
@@ -243,7 +252,7 @@ def test_eviction_goes_through_remove_entries():
             calls.append(int(mask.sum()))
             return super().remove_entries(mask)
 
-    net = torch.nn.Sequential(Tracked(8, 3, temperature=1.0, lr=0.5)).double()
+    net = torch.nn.Sequential(Tracked(8, 3, temperature=1.0, rule=FunctionalSGD(0.5))).double()
     grower = Grower(net, budget=MemoryBudget(10, "contribution", merge=True))
     for step in range(3):
         x, y = blobs(8, step)
@@ -287,7 +296,7 @@ def test_a_budgeted_rbf_net_still_learns(policy):
     merging loses the fit here: each RBF entry is an increment of the function, and the
     window or random policies forget increments the later ones were corrections to.)"""
     torch.manual_seed(0)
-    net = GrowingRBFNet(4, None, 2, depth=1, temperature=0.5, lr=0.2).double()
+    net = GrowingRBFNet(4, 2, 1, temperature=0.5, rule=FunctionalSGD(0.2)).double()
     grower = Grower(net, budget=MemoryBudget.from_policy(30, policy))
     gen = torch.Generator().manual_seed(0)
     x_test = torch.randn(200, 4, generator=gen, dtype=torch.float64)
@@ -348,3 +357,24 @@ def test_policy_names_round_trip():
         assert budget.policy == policy and budget.capacity == 7 and budget.seed == 2
     assert MemoryBudget(5, "newest", merge=True).describe() == (
         "5 entries per layer, evict newest, merged")
+
+
+def test_float32_softmax_scores_rank_like_float64_under_a_gauge_offset():
+    """With a common offset ṽ_j = w_j b + δ_j (what the gauge rule's frame shifts leave in a
+    store), the expanded ‖ṽ‖² − 2w⟨ṽ, s̄⟩ + w²‖s̄‖² cancelled in float32: the lowest scores,
+    the ones eviction removes, came out in another order than in float64."""
+    n, d_out = 4000, 10
+    gen = torch.Generator().manual_seed(5)
+    layer = GrowingSoftmax(6, d_out, temperature=1.0, initial_entries=0,
+                           rule=ClippedSoftmaxRule(eta=0.1, beta=1.0))
+    weights = torch.rand(n, generator=gen) + 0.5
+    offset = 300 * torch.randn(d_out, generator=gen)
+    values = weights[:, None] * offset + 0.01 * torch.randn(n, d_out, generator=gen)
+    layer.store.append(torch.randn(n, 6, generator=gen), values, weights)
+    scores32 = contribution_scores(layer)
+    scores64 = contribution_scores(layer.double())  # the same stored numbers, in float64
+    rel_err = ((scores32.double() - scores64) / scores64).abs()
+    assert rel_err.median() < 1e-5
+    lowest32 = set(scores32.argsort()[:100].tolist())
+    lowest64 = set(scores64.argsort()[:100].tolist())
+    assert len(lowest32 & lowest64) >= 98

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from rcdl.rundir import (
     atomic_write_bytes,
     atomic_write_json,
     environment_info,
+    resume_command,
     to_jsonable,
 )
 
@@ -114,3 +116,24 @@ def test_atomic_writes_get_the_usual_permissions(tmp_path):
     finally:
         os.umask(mask)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_resume_command_has_absolute_quoted_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my data").mkdir()
+    command = resume_command("rcdl reproduce vit", "runs/vit-1", "my data")
+    assert shlex.split(command) == ["rcdl", "reproduce", "vit", "--resume",
+                                    str(tmp_path / "runs" / "vit-1"), "--data-dir",
+                                    str(tmp_path / "my data")]  # fmt: skip
+    assert resume_command("rcdl reproduce vit", "runs/vit-1") == (
+        f"rcdl reproduce vit --resume {tmp_path / 'runs' / 'vit-1'}")
+
+
+def test_resumable_prints_the_resume_command_on_interrupt(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    run = RunDir.create("exp", path="run")
+    with pytest.raises(KeyboardInterrupt), run.resumable("rcdl reproduce exp", "."):
+        raise KeyboardInterrupt
+    err = capsys.readouterr().err
+    assert (f"Interrupted. Continue with: rcdl reproduce exp --resume {tmp_path / 'run'} "
+            f"--data-dir {tmp_path}") in err  # fmt: skip

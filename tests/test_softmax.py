@@ -11,7 +11,7 @@ from rcdl import ClippedSoftmaxRule, GaugeSoftmaxRule, Grower, GrowingSoftmax, n
 
 RULES = {
     "gws": ClippedSoftmaxRule(eta=0.3, beta=2.0),
-    "exact": ClippedSoftmaxRule(eta=0.3, beta=2.0, exact=True),
+    "exact": ClippedSoftmaxRule(eta=0.3, beta=2.0, normalize=True),
     "gauge": GaugeSoftmaxRule(alpha=2.0, eta=0.3, beta=5.0),
 }
 LOSSES = {
@@ -62,7 +62,7 @@ def test_appending_the_rules_entries_decreases_the_loss_at_first_order(rule_name
     loss_fn = LOSSES[loss_name]
     grower = Grower(layer)
     loss_fn(layer(q), y).backward()
-    record = layer._records[0]
+    record = layer.ready_records()[0]
     keys, values, weights = layer.propose()
     grower.discard()
     tau = layer.temperature * 6**0.5
@@ -87,7 +87,7 @@ def test_single_sample_gauge_descent_closed_form():
     layer = random_layer(rule)
     q, y = data(1)
     F.mse_loss(layer(q), y).backward()
-    g, s = layer._records[0].grad, layer._records[0].s
+    g, s = layer.ready_records()[0].grad, layer.ready_records()[0].s
     keys, values, weights = layer.propose()
     layer.discard()
     c = torch.exp(q @ keys.T / (layer.temperature * 6**0.5) - layer.log_normalizer(q))

@@ -134,3 +134,47 @@ def test_bad_construction_and_mask():
 def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(3_100_000_000) == "3.10 GB"
+
+
+def _filled_store(n=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    store = EntryStore(3, 2)
+    store.append(torch.randn(n, 3, generator=gen), torch.randn(n, 2, generator=gen),
+                 torch.rand(n, generator=gen), written_at=4)
+    return store
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        pytest.param(lambda s: s["keys"].__setitem__((1, 0), float("nan")), "keys contain NaN",
+                     id="nan-keys"),
+        pytest.param(lambda s: s["weights"].__setitem__(0, float("inf")), "weights contain NaN",
+                     id="inf-weights"),
+        pytest.param(lambda s: s.__setitem__("values", torch.zeros(4, 7)), "expects",
+                     id="wrong-width"),
+        pytest.param(lambda s: s.__setitem__("weights", torch.zeros(2)), "rows disagree",
+                     id="wrong-rows"),
+        pytest.param(lambda s: s.__setitem__("written_at", torch.zeros(4)), "integers",
+                     id="float-steps"),
+    ],
+)
+def test_refused_load_leaves_the_store_as_it_was(damage, match):
+    state = {k: v.clone() for k, v in _filled_store(4, seed=1).state_dict().items()}
+    damage(state)
+    store = _filled_store()
+    before = {k: v.clone() for k, v in store.state_dict().items()}
+    with pytest.raises(RuntimeError, match=match):
+        store.load_state_dict(state)
+    after = store.state_dict()
+    assert len(store) == 5
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+
+
+def test_non_persistent_store_is_left_out_of_state_dicts():
+    store = EntryStore(3, 2, persistent=False)
+    store.append(torch.zeros(2, 3), torch.zeros(2, 2))
+    assert store.state_dict() == {}
+    store.load_state_dict({})  # nothing missing, nothing loaded
+    assert len(store) == 2

@@ -7,6 +7,7 @@ from torch import nn
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
 from rcdl.networks import GrowingRBFNet
+from rcdl.rules import FunctionalSGD
 from rcdl.rundir import RunDir
 from rcdl.training import epoch_permutation, evaluate, train_one_pass
 
@@ -34,7 +35,7 @@ def test_parametric_model_learns_and_logs_each_evaluation(tmp_path):
 
 
 def test_growing_model_writes_one_entry_per_sample_per_layer():
-    model = GrowingRBFNet(4, None, 1, 1, temperature=1.0, lr=0.5)
+    model = GrowingRBFNet(4, 1, 1, temperature=1.0, rule=FunctionalSGD(0.1))
     r = train_one_pass(model, DATA, batch_size=8, grower=Grower(model), progress=False)
     assert r["entries"] == 2 * 50 and r["bytes"] > 0
     assert sum(p.numel() for p in model.parameters()) == 0
@@ -83,7 +84,7 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, kind):
     def build():
         torch.manual_seed(0)
         if kind == "grower":
-            model = GrowingRBFNet(4, None, 1, 1, temperature=1.0, lr=0.5)
+            model = GrowingRBFNet(4, 1, 1, temperature=1.0, rule=FunctionalSGD(0.1))
             return model, {"grower": Grower(model)}
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         return model, {"optimizer": torch.optim.Adam(model.parameters(), lr=1e-2)}
@@ -151,7 +152,7 @@ def test_first_epoch_of_several_is_the_one_pass_run():
 
 
 def test_growing_model_writes_entries_every_epoch():
-    model = GrowingRBFNet(4, None, 1, 1, temperature=1.0, lr=0.5)
+    model = GrowingRBFNet(4, 1, 1, temperature=1.0, rule=FunctionalSGD(0.1))
     r = train_one_pass(model, DATA, batch_size=8, grower=Grower(model), epochs=3, progress=False)
     assert r["entries"] == 3 * 2 * 50
 
@@ -183,7 +184,7 @@ def test_run_interrupted_in_a_later_epoch_resumes_to_the_same_result(tmp_path, k
     def build():
         torch.manual_seed(0)
         if kind == "grower":
-            model = GrowingRBFNet(4, None, 1, 1, temperature=1.0, lr=0.5)
+            model = GrowingRBFNet(4, 1, 1, temperature=1.0, rule=FunctionalSGD(0.1))
             return model, {"grower": Grower(model)}
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         return model, {"optimizer": torch.optim.Adam(model.parameters(), lr=1e-2)}

@@ -11,9 +11,10 @@ from rcdl.hybrid import (
     DistanceGate,
     EntryAdam,
     ErrorScaledGate,
+    HybridGrower,
     HybridSoftmax,
 )
-from rcdl.kernels import KERNELS, naive_attention
+from rcdl.kernels import KERNELS, Kernel, naive_attention
 from rcdl.layers import (
     GrowingLayer,
     GrowingLinear,
@@ -26,6 +27,8 @@ from rcdl.memory import EVICTION_POLICIES, MemoryBudget, contribution_scores
 from rcdl.networks import (
     MLP,
     GrowingRBFNet,
+    GrowingSoftmaxNet,
+    HybridSoftmaxNet,
     ParametricSoftmaxNet,
     ResidualNet,
     ResNetMLP,
@@ -34,7 +37,7 @@ from rcdl.networks import (
     hybrid_softmax_net,
     to_dual_form,
 )
-from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
+from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule, LearningRule
 from rcdl.store import EntryStore
 from rcdl.vit import ViT, mlp_vit, rcdl_vit
 
@@ -58,8 +61,13 @@ __all__ = [
     "GrowingRBF",
     "GrowingRBFNet",
     "GrowingSoftmax",
+    "GrowingSoftmaxNet",
+    "HybridGrower",
     "HybridSoftmax",
+    "HybridSoftmaxNet",
     "KERNELS",
+    "Kernel",
+    "LearningRule",
     "MLP",
     "MemoryBudget",
     "ParametricSoftmax",

@@ -5,7 +5,9 @@ of scores and is folded into a running *partial result* ``(m, num, den)``:
 
 - ``m (B,)``        the largest logit seen so far (softmax; 0 for linear and RBF),
 - ``num (B, d_out)`` ``Σ_j e^{z_j − m} ṽ_j`` (softmax) or ``Σ_j w_j κ(q, k_j) v_j``,
-- ``den (B,)``      ``Σ_j w_j e^{z_j − m}`` (softmax only).
+- ``den (B,)``      ``Σ_j w_j e^{z_j − m}`` (softmax only),
+- ``mass (B,)``     ``Σ_j |w_j| e^{z_j − m}`` (softmax only): the scale of the denominator's
+  guard (:func:`rcdl.kernels.guard_denominator`).
 
 Two partials over disjoint sets of entries merge exactly (:func:`merge_partials`, the
 log-sum-exp rescaling), so a store split into chunks, or into shards on several devices,
@@ -28,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from rcdl.kernels import check_kernel, guard_denominator, softmax_scale
+from rcdl.kernels import Kernel, check_kernel, guard_denominator, softmax_scale
 
 __all__ = [
     "Partial",
@@ -49,6 +51,7 @@ class Partial(NamedTuple):
     m: Tensor  # (B,) running max logit (softmax), zeros otherwise
     num: Tensor  # (B, d_out)
     den: Tensor  # (B,)
+    mass: Tensor  # (B,) Σ_j |w_j| e^{z_j − m} (softmax), zeros otherwise
 
 
 def default_chunk_size(batch: int, device: torch.device | str | None = None) -> int:
@@ -68,7 +71,7 @@ def _empty_partial(q: Tensor, d_out: int, kernel: str) -> Partial:
     b = q.shape[0]
     m = q.new_full((b,), _NEG_INF) if kernel == "softmax" else q.new_zeros(b)
     num_t = q.new_zeros(d_out, b)  # accumulated transposed, see _fold_chunk
-    return Partial(m, num_t.T, q.new_zeros(b))
+    return Partial(m, num_t.T, q.new_zeros(b), q.new_zeros(b))
 
 
 # Blocks are entry-major, (c, B): ``keys_c @ q.T`` and ``values_c.T @ block`` read the store
@@ -104,7 +107,8 @@ def _fold_chunk(
     block.sub_(m_new).exp_()
     num_t.mul_(rescale).addmm_(values.T, block)
     den = part.den.mul_(rescale).add_(weights @ block)
-    return Partial(m_new, part.num, den), m_new
+    mass = part.mass.mul_(rescale).add_(weights.abs() @ block)
+    return Partial(m_new, part.num, den, mass), m_new
 
 
 def _check_inputs(q: Tensor, keys: Tensor, values: Tensor, weights: Tensor) -> None:
@@ -133,7 +137,7 @@ def attention_partial(
     values: Tensor,  # (N, d_out)
     weights: Tensor,  # (N,)
     *,
-    kernel: str,
+    kernel: Kernel,
     temperature: float = 1.0,
     chunk_size: int | None = None,
 ) -> Partial:
@@ -165,14 +169,14 @@ def merge_partials(a: Partial, b: Partial) -> Partial:
     scale_a = torch.where(a.m == _NEG_INF, 0.0, torch.exp(a.m - m))  # (B,)
     scale_b = torch.where(b.m == _NEG_INF, 0.0, torch.exp(b.m - m))
     num = a.num * scale_a[:, None] + b.num * scale_b[:, None]
-    return Partial(m, num, a.den * scale_a + b.den * scale_b)
+    return Partial(m, num, a.den * scale_a + b.den * scale_b, a.mass * scale_a + b.mass * scale_b)
 
 
-def finalize(part: Partial, *, kernel: str, eps: float = 1e-6) -> Tensor:  # (B, d_out)
+def finalize(part: Partial, *, kernel: Kernel, eps: float = 1e-6) -> Tensor:  # (B, d_out)
     """Output of the attention from the partial over *all* entries."""
     if kernel != "softmax":
         return part.num.contiguous()
-    return (part.num / guard_denominator(part.den, eps)[:, None]).contiguous()
+    return (part.num / guard_denominator(part.den, part.mass, eps)[:, None]).contiguous()
 
 
 class _StreamingAttention(torch.autograd.Function):
@@ -188,17 +192,20 @@ class _StreamingAttention(torch.autograd.Function):
         ctx.kernel, ctx.chunk = kernel, chunk
         ctx.tau = softmax_scale(temperature, q.shape[1])
         ctx.saved_blocks = saved if keep else None
-        # the softmax backward needs the final max and the (guarded) denominator
-        clamped = (part.den.abs() < eps) if kernel == "softmax" else None
-        ctx.clamped = clamped
-        den = guard_denominator(part.den, eps) if kernel == "softmax" else None
-        ctx.save_for_backward(q, keys, values, weights, out, part.m, den)
+        # the softmax backward needs the final max, the guarded denominator and where the
+        # guard acted (there the denominator is ±eps·mass instead of Σ_j w_j e^{z_j − m})
+        den = clamped = None
+        if kernel == "softmax":
+            den = guard_denominator(part.den, part.mass, eps)  # (B,)
+            clamped = part.den.abs() < eps * part.mass  # (B,) bool
+        ctx.eps = eps
+        ctx.save_for_backward(q, keys, values, weights, out, part.m, den, clamped)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):  # grad_out (B, d_out)
-        q, keys, values, weights, out, m, den = ctx.saved_tensors
+        q, keys, values, weights, out, m, den, clamped = ctx.saved_tensors
         kernel, tau, chunk = ctx.kernel, ctx.tau, ctx.chunk
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
         grad_q_t = q.new_zeros(q.shape[1], q.shape[0]) if need_q else None  # (d_in, B)
@@ -209,9 +216,15 @@ class _StreamingAttention(torch.autograd.Function):
         scale = 1.0 if kernel == "linear" else 1.0 / tau  # d(score)/dq = k * scale
         rbf_q_coef = q.new_zeros(q.shape[0])  # Σ_j ∂L/∂φ_j φ_j per query (RBF only)
         if kernel == "softmax":
-            # ⟨g, s⟩ per query; a clamped denominator is a constant, so its terms vanish
-            g_dot_s = (grad_out * out).sum(1).masked_fill_(ctx.clamped, 0.0)  # (B,)
-            inv_den = 1.0 / den  # (B,)
+            # s = num / D' with ∂D'/∂z_j = u_j e^{z_j − m}: u_j = w_j where D' = D, and
+            # u_j = ±eps |w_j| where the guard acted (D' = ±eps · mass). ⟨g, s⟩ is split into
+            # the part multiplying w_j and the part multiplying |w_j|.
+            g_dot_s = (grad_out * out).sum(1)  # (B,)
+            gs_w = g_dot_s.masked_fill(clamped, 0.0)  # (B,)
+            any_clamped = bool(clamped.any())
+            if any_clamped:
+                gs_abs = torch.where(clamped, ctx.eps * torch.sign(den) * g_dot_s, 0.0)  # (B,)
+            inv_den = 1.0 / den  # (B,), 0 where there is no weight mass (den = inf)
         for i, start in enumerate(range(0, keys.shape[0], chunk)):
             rows = slice(start, start + chunk)
             k_c, v_c, w_c = keys[rows], values[rows], weights[rows]
@@ -226,11 +239,16 @@ class _StreamingAttention(torch.autograd.Function):
             if kernel == "softmax":
                 # a_j = e^{z_j - m} / D;  ∂s/∂z_j = a_j (ṽ_j − w_j s)
                 attn = block * (torch.exp(m_used - m) * inv_den)  # (c, B)
-                grad_scores = attn * (g_dot_v - w_c[:, None] * g_dot_s)  # (c, B) wrt z
+                u_gs = w_c[:, None] * gs_w  # (c, B) u_j ⟨g, s⟩
+                if any_clamped:
+                    u_gs += w_c.abs()[:, None] * gs_abs
+                grad_scores = attn * g_dot_v.sub_(u_gs)  # (c, B) wrt z
                 if need_v:  # written in place: no (c, d_out) temporary to copy
                     torch.mm(attn, grad_out, out=grad_v[rows])
                 if need_w:
-                    grad_w[rows] = -(attn @ g_dot_s)
+                    grad_w[rows] = -(attn @ gs_w)
+                    if any_clamped:
+                        grad_w[rows] -= torch.sign(w_c) * (attn @ gs_abs)
             else:
                 if need_v:
                     torch.mm(block * w_c[:, None], grad_out, out=grad_v[rows])
@@ -261,7 +279,7 @@ def attention(
     values: Tensor,  # (N, d_out)
     weights: Tensor,  # (N,)
     *,
-    kernel: str,
+    kernel: Kernel,
     temperature: float = 1.0,
     chunk_size: int | None = None,
     eps: float = 1e-6,
@@ -274,7 +292,8 @@ def attention(
 
     Args:
         chunk_size: entries per block (default: :func:`default_chunk_size`).
-        eps: floor on the magnitude of the softmax denominator relative to its largest term.
+        eps: floor on the magnitude of the softmax denominator ``Σ_j w_j e^{z_j}``, relative
+            to the weight mass ``Σ_j |w_j| e^{z_j}`` (:func:`rcdl.kernels.guard_denominator`).
         save_fraction: keep the ``(B, N)`` kernel values for backward when they take at most
             this fraction of the bytes of ``keys`` and ``values``; otherwise recompute.
 

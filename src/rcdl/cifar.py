@@ -80,12 +80,14 @@ _CHUNK = 1 << 20
 class CifarNotFoundError(FileNotFoundError):
     """No copy of the data set was found (and none could be downloaded).
 
-    ``searched`` holds every path looked at, in the order they were tried.
+    ``searched`` holds every path looked at, in the order they were tried; ``brief`` is
+    the message in one line (the command line shows it; default: the first line).
     """
 
-    def __init__(self, message: str, searched: list[Path]):
+    def __init__(self, message: str, searched: list[Path], brief: str | None = None):
         super().__init__(message)
         self.searched = searched
+        self.brief = brief if brief is not None else message.split("\n", 1)[0]
 
 
 class CorruptDataError(ValueError):
@@ -303,6 +305,16 @@ def _not_found_message(spec: _Spec, data_dir: str | os.PathLike | None, download
         f"    into {cache_dir()}/ (load_cifar does this itself when the machine is online).",
     ]
     return "\n".join(lines)
+
+
+def _brief_not_found(spec: _Spec, data_dir: str | os.PathLike | None,
+                     download_error: str | None) -> str:
+    """The not-found message in one line: what was looked for, where, and why no download
+    helped (nothing is said when none was attempted)."""
+    dirs = [str(d) for d, _ in _data_dirs(data_dir)]
+    where = dirs[0] if len(dirs) == 1 else f"{', '.join(dirs[:-1])} or {dirs[-1]}"
+    brief = f"{spec.title} not found: no {spec.npz}, {spec.folder}/ or {spec.archive} in {where}"
+    return brief if download_error is None else f"{brief}; the download failed ({download_error})"
 
 
 # --------------------------------------------------------------------------- download
@@ -577,7 +589,8 @@ def load_cifar(
 
     Raises:
         CifarNotFoundError: nothing found and no download (the message lists every path tried,
-            why the download did not happen, and how to provide the data).
+            why the download did not happen, and how to provide the data; its ``brief``
+            says it in one line).
         CorruptDataError: a file was found or downloaded but is truncated, corrupted or of
             the wrong layout; the message names the file.
     """
@@ -586,16 +599,19 @@ def load_cifar(
         raise ValueError(f"data_dir must be a folder holding {spec.npz} etc., got file {data_dir}")
     path = find_cifar(name, data_dir)
     if path is None:
+        failure = None
         if not download:
             note = "not attempted (download=False)"
         else:
             try:
                 path = download_cifar(name)
             except (OSError, http.client.HTTPException) as e:
-                note = f"from {spec.url} failed: {type(e).__name__}: {e}"
+                failure = f"{type(e).__name__}: {e}"
+                note = f"from {spec.url} failed: {failure}"
         if path is None:
             raise CifarNotFoundError(
-                _not_found_message(spec, data_dir, note), candidate_paths(name, data_dir)
+                _not_found_message(spec, data_dir, note), candidate_paths(name, data_dir),
+                brief=_brief_not_found(spec, data_dir, failure),
             )
     x_train, y_train, x_test, y_test, class_names = _read(path, spec, label_mode)
     x_train = standardize(x_train, spec.mean, spec.std)  # rebinding frees the uint8 images

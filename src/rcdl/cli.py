@@ -1,16 +1,20 @@
 """The ``rcdl`` command line: ``rcdl demo``, ``rcdl reproduce``, ``rcdl info``, ``rcdl --version``.
 
 Each experiment subcommand maps its flags onto the experiment's frozen config dataclass;
-the resolved config is saved in the run folder. ``main`` returns the exit status:
-0 on success, 2 for a usage error (bad flag or value), 1 for a failed run.
+the resolved config is saved in the run folder. ``--data-dir`` must name an existing folder
+and is saved as an absolute path, so ``--resume RUN_DIR`` works from any working folder.
+``main`` returns the exit status: 0 on success, 2 for a usage error (bad flag or value,
+reported with the subcommand's usage and in terms of its flags), 1 for a failed run.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rcdl._version import __version__
@@ -23,6 +27,59 @@ __all__ = ["main"]
 
 class CLIError(Exception):
     """A usage error with a message for the user (exit status 2)."""
+
+
+_DATA_DIR_HELP = (
+    "an existing folder holding cifar10.npz, the extracted cifar-10-batches-py/ or "
+    "cifar-10-python.tar.gz (cifar100.npz, cifar-100-python/ or cifar-100-python.tar.gz "
+    "for CIFAR-100). rcdl looks there first, then in $RCDL_DATA, then in the cache folder "
+    "$XDG_CACHE_HOME/rcdl (default ~/.cache/rcdl); if none holds the data, it downloads "
+    "the official archive into the cache (unless --no-download)"
+)
+_DATA_NOT_FOUND_HINT = ("Give --data-dir DIR, a folder holding one of them (--help shows "
+                        "where else rcdl looks).")
+
+
+def _data_dir(text: str) -> str:
+    """``--data-dir``: an existing folder, returned as an absolute (resolved) path, so the
+    run config records it independently of the working folder."""
+    path = Path(text).expanduser().resolve()
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such folder: {path}")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a file; give the folder holding it")
+    return str(path)
+
+
+def _explain(error: CLIError, parser: argparse.ArgumentParser) -> str:
+    """The message of a usage error in the terms of the command line the user typed: data
+    not found in two lines, and settings named by their flags (:func:`_in_flag_terms`)."""
+    from rcdl.cifar import CifarNotFoundError
+
+    if isinstance(error.__cause__, CifarNotFoundError):
+        return f"{error.__cause__.brief}\n{_DATA_NOT_FOUND_HINT}"
+    return _in_flag_terms(str(error), parser)
+
+
+_CONFIG_CLASS = re.compile(r"\b[A-Z]\w*Config: ")
+# a setting's name at the start of a message about it ("train_size must be", "slack is",
+# "heads (3) must divide", "train_size 100 is larger"); not a path such as "out/run holds"
+_LEADING_SETTING = re.compile(r"[a-z][a-z0-9_]*(?= (?:must|is|are|\(|\d))")
+
+
+def _in_flag_terms(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` without the experiments' config class names ("Cifar10Config: "), and
+    with a leading setting name replaced by the flag of ``parser`` that sets it:
+    "Cifar10Config: train_size must be an int >= 1, got 0" becomes "--train-size must be
+    an int >= 1, got 0"."""
+    message = _CONFIG_CLASS.sub("", message)
+    match = _LEADING_SETTING.match(message)
+    if match is None:
+        return message
+    flag = "--" + match.group().replace("_", "-")
+    if flag not in parser._option_string_actions:  # argparse has no public list of its flags
+        return message
+    return flag + message[match.end():]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -324,8 +381,7 @@ def _cmd_reproduce_deltanet_decay(args: argparse.Namespace) -> int:
 def _add_common(parser: argparse.ArgumentParser, experiment: str, data: bool = True) -> None:
     """The data, device, output, resume and display flags every experiment takes."""
     if data:
-        parser.add_argument("--data-dir", metavar="DIR", help="folder holding cifar10.npz or "
-                            "the official files (default: $RCDL_DATA, then the cache folder)")
+        parser.add_argument("--data-dir", type=_data_dir, metavar="DIR", help=_DATA_DIR_HELP)
         parser.add_argument("--no-download", action="store_true",
                             help="never download the data set when no local copy is found")
     parser.add_argument("--out", metavar="DIR",
@@ -369,13 +425,13 @@ def _command_list() -> str:
 
 
 def _add_reproduce(sub: argparse._SubParsersAction) -> None:
-    experiments = "\n".join(f"  {name}  {help_}" for name, help_ in _EXPERIMENTS.items())
     reproduce = sub.add_parser(
         "reproduce", help=_COMMANDS["reproduce"],
-        description=f"Reproduce an experiment of the paper. Experiments:\n{experiments}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Reproduce an experiment of the paper. `rcdl reproduce EXPERIMENT --help` "
+        "lists the flags of one experiment.",
     )  # fmt: skip
-    which = reproduce.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
+    which = reproduce.add_subparsers(title="experiments", dest="experiment",
+                                     metavar="EXPERIMENT", required=True)
     cifar = which.add_parser(
         "cifar10-1epoch", help=_EXPERIMENTS["cifar10-1epoch"],
         description="One epoch of CIFAR-10, batch 16, for the growing models (gws, gauge, rbf, "
@@ -395,8 +451,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
                        help="one run per seed, reported as mean ± sd (default: 0)")
     cifar.add_argument("--eval-every", type=int, metavar="STEPS",
                        help="steps between test evaluations (default: 250; --quick: 50)")
-    cifar.add_argument("--data-dir", metavar="DIR", help="folder holding cifar10.npz or the "
-                       "official files (default: $RCDL_DATA, then the cache folder)")
+    cifar.add_argument("--data-dir", type=_data_dir, metavar="DIR", help=_DATA_DIR_HELP)
     cifar.add_argument("--out", metavar="DIR",
                        help="run folder to write (default: runs/cifar10-1epoch-<timestamp>)")
     cifar.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run: "
@@ -418,7 +473,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     cifar.add_argument("--no-download", action="store_true",
                        help="never download the data set when no local copy is found")
     cifar.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    cifar.set_defaults(func=_cmd_reproduce_cifar10)
+    cifar.set_defaults(func=_cmd_reproduce_cifar10, command_parser=cifar)
 
     sweep = which.add_parser(
         "hybrid-tau-sweep", help=_EXPERIMENTS["hybrid-tau-sweep"],
@@ -443,8 +498,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
                        "10 000 images (hours per threshold on a CPU)")
     sweep.add_argument("--quick", action="store_true", help="3 thresholds and gws on 300 / 200 "
                        "images: a smoke test (about a minute)")
-    sweep.add_argument("--data-dir", metavar="DIR", help="folder holding cifar10.npz or the "
-                       "official files (default: $RCDL_DATA, then the cache folder)")
+    sweep.add_argument("--data-dir", type=_data_dir, metavar="DIR", help=_DATA_DIR_HELP)
     sweep.add_argument("--out", metavar="DIR",
                        help="run folder to write (default: runs/hybrid-tau-sweep-<timestamp>)")
     sweep.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted sweep")
@@ -459,7 +513,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     sweep.add_argument("--no-download", action="store_true",
                        help="never download the data set when no local copy is found")
     sweep.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    sweep.set_defaults(func=_cmd_reproduce_tau_sweep)
+    sweep.set_defaults(func=_cmd_reproduce_tau_sweep, command_parser=sweep)
 
     gen = which.add_parser(
         "generalisation", help=_EXPERIMENTS["generalisation"],
@@ -481,7 +535,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--quick", action="store_true",
                      help="200 / 200 images, 3 epochs: a smoke test")
     _add_common(gen, "generalisation")
-    gen.set_defaults(func=_cmd_reproduce_generalisation)
+    gen.set_defaults(func=_cmd_reproduce_generalisation, command_parser=gen)
 
     mem = which.add_parser(
         "memory-budget", help=_EXPERIMENTS["memory-budget"],
@@ -509,7 +563,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     mem.add_argument("--quick", action="store_true", help="480 / 200 images, capacities 60 "
                      "and 240: a smoke test (under a minute)")
     _add_common(mem, "memory-budget")
-    mem.set_defaults(func=_cmd_reproduce_memory_budget)
+    mem.set_defaults(func=_cmd_reproduce_memory_budget, command_parser=mem)
 
     from rcdl.experiments.deltanet_decay import VARIANTS
     from rcdl.experiments.optimizers import DATASETS, METHODS
@@ -538,7 +592,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     opt.add_argument("--paper", action="store_true", help="whole data sets, no projection, "
                      "SPEC §6's baselines: a GPU job")
     _add_common(opt, "optimizers")
-    opt.set_defaults(func=_cmd_reproduce_optimizers)
+    opt.set_defaults(func=_cmd_reproduce_optimizers, command_parser=opt)
 
     dn = which.add_parser(
         "deltanet-decay", help=_EXPERIMENTS["deltanet-decay"],
@@ -563,7 +617,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     dn.add_argument("--paper", action="store_true", help="the paper's run: all images, no "
                     "projection, 2000 epochs (days on a CPU)")
     _add_common(dn, "deltanet-decay")
-    dn.set_defaults(func=_cmd_reproduce_deltanet_decay)
+    dn.set_defaults(func=_cmd_reproduce_deltanet_decay, command_parser=dn)
 
     ts = which.add_parser(
         "teacher-student", help=_EXPERIMENTS["teacher-student"],
@@ -591,7 +645,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
                     "evaluations (50)")
     ts.add_argument("--quick", action="store_true", help="a smoke test (seconds)")
     _add_common(ts, "teacher-student", data=False)
-    ts.set_defaults(func=_cmd_reproduce_teacher_student)
+    ts.set_defaults(func=_cmd_reproduce_teacher_student, command_parser=ts)
 
     vit = which.add_parser(
         "vit", help=_EXPERIMENTS["vit"],
@@ -622,7 +676,7 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     vit.add_argument("--paper", action="store_true", help="a larger ViT (patch 4, width 128, "
                      "6 blocks) on all images: hours on a CPU, for a GPU")
     _add_common(vit, "vit")
-    vit.set_defaults(func=_cmd_reproduce_vit)
+    vit.set_defaults(func=_cmd_reproduce_vit, command_parser=vit)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -642,12 +696,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, help="seed of the task, data order and models")
     demo.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_cmd_demo, command_parser=demo)
 
     _add_reproduce(sub)
 
     info = sub.add_parser("info", help=_COMMANDS["info"], description=_COMMANDS["info"])
-    info.set_defaults(func=_cmd_info)
+    info.set_defaults(func=_cmd_info, command_parser=info)
     return parser
 
 
@@ -663,11 +717,14 @@ def entry() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rcdl`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)  # exits with status 2 on a usage error
+    args, unknown = parser.parse_known_args(argv)  # exits with status 2 on a usage error
+    if unknown:  # reported with the subcommand's usage, not that of rcdl
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except CLIError as e:
-        parser.error(f"{args.command}: {e}")  # prints usage and exits with status 2
+        command = args.command_parser  # the subcommand's, so its usage is shown
+        command.error(_explain(e, command))  # prints usage and exits with status 2
     except KeyboardInterrupt:
         print("rcdl: interrupted", file=sys.stderr)
         return 130

@@ -1,6 +1,7 @@
 """The growth step: after ``loss.backward()``, every growing layer writes its entries.
 
-This plays the part of ``optimizer.step()`` for growing layers (SPEC §3)::
+This plays the part of ``optimizer.step()`` for growing layers (SPEC §3), and is shaped like
+a ``torch.optim.Optimizer``::
 
     grower = Grower(model)
     for x, y in batches:
@@ -11,7 +12,15 @@ This plays the part of ``optimizer.step()`` for growing layers (SPEC §3)::
 Within a step every layer's entries are computed from the pre-step stores (the outputs
 and gradients recorded during this forward/backward pass), all layers are validated
 first, and only then are the entries committed together: a refused step (NaN/inf in a
-gradient, say) leaves every store unchanged.
+gradient, a diverging layer) leaves every store unchanged and nothing pending, so the next
+clean batch steps normally.
+
+Like an optimizer, a grower has ``zero_grad()`` (forget what was recorded since the last
+step), ``state_dict()`` / ``load_state_dict()`` (step counters, eviction counts, the rules'
+learning rates: with the model's state dict, all a resumed run needs) and ``param_groups``:
+one group per growing layer, whose ``lr`` is the η of that layer's rule. A
+``torch.optim.lr_scheduler`` scheduler therefore drives η; the entries written after a change
+use the new η. (A grower holds no tensors to optimise: each group's ``params`` is empty.)
 
 With a :class:`~rcdl.memory.MemoryBudget` the grower also keeps memory bounded: once every
 layer has committed, it chooses the entries each layer must drop to stay within the budget
@@ -19,10 +28,17 @@ layer has committed, it chooses the entries each layer must drop to stay within 
 kept entries if the budget says so, and removes them through
 :meth:`~rcdl.layers.GrowingLayer.remove_entries`. Between steps no store holds more than
 ``budget.capacity`` entries; :attr:`Grower.evicted` counts what each layer dropped.
+
+For a hybrid network (entries also trained by Adam) use :class:`rcdl.hybrid.HybridGrower`,
+which runs the Adam step and then this one. (Growing first would drop the entries'
+gradients; :class:`rcdl.hybrid.EntryAdam` then refuses its step with an error.)
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 from rcdl.layers import GrowingLayer, growing_layers
@@ -31,7 +47,7 @@ from rcdl.memory import MemoryBudget
 __all__ = ["Grower"]
 
 
-class Grower:
+class Grower(torch.optim.Optimizer):
     """Writes the entries of every :class:`~rcdl.layers.GrowingLayer` of ``model``.
 
     The loss must be the mean over the first dimension of each layer's input (the usual
@@ -43,6 +59,8 @@ class Grower:
             entries after each step (:mod:`rcdl.memory`); ``None`` lets the stores grow.
 
     Attributes:
+        layers: the growing layers, in module order (their ``name`` is set to the path).
+        param_groups: one ``{"params": [], "lr": η, "layer": name}`` per layer.
         evicted: ``{layer name: entries evicted so far}`` (all zeros without a budget).
     """
 
@@ -61,11 +79,40 @@ class Grower:
                 budget.check(layer)
         self.budget = budget
         self.evicted: dict[str, int] = {layer.name: 0 for layer in self.layers}
+        groups = [{"params": [], "lr": layer.rule.lr, "layer": layer.name} for layer in self.layers]
+        super().__init__(groups, {})
 
-    def step(self) -> None:
+    # ---------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # noqa: ANN001
         """Commit the entries recorded since the last step (all layers or none), then evict
-        down to the budget, if any."""
-        proposals = [layer.propose() for layer in self.layers]
+        down to the budget, if any.
+
+        Raises:
+            RuntimeError: the model is in eval mode, or a forward ran in training mode but no
+                backward reached any growing layer. Nothing is written and the records are
+                kept.
+            ValueError: a gradient or an output is NaN/inf, or a layer diverges
+                (:class:`~rcdl.layers.GrowingLayer`, ``max_output_growth``). Nothing is
+                written and the records are dropped.
+        """
+        if closure is not None:
+            raise TypeError("Grower.step() takes no closure")
+        self.check_mode()
+        if not any(layer.ready_records() for layer in self.layers):
+            pending = [layer.where for layer in self.layers if layer.has_pending]
+            if pending:
+                raise RuntimeError(
+                    f"Grower.step(): {', '.join(pending)} ran a training forward pass that no "
+                    "backward reached: call loss.backward() before grower.step(), with a loss "
+                    "that depends on the model's output")
+            return
+        self._apply_learning_rates()
+        try:
+            proposals = [layer.propose() for layer in self.layers]
+        except Exception:
+            self.zero_grad()  # a refused batch leaves nothing behind for the next step
+            raise
         for layer, entries in zip(self.layers, proposals, strict=True):
             layer.commit(entries)
         if self.budget is not None:
@@ -73,16 +120,63 @@ class Grower:
             for layer, mask in zip(self.layers, masks, strict=True):
                 self.evicted[layer.name] += self.budget.apply(layer, mask)
 
-    def discard(self) -> None:
-        """Drop the records of this step without writing (e.g. after a skipped batch)."""
+    def check_mode(self) -> None:
+        """Raise if a growing layer is in eval mode (it records nothing to learn from)."""
+        idle = [layer.where for layer in self.layers if not layer.training]
+        if idle:
+            raise RuntimeError(
+                f"Grower.step(): {', '.join(idle)} is in eval mode, so the forward pass recorded "
+                "nothing to learn from: call model.train() before a training step")
+
+    def _apply_learning_rates(self) -> None:
+        for group, layer in zip(self.param_groups, self.layers, strict=True):
+            if group["lr"] != layer.rule.lr:
+                layer.rule = layer.rule.with_lr(group["lr"])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget what was recorded since the last step (nothing is written); records whose
+        backward runs later are ignored too. ``set_to_none`` is accepted for compatibility."""
         for layer in self.layers:
             layer.discard()
+
+    def discard(self) -> None:
+        """Same as :meth:`zero_grad`: drop this step's records without writing."""
+        self.zero_grad()
 
     def reserve(self, entries_per_layer: int) -> None:
         """Preallocate room for this many more entries in every layer's store."""
         for layer in self.layers:
             layer.store.reserve(len(layer.store) + entries_per_layer)
 
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything besides the model's own state dict that a resumed run needs: per layer
+        its step counter, evictions, output scale (the divergence check's reference) and
+        its group's learning rate."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {
+            "param_groups": groups,
+            "steps": {layer.name: int(layer.steps) for layer in self.layers},
+            "evicted": dict(self.evicted),
+            "output_scale": {layer.name: layer.output_scale for layer in self.layers},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; it must come from a grower over the same layers."""
+        names = [layer.name for layer in self.layers]
+        saved = [g.get("layer") for g in state.get("param_groups", [])]
+        if saved != names or set(state.get("steps", {})) != set(names):
+            raise ValueError(f"Grower.load_state_dict: the state is for layers {saved}, this "
+                             f"grower has {names}")
+        for group, saved_group, layer in zip(self.param_groups, state["param_groups"],
+                                             self.layers, strict=True):
+            group.update(saved_group)
+            layer.steps.fill_(state["steps"][layer.name])
+            layer.output_scale = state["output_scale"][layer.name]
+        self.evicted = dict(state["evicted"])
+        self._apply_learning_rates()
+
+    # ---------------------------------------------------------------- sizes
     @property
     def num_evicted(self) -> int:
         """Entries evicted by the budget so far, all layers."""

@@ -6,20 +6,25 @@ weighted values and weights are *also* trained, jointly, by one Adam step per ba
 query is farther than τ from every stored key of that layer (:class:`DistanceGate`); other
 growth triggers are :class:`AlwaysGrow`, :class:`CapacityGate` and :class:`ErrorScaledGate`.
 
-One training step, in the order the trainer runs it::
+One training step: :class:`HybridGrower` drives it, in the only valid order::
 
+    opt = HybridGrower(model, lr=1e-3)
     loss = F.cross_entropy(model(x), y)     # the forward records q, s and (by a hook) ḡ
     loss.backward()                         # gradients w.r.t. every stored entry, too
-    adam.step(); adam.zero_grad()           # EntryAdam: entries move
-    grower.step()                           # gated gws writes, after the Adam step
+    opt.step()                              # EntryAdam moves the entries, then gated writes
+
+(The two halves also exist alone, :class:`EntryAdam` and :class:`rcdl.grower.Grower`. In the
+wrong order the growth step drops the entries' gradients, and the next ``EntryAdam.step()``
+raises an error saying so instead of silently skipping the update.)
 
 Entries are plain rows of the layer's :class:`~rcdl.store.EntryStore`, not ``nn.Parameter``s:
 the store grows, and a growing parameter list does not fit ``torch.optim``. In training mode
 the forward pass attends over fresh leaf tensors that share the store's memory, so
 ``backward()`` leaves the entries' gradients on them; Adam's moments live beside the
 entries in two more stores (same rows, so growth and removal keep them aligned, and they
-travel in the model's ``state_dict`` for checkpoints). Each entry carries its own Adam step
-count, so its bias correction is that of a parameter created when it was written.
+are saved by the optimizer's ``state_dict``, as ``torch.optim.Adam`` saves its moments, not by
+the model's). Each entry carries its own Adam step count, so its bias correction is that of
+a parameter created when it was written.
 """
 
 from __future__ import annotations
@@ -32,13 +37,15 @@ import torch
 from torch import Tensor, nn
 
 from rcdl.attention import attention, nearest_sq_distance
+from rcdl.grower import Grower
 from rcdl.layers import GrowingSoftmax, _Record
-from rcdl.rules import Entries
+from rcdl.memory import MemoryBudget
+from rcdl.rules import Entries, LearningRule
 from rcdl.store import EntryStore
 
 __all__ = [
     "AlwaysGrow", "CapacityGate", "DistanceGate", "EntryAdam", "ErrorScaledGate",
-    "GrowthTrigger", "HybridSoftmax", "adam_block_elements", "hybrid_layers",
+    "GrowthTrigger", "HybridGrower", "HybridSoftmax", "adam_block_elements", "hybrid_layers",
 ]  # fmt: skip
 
 
@@ -146,28 +153,32 @@ class HybridSoftmax(GrowingSoftmax):
     Statistics (buffers, saved with the model): ``entries_written``, ``entries_refused``.
     """
 
-    def __init__(self, d_in: int, d_out: int, *, temperature: float, rule,  # noqa: ANN001
+    def __init__(self, d_in: int, d_out: int, *, temperature: float, rule: LearningRule,
                  trigger: GrowthTrigger | None = None, initial_entries: int = 16,
                  seed: int | None = None, **kw) -> None:
         super().__init__(d_in, d_out, temperature=temperature, rule=rule,
                          initial_entries=initial_entries, seed=seed, **kw)
-        if getattr(rule, "exact", False):
+        if getattr(rule, "needs_log_normalizer", False):
             raise ValueError(
-                "HybridSoftmax: the exact 1/Z rule needs Z(q) > 0, but Adam may drive stored "
-                "weights negative (Z ≤ 0, log Z undefined); use the clipped gws rule "
-                "(ClippedSoftmaxRule(exact=False)) as SPEC §4 does")
+                "HybridSoftmax: the 1/Z-normalised rule needs Z(q) > 0, but Adam may drive "
+                "stored weights negative (Z ≤ 0, log Z undefined); use the clipped gws rule "
+                "(ClippedSoftmaxRule(normalize=False)) as SPEC §4 does")
         self.trigger = DistanceGate(50.0) if trigger is None else trigger
         factory = {"dtype": self.store.dtype, "device": self.store.device}
         # Adam's first and second moments of (keys, weighted values, weights), row-aligned
         # with the store; their ``written_at`` is the layer's Adam step count at the write.
-        self.adam_m = EntryStore(self.store.d_in, d_out, **factory)
-        self.adam_v = EntryStore(self.store.d_in, d_out, **factory)
-        for name in ("adam_steps", "entries_written", "entries_refused"):
+        # They are optimizer state: EntryAdam.state_dict() saves them, the model's does not.
+        self.adam_m = EntryStore(self.store.d_in, d_out, persistent=False, **factory)
+        self.adam_v = EntryStore(self.store.d_in, d_out, persistent=False, **factory)
+        self.register_buffer("adam_steps", torch.zeros((), dtype=torch.long,
+                                                       device=self.store.device), persistent=False)
+        for name in ("entries_written", "entries_refused"):
             self.register_buffer(name, torch.zeros((), dtype=torch.long,
                                                    device=self.store.device))
         self._zero_moments(len(self.store))
         self._leaves: tuple[Tensor, Tensor, Tensor] | None = None
         self._refused = 0  # refused by the trigger in the pending proposal
+        self._adam_skipped = False  # a growth step dropped entry gradients Adam never used
 
     # ---------------------------------------------------------------- forward
     def attend(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, d_out)
@@ -185,6 +196,22 @@ class HybridSoftmax(GrowingSoftmax):
             self._leaves = tuple(t.detach().requires_grad_() for t in
                                  (self.store.keys, self.store.values, self.store.weights))
         return self._leaves
+
+    def _drop_unstepped(self) -> None:
+        if self.ready_records():  # the entries' gradients belong to the same dropped batch
+            self._leaves = None
+        super()._drop_unstepped()
+
+    @property
+    def has_entry_grads(self) -> bool:
+        """Whether backward has left gradients on the entries that no Adam step used yet."""
+        return self._leaves is not None and any(t.grad is not None for t in self._leaves)
+
+    def entry_grads_finite(self) -> Tensor:  # () bool, no device sync
+        """Whether every entry gradient waiting for the Adam step is finite."""
+        grads = [] if self._leaves is None else [t.grad for t in self._leaves]
+        sums = [g.sum() for g in grads if g is not None]  # a NaN/inf anywhere makes a sum so
+        return torch.stack(sums).isfinite().all() if sums else torch.tensor(True)
 
     def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         # .to() / .double() / .cuda() replace the store's tensors: leaves made before would be
@@ -263,9 +290,15 @@ class HybridSoftmax(GrowingSoftmax):
         self._refused = 0
         return super().propose()
 
+    def discard(self) -> None:
+        super().discard()
+        self._leaves = None
+
     @torch.no_grad()
     def commit(self, entries: Entries | None) -> None:
         written = 0 if entries is None else int(entries[0].shape[0])
+        if self.has_entry_grads:  # Grower.step() ran before EntryAdam.step()
+            self._adam_skipped = True
         super().commit(entries)
         self._leaves = None
         self._zero_moments(written)
@@ -311,13 +344,15 @@ def hybrid_layers(model: nn.Module) -> list[tuple[str, HybridSoftmax]]:
 # --------------------------------------------------------------------------- the optimizer
 
 
-class EntryAdam:
+class EntryAdam(torch.optim.Optimizer):
     """Adam on the entries of every :class:`HybridSoftmax` layer of ``model`` (SPEC §4),
-    plus ``torch.optim.Adam`` on the model's ordinary parameters, if it has any.
+    plus Adam on the model's ordinary parameters, if it has any (one parameter group, so a
+    ``torch.optim.lr_scheduler`` scheduler drives both).
 
-    Step it after ``loss.backward()`` and before :meth:`rcdl.grower.Grower.step`. The
-    entries' moments are layer state (saved with the model); :meth:`state_dict` holds the
-    hyperparameters and the ordinary parameters' Adam state.
+    Step it after ``loss.backward()`` and before :meth:`rcdl.grower.Grower.step`, or let
+    :class:`HybridGrower` do both. :meth:`state_dict` holds what a resumed run needs: the
+    hyperparameters, every entry's moments and step count (row-aligned with the model's
+    stores, so load the model first), and the ordinary parameters' Adam state.
     """
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9,
@@ -325,31 +360,166 @@ class EntryAdam:
         if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
             raise ValueError(f"EntryAdam: need lr > 0, 0 <= betas < 1, eps > 0; got lr={lr}, "
                              f"betas={betas}, eps={eps}")
-        self.layers = [layer for _, layer in hybrid_layers(model)]
+        self.layers = hybrid_layers(model)
         if not self.layers:
             raise ValueError(f"EntryAdam: {type(model).__name__} has no HybridSoftmax layers")
-        self.lr, self.betas, self.eps = lr, tuple(betas), eps
+        for name, layer in self.layers:
+            layer.name = name or type(layer).__name__
         params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__([{"params": params, "name": "entries and parameters (Adam)"}],
+                         {"lr": lr, "betas": tuple(betas), "eps": eps})
         self.param_adam = torch.optim.Adam(params, lr=lr, betas=betas, eps=eps) if params else None
 
-    def step(self) -> None:
-        for layer in self.layers:
-            layer.adam_step(self.lr, self.betas, self.eps)
+    @property
+    def lr(self) -> float:
+        return self.param_groups[0]["lr"]
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # noqa: ANN001
+        """One Adam step on every entry with a gradient, then on the ordinary parameters.
+
+        Refused (``ValueError`` naming the layer; every entry gradient dropped, nothing
+        moved) if an entry gradient is NaN or inf.
+        """
+        if closure is not None:
+            raise TypeError("EntryAdam.step() takes no closure")
+        skipped = [layer.where for _, layer in self.layers if layer._adam_skipped]
+        if skipped:
+            for _, layer in self.layers:
+                layer._adam_skipped = False
+            raise RuntimeError(
+                f"EntryAdam.step(): Grower.step() ran before this step and dropped the entry "
+                f"gradients of {', '.join(skipped)}, so that batch's Adam update is lost: step "
+                "EntryAdam before the Grower (rcdl.hybrid.HybridGrower does both in order)")
+        group = self.param_groups[0]
+        finite = torch.stack([layer.entry_grads_finite() for _, layer in self.layers])
+        if not bool(finite.all()):
+            bad = [layer.where for (_, layer), ok in zip(self.layers, finite.tolist(),
+                                                         strict=True) if not ok]
+            self.zero_grad()
+            raise ValueError(f"EntryAdam: NaN or inf in the entry gradients of {', '.join(bad)};"
+                             " no entry moved and the gradients are dropped")
+        for _, layer in self.layers:
+            layer.adam_step(group["lr"], group["betas"], group["eps"])
         if self.param_adam is not None:
+            for inner in self.param_adam.param_groups:
+                inner.update(lr=group["lr"], betas=group["betas"], eps=group["eps"])
             self.param_adam.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the entries' gradients (they live on per-step leaves) and the parameters'."""
-        for layer in self.layers:
+        for _, layer in self.layers:
             layer._leaves = None
+            layer._adam_skipped = False
         if self.param_adam is not None:
             self.param_adam.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
+        layers = {}
+        for name, layer in self.layers:
+            layers[name] = {"adam_steps": int(layer.adam_steps),
+                            "m": _moments_state(layer.adam_m), "v": _moments_state(layer.adam_v)}
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        return {"param_groups": [group], "layers": layers,
                 "param_adam": None if self.param_adam is None else self.param_adam.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.lr, self.betas, self.eps = state["lr"], tuple(state["betas"]), state["eps"]
+        """Load a :meth:`state_dict` (after the model's own ``load_state_dict``). Everything is
+        checked before anything changes."""
+        names = {name for name, _ in self.layers}
+        if set(state.get("layers", {})) != names:
+            raise ValueError(f"EntryAdam.load_state_dict: the state is for layers "
+                             f"{sorted(state.get('layers', {}))}, this model has {sorted(names)}")
+        for name, layer in self.layers:
+            for key in ("m", "v"):
+                rows = state["layers"][name][key]["keys"].shape[0]
+                if rows != len(layer.store):
+                    raise ValueError(
+                        f"EntryAdam.load_state_dict: {layer.where} stores {len(layer.store)} "
+                        f"entries but the state has moments for {rows}: load the model's "
+                        "state saved with it first")
+        for name, layer in self.layers:
+            saved = state["layers"][name]
+            layer.adam_steps.fill_(saved["adam_steps"])
+            _load_moments(layer.adam_m, saved["m"])
+            _load_moments(layer.adam_v, saved["v"])
+            layer._leaves = None
+        group = self.param_groups[0]
+        group.update({k: v for k, v in state["param_groups"][0].items() if k != "params"})
+        group["betas"] = tuple(group["betas"])
         if self.param_adam is not None and state["param_adam"] is not None:
             self.param_adam.load_state_dict(state["param_adam"])
+
+
+def _moments_state(moments: EntryStore) -> dict[str, Tensor]:
+    return {name: getattr(moments, name).clone()
+            for name in ("keys", "values", "weights", "written_at")}
+
+
+def _load_moments(moments: EntryStore, saved: dict[str, Tensor]) -> None:
+    factory = {"dtype": moments.dtype, "device": moments.device}
+    moments.clear()
+    moments.append(saved["keys"].to(**factory), saved["values"].to(**factory),
+                   saved["weights"].to(**factory), saved["written_at"].to(moments.device))
+
+
+class HybridGrower(torch.optim.Optimizer):
+    """One object for a hybrid network's whole step (SPEC §4): Adam on the entries (and on any
+    ordinary parameters), then the gated growth, in that order.
+
+    ``step()`` first checks every layer's recorded outputs and gradients and the entries'
+    gradients (a NaN or a diverging layer refuses the step before anything moves, and leaves
+    nothing pending), then runs :class:`EntryAdam` and then :class:`rcdl.grower.Grower`.
+    ``param_groups`` are the Adam group followed by the grower's groups (one per layer, ``lr``
+    the rule's η), so a ``torch.optim.lr_scheduler`` scheduler drives both;
+    :meth:`state_dict` holds both halves' state.
+
+    Example::
+
+        opt = HybridGrower(model, lr=1e-3)
+        for x, y in batches:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    """
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9,
+                 0.999), eps: float = 1e-8, budget: MemoryBudget | None = None) -> None:
+        self.adam = EntryAdam(model, lr=lr, betas=betas, eps=eps)
+        self.grower = Grower(model, budget=budget)
+        # the same group dicts as the two halves: a scheduler's change reaches them
+        groups = [*self.adam.param_groups, *self.grower.param_groups]
+        super().__init__(groups, {})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # noqa: ANN001
+        if closure is not None:
+            raise TypeError("HybridGrower.step() takes no closure")
+        self.grower.check_mode()
+        try:
+            for layer in self.grower.layers:
+                layer.check_records()
+        except Exception:
+            self.zero_grad()
+            raise
+        self.adam.step()
+        self.grower.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget everything this step recorded: entry and parameter gradients, and records."""
+        self.adam.zero_grad(set_to_none)
+        self.grower.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"adam": self.adam.state_dict(), "grower": self.grower.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.adam.load_state_dict(state["adam"])
+        self.grower.load_state_dict(state["grower"])
+
+    @property
+    def num_entries(self) -> int:
+        return self.grower.num_entries
+
+    @property
+    def nbytes(self) -> int:
+        return self.grower.nbytes

@@ -5,20 +5,37 @@ gradients flow to earlier layers. In training mode (with grad enabled) it also r
 what a learning rule needs — the query, the output computed from the pre-step store, and
 (through a hook) the gradient of the loss w.r.t. that output. :class:`rcdl.grower.Grower`
 then turns those records into new entries, after ``loss.backward()``.
+
+Which records a step writes (the habits of an ordinary PyTorch loop must not break it):
+
+- a record is *ready* once backward has reached it; only ready records are written. A
+  forward pass that never gets a backward (a test loss computed in training mode without
+  ``torch.no_grad()``) writes nothing, and its record lives only as long as its autograd
+  graph: the layer keeps it through a weak reference.
+- a training-mode forward that finds ready records of a backward that was never stepped
+  (an exception between ``backward()`` and ``step()``, or a hybrid layer trained by Adam
+  alone) discards them: each step writes the batch of its own forward and backward.
+  (Accumulating several forward/backward passes into one step is therefore not supported:
+  make the batch larger.)
+- ``discard()`` (``Grower.zero_grad()``) forgets every record; records made before it are
+  never written, even if their backward comes later.
+- in eval mode nothing is recorded; if grad is enabled the output still requires grad, and a
+  backward through it raises an error that names the layer and says to call ``model.train()``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rcdl.attention import attention, attention_partial
-from rcdl.kernels import check_kernel, softmax_scale
-from rcdl.rules import Entries, FunctionalSGD
+from rcdl.kernels import Kernel, check_kernel, softmax_scale
+from rcdl.rules import Entries, FunctionalSGD, LearningRule
 from rcdl.store import EntryStore
 
 __all__ = [
@@ -27,17 +44,38 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Record:
     """One training-mode call of a layer: what its rule needs after ``backward()``."""
 
     q: Tensor  # (B, d_in) the query, detached
     s: Tensor  # (B, d_out) the output from the pre-step store, detached
     n_samples: int  # samples the batch-mean loss averages over (leading dim of the input)
+    generation: int  # the layer's record generation at the forward (see GrowingLayer.discard)
     grad: Tensor | None = None  # (B, d_out) ∂(mean loss)/∂s, set by the hook
+    ready: list[_Record] = field(default_factory=list, repr=False)  # the layer's ready list
 
     def set_grad(self, grad: Tensor) -> None:
-        self.grad = grad.detach() if self.grad is None else self.grad + grad.detach()
+        if self.grad is None:
+            self.grad = grad.detach()
+            self.ready.append(self)  # from now on the layer holds it, not just the graph
+        else:
+            self.grad = self.grad + grad.detach()
+
+
+class _EvalModeOutput(torch.autograd.Function):
+    """Identity whose backward raises: the output of a layer that ran in eval mode."""
+
+    @staticmethod
+    def forward(ctx, s: Tensor, where: str) -> Tensor:  # noqa: ANN001
+        ctx.where = where
+        return s.view_as(s)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
+        raise RuntimeError(
+            f"{ctx.where} ran its forward pass in eval mode, so it recorded nothing to learn "
+            "from: call model.train() before a training step (model.eval() is for evaluation)")
 
 
 class GrowingLayer(nn.Module):
@@ -48,10 +86,15 @@ class GrowingLayer(nn.Module):
             one is the sample dimension the loss averages over.
         kernel: ``"linear"``, ``"rbf"`` or ``"softmax"`` (:mod:`rcdl.kernels`).
         temperature: T, with ``τ = T √d_in`` (RBF and softmax).
-        rule: the learning rule writing this layer's entries (:mod:`rcdl.rules`).
+        rule: the learning rule writing this layer's entries (:class:`rcdl.rules.LearningRule`).
         key_dim: width of the stored keys, if not ``d_in``.
         capacity: entries to allocate up front (e.g. the number of training samples).
         chunk_size: entries per block of the streaming attention (default: automatic).
+        max_output_growth: a step is refused, with an error naming the layer, when the RMS of
+            the layer's outputs exceeds this multiple of their RMS at the first step where
+            they were non-zero (a diverging layer: learning rate too high or temperature too
+            low for the inputs' scale); non-finite outputs are always refused. ``None``
+            turns the scale check off.
     """
 
     def __init__(
@@ -59,12 +102,13 @@ class GrowingLayer(nn.Module):
         d_in: int,
         d_out: int,
         *,
-        kernel: str,
+        kernel: Kernel,
         temperature: float = 1.0,
-        rule,  # noqa: ANN001 - any object with .entries(q, s, grad_mean, n_samples)
+        rule: LearningRule,
         key_dim: int | None = None,
         capacity: int = 0,
         chunk_size: int | None = None,
+        max_output_growth: float | None = 1e4,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -73,14 +117,23 @@ class GrowingLayer(nn.Module):
         self.kernel = check_kernel(kernel)
         self.temperature = temperature
         softmax_scale(temperature, d_in)  # validates the temperature
+        if not isinstance(rule, LearningRule):
+            raise TypeError(f"{type(self).__name__}: rule must be a rcdl.rules.LearningRule "
+                            f"(e.g. FunctionalSGD, ClippedSoftmaxRule), got {type(rule).__name__}")
+        if max_output_growth is not None and not max_output_growth > 1:
+            raise ValueError(f"max_output_growth must be > 1 or None, got {max_output_growth}")
         self.rule = rule
         self.chunk_size = chunk_size
+        self.max_output_growth = max_output_growth
         self.store = EntryStore(
             key_dim or d_in, d_out, capacity=capacity, dtype=dtype, device=device
         )
         self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=device))
         self.name = type(self).__name__  # set to the module path by the Grower
-        self._records: list[_Record] = []
+        self.output_scale: float | None = None  # output RMS at the first non-zero step
+        self._ready: list[_Record] = []  # records that backward has reached
+        self._pending: list[weakref.ref[_Record]] = []  # records awaiting backward
+        self._generation = 0  # bumped by commit/discard: older records are never written
 
     # ---------------------------------------------------------------- forward
     def entry_weights(self) -> Tensor:  # (N,)
@@ -107,19 +160,44 @@ class GrowingLayer(nn.Module):
         """The layer's function ``s(q)`` (subclasses add their parametric part)."""
         return self.attend(q)
 
+    @torch.compiler.disable  # records and hooks are Python side effects: run eagerly
     def forward(self, x: Tensor) -> Tensor:  # (..., d_in) -> (..., d_out)
         q = self._check_input(x).reshape(-1, self.d_in)  # (B, d_in)
+        recording = self.training and torch.is_grad_enabled()
+        if recording:
+            self._drop_unstepped()
         s = self.output(q)  # (B, d_out)
-        if self.training and torch.is_grad_enabled():
+        if recording:
             if not s.requires_grad:  # nothing upstream is trainable: make s the leaf
                 s = s.detach().requires_grad_()
-            record = _Record(q.detach(), s.detach(), n_samples=x.shape[0])
-            s.register_hook(record.set_grad)
-            self._records.append(record)
+            record = _Record(q.detach(), s.detach(), x.shape[0], self._generation,
+                             ready=self._ready)
+            s.register_hook(record.set_grad)  # the graph holds the record until backward
+            self._pending = [r for r in self._pending if r() is not None]
+            self._pending.append(weakref.ref(record))
+        elif torch.is_grad_enabled() and not s.requires_grad:  # a backward would only fail
+            s = _EvalModeOutput.apply(s.detach().requires_grad_(), self.where)
         return s.reshape(*x.shape[:-1], self.d_out)
 
+    @property
+    def where(self) -> str:
+        """The layer as error messages name it: class and module path."""
+        return f"{type(self).__name__} {self.name!r}"
+
+    def _drop_unstepped(self) -> None:
+        """Forget records whose backward ran but whose step never came: a new training
+        forward pass starts a new step."""
+        if self._ready:
+            self._ready.clear()
+            self._generation += 1
+
     def _check_input(self, x: Tensor) -> Tensor:
-        where = f"{type(self).__name__} {self.name!r}"
+        where = self.where
+        if x.dim() == 1 and x.shape[0] == self.d_in:
+            raise ValueError(
+                f"{where}: got one unbatched sample of shape {tuple(x.shape)}; inputs need a "
+                f"batch dimension, (B, {self.d_in}) (for one sample: x.unsqueeze(0)). The first "
+                "dimension is the samples the batch-mean loss averages over")
         if x.dim() < 2 or x.shape[-1] != self.d_in:
             raise ValueError(f"{where}: expected input (..., {self.d_in}), got {tuple(x.shape)}")
         if x.shape[0] == 0 or x.numel() == 0:
@@ -133,29 +211,65 @@ class GrowingLayer(nn.Module):
         return x
 
     # ---------------------------------------------------------------- growth
+    @property
+    def has_pending(self) -> bool:
+        """Whether a training-mode forward of this step still waits for its backward."""
+        return any(r() is not None and r().generation == self._generation
+                   for r in self._pending)
+
+    def ready_records(self) -> list[_Record]:
+        """The records of this step that backward has reached (what :meth:`propose` writes)."""
+        return [r for r in self._ready if r.generation == self._generation]
+
     @torch.no_grad()
     def propose(self) -> Entries | None:
-        """The entries this step's records would write, validated (nothing is written)."""
-        if not self._records:
+        """The entries this step's records would write, validated (nothing is written).
+
+        Raises ``ValueError`` naming the layer if an output or its gradient is not finite, or
+        if the outputs grew past ``max_output_growth`` times their first non-zero scale.
+        """
+        records = self.ready_records()
+        if not records:
             return None
-        where = f"{type(self).__name__} {self.name!r}"
-        parts = []
-        for record in self._records:
-            if record.grad is None:
-                raise RuntimeError(
-                    f"{where} ran forward in training mode but got no gradient: call "
-                    "loss.backward() before Grower.step(), and make the loss depend on it"
-                )
-            if not torch.isfinite(record.grad).all():
-                raise ValueError(
-                    f"{where}: the output gradient contains NaN or inf; no entry written"
-                )
-            parts.append(self.make_entries(record))
+        self.check_records()
+        parts = [self.make_entries(record) for record in records]
         keys, values, weights = (torch.cat(p) for p in zip(*parts, strict=True))
         for name, t in (("keys", keys), ("values", values), ("weights", weights)):
             if not torch.isfinite(t).all():
-                raise ValueError(f"{where}: the rule produced non-finite {name}; no entry written")
+                raise ValueError(
+                    f"{self.where}: the rule produced non-finite {name}; no entry written")
         return keys, values, weights
+
+    @torch.no_grad()
+    def check_records(self) -> None:
+        """Raise ``ValueError`` naming the layer if a ready record's output or gradient is not
+        finite, or its outputs grew past ``max_output_growth`` (nothing is changed)."""
+        for record in self.ready_records():
+            self._check_output(record)
+            if not torch.isfinite(record.grad).all():
+                raise ValueError(
+                    f"{self.where}: the output gradient contains NaN or inf (a NaN in the "
+                    "targets or the loss?); no entry written")
+
+    def _check_output(self, record: _Record) -> None:
+        """Refuse a diverging layer: non-finite outputs, or outputs whose RMS grew past
+        ``max_output_growth`` times the RMS at the first step where they were non-zero."""
+        rms = float(record.s.double().square().mean().sqrt())
+        advice = (f"the layer is diverging: lower the learning rate (rule {self.rule}) or raise "
+                  f"the temperature (T = {self.temperature}), or normalise its inputs; "
+                  "no entry written")
+        if not math.isfinite(rms):
+            raise ValueError(f"{self.where}: outputs contain NaN or inf; {advice}")
+        if self.output_scale is None:
+            if rms > 0:
+                self.output_scale = rms  # set at the first step that writes with it
+            return
+        limit = self.max_output_growth
+        if limit is not None and rms > limit * self.output_scale:
+            raise ValueError(
+                f"{self.where}: output RMS {rms:.3g} is over {limit:g} times its first "
+                f"non-zero value {self.output_scale:.3g}; {advice} (or raise "
+                "max_output_growth)")
 
     def make_entries(self, record: _Record) -> Entries:
         return self.rule.entries(record.q, record.s, record.grad, record.n_samples)
@@ -163,15 +277,18 @@ class GrowingLayer(nn.Module):
     @torch.no_grad()
     def commit(self, entries: Entries | None) -> None:
         """Append ``entries`` (from :meth:`propose`) as written at the next step."""
-        self._records.clear()
+        self.discard()
         if entries is None:
             return
         self.steps += 1
         self.store.append(*entries, written_at=int(self.steps))
 
     def discard(self) -> None:
-        """Forget this step's records without writing anything."""
-        self._records.clear()
+        """Forget this step's records without writing anything: records made so far are never
+        written, even if their backward runs later."""
+        self._ready.clear()
+        self._pending.clear()
+        self._generation += 1
 
     @torch.no_grad()
     def remove_entries(self, mask: Tensor) -> int:
@@ -191,23 +308,21 @@ class GrowingLinear(GrowingLayer):
 
     ``s(q) = r(t) (W_0 q + b_0) + Σ_j h(a_j) v_j ⟨k_j, [q, 1]⟩`` with keys ``k_j = [q_j, 1]``
     (the bias is the weight of a constant input), values ``v_j = −η ḡ_j`` and the age
-    coefficients ``r, h`` of weight decay and momentum (:mod:`rcdl.age`). After any number of
+    coefficients ``r, h`` of weight decay and momentum (:mod:`rcdl.age`). With
+    ``rule=FunctionalSGD(lr, weight_decay, momentum, per_sample=False)``, after any number of
     steps it computes exactly what ``nn.Linear`` trained by ``torch.optim.SGD(lr,
     momentum=momentum, weight_decay=weight_decay)`` on the same batches computes.
+
+    Example:
+        >>> layer = GrowingLinear(8, 3, rule=FunctionalSGD(0.1, per_sample=False))
     """
 
-    def __init__(
-        self,
-        d_in: int,
-        d_out: int,
-        *,
-        lr: float,
-        weight_decay: float = 0.0,
-        momentum: float = 0.0,
-        bias: bool = True,
-        **kw,
-    ) -> None:
-        rule = FunctionalSGD(lr, weight_decay, momentum, per_sample=False)
+    def __init__(self, d_in: int, d_out: int, *, rule: FunctionalSGD, bias: bool = True,
+                 **kw) -> None:
+        if not isinstance(rule, FunctionalSGD) or rule.per_sample:
+            raise TypeError(
+                "GrowingLinear is the dual form of SGD on the batch-mean loss: its rule must be "
+                f"FunctionalSGD(lr, weight_decay, momentum, per_sample=False), got {rule!r}")
         super().__init__(d_in, d_out, kernel="linear", rule=rule, key_dim=d_in + bias, **kw)
         self.has_bias = bias
         factory = {"dtype": self.store.dtype, "device": self.store.device}
@@ -220,7 +335,7 @@ class GrowingLinear(GrowingLayer):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kw) -> GrowingLinear:
-        """The dual form of ``linear`` from its current weights (``lr`` etc. in ``kw``)."""
+        """The dual form of ``linear`` from its current weights (``rule`` etc. in ``kw``)."""
         w = linear.weight.detach()
         layer = cls(
             linear.in_features,
@@ -250,22 +365,16 @@ class GrowingLinear(GrowingLayer):
 class GrowingRBF(GrowingLayer):
     """Growing RBF layer: ``s(q) = Σ_j h(a_j) exp(−‖q − k_j‖² / (2T√d_in)) v_j`` (SPEC §2).
 
-    Starts empty; each sample appends ``k = q``, ``v = −η g`` with the per-sample gradient
-    (the RKHS functional gradient, SPEC §3). SPEC §6 uses T = 10, η = 10.
+    Starts empty; with ``rule=FunctionalSGD(lr)`` each sample appends ``k = q``, ``v = −η g``
+    with the per-sample gradient (the RKHS functional gradient, SPEC §3). SPEC §6 uses
+    T = 10, η = 10.
+
+    Example:
+        >>> layer = GrowingRBF(8, 3, temperature=10.0, rule=FunctionalSGD(10.0))
     """
 
-    def __init__(
-        self,
-        d_in: int,
-        d_out: int,
-        *,
-        temperature: float,
-        lr: float,
-        weight_decay: float = 0.0,
-        momentum: float = 0.0,
-        **kw,
-    ) -> None:
-        rule = FunctionalSGD(lr, weight_decay, momentum, per_sample=True)
+    def __init__(self, d_in: int, d_out: int, *, temperature: float, rule: LearningRule,
+                 **kw) -> None:
         super().__init__(d_in, d_out, kernel="rbf", temperature=temperature, rule=rule, **kw)
 
 
@@ -274,7 +383,7 @@ class GrowingSoftmax(GrowingLayer):
 
     The store keeps weighted values ``ṽ_j`` and weights ``w_j``; logits are
     ``z_j = ⟨q, k_j⟩ / (T √d_in)``. ``rule`` is :class:`rcdl.rules.ClippedSoftmaxRule` ("gws",
-    optionally the exact ``1/Z`` rule) or :class:`rcdl.rules.GaugeSoftmaxRule`.
+    optionally normalised by ``1/Z``) or :class:`rcdl.rules.GaugeSoftmaxRule`.
 
     Args:
         initial_entries: the starting database of SPEC §6 — this many entries with
@@ -282,7 +391,7 @@ class GrowingSoftmax(GrowingLayer):
         seed: seed of those initial entries (default: torch's global generator).
     """
 
-    def __init__(self, d_in: int, d_out: int, *, temperature: float, rule,  # noqa: ANN001
+    def __init__(self, d_in: int, d_out: int, *, temperature: float, rule: LearningRule,
                  initial_entries: int = 16, seed: int | None = None, **kw) -> None:
         super().__init__(d_in, d_out, kernel="softmax", temperature=temperature, rule=rule,
                          **kw)

@@ -56,7 +56,8 @@ EVICTION_POLICIES = ("oldest", "newest", "contribution", "random")
 
 
 @torch.no_grad()
-def contribution_scores(layer: GrowingLayer, *, eps: float = 1e-6) -> Tensor:  # (N,)
+def contribution_scores(layer: GrowingLayer, *, eps: float = 1e-6,
+                        chunk_rows: int = 4096) -> Tensor:  # (N,)
     """How much each entry of ``layer`` contributes to its output; larger is more.
 
     With ``w_j`` the weights the attention sees (:meth:`GrowingLayer.entry_weights`: the
@@ -76,8 +77,10 @@ def contribution_scores(layer: GrowingLayer, *, eps: float = 1e-6) -> Tensor:  #
       same factor for every entry. The score is
       gauge invariant: ``ṽ_i → ṽ_i + w_i b`` (SPEC §2) shifts ``s̄`` by ``b`` and leaves
       ``ṽ_j − w_j s̄`` unchanged, so it does not depend on the frame the entries were
-      written in, as ``‖ṽ_j‖`` would. (``Σ_i w_i`` near zero is floored at ``eps`` with its
-      sign, as the attention does.)
+      written in, as ``‖ṽ_j‖`` would. (``Σ_i w_i`` near zero is floored at ``eps Σ_i |w_i|``
+      with its sign, as the attention does.) The difference is formed directly, in float64,
+      ``chunk_rows`` entries at a time: expanding ``‖ṽ_j‖² − 2w_j⟨ṽ_j, s̄⟩ + w_j²‖s̄‖²`` cancels
+      catastrophically in float32 when the entries carry a common gauge offset.
     - **RBF**: ``score_j = |w_j| ‖v_j‖``. Removing entry j changes ``s(q)`` by
       ``w_j φ(q, k_j) v_j`` and ``0 < φ ≤ 1``: the score bounds that change at every query.
     - **linear (dual form)**: ``score_j = |w_j| ‖v_j‖ ‖k_j‖``, the Frobenius norm of the
@@ -89,16 +92,26 @@ def contribution_scores(layer: GrowingLayer, *, eps: float = 1e-6) -> Tensor:  #
     store = layer.store
     weights = layer.entry_weights()  # (N,)
     values = store.values  # (N, d_out)
-    v_norm = torch.linalg.vector_norm(values, dim=1)  # (N,)
     if layer.kernel == "softmax":
-        s_bar = values.sum(0) / guard_denominator(weights.sum(), eps)  # (d_out,) = s(q=0)
-        # ‖ṽ_j − w_j s̄‖² expanded: two passes over the values, no (N, d_out) temporary
-        sq = v_norm.square() - 2 * weights * (values @ s_bar) + weights.square() * s_bar.dot(s_bar)
-        return sq.clamp_min(0.0).sqrt()
-    scores = weights.abs() * v_norm  # (N,)
+        return _softmax_scores(values, weights, eps, chunk_rows)
+    scores = weights.abs() * torch.linalg.vector_norm(values, dim=1)  # (N,)
     if layer.kernel == "linear":
         scores = scores * torch.linalg.vector_norm(store.keys, dim=1)
     return scores
+
+
+def _softmax_scores(values: Tensor, weights: Tensor, eps: float,
+                    chunk_rows: int) -> Tensor:  # (N,)
+    """``‖ṽ_j − w_j s̄‖`` with ``s̄ = Σ_i ṽ_i / Σ_i w_i``, in float64, rows in chunks."""
+    w64 = weights.double()  # (N,)
+    den = guard_denominator(w64.sum(), w64.abs().sum(), eps)
+    s_bar = values.sum(0, dtype=torch.float64) / den  # (d_out,) = s(q = 0)
+    scores = torch.empty_like(w64)  # (N,)
+    for start in range(0, values.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        diff = values[rows].double() - w64[rows, None] * s_bar  # (c, d_out)
+        scores[rows] = torch.linalg.vector_norm(diff, dim=1)
+    return scores.to(values.dtype)
 
 
 def _check_mergeable(layer: GrowingLayer) -> None:

@@ -4,8 +4,11 @@
 - :class:`ResidualNet` — the backbone of SPEC §6: residual stream ``x₀ = x``, blocks
   ``x ← x + act(layer(RMSNorm(x)))`` and a readout on ``RMSNorm(x)``, for any layer kind.
 - :class:`ResNetMLP` — the ResNet-MLP baseline of SPEC §6 (Linear + tanh-GELU blocks).
-- :func:`growing_softmax_net`, :func:`hybrid_softmax_net`, :class:`GrowingRBFNet`,
-  :class:`ParametricSoftmaxNet` — the RCDL models of SPEC §4–6 on the same backbone.
+- :class:`GrowingSoftmaxNet`, :class:`HybridSoftmaxNet`, :class:`GrowingRBFNet`,
+  :class:`ParametricSoftmaxNet` — the RCDL models of SPEC §4–6 on the same backbone, all
+  built the same way: ``Net(d_in, d_out, depth, *, temperature, rule, ...)`` (the parametric
+  one takes ``entries`` instead of a rule), with the hidden width as ``width=`` (default
+  ``d_in``).
 - :func:`to_dual_form` — a copy of a network with every ``nn.Linear`` replaced by its
   exact dual form (:class:`rcdl.layers.GrowingLinear`).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -22,10 +26,12 @@ from torch import Tensor, nn
 
 from rcdl.hybrid import DistanceGate, GrowthTrigger, HybridSoftmax
 from rcdl.layers import GrowingLinear, GrowingRBF, GrowingSoftmax, ParametricSoftmax
+from rcdl.rules import FunctionalSGD, LearningRule
 
 __all__ = [
-    "MLP", "GrowingRBFNet", "ParametricSoftmaxNet", "RMSNorm", "ResNetMLP", "ResidualNet",
-    "growing_softmax_net", "hybrid_softmax_net", "lecun_normal_", "to_dual_form",
+    "MLP", "GrowingRBFNet", "GrowingSoftmaxNet", "HybridSoftmaxNet", "ParametricSoftmaxNet",
+    "RMSNorm", "ResNetMLP", "ResidualNet", "growing_softmax_net", "hybrid_softmax_net",
+    "lecun_normal_", "to_dual_form",
 ]
 
 _ACTIVATIONS = {
@@ -121,34 +127,75 @@ class ResNetMLP(ResidualNet):
                          make_readout=_lecun_linear, act="gelu_tanh")
 
 
-def growing_softmax_net(d_in: int, d_out: int, depth: int, *, temperature: float, rule,  # noqa: ANN001
-                        initial_entries: int = 16, seed: int = 0) -> ResidualNet:
+def _check_widths(cls: str, d_in: int, d_out: int, depth: int) -> None:
+    for name, value in (("d_in", d_in), ("d_out", d_out), ("depth", depth)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{cls}(d_in, d_out, depth, ...): {name} must be an int, got "
+                            f"{value!r} (the hidden width is the keyword width=)")
+    if d_in < 1 or d_out < 1 or depth < 0:
+        raise ValueError(f"{cls}: need d_in, d_out >= 1 and depth >= 0, got {d_in}, {d_out}, "
+                         f"{depth}")
+
+
+class GrowingSoftmaxNet(ResidualNet):
     """The growing weighted-softmax network of SPEC §6 ("gws" or "gauge" by ``rule``):
-    ``depth`` blocks d→d and a readout d→``d_out``, all :class:`GrowingSoftmax`."""
-    seeds = iter(range(seed, seed + depth + 1))
+    ``depth`` blocks d→d and a readout d→``d_out``, all :class:`GrowingSoftmax`.
 
-    def layer(a: int, b: int) -> GrowingSoftmax:
-        return GrowingSoftmax(a, b, temperature=temperature, rule=rule,
-                              initial_entries=initial_entries, seed=next(seeds))
+    Example (SPEC §6's gws)::
 
-    return ResidualNet(d_in, d_out, depth, make_block=lambda w: layer(w, w), make_readout=layer)
+        GrowingSoftmaxNet(3072, 10, 2, temperature=6.0, rule=ClippedSoftmaxRule(0.003, 3.0))
+    """
+
+    def __init__(self, d_in: int, d_out: int, depth: int, *, temperature: float,
+                 rule: LearningRule, initial_entries: int = 16, seed: int = 0, **kw) -> None:
+        _check_widths(type(self).__name__, d_in, d_out, depth)
+        seeds = iter(range(seed, seed + depth + 1))
+
+        def layer(a: int, b: int) -> GrowingSoftmax:
+            return GrowingSoftmax(a, b, temperature=temperature, rule=rule,
+                                  initial_entries=initial_entries, seed=next(seeds))
+
+        super().__init__(d_in, d_out, depth, make_block=lambda w: layer(w, w),
+                         make_readout=layer, seed=seed, **kw)
 
 
-def hybrid_softmax_net(d_in: int, d_out: int, depth: int = 3, *, temperature: float = 5.0,
-                       rule, trigger: GrowthTrigger | None = None,  # noqa: ANN001
-                       initial_entries: int = 16, seed: int = 0) -> ResidualNet:
+class HybridSoftmaxNet(ResidualNet):
     """The hybrid growing network of SPEC §4, §6: ``depth`` blocks d→d and a readout
-    d→``d_out``, all :class:`~rcdl.hybrid.HybridSoftmax` (entries trained by
-    :class:`~rcdl.hybrid.EntryAdam`, growth by ``trigger``, default ``DistanceGate(50)``).
-    SPEC §6: depth 3, T = 5, τ = 50, ``ClippedSoftmaxRule(eta=1, beta=30)``, Adam 1e−3."""
-    seeds = iter(range(seed, seed + depth + 1))
-    trigger = DistanceGate(50.0) if trigger is None else trigger
+    d→``d_out``, all :class:`~rcdl.hybrid.HybridSoftmax` (entries trained by Adam, growth by
+    ``trigger``, default ``DistanceGate(50)``); train it with :class:`~rcdl.hybrid.HybridGrower`.
 
-    def layer(a: int, b: int) -> HybridSoftmax:
-        return HybridSoftmax(a, b, temperature=temperature, rule=rule, trigger=trigger,
-                             initial_entries=initial_entries, seed=next(seeds))
+    Example (SPEC §6: depth 3, T = 5, τ = 50, Adam 1e−3)::
 
-    return ResidualNet(d_in, d_out, depth, make_block=lambda w: layer(w, w), make_readout=layer)
+        HybridSoftmaxNet(3072, 10, 3, temperature=5.0, rule=ClippedSoftmaxRule(1.0, 30.0))
+    """
+
+    def __init__(self, d_in: int, d_out: int, depth: int, *, temperature: float,
+                 rule: LearningRule, trigger: GrowthTrigger | None = None,
+                 initial_entries: int = 16, seed: int = 0, **kw) -> None:
+        _check_widths(type(self).__name__, d_in, d_out, depth)
+        seeds = iter(range(seed, seed + depth + 1))
+        trigger = DistanceGate(50.0) if trigger is None else trigger
+
+        def layer(a: int, b: int) -> HybridSoftmax:
+            return HybridSoftmax(a, b, temperature=temperature, rule=rule, trigger=trigger,
+                                 initial_entries=initial_entries, seed=next(seeds))
+
+        super().__init__(d_in, d_out, depth, make_block=lambda w: layer(w, w),
+                         make_readout=layer, seed=seed, **kw)
+
+
+def growing_softmax_net(d_in: int, d_out: int, depth: int, **kw) -> GrowingSoftmaxNet:
+    """Deprecated: use :class:`GrowingSoftmaxNet` (same arguments)."""
+    warnings.warn("growing_softmax_net is deprecated; use GrowingSoftmaxNet (same arguments)",
+                  DeprecationWarning, stacklevel=2)
+    return GrowingSoftmaxNet(d_in, d_out, depth, **kw)
+
+
+def hybrid_softmax_net(d_in: int, d_out: int, depth: int = 3, **kw) -> HybridSoftmaxNet:
+    """Deprecated: use :class:`HybridSoftmaxNet` (same arguments; ``depth`` now required)."""
+    warnings.warn("hybrid_softmax_net is deprecated; use HybridSoftmaxNet (same arguments)",
+                  DeprecationWarning, stacklevel=2)
+    return HybridSoftmaxNet(d_in, d_out, depth, **{"temperature": 5.0, **kw})
 
 
 class ParametricSoftmaxNet(ResidualNet):
@@ -165,15 +212,22 @@ class ParametricSoftmaxNet(ResidualNet):
 
 
 class GrowingRBFNet(ResidualNet):
-    """The growing RBF network of SPEC §6: residual backbone, every layer a growing RBF."""
+    """The growing RBF network of SPEC §6: residual backbone, every layer a growing RBF.
 
-    def __init__(self, d_in: int, hidden: int | None, d_out: int, depth: int = 2, *,
-                 temperature: float = 10.0, lr: float = 10.0, **kw) -> None:
+    Example (SPEC §6: T = 10, η = 10)::
+
+        GrowingRBFNet(3072, 10, 2, temperature=10.0, rule=FunctionalSGD(10.0))
+    """
+
+    def __init__(self, d_in: int, d_out: int, depth: int, *, temperature: float,
+                 rule: LearningRule, **kw) -> None:
+        _check_widths(type(self).__name__, d_in, d_out, depth)
+
         def rbf(a: int, b: int) -> GrowingRBF:
-            return GrowingRBF(a, b, temperature=temperature, lr=lr)
+            return GrowingRBF(a, b, temperature=temperature, rule=rule)
 
         super().__init__(d_in, d_out, depth, make_block=lambda w: rbf(w, w),
-                         make_readout=rbf, width=hidden, **kw)
+                         make_readout=rbf, **kw)
 
 
 def to_dual_form(model: nn.Module, *, lr: float, weight_decay: float = 0.0,
@@ -183,11 +237,23 @@ def to_dual_form(model: nn.Module, *, lr: float, weight_decay: float = 0.0,
     Trained by :class:`rcdl.grower.Grower`, the copy computes exactly what ``model``
     trained by ``torch.optim.SGD(params, lr, momentum, weight_decay=weight_decay)`` computes
     (SPEC §1, §3), while storing one entry per training sample per layer.
+
+    Raises:
+        ValueError: if ``model`` has trainable parameters outside its ``nn.Linear`` layers
+            (a LayerNorm's scale, an embedding, ...): the Grower would leave them untrained,
+            so the copy would not be the SGD-trained model. The error names them.
     """
+    rule = FunctionalSGD(lr, weight_decay, momentum, per_sample=False)
     dual = copy.deepcopy(model)
     for _name, module in list(dual.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, GrowingLinear.from_linear(
-                    child, lr=lr, weight_decay=weight_decay, momentum=momentum))
+                setattr(module, child_name, GrowingLinear.from_linear(child, rule=rule))
+    others = [name for name, p in dual.named_parameters() if p.requires_grad]
+    if others:
+        shown = ", ".join(others[:8]) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
+        raise ValueError(
+            f"to_dual_form: {type(model).__name__} has trainable parameters outside nn.Linear "
+            f"layers ({shown}); the dual form trains only the Linear layers, so it would not "
+            "equal SGD on this model. Freeze them (requires_grad_(False)) or remove them")
     return dual

@@ -5,11 +5,17 @@ outputs ``s (B, d_out)`` computed from the store *before* the step, and the grad
 batch-mean loss w.r.t. those outputs ``ḡ (B, d_out)`` — into ``B`` new entries
 ``(keys (B, d_in), values (B, d_out), weights (B,))``. The per-sample gradient is
 ``g = n · ḡ`` for a loss averaged over ``n`` samples.
+
+Every rule satisfies :class:`LearningRule`: its step size η is ``rule.lr``, and
+``rule.with_lr(lr)`` is the same rule with another η (what a learning-rate scheduler driving
+:class:`rcdl.grower.Grower` changes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -18,9 +24,32 @@ from rcdl.age import AgeCoefficients
 
 _GAUGE_EPS = 1e-8
 
-__all__ = ["ClippedSoftmaxRule", "Entries", "FunctionalSGD", "GaugeSoftmaxRule"]
+__all__ = ["ClippedSoftmaxRule", "Entries", "FunctionalSGD", "GaugeSoftmaxRule", "LearningRule"]
 
 Entries = tuple[Tensor, Tensor, Tensor]  # keys (B, d_in), values (B, d_out), weights (B,)
+
+
+@runtime_checkable
+class LearningRule(Protocol):
+    """What a growing layer asks of its learning rule.
+
+    ``entries(q (B, d_in), s (B, d_out), grad_mean (B, d_out), n_samples, log_z (B,) or None)``
+    returns the ``B`` entries to append, from the queries, the outputs of the pre-step store
+    and the gradient of the batch-mean loss w.r.t. them; ``log_z`` is the log-normaliser
+    ``log Σ_j w_j e^{z_j}`` of the pre-step store, computed only when
+    ``needs_log_normalizer`` is true. ``lr`` is the rule's step size η; ``with_lr(lr)``
+    returns the rule with η replaced.
+    """
+
+    needs_log_normalizer: bool
+
+    @property
+    def lr(self) -> float: ...
+
+    def with_lr(self, lr: float) -> LearningRule: ...
+
+    def entries(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int,
+                log_z: Tensor | None = None) -> Entries: ...
 
 
 @dataclass(frozen=True)
@@ -44,11 +73,23 @@ class FunctionalSGD:
     weight_decay: float = 0.0
     momentum: float = 0.0
     per_sample: bool = True
+    needs_log_normalizer = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ages", AgeCoefficients(self.lr, self.weight_decay, self.momentum))
 
-    def entries(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int) -> Entries:
+    def with_lr(self, lr: float) -> FunctionalSGD:
+        """This rule with step size ``lr``. Refused with weight decay or momentum: their age
+        coefficients (:mod:`rcdl.age`) assume one η for the whole run."""
+        if lr != self.lr and not self.ages.trivial:
+            raise ValueError(
+                f"FunctionalSGD: cannot change lr from {self.lr} to {lr} with weight_decay="
+                f"{self.weight_decay}, momentum={self.momentum}: the entries' age coefficients "
+                "assume a constant learning rate; schedule lr only without decay and momentum")
+        return dataclasses.replace(self, lr=lr)
+
+    def entries(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int,
+                log_z: Tensor | None = None) -> Entries:
         g = grad_mean * n_samples if self.per_sample else grad_mean
         weights = torch.ones(q.shape[0], dtype=q.dtype, device=q.device)
         return q, -self.lr * g, weights
@@ -59,9 +100,11 @@ class ClippedSoftmaxRule:
     """The growing weighted-softmax rule "gws" (SPEC §3), per-sample units.
 
     Append ``k = q``, ``ṽ = −β g``, ``w = max(0, η · clip(⟨s, g⟩, −B, B))`` with ``B`` the
-    batch size. With ``exact=True`` both ``ṽ`` and ``w`` are divided by
-    ``Z(q) = Σ_j w_j e^{⟨q, k_j⟩/τ}`` of the pre-step store: the exact L² functional-gradient
-    step of SPEC §3 (same direction, different step size per sample).
+    batch size. With ``normalize=True`` both ``ṽ`` and ``w`` are divided by
+    ``Z(q) = Σ_j w_j e^{⟨q, k_j⟩/τ}`` of the pre-step store, the per-sample step size of the
+    exact L² functional-gradient step of SPEC §3. The clip and the ``max(0, ·)`` stay, so
+    this is the exact step only for samples where neither acts; the exact step itself
+    (``w = η⟨s, g⟩/Z``, which can be negative) is not offered as a rule.
 
     Appending ``(εw, k, εṽ)`` changes the sample's loss by ``ε c(q)(⟨g, ṽ⟩ − w⟨g, s⟩) + O(ε²)``,
     ``c(q) = e^{⟨q,k⟩/τ}/Z(q) > 0``; for this rule that is ``−ε c (β‖g‖² + w⟨g, s⟩) ≤ 0``
@@ -70,8 +113,12 @@ class ClippedSoftmaxRule:
 
     eta: float
     beta: float
-    exact: bool = False
-    needs_log_normalizer = property(lambda self: self.exact)
+    normalize: bool = False
+    needs_log_normalizer = property(lambda self: self.normalize)
+    lr = property(lambda self: self.eta, doc="The step size η of the weights.")
+
+    def with_lr(self, lr: float) -> ClippedSoftmaxRule:
+        return dataclasses.replace(self, eta=lr)
 
     def entries(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int,
                 log_z: Tensor | None = None) -> Entries:
@@ -79,7 +126,7 @@ class ClippedSoftmaxRule:
         s_dot_g = (s * g).sum(1)  # (B,)
         weights = (self.eta * s_dot_g.clamp(-n_samples, n_samples)).clamp_min(0.0)
         values = -self.beta * g
-        if self.exact:
+        if self.normalize:
             inv_z = torch.exp(-log_z)  # (B,)
             weights, values = weights * inv_z, values * inv_z[:, None]
         return q, values, weights
@@ -100,6 +147,10 @@ class GaugeSoftmaxRule:
     eta: float
     beta: float
     needs_log_normalizer = False
+    lr = property(lambda self: self.eta, doc="The step size η.")
+
+    def with_lr(self, lr: float) -> GaugeSoftmaxRule:
+        return dataclasses.replace(self, eta=lr)
 
     def entries(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int,
                 log_z: Tensor | None = None) -> Entries:

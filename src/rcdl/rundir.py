@@ -27,6 +27,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import socket
 import subprocess
 import sys
@@ -50,6 +51,7 @@ __all__ = [
     "environment_info",
     "open_run",
     "read_config",
+    "resume_command",
     "to_jsonable",
 ]
 
@@ -329,18 +331,37 @@ class RunDir:
         return result
 
     @contextlib.contextmanager
-    def resumable(self, command: str) -> Iterator[None]:
+    def resumable(self, command: str,
+                  data_dir: str | os.PathLike | None = None) -> Iterator[None]:
         """On ``KeyboardInterrupt`` inside the block, print the command that continues this
-        run (``<command> --resume <folder>``) to stderr, then re-raise."""
+        run to stderr (:func:`resume_command`: ``<command> --resume <folder>``, plus
+        ``--data-dir <data_dir>`` when given), then re-raise."""
         try:
             yield
         except KeyboardInterrupt:
-            print(f"\nInterrupted. Continue with: {command} --resume {self.path}",
+            print(f"\nInterrupted. Continue with: {resume_command(command, self.path, data_dir)}",
                   file=sys.stderr)
             raise
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
+
+
+def resume_command(command: str, folder: str | os.PathLike,
+                   data_dir: str | os.PathLike | None = None) -> str:
+    """The shell command that continues the run in ``folder`` from any working folder:
+    ``<command> --resume <folder>``, and ``--data-dir <data_dir>`` when the run read its data
+    from an explicit folder; both paths absolute (resolved) and quoted for the shell.
+
+    Example::
+
+        resume_command("rcdl reproduce vit", "runs/vit-1", "../data")
+        # 'rcdl reproduce vit --resume /work/main/runs/vit-1 --data-dir /work/data'
+    """
+    words = [command, "--resume", shlex.quote(str(Path(folder).expanduser().resolve()))]
+    if data_dir is not None:
+        words += ["--data-dir", shlex.quote(str(Path(data_dir).expanduser().resolve()))]
+    return " ".join(words)
 
 
 def config_from_dict(config_cls: Any, saved: Mapping[str, Any]) -> Any:

@@ -37,6 +37,9 @@ class EntryStore(nn.Module):
         capacity: rows allocated up front (grow later as needed).
         growth: factor by which the capacity grows when an append does not fit (> 1).
         dtype, device: of keys, values and weights (``written_at`` is always int64).
+        persistent: if False, the store is left out of the enclosing module's
+            ``state_dict()`` (and ignored by ``load_state_dict``): for per-entry state that an
+            optimizer saves in its own state dict (the hybrid's Adam moments).
 
     Views ``keys (N, d_in)``, ``values (N, d_out)``, ``weights (N,)``, ``written_at (N,)``
     are slices of the buffers: they are invalidated by the next append that reallocates.
@@ -51,8 +54,10 @@ class EntryStore(nn.Module):
         growth: float = 1.5,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        persistent: bool = True,
     ) -> None:
         super().__init__()
+        self.persistent = persistent
         if d_in <= 0 or d_out <= 0:
             raise ValueError(f"EntryStore widths must be positive, got d_in={d_in}, d_out={d_out}")
         if growth <= 1:
@@ -225,6 +230,8 @@ class EntryStore(nn.Module):
     # ---------------------------------------------------------------- state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.persistent:
+            return
         destination[prefix + "keys"] = self.keys.clone()
         destination[prefix + "values"] = self.values.clone()
         destination[prefix + "weights"] = self.weights.clone()
@@ -233,23 +240,40 @@ class EntryStore(nn.Module):
     def _load_from_state_dict(  # noqa: ANN001, PLR0913
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
+        if not self.persistent:
+            return
         names = ("keys", "values", "weights", "written_at")
         present = [prefix + n in state_dict for n in names]
         if not all(present):
             missing_keys.extend(prefix + n for n, p in zip(names, present, strict=True) if not p)
             return
         keys, values, weights, written_at = (state_dict[prefix + n] for n in names)
-        if keys.shape[1:] != (self.d_in,) or values.shape[1:] != (self.d_out,):
-            errors.append(
-                f"EntryStore {prefix!r}: checkpoint has keys {tuple(keys.shape)} and values "
-                f"{tuple(values.shape)}, this store expects (N, {self.d_in}) and (N, {self.d_out})"
-            )
+        problem = self._checkpoint_problem(keys, values, weights, written_at)
+        if problem is not None:  # refused before anything changes: the store stays as it was
+            errors.append(f"EntryStore {prefix!r}: {problem}")
             return
+        factory = {"device": self.device, "dtype": self.dtype}
         self.clear()
         self.reserve(keys.shape[0])
-        self.append(
-            keys.to(self.device, self.dtype),
-            values.to(self.device, self.dtype),
-            weights.to(self.device, self.dtype),
-            written_at.to(self.device),
-        )
+        self.append(keys.to(**factory), values.to(**factory), weights.to(**factory),
+                    written_at.to(self.device))
+
+    def _checkpoint_problem(self, keys: Tensor, values: Tensor, weights: Tensor,
+                            written_at: Tensor) -> str | None:
+        """What is wrong with a checkpoint's entries, or ``None`` if they can be loaded."""
+        n = keys.shape[0] if keys.dim() == 2 else -1
+        if keys.shape[1:] != (self.d_in,) or values.shape[1:] != (self.d_out,) or n < 0:
+            return (f"checkpoint has keys {tuple(keys.shape)} and values {tuple(values.shape)}, "
+                    f"this store expects (N, {self.d_in}) and (N, {self.d_out})")
+        if values.shape[0] != n or weights.shape != (n,) or written_at.shape != (n,):
+            return (f"checkpoint rows disagree: keys {tuple(keys.shape)}, values "
+                    f"{tuple(values.shape)}, weights {tuple(weights.shape)}, written_at "
+                    f"{tuple(written_at.shape)}")
+        for name, t in (("keys", keys), ("values", values), ("weights", weights)):
+            if not t.is_floating_point():
+                return f"checkpoint {name} have dtype {t.dtype}, expected a floating dtype"
+            if not torch.isfinite(t).all():
+                return f"checkpoint {name} contain NaN or inf"
+        if written_at.is_floating_point() or written_at.is_complex():
+            return f"checkpoint written_at has dtype {written_at.dtype}, expected integers"
+        return None

@@ -99,7 +99,8 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> Tensor:
     return torch.randperm(n, generator=gen)
 
 
-def _load_checkpoint(path: Path, model, optimizer, expected: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN001
+def _load_checkpoint(path: Path, model, optimizer, grower,  # noqa: ANN001
+                     expected: dict[str, Any]) -> dict[str, Any]:
     state = torch.load(path, map_location="cpu", weights_only=False)
     for key, value in expected.items():
         if state["run"].get(key) != value:
@@ -110,6 +111,8 @@ def _load_checkpoint(path: Path, model, optimizer, expected: dict[str, Any]) -> 
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
+    if grower is not None and state.get("grower") is not None and hasattr(grower, "state_dict"):
+        grower.load_state_dict(state["grower"])
     return state["loop"]
 
 
@@ -217,7 +220,7 @@ def train_one_pass(
     }  # fmt: skip
     resumed = checkpoint_path is not None and checkpoint_path.exists()
     if resumed:
-        loop = _load_checkpoint(checkpoint_path, model, optimizer, identity)
+        loop = _load_checkpoint(checkpoint_path, model, optimizer, grower, identity)
         if loop["step"] > steps:
             raise ValueError(
                 f"{name}: checkpoint {checkpoint_path} is at step {loop['step']}, past the "
@@ -274,6 +277,7 @@ def train_one_pass(
             "loop": loop,
             "model": model.state_dict(),
             "optimizer": None if optimizer is None else optimizer.state_dict(),
+            "grower": grower.state_dict() if hasattr(grower, "state_dict") else None,
         }
         atomic_save_torch(state, checkpoint_path)
 

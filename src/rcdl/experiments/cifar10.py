@@ -83,13 +83,13 @@ from rcdl.grower import Grower
 from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam
 from rcdl.networks import (
     GrowingRBFNet,
+    GrowingSoftmaxNet,
+    HybridSoftmaxNet,
     ParametricSoftmaxNet,
     ResNetMLP,
-    growing_softmax_net,
-    hybrid_softmax_net,
 )
 from rcdl.optim import make_optimizer
-from rcdl.rules import ClippedSoftmaxRule, GaugeSoftmaxRule
+from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
 from rcdl.rundir import (
     RunDir,
     atomic_write_json,
@@ -100,6 +100,7 @@ from rcdl.rundir import (
     read_config,
     release_memory,
     resolve_device,
+    resume_command,
     save_figure,
 )
 from rcdl.store import format_bytes
@@ -173,18 +174,18 @@ def _grown(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Learne
 
 def _gws(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
     rule = ClippedSoftmaxRule(eta=0.003, beta=3.0)
-    net = growing_softmax_net(D_IN, CLASSES, 2, temperature=6.0, rule=rule, seed=seed)
+    net = GrowingSoftmaxNet(D_IN, CLASSES, 2, temperature=6.0, rule=rule, seed=seed)
     return _grown(net, device, dtype)
 
 
 def _gauge(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
     rule = GaugeSoftmaxRule(alpha=10.0, eta=0.03, beta=100.0)
-    net = growing_softmax_net(D_IN, CLASSES, 2, temperature=5.0, rule=rule, seed=seed)
+    net = GrowingSoftmaxNet(D_IN, CLASSES, 2, temperature=5.0, rule=rule, seed=seed)
     return _grown(net, device, dtype)
 
 
 def _rbf(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
-    return _grown(GrowingRBFNet(D_IN, None, CLASSES, depth=2, temperature=10.0, lr=10.0),
+    return _grown(GrowingRBFNet(D_IN, CLASSES, 2, temperature=10.0, rule=FunctionalSGD(10.0)),
                   device, dtype)
 
 
@@ -192,8 +193,8 @@ def _hybrid(tau: float | None, seed: int, device: torch.device, dtype: torch.dty
     """SPEC §4, §6; ``tau=None`` grows on every sample (:class:`AlwaysGrow`)."""
     rule = ClippedSoftmaxRule(eta=1.0, beta=30.0)
     trigger = AlwaysGrow() if tau is None else DistanceGate(tau)
-    net = hybrid_softmax_net(D_IN, CLASSES, 3, temperature=5.0, rule=rule, trigger=trigger,
-                             seed=seed)
+    net = HybridSoftmaxNet(D_IN, CLASSES, 3, temperature=5.0, rule=rule, trigger=trigger,
+                           seed=seed)
     net = net.to(device=device, dtype=dtype)
     return net, EntryAdam(net, lr=1e-3), Grower(net)
 
@@ -522,6 +523,7 @@ def run_cifar10(
     progress: bool = True,
     keep_checkpoints: bool = False,
     download: bool = True,
+    experiment: str = EXPERIMENT,
 ) -> tuple[RunDir, dict[str, Any]]:
     """Run the comparison into a new run folder, or continue the one at ``resume``.
 
@@ -535,6 +537,8 @@ def run_cifar10(
         data: the data already loaded by :func:`load_data` (default: load it here).
         device: overrides ``cfg.device``.
         keep_checkpoints: keep each model's last checkpoint after it finishes.
+        experiment: the ``rcdl reproduce`` subcommand named in the resume command printed
+            on Ctrl-C (the τ sweep runs through here too).
 
     Returns:
         The run folder and its summary (the content of ``summary.json``).
@@ -577,8 +581,8 @@ def run_cifar10(
                 if not keep_checkpoints:
                     checkpoint.unlink(missing_ok=True)
     except KeyboardInterrupt:
-        print(f"\nInterrupted. Continue with: rcdl reproduce {EXPERIMENT} --resume {run.path}",
-              file=sys.stderr)
+        command = resume_command(f"rcdl reproduce {experiment}", run.path, cfg.data_dir)
+        print(f"\nInterrupted. Continue with: {command}", file=sys.stderr)
         raise
     checkpoints = run.file("checkpoints")
     if checkpoints.is_dir() and not any(checkpoints.iterdir()):

@@ -304,7 +304,7 @@ def run_deltanet_decay(
     def build(name: str, seed: int) -> tuple[nn.Module, Any, None]:
         return build_variant(name, seed, cfg, device=device)
 
-    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
+    with run.resumable(f"rcdl reproduce {EXPERIMENT}", cfg.data_dir):
         for seed in cfg.seeds:
             for name in cfg.variants:
                 train = partial(train_method, name, seed, cfg, build, tensors, run,

@@ -27,6 +27,7 @@ from torch import nn
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
 from rcdl.networks import MLP, GrowingRBFNet
+from rcdl.rules import FunctionalSGD
 from rcdl.rundir import RunDir, atomic_write_text, environment_info, save_figure
 from rcdl.store import format_bytes
 from rcdl.training import train_one_pass
@@ -45,7 +46,7 @@ class DemoConfig:
         seed: seeds the data order and the students' initialisation (the task has its own
             seed in ``teacher``).
         depth: blocks of every student: ``MLP(d_in, mlp_hidden, d_out, depth)`` and
-            ``GrowingRBFNet(d_in, rbf_width, d_out, depth, ...)`` (``depth`` residual growing
+            ``GrowingRBFNet(d_in, d_out, depth, width=rbf_width, ...)`` (``depth`` residual growing
             RBF blocks plus a growing RBF readout: ``depth + 1`` growing layers).
         mlp_hidden: hidden width of the MLP baselines.
         rbf_width: residual-stream width of the growing RBF net; ``None`` keeps ``d_in``
@@ -97,8 +98,8 @@ def _students(cfg: DemoConfig, device: torch.device) -> dict[str, dict[str, Any]
         return cls(*args, **kwargs).to(device=device, dtype=t.torch_dtype)
 
     rbf = seeded(
-        GrowingRBFNet, t.d_in, cfg.rbf_width, t.d_out, cfg.depth,
-        temperature=cfg.rbf_temperature, lr=cfg.rbf_lr,
+        GrowingRBFNet, t.d_in, t.d_out, cfg.depth, width=cfg.rbf_width,
+        temperature=cfg.rbf_temperature, rule=FunctionalSGD(cfg.rbf_lr),
     )  # fmt: skip
     mlp = (t.d_in, cfg.mlp_hidden, t.d_out, cfg.depth)
     mlp_sgd, mlp_adam = seeded(MLP, *mlp), seeded(MLP, *mlp)

@@ -75,7 +75,7 @@ from torch import nn
 from rcdl.cifar import CifarData, load_cifar
 from rcdl.experiments.cifar10 import data_provenance
 from rcdl.grower import Grower
-from rcdl.networks import ParametricSoftmaxNet, growing_softmax_net
+from rcdl.networks import GrowingSoftmaxNet, ParametricSoftmaxNet
 from rcdl.rules import ClippedSoftmaxRule
 from rcdl.rundir import (
     RunDir,
@@ -229,7 +229,7 @@ def build_model(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, Grower | None]:
     """Model ``name`` of :data:`MODELS` with its learner, reproducibly from ``seed``.
 
-    ``gws``: ``growing_softmax_net(3072, 10, 2, T = 6, ClippedSoftmaxRule(η = 0.003,
+    ``gws``: ``GrowingSoftmaxNet(3072, 10, 2, T = 6, ClippedSoftmaxRule(η = 0.003,
     β = 3))`` with 16 initial entries per layer seeded from ``seed``, and a grower with room
     for ``cfg.epochs · cfg.train_size`` more entries per layer. ``parametric``:
     ``ParametricSoftmaxNet(3072, 10, 2, entries = cfg.entries, T = 3)``, initialised from
@@ -241,7 +241,7 @@ def build_model(
     torch.manual_seed(seed)
     if name == "gws":
         rule = ClippedSoftmaxRule(eta=0.003, beta=3.0)
-        model = growing_softmax_net(D_IN, CLASSES, DEPTH, temperature=6.0, rule=rule,
+        model = GrowingSoftmaxNet(D_IN, CLASSES, DEPTH, temperature=6.0, rule=rule,
                                     initial_entries=INITIAL_ENTRIES, seed=seed)  # fmt: skip
         model = model.to(device)
         grower = Grower(model)
@@ -341,7 +341,7 @@ def run_generalisation(
     fit = (tensors[0][idx], tensors[1][idx])  # (K, 3072), (K,)
     summary["data"]["train_eval_size"] = len(idx)
 
-    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
+    with run.resumable(f"rcdl reproduce {EXPERIMENT}", cfg.data_dir):
         for seed in cfg.seeds:
             for name in MODELS:
                 train = partial(_train, name, seed, cfg, tensors, fit, run, device, progress)

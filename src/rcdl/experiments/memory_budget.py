@@ -291,7 +291,7 @@ def run_memory_budget(
     tensors = tuple(t.to(device) if device.type == "cuda" else t for t in
                     (data.x_train.to(cfg.torch_dtype), data.y_train,
                      data.x_test.to(cfg.torch_dtype), data.y_test))  # fmt: skip
-    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
+    with run.resumable(f"rcdl reproduce {EXPERIMENT}", cfg.data_dir):
         for budget in cfg.budgets():
             train = partial(_train, cfg, budget, tensors, run, device, progress)
             summary["runs"].append(run.sub_run(_label(budget), train))

@@ -95,9 +95,9 @@ from rcdl.cifar import CifarData, CifarNotFoundError, load_cifar
 from rcdl.dual_optim import FOOF
 from rcdl.experiments.cifar10 import data_provenance
 from rcdl.grower import Grower
-from rcdl.networks import GrowingRBFNet, ResNetMLP, growing_softmax_net
+from rcdl.networks import GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
 from rcdl.optim import OptimizerGroup, make_optimizer
-from rcdl.rules import ClippedSoftmaxRule
+from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD
 from rcdl.rundir import (
     RunDir,
     atomic_write_text,
@@ -428,7 +428,7 @@ def load_datasets(
             False, or none of them is found; the message says where each was looked for.
         rcdl.cifar.CorruptDataError, ValueError: from the loader, or a subset too large.
     """
-    loaded, missing, searched = {}, {}, []
+    loaded, missing, searched, briefs = {}, {}, [], []
     for name in cfg.datasets:
         try:
             loaded[name] = _load_one(name, cfg, download=download)
@@ -438,15 +438,17 @@ def load_datasets(
                 raise CifarNotFoundError(
                     f"{DATASETS[name]} is one of this comparison's data sets (datasets="
                     f"{' '.join(cfg.datasets)}) but was not found; provide it, or drop it from "
-                    f"the data sets (skip_missing=True skips it).\n{e}", e.searched) from e
+                    f"the data sets (skip_missing=True skips it).\n{e}", e.searched,
+                    brief=e.brief) from e
             missing[name] = {"message": str(e), "searched": [str(p) for p in e.searched]}
+            briefs.append(e.brief)
             if verbose:
-                print(f"{DATASETS[name]} not found: the comparison runs without it.\n{e}\n",
-                      file=sys.stderr)  # fmt: skip
+                print(f"{e.brief}; the comparison runs without it.\n", file=sys.stderr)
     if not loaded:
         raise CifarNotFoundError(
             "none of this comparison's data sets was found:\n\n"
-            + "\n\n".join(m["message"] for m in missing.values()), searched)  # fmt: skip
+            + "\n\n".join(m["message"] for m in missing.values()), searched,
+            brief="\n".join(briefs))  # fmt: skip
     return loaded, missing
 
 
@@ -494,12 +496,12 @@ def build_method(
         return model, make_optimizer(optimizer, model, lr=cfg.lr(name)), None
     if name == "gws":
         rule = ClippedSoftmaxRule(eta=0.003, beta=3.0)
-        model = growing_softmax_net(width, classes, cfg.growing_depth, rule=rule,
-                                    temperature=cfg.temperature("gws"),
-                                    initial_entries=INITIAL_ENTRIES, seed=seed)  # fmt: skip
+        model = GrowingSoftmaxNet(width, classes, cfg.growing_depth, rule=rule,
+                                  temperature=cfg.temperature("gws"),
+                                  initial_entries=INITIAL_ENTRIES, seed=seed)  # fmt: skip
     elif name == "rbf":
-        model = GrowingRBFNet(width, None, classes, depth=cfg.growing_depth,
-                              temperature=cfg.temperature("rbf"), lr=10.0)  # fmt: skip
+        model = GrowingRBFNet(width, classes, cfg.growing_depth,
+                              temperature=cfg.temperature("rbf"), rule=FunctionalSGD(10.0))
     else:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
     model = model.to(device)
@@ -642,7 +644,7 @@ def run_optimizer_comparison(
         "skipped": {name: missing[name] for name in cfg.datasets if name in missing},
         "input_width": cfg.input_width, "runs": [],
     }  # fmt: skip
-    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
+    with run.resumable(f"rcdl reproduce {EXPERIMENT}", cfg.data_dir):
         for name in cfg.datasets:
             if name not in data:
                 continue

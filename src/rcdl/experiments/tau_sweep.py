@@ -90,6 +90,8 @@ class TauSweepConfig:
             if tau is not None and not (isinstance(tau, int | float) and 0 <= tau < float("inf")):
                 raise ValueError(f"TauSweepConfig: taus must be finite numbers >= 0 or None "
                                  f"(always grow), got {tau!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"TauSweepConfig: seed must be an int >= 0, got {self.seed!r}")
         self.comparison()  # validates the rest
 
     @classmethod
@@ -135,7 +137,7 @@ def run_tau_sweep(
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
             out = Path("runs") / f"{EXPERIMENT}-{stamp}"
     run, summary = run_cifar10(comparison, out=out, resume=resume, data=data, device=device,
-                               progress=progress, download=download)
+                               progress=progress, download=download, experiment=EXPERIMENT)
     rows = sweep_rows(summary)
     summary["tau_sweep"] = rows
     run.write_summary(summary)

@@ -81,7 +81,7 @@ from torch import nn
 
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
-from rcdl.networks import MLP, ParametricSoftmaxNet, growing_softmax_net
+from rcdl.networks import MLP, GrowingSoftmaxNet, ParametricSoftmaxNet
 from rcdl.rules import ClippedSoftmaxRule
 from rcdl.rundir import (
     RunDir,
@@ -260,7 +260,7 @@ def build_model(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, Grower | None]:
     """Student ``name`` of :data:`MODELS` with its learner, reproducibly from ``seed``.
 
-    ``gws``: ``growing_softmax_net(d_in, d_out, depth, T, ClippedSoftmaxRule(η, β))`` with
+    ``gws``: ``GrowingSoftmaxNet(d_in, d_out, depth, T, ClippedSoftmaxRule(η, β))`` with
     ``initial_entries`` initial entries per layer seeded from ``seed``, and a grower with
     room for ``n_train`` more entries per layer. ``parametric``:
     ``ParametricSoftmaxNet(d_in, d_out, depth, entries=cfg.entries, T)`` and Adam.
@@ -273,7 +273,7 @@ def build_model(
     torch.manual_seed(seed)
     if name == "gws":
         rule = ClippedSoftmaxRule(eta=cfg.eta, beta=cfg.beta)
-        model = growing_softmax_net(cfg.d_in, cfg.d_out, cfg.depth, temperature=cfg.temperature,
+        model = GrowingSoftmaxNet(cfg.d_in, cfg.d_out, cfg.depth, temperature=cfg.temperature,
                                     rule=rule, initial_entries=cfg.initial_entries,
                                     seed=seed).to(device)  # fmt: skip
         grower = Grower(model)

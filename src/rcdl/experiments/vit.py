@@ -375,7 +375,7 @@ def run_vit(
         "tau": cfg.tau, "tokens_per_image": cfg.tokens, "runs": [],
     }  # fmt: skip
     tensors = tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test))
-    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
+    with run.resumable(f"rcdl reproduce {EXPERIMENT}", cfg.data_dir):
         for seed in cfg.seeds:
             for name in cfg.models:
                 train = partial(_train, name, seed, cfg, tensors, run, device, progress)
