@@ -1,4 +1,4 @@
-"""Hybrid growing network: where one training step's time goes (SPEC §4, §6).
+"""Hybrid growing network: where one training step's time goes (docs/reference.md §4, §6).
 
 Builds ``HybridSoftmaxNet`` at the paper's size (d = 3072, 3 blocks + a readout to 10
 classes, T = 5, τ = 50, gws η = 1, β = 30, ``EntryAdam`` lr 1e−3), pre-fills every layer's
@@ -52,7 +52,8 @@ D, CLASSES, BATCH = 3072, 10, 16
 
 
 def build(n: int, steps: int, device: torch.device, seed: int = 0):  # noqa: ANN201
-    """The SPEC §6 hybrid net with ``n`` entries per layer, room for ``steps`` more steps."""
+    """The hybrid net of docs/reference.md §6 with ``n`` entries per layer, room for ``steps`` more
+    steps."""
     torch.manual_seed(seed)
     net = HybridSoftmaxNet(D, CLASSES, 3, temperature=5.0,
                              rule=ClippedSoftmaxRule(eta=1.0, beta=30.0),

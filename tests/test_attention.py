@@ -95,7 +95,8 @@ def test_large_logits_stay_finite():
 
 @pytest.mark.parametrize("chunk", [1, 3, 50])
 def test_vanishing_or_negative_denominator_stays_finite(chunk):
-    """Adversarial store: weights that cancel exactly, and negative totals (SPEC §2)."""
+    """Adversarial store: weights that cancel exactly, and negative totals
+    (docs/reference.md §2)."""
     q, keys, values, _ = make_entries(4, batch=3)
     keys = torch.zeros_like(keys)  # all logits equal: denominator = sum of weights
     for weights in (torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64),

@@ -62,7 +62,8 @@ def _rows(images):
 
 
 def _expected(images, mean, std):
-    """The SPEC §6 vector, in float64: (p / 255 - mean) / std flattened in HWC order."""
+    """The standardised vector of docs/reference.md §6, in float64: (p / 255 - mean) / std flattened
+    in HWC order."""
     x = (images.astype(np.float64) / 255 - np.array(mean)) / np.array(std)
     return torch.from_numpy(x.reshape(len(images), 3072)).float()
 

@@ -188,7 +188,8 @@ def test_resume_refuses_a_changed_config(data_dir, tmp_path, capsys):
 
 
 def test_registry_builds_the_spec_models():
-    """SPEC §6 settings, read back from the built objects (no training, small tables)."""
+    """The settings of docs/reference.md §6, read back from the built objects (no training, small
+    tables)."""
     assert set(MODELS) >= {"gws", "gauge", "rbf", "mlp-muon", "psoftmax-5000", "psoftmax-50016"}
     model, opt, grower = build_model("gauge", 0, reserve=10)
     layers = grower.layers

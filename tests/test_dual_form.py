@@ -1,4 +1,5 @@
-"""Exact equivalences: the dual form of an MLP trained by SGD is that MLP (SPEC §1, §3)."""
+"""Exact equivalences: the dual form of an MLP trained by SGD is that MLP
+(docs/reference.md §1, §3)."""
 
 import copy
 

@@ -1,4 +1,5 @@
-"""Optimizers from other dual forms (SPEC §7): FOOF from the Mesa layer, DeltaNet decay."""
+"""Optimizers from other dual forms (docs/reference.md §7): FOOF from the Mesa layer, DeltaNet
+decay."""
 
 import copy
 import io

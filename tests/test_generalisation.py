@@ -1,4 +1,4 @@
-"""The parametric-vs-growing generalisation experiment (SPEC §8) end to end on a tiny
+"""The parametric-vs-growing generalisation experiment (docs/reference.md §8) end to end on a tiny
 synthetic CIFAR-10: outputs, per-epoch measurements, table sizes, settings and errors."""
 
 import csv

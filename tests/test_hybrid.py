@@ -1,5 +1,5 @@
-"""The hybrid growing layer (SPEC §4): distance-gated growth, Adam on the entries, gradients
-against the dense reference, finite outputs on adversarial stores, checkpoint/resume."""
+"""The hybrid growing layer (docs/reference.md §4): distance-gated growth, Adam on the entries,
+gradients against the dense reference, finite outputs on adversarial stores, checkpoint/resume."""
 
 import pytest
 import torch
@@ -177,8 +177,8 @@ def test_entry_adam_equals_torch_adam_on_the_same_table():
 
 
 def _reference_adam(param, m, v, grad, t, lr, betas, eps):
-    """Dense twin of ``HybridSoftmax.adam_step`` for one tensor, the rule as SPEC §4's Adam
-    reads, with a per-entry step count ``t (N,)``; ``grad=None`` is a zero gradient."""
+    """Dense twin of ``HybridSoftmax.adam_step`` for one tensor, the rule as docs/reference.md §4's
+    Adam reads, with a per-entry step count ``t (N,)``; ``grad=None`` is a zero gradient."""
     b1, b2 = betas
     grad = torch.zeros_like(param) if grad is None else grad
     shape = (-1,) + (1,) * (param.dim() - 1)

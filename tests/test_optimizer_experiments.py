@@ -1,5 +1,5 @@
-"""The multi-epoch optimizer comparison and the DeltaNet-decay experiment (SPEC §8) end to end
-on a tiny synthetic CIFAR-10: outputs, per-epoch measurements, a missing CIFAR-100, settings
+"""The multi-epoch optimizer comparison and the DeltaNet-decay experiment (docs/reference.md §8) end
+to end on a tiny synthetic CIFAR-10: outputs, per-epoch measurements, a missing CIFAR-100, settings
 and errors; and Float32Muon against torch.optim.Muon."""
 
 import csv

@@ -1,4 +1,4 @@
-"""The teacher–student experiment (SPEC §8) end to end at a tiny scale: outputs, the
+"""The teacher–student experiment (docs/reference.md §8) end to end at a tiny scale: outputs, the
 size-matching rule, the mean ± sd aggregation, and the config's validation."""
 
 import csv

@@ -1,5 +1,5 @@
-"""The ViT with pluggable feed-forward blocks and the ViT experiment (SPEC §8): shapes, the
-RCDL FFN's gradients and growth, the shared initialisation, and a tiny end-to-end run."""
+"""The ViT with pluggable feed-forward blocks and the ViT experiment (docs/reference.md §8): shapes,
+the RCDL FFN's gradients and growth, the shared initialisation, and a tiny end-to-end run."""
 
 import csv
 import json

@@ -1,4 +1,4 @@
-"""Age coefficients: weight decay and heavy-ball momentum of growing layers (SPEC §3).
+"""Age coefficients: weight decay and heavy-ball momentum of growing layers (docs/reference.md §3).
 
 SGD with learning rate η, weight decay λ and heavy-ball momentum μ (PyTorch's form:
 ``b_t = μ b_{t−1} + G_t + λ W_t``, ``W_{t+1} = W_t − η b_t``, ``b_{−1} = 0``) is linear in

@@ -1,4 +1,4 @@
-"""Streaming kernel attention over an entry store (SPEC §2).
+"""Streaming kernel attention over an entry store (docs/reference.md §2).
 
 The store is visited chunk by chunk along N; each chunk contributes a ``(B, chunk)`` block
 of scores and is folded into a running *partial result* ``(m, num, den)``:
@@ -316,7 +316,8 @@ def nearest_sq_distance(
     *,
     chunk_size: int | None = None,
 ) -> Tensor:  # (B,)
-    """``min_j ‖q − k_j‖²`` for every query, streamed over chunks of the keys (SPEC §4).
+    """``min_j ‖q − k_j‖²`` for every query, streamed over chunks of the keys
+    (docs/reference.md §4).
 
     Each chunk costs one ``(c, B)`` score block, ``‖k‖² − 2⟨q, k⟩``, folded into a running
     minimum; ``‖q‖²`` is added at the end. No ``(B, N, d)`` tensor is formed. An empty store

@@ -1,4 +1,4 @@
-"""CIFAR-10 and CIFAR-100: find, read, download and standardise (SPEC §6).
+"""CIFAR-10 and CIFAR-100: find, read, download and standardise (docs/reference.md §6).
 
 Each image becomes one row of the residual stream's input::
 
@@ -6,7 +6,7 @@ Each image becomes one row of the residual stream's input::
 
 so ``x`` has ``d = 32 * 32 * 3 = 3072`` entries and index ``(h * 32 + w) * 3 + c``. The
 statistics are the usual training-set ones: CIFAR-10 mean (0.4914, 0.4822, 0.4465), std
-(0.2470, 0.2435, 0.2616) as in SPEC §6; CIFAR-100 mean (0.5071, 0.4865, 0.4409), std
+(0.2470, 0.2435, 0.2616) as in docs/reference.md §6; CIFAR-100 mean (0.5071, 0.4865, 0.4409), std
 (0.2673, 0.2564, 0.2762). They are fixed constants, not recomputed from the file read.
 
 Formats read, looked for in this order in each data directory (CIFAR-10 names shown):
@@ -568,7 +568,7 @@ def load_cifar(
     label_mode: str = "fine",
     download: bool = True,
 ) -> CifarData:
-    """Load CIFAR-10 or CIFAR-100, standardised and flattened (SPEC §6).
+    """Load CIFAR-10 or CIFAR-100, standardised and flattened (docs/reference.md §6).
 
     ``x = (p / 255 - mean) / std`` per channel, flattened in HWC order to 3072 float32 values;
     CIFAR-10 uses mean (0.4914, 0.4822, 0.4465), std (0.2470, 0.2435, 0.2616); CIFAR-100 its

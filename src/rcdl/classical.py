@@ -1,4 +1,5 @@
-"""Classical baselines on the same standardised pixels: k-nearest neighbours and SVMs (SPEC §8).
+"""Classical baselines on the same standardised pixels: k-nearest neighbours and SVMs
+(docs/reference.md §8).
 
 The paper reports that one epoch of the growing networks beats kNN and SVM classifiers.
 These baselines use scikit-learn (the ``classical`` extra) on the ``(N, 3072)`` standardised,

@@ -401,21 +401,21 @@ _COMMANDS = {
 
 _EXPERIMENTS = {
     "cifar10-1epoch": "the paper's Fig. 2: growing and parametric models, one epoch of "
-    "CIFAR-10 (SPEC §6)",
+    "CIFAR-10 (docs/reference.md §6)",
     "hybrid-tau-sweep": "the paper's Fig. 5: the hybrid network over a range of distance "
-    "thresholds τ, entries stored against accuracy (SPEC §4)",
+    "thresholds τ, entries stored against accuracy (docs/reference.md §4)",
     "generalisation": "parametric vs growing softmax networks over several epochs: train and "
-    "test accuracy and their gap (SPEC §8)",
+    "test accuracy and their gap (docs/reference.md §8)",
     "memory-budget": "growing networks under a memory budget: accuracy against capacity for "
-    "several eviction policies (SPEC §8, known limits)",
+    "several eviction policies (docs/reference.md §8, known limits)",
     "optimizers": "several epochs of MLPs trained by SGD, Adam, RMSprop, Muon and FOOF beside "
-    "the growing gws and RBF networks, CIFAR-10 and CIFAR-100 (SPEC §7, §8)",
+    "the growing gws and RBF networks, CIFAR-10 and CIFAR-100 (docs/reference.md §7, §8)",
     "deltanet-decay": "a 10-block residual MLP without decay, with weight decay and with "
-    "DeltaNet decay, many epochs (SPEC §7, §8)",
+    "DeltaNet decay, many epochs (docs/reference.md §7, §8)",
     "teacher-student": "teacher–student regression: growing weighted-softmax student vs a "
-    "size-matched parametric softmax and an MLP (SPEC §8)",
+    "size-matched parametric softmax and an MLP (docs/reference.md §8)",
     "vit": "a small ViT with MLP feed-forward blocks against the same ViT with hybrid RCDL "
-    "feed-forward blocks, one epoch of CIFAR-10 (SPEC §8)",
+    "feed-forward blocks, one epoch of CIFAR-10 (docs/reference.md §8)",
 }
 
 
@@ -477,9 +477,10 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
 
     sweep = which.add_parser(
         "hybrid-tau-sweep", help=_EXPERIMENTS["hybrid-tau-sweep"],
-        description="The hybrid growing network (SPEC §4, §6) trained for one epoch with each "
-        "distance threshold τ, beside the pure growing gws network and a parametric-softmax "
-        "network on the same images. Writes the one-epoch comparison's run folder plus "
+        description="The hybrid growing network (docs/reference.md §4, §6) trained for one "
+        "epoch with each distance threshold τ, beside the pure growing gws network and a "
+        "parametric-softmax network on the same images. Writes the one-epoch comparison's "
+        "run folder plus "
         "tau_sweep.md, tau_sweep.csv and entries_vs_accuracy.png. See docs/hybrid.md.",
     )  # fmt: skip
     sweep.add_argument("--taus", nargs="+", type=_parse_tau, metavar="TAU",
@@ -590,15 +591,16 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     opt.add_argument("--quick", action="store_true", help="300 / 300 images, width 64, 3 "
                      "epochs: a smoke test")
     opt.add_argument("--paper", action="store_true", help="whole data sets, no projection, "
-                     "SPEC §6's baselines: a GPU job")
+                     "docs/reference.md §6's baselines: a GPU job")
     _add_common(opt, "optimizers")
     opt.set_defaults(func=_cmd_reproduce_optimizers, command_parser=opt)
 
     dn = which.add_parser(
         "deltanet-decay", help=_EXPERIMENTS["deltanet-decay"],
         description="A 10-block residual MLP trained by SGD without decay, with "
-        "multiplicative weight decay and with DeltaNet decay (SPEC §7: forgetting only along "
-        "the current inputs' directions), many epochs on a CIFAR-10 subset. Writes "
+        "multiplicative weight decay and with DeltaNet decay (docs/reference.md §7: "
+        "forgetting only along the current inputs' directions), many epochs on a CIFAR-10 "
+        "subset. Writes "
         "results.md, results.csv and the curves. See docs/optimizer_experiments.md.",
     )  # fmt: skip
     dn.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), help="(all three)")

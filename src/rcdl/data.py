@@ -1,4 +1,4 @@
-"""Data sets. For now: a synthetic teacher–student regression task (SPEC §8).
+"""Data sets. For now: a synthetic teacher–student regression task (docs/reference.md §8).
 
 A randomly initialised teacher MLP maps Gaussian inputs ``x ~ N(0, I_{d_in})`` to targets
 ``y = teacher(x)``; the student (a growing network or an MLP) learns the map from samples.

@@ -1,8 +1,9 @@
-"""Optimizers read off other dual forms of a linear layer (SPEC §7, docs/optimizers.md).
+"""Optimizers read off other dual forms of a linear layer
+(docs/reference.md §7, docs/optimizers.md).
 
 A linear layer trained by SGD is linear attention over the pairs ``(k, v) = (x_t, −η g_t)``
-(SPEC §1). Replacing linear attention by another sequence layer over the same pairs gives
-another update rule for the weight:
+(docs/reference.md §1). Replacing linear attention by another sequence layer over the same pairs
+gives another update rule for the weight:
 
 - :class:`FOOF` — the Mesa layer's readout ``G (H + Λ)^{-1} q``: gradient descent
   right-preconditioned by the inverse damped second moment of each layer's inputs.
@@ -177,7 +178,8 @@ class _LinearLayerOptimizer(torch.optim.Optimizer):
 
 
 class FOOF(_LinearLayerOptimizer):
-    """FOOF: SGD right-preconditioned by each layer's damped input second moment (SPEC §7).
+    """FOOF: SGD right-preconditioned by each layer's damped input second moment
+    (docs/reference.md §7).
 
     For every ``nn.Linear`` with ``W̃ = [W b]`` ``(D_out, D̃)``, ``D̃ = D_in + 1`` with a
     bias, and inputs ``x̃ = [x, 1]``::
@@ -215,7 +217,7 @@ class FOOF(_LinearLayerOptimizer):
         loss_fn(model(x), y).backward()   # the forward pass records each layer's inputs
         opt.step(); opt.zero_grad()
 
-    References: Benzing 2022 (FOOF); von Oswald et al. 2025 (MesaNet); SPEC §7.
+    References: Benzing 2022 (FOOF); von Oswald et al. 2025 (MesaNet); docs/reference.md §7.
     """
 
     _name = "FOOF"
@@ -263,7 +265,7 @@ class FOOF(_LinearLayerOptimizer):
 
 
 class DeltaNetDecay(_LinearLayerOptimizer):
-    """SGD plus the delta rule's data-dependent decay (SPEC §7; a derived reading).
+    """SGD plus the delta rule's data-dependent decay (docs/reference.md §7; a derived reading).
 
     For every ``nn.Linear`` with ``W̃ = [W b]`` ``(D_out, D̃)`` and the current batch's
     inputs ``X̃ = [X, 1]`` ``(B, D̃)``::
@@ -290,7 +292,7 @@ class DeltaNetDecay(_LinearLayerOptimizer):
         sgd_fallback: train parameters outside ``nn.Linear`` layers with plain SGD instead
             of raising ``ValueError``.
 
-    References: Schlag et al. 2021, Yang et al. 2024 (DeltaNet); SPEC §7.
+    References: Schlag et al. 2021, Yang et al. 2024 (DeltaNet); docs/reference.md §7.
     """
 
     _name = "DeltaNetDecay"

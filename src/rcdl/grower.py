@@ -1,7 +1,7 @@
 """The growth step: after ``loss.backward()``, every growing layer writes its entries.
 
-This plays the part of ``optimizer.step()`` for growing layers (SPEC §3), and is shaped like
-a ``torch.optim.Optimizer``::
+This plays the part of ``optimizer.step()`` for growing layers (docs/reference.md §3), and is shaped
+like a ``torch.optim.Optimizer``::
 
     grower = Grower(model)
     for x, y in batches:

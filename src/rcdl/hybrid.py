@@ -1,4 +1,5 @@
-"""The hybrid growing network (SPEC §4): entries trained by Adam, growth gated by distance.
+"""The hybrid growing network (docs/reference.md §4): entries trained by Adam, growth gated by
+distance.
 
 A :class:`HybridSoftmax` layer is a :class:`rcdl.layers.GrowingSoftmax` whose stored keys,
 weighted values and weights are *also* trained, jointly, by one Adam step per batch
@@ -82,7 +83,8 @@ def _check_tau(tau: float) -> None:
 
 @dataclass(frozen=True)
 class DistanceGate:
-    """Write iff ``min_j ‖q − k_j‖ > τ`` over the layer's stored keys (SPEC §4 default).
+    """Write iff ``min_j ‖q − k_j‖ > τ`` over the layer's stored keys
+    (docs/reference.md §4 default).
 
     The comparison is made on squared distances, ``d² > τ²``; samples of one batch do not
     gate each other (each is compared with the store as it stands after the Adam step).
@@ -103,7 +105,7 @@ class DistanceGate:
 
 @dataclass(frozen=True)
 class CapacityGate(DistanceGate):
-    """Distance gate whose threshold rises as the store fills (SPEC §4):
+    """Distance gate whose threshold rises as the store fills (docs/reference.md §4):
     ``τ_eff = τ · (1 + p · (N / capacity)²)`` with ``N`` entries stored."""
 
     capacity: int = 1
@@ -121,7 +123,7 @@ class CapacityGate(DistanceGate):
 
 @dataclass(frozen=True)
 class ErrorScaledGate(DistanceGate):
-    """Distance scaled by the sample's error: write iff ``d · e_i / ē > τ`` (SPEC §4).
+    """Distance scaled by the sample's error: write iff ``d · e_i / ē > τ`` (docs/reference.md §4).
 
     The error ``e_i = ‖g_i‖`` is the norm of the per-sample gradient of the loss at this
     layer's output, ``ē`` its batch mean: a local measure of how badly the sample is served
@@ -139,16 +141,18 @@ class ErrorScaledGate(DistanceGate):
 
 
 class HybridSoftmax(GrowingSoftmax):
-    """Weighted-softmax layer whose entries are trained by Adam and grown by a trigger (SPEC §4).
+    """Weighted-softmax layer whose entries are trained by Adam and grown by a trigger
+    (docs/reference.md §4).
 
     ``s(q) = Σ_j e^{z_j} ṽ_j / Σ_j w_j e^{z_j}`` as in :class:`~rcdl.layers.GrowingSoftmax`;
     ``k_j``, ``ṽ_j`` and ``w_j`` all receive gradients in training mode. Trained weights may
     turn negative and the denominator small: the attention's guard keeps outputs finite.
 
     Args:
-        rule: the rule proposing entries (SPEC §6: ``ClippedSoftmaxRule(eta=1, beta=30)``).
+        rule: the rule proposing entries
+            (docs/reference.md §6: ``ClippedSoftmaxRule(eta=1, beta=30)``).
         trigger: which proposed entries are written (default ``DistanceGate(50.0)``).
-        Other arguments as :class:`~rcdl.layers.GrowingSoftmax` (SPEC §6: T = 5).
+        Other arguments as :class:`~rcdl.layers.GrowingSoftmax` (docs/reference.md §6: T = 5).
 
     Statistics (buffers, saved with the model): ``entries_written``, ``entries_refused``.
     """
@@ -162,7 +166,7 @@ class HybridSoftmax(GrowingSoftmax):
             raise ValueError(
                 "HybridSoftmax: the 1/Z-normalised rule needs Z(q) > 0, but Adam may drive "
                 "stored weights negative (Z ≤ 0, log Z undefined); use the clipped gws rule "
-                "(ClippedSoftmaxRule(normalize=False)) as SPEC §4 does")
+                "(ClippedSoftmaxRule(normalize=False)) as the paper does (docs/reference.md §4)")
         self.trigger = DistanceGate(50.0) if trigger is None else trigger
         factory = {"dtype": self.store.dtype, "device": self.store.device}
         # Adam's first and second moments of (keys, weighted values, weights), row-aligned
@@ -223,7 +227,8 @@ class HybridSoftmax(GrowingSoftmax):
     @torch.no_grad()
     def adam_step(self, lr: float, betas: tuple[float, float], eps: float,
                   chunk_elements: int | None = None) -> None:
-        """One Adam step on every entry that received a gradient since the last step (SPEC §4).
+        """One Adam step on every entry that received a gradient since the last step
+        (docs/reference.md §4).
 
         Per entry ``j`` with its own step count ``t_j`` (steps since it was written), for
         each of its key ``(d_in,)``, weighted value ``(d_out,)`` and weight, with gradient
@@ -345,9 +350,9 @@ def hybrid_layers(model: nn.Module) -> list[tuple[str, HybridSoftmax]]:
 
 
 class EntryAdam(torch.optim.Optimizer):
-    """Adam on the entries of every :class:`HybridSoftmax` layer of ``model`` (SPEC §4),
-    plus Adam on the model's ordinary parameters, if it has any (one parameter group, so a
-    ``torch.optim.lr_scheduler`` scheduler drives both).
+    """Adam on the entries of every :class:`HybridSoftmax` layer of ``model``
+    (docs/reference.md §4), plus Adam on the model's ordinary parameters, if it has any (one
+    parameter group, so a ``torch.optim.lr_scheduler`` scheduler drives both).
 
     Step it after ``loss.backward()`` and before :meth:`rcdl.grower.Grower.step`, or let
     :class:`HybridGrower` do both. :meth:`state_dict` holds what a resumed run needs: the
@@ -464,8 +469,8 @@ def _load_moments(moments: EntryStore, saved: dict[str, Tensor]) -> None:
 
 
 class HybridGrower(torch.optim.Optimizer):
-    """One object for a hybrid network's whole step (SPEC §4): Adam on the entries (and on any
-    ordinary parameters), then the gated growth, in that order.
+    """One object for a hybrid network's whole step (docs/reference.md §4): Adam on the entries (and
+    on any ordinary parameters), then the gated growth, in that order.
 
     ``step()`` first checks every layer's recorded outputs and gradients and the entries'
     gradients (a NaN or a diverging layer refuses the step before anything moves, and leaves

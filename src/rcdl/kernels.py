@@ -1,4 +1,4 @@
-"""Kernels of growing layers and their dense reference twin (SPEC §2).
+"""Kernels of growing layers and their dense reference twin (docs/reference.md §2).
 
 With ``τ = T √d_in`` and per-entry weights ``w_j``:
 
@@ -8,14 +8,14 @@ With ``τ = T √d_in`` and per-entry weights ``w_j``:
   ``s(q) = Σ_j e^{z_j} ṽ_j / Σ_j w_j e^{z_j}`` with ``z_j = ⟨q, k_j⟩ / τ``.
 
 For the linear and RBF kernels the weights are per-entry multipliers (the age
-coefficients of SPEC §3; ones when there is no decay or momentum). For the softmax they
+coefficients of docs/reference.md §3; ones when there is no decay or momentum). For the softmax they
 enter the denominator only, because the stored values are already weighted.
 
 The softmax denominator ``D = Σ_j w_j e^{z_j − m}`` (``m`` any shift, in practice the largest
 logit) is kept at least ``eps · M`` away from zero with its sign, where
 ``M = Σ_j |w_j| e^{z_j − m} ≥ |D|`` is the weight mass: trained entries (the hybrid network,
-SPEC §4) may make ``D`` vanish or go negative, and the output must stay finite. Because the
-floor scales with ``e^{−m}`` like ``D`` and the numerator, ``m`` cancels from the guarded
+docs/reference.md §4) may make ``D`` vanish or go negative, and the output must stay finite. Because
+the floor scales with ``e^{−m}`` like ``D`` and the numerator, ``m`` cancels from the guarded
 output too, so the guarded function is a function of the entries alone and its gradient is
 exact in both regimes (:func:`guard_denominator`). With non-negative weights (the growing
 rules) ``M = D`` and the guard never acts. A store with no weight mass at all (``M = 0``:
@@ -50,7 +50,8 @@ def check_kernel(kernel: str) -> Kernel:
 
 
 def softmax_scale(temperature: float, d_in: int) -> float:
-    """The logit scale ``τ = T √d_in`` shared by the RBF and softmax kernels (SPEC §2)."""
+    """The logit scale ``τ = T √d_in`` shared by the RBF and softmax kernels
+    (docs/reference.md §2)."""
     if not temperature > 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
     return temperature * math.sqrt(d_in)

@@ -1,4 +1,5 @@
-"""Growing layers: modules that answer by attention over their own entry store (SPEC §2–3).
+"""Growing layers: modules that answer by attention over their own entry store
+(docs/reference.md §2–3).
 
 A growing layer's forward pass is ordinary PyTorch: differentiable w.r.t. its input, so
 gradients flow to earlier layers. In training mode (with grad enabled) it also records
@@ -137,7 +138,8 @@ class GrowingLayer(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def entry_weights(self) -> Tensor:  # (N,)
-        """The per-entry weights handed to the attention (age coefficients, SPEC §3)."""
+        """The per-entry weights handed to the attention (age coefficients,
+        docs/reference.md §3)."""
         ages = getattr(self.rule, "ages", None)
         if ages is None or ages.trivial:
             return self.store.weights
@@ -304,7 +306,7 @@ class GrowingLayer(nn.Module):
 
 
 class GrowingLinear(GrowingLayer):
-    """The exact dual form of ``nn.Linear`` trained by SGD (SPEC §1, §3).
+    """The exact dual form of ``nn.Linear`` trained by SGD (docs/reference.md §1, §3).
 
     ``s(q) = r(t) (W_0 q + b_0) + Σ_j h(a_j) v_j ⟨k_j, [q, 1]⟩`` with keys ``k_j = [q_j, 1]``
     (the bias is the weight of a constant input), values ``v_j = −η ḡ_j`` and the age
@@ -363,11 +365,12 @@ class GrowingLinear(GrowingLayer):
 
 
 class GrowingRBF(GrowingLayer):
-    """Growing RBF layer: ``s(q) = Σ_j h(a_j) exp(−‖q − k_j‖² / (2T√d_in)) v_j`` (SPEC §2).
+    """Growing RBF layer: ``s(q) = Σ_j h(a_j) exp(−‖q − k_j‖² / (2T√d_in)) v_j``
+    (docs/reference.md §2).
 
     Starts empty; with ``rule=FunctionalSGD(lr)`` each sample appends ``k = q``, ``v = −η g``
-    with the per-sample gradient (the RKHS functional gradient, SPEC §3). SPEC §6 uses
-    T = 10, η = 10.
+    with the per-sample gradient (the RKHS functional gradient, docs/reference.md §3).
+    docs/reference.md §6 uses T = 10, η = 10.
 
     Example:
         >>> layer = GrowingRBF(8, 3, temperature=10.0, rule=FunctionalSGD(10.0))
@@ -379,14 +382,15 @@ class GrowingRBF(GrowingLayer):
 
 
 class GrowingSoftmax(GrowingLayer):
-    """Growing weighted-softmax layer (SPEC §2): ``s(q) = Σ_j e^{z_j} ṽ_j / Σ_j w_j e^{z_j}``.
+    """Growing weighted-softmax layer (docs/reference.md §2):
+    ``s(q) = Σ_j e^{z_j} ṽ_j / Σ_j w_j e^{z_j}``.
 
     The store keeps weighted values ``ṽ_j`` and weights ``w_j``; logits are
     ``z_j = ⟨q, k_j⟩ / (T √d_in)``. ``rule`` is :class:`rcdl.rules.ClippedSoftmaxRule` ("gws",
     optionally normalised by ``1/Z``) or :class:`rcdl.rules.GaugeSoftmaxRule`.
 
     Args:
-        initial_entries: the starting database of SPEC §6 — this many entries with
+        initial_entries: the starting database of docs/reference.md §6 — this many entries with
             RMS-normalised random keys and weighted values, weight ``1/initial_entries`` each.
         seed: seed of those initial entries (default: torch's global generator).
     """
@@ -420,7 +424,7 @@ class GrowingSoftmax(GrowingLayer):
 
 
 class ParametricSoftmax(nn.Module):
-    """A fixed table of weighted-softmax entries trained as parameters (SPEC §5).
+    """A fixed table of weighted-softmax entries trained as parameters (docs/reference.md §5).
 
     Same function as :class:`GrowingSoftmax`, but ``keys (N, d_in) ~ N(0, 1)/√d_in``,
     weighted values ``(N, d_out) ~ N(0, 0.02²)`` and weights ``(N,) = 1`` are

@@ -1,7 +1,7 @@
 """Bounded memory for growing layers: keep at most ``capacity`` entries per layer.
 
 A growing layer writes one entry per training sample, so its memory and its inference cost
-grow linearly with the data seen — the limit the paper names (SPEC §8, "Known limits"),
+grow linearly with the data seen — the limit the paper names (docs/reference.md §8, "Known limits"),
 pointing at KV-cache style pruning as the way out. A :class:`MemoryBudget` is that pruning:
 after every growth step (:class:`rcdl.grower.Grower` with ``budget=``), each layer whose
 store holds ``N > C`` entries drops ``N − C`` of them (``N − C + slack`` to evict in blocks),
@@ -27,7 +27,7 @@ With ``merge=True`` an evicted entry is not simply dropped: its weight and weigh
 are folded into the kept entry with the nearest key (:func:`merge_into_nearest`), so the
 store keeps its total mass ``Σ w_j`` and ``Σ ṽ_j`` — the output at the query ``q = 0`` is
 unchanged, and at any query the change is what moving the entry's key onto its neighbour's
-makes. This is the "merging" the paper suggests beside sliding windows (SPEC §8).
+makes. This is the "merging" the paper suggests beside sliding windows (docs/reference.md §8).
 
 Entries are always removed through :meth:`rcdl.layers.GrowingLayer.remove_entries`, so a
 layer that keeps per-entry state beside its store (optimizer moments, say) drops it too.
@@ -61,22 +61,22 @@ def contribution_scores(layer: GrowingLayer, *, eps: float = 1e-6,
     """How much each entry of ``layer`` contributes to its output; larger is more.
 
     With ``w_j`` the weights the attention sees (:meth:`GrowingLayer.entry_weights`: the
-    stored weights, times the age coefficients of SPEC §3 where the rule has any):
+    stored weights, times the age coefficients of docs/reference.md §3 where the rule has any):
 
-    - **weighted softmax** (SPEC §2): ``score_j = ‖ṽ_j − w_j s̄‖`` with
+    - **weighted softmax** (docs/reference.md §2): ``score_j = ‖ṽ_j − w_j s̄‖`` with
       ``s̄ = Σ_i ṽ_i / Σ_i w_i``. Removing entry j from
       ``s(q) = Σ_i e^{z_i} ṽ_i / Σ_i w_i e^{z_i}`` changes the output by exactly
       ``−a_j(q) (ṽ_j − w_j s(q)) / (1 − w_j a_j(q))``, ``a_j = e^{z_j}/Z``: to first order
-      ``a_j (ṽ_j − w_j s)``, the ``∂s/∂z_j`` of SPEC §2. An entry therefore acts through
-      its weighted value *and* through its weight in the normaliser, and ranking by ``w_j``
+      ``a_j (ṽ_j − w_j s)``, the ``∂s/∂z_j`` of docs/reference.md §2. An entry therefore acts
+      through its weighted value *and* through its weight in the normaliser, and ranking by ``w_j``
       alone would evict every entry the clipped gws rule wrote with ``w = 0`` (a quarter
       to a half of them in our CIFAR-10 runs), though each still adds ``e^{z_j} ṽ_j`` to
       the numerator. The attention factor ``a_j(q)`` depends on the query, which the
       budget does not know; the score takes the query ``q = 0`` (all logits 0, uniform
       attention), where ``s(0) = s̄`` and the change is ``(ṽ_j − w_j s̄) / Σ_i w_i`` — the
       same factor for every entry. The score is
-      gauge invariant: ``ṽ_i → ṽ_i + w_i b`` (SPEC §2) shifts ``s̄`` by ``b`` and leaves
-      ``ṽ_j − w_j s̄`` unchanged, so it does not depend on the frame the entries were
+      gauge invariant: ``ṽ_i → ṽ_i + w_i b`` (docs/reference.md §2) shifts ``s̄`` by ``b`` and
+      leaves ``ṽ_j − w_j s̄`` unchanged, so it does not depend on the frame the entries were
       written in, as ``‖ṽ_j‖`` would. (``Σ_i w_i`` near zero is floored at ``eps Σ_i |w_i|``
       with its sign, as the attention does.) The difference is formed directly, in float64,
       ``chunk_rows`` entries at a time: expanding ``‖ṽ_j‖² − 2w_j⟨ṽ_j, s̄⟩ + w_j²‖s̄‖²`` cancels
@@ -179,8 +179,8 @@ class MemoryBudget:
 
     Args:
         capacity: entries a layer may hold between growth steps (``C ≥ 1``). It counts every
-            entry, including a softmax layer's initial ones (SPEC §6). During a step a store
-            briefly holds its ``C`` entries plus that step's ``B`` new ones.
+            entry, including a softmax layer's initial ones (docs/reference.md §6). During a step a
+            store briefly holds its ``C`` entries plus that step's ``B`` new ones.
         evict: the policy, one of :data:`EVICTION_POLICIES` (see the module docstring).
         merge: fold each evicted entry into its nearest kept one (:func:`merge_into_nearest`)
             instead of dropping it; softmax and RBF layers only.

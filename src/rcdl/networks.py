@@ -1,12 +1,12 @@
-"""Networks: the MLP baseline, the residual backbone of SPEC §6, and the dual form.
+"""Networks: the MLP baseline, the residual backbone of docs/reference.md §6, and the dual form.
 
 - :class:`MLP` — ``d_in → hidden × depth → d_out`` with ReLU (or another activation).
-- :class:`ResidualNet` — the backbone of SPEC §6: residual stream ``x₀ = x``, blocks
+- :class:`ResidualNet` — the backbone of docs/reference.md §6: residual stream ``x₀ = x``, blocks
   ``x ← x + act(layer(RMSNorm(x)))`` and a readout on ``RMSNorm(x)``, for any layer kind.
-- :class:`ResNetMLP` — the ResNet-MLP baseline of SPEC §6 (Linear + tanh-GELU blocks).
+- :class:`ResNetMLP` — the ResNet-MLP baseline of docs/reference.md §6 (Linear + tanh-GELU blocks).
 - :class:`GrowingSoftmaxNet`, :class:`HybridSoftmaxNet`, :class:`GrowingRBFNet`,
-  :class:`ParametricSoftmaxNet` — the RCDL models of SPEC §4–6 on the same backbone, all
-  built the same way: ``Net(d_in, d_out, depth, *, temperature, rule, ...)`` (the parametric
+  :class:`ParametricSoftmaxNet` — the RCDL models of docs/reference.md §4–6 on the same backbone,
+  all built the same way: ``Net(d_in, d_out, depth, *, temperature, rule, ...)`` (the parametric
   one takes ``entries`` instead of a rule), with the hidden width as ``width=`` (default
   ``d_in``).
 - :func:`to_dual_form` — a copy of a network with every ``nn.Linear`` replaced by its
@@ -60,7 +60,7 @@ class MLP(nn.Sequential):
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x²) + eps)`` over the last dim, no learned scale (SPEC §6)."""
+    """``x / sqrt(mean(x²) + eps)`` over the last dim, no learned scale (docs/reference.md §6)."""
 
     def __init__(self, eps: float = 1e-6) -> None:
         super().__init__()
@@ -71,7 +71,7 @@ class RMSNorm(nn.Module):
 
 
 class ResidualNet(nn.Module):
-    """Pre-norm residual backbone of SPEC §6 over any layer kind.
+    """Pre-norm residual backbone of docs/reference.md §6 over any layer kind.
 
     ``x ← lift(x)``; ``depth`` times ``x ← x + act(block(RMSNorm(x)))``; logits
     ``= readout(RMSNorm(x))``. ``make_block(width)`` and ``make_readout(width, d_out)``
@@ -104,7 +104,7 @@ class ResidualNet(nn.Module):
 
 
 def lecun_normal_(weight: Tensor) -> Tensor:
-    """Truncated-normal LeCun init of SPEC §6: N(0, 1) truncated to [−2, 2], times
+    """Truncated-normal LeCun init of docs/reference.md §6: N(0, 1) truncated to [−2, 2], times
     ``√(1/d_in) / 0.8796`` (0.8796 is the std of the truncated unit normal)."""
     with torch.no_grad():
         nn.init.trunc_normal_(weight, 0.0, 1.0, -2.0, 2.0)
@@ -119,7 +119,7 @@ def _lecun_linear(d_in: int, d_out: int) -> nn.Linear:
 
 
 class ResNetMLP(ResidualNet):
-    """The ResNet-MLP baseline of SPEC §6: ``depth`` blocks of Linear d→d + tanh-GELU,
+    """The ResNet-MLP baseline of docs/reference.md §6: ``depth`` blocks of Linear d→d + tanh-GELU,
     biases zero, truncated-normal LeCun weights, and a linear readout."""
 
     def __init__(self, d_in: int = 3072, d_out: int = 10, depth: int = 8) -> None:
@@ -138,10 +138,10 @@ def _check_widths(cls: str, d_in: int, d_out: int, depth: int) -> None:
 
 
 class GrowingSoftmaxNet(ResidualNet):
-    """The growing weighted-softmax network of SPEC §6 ("gws" or "gauge" by ``rule``):
+    """The growing weighted-softmax network of docs/reference.md §6 ("gws" or "gauge" by ``rule``):
     ``depth`` blocks d→d and a readout d→``d_out``, all :class:`GrowingSoftmax`.
 
-    Example (SPEC §6's gws)::
+    Example (docs/reference.md §6's gws)::
 
         GrowingSoftmaxNet(3072, 10, 2, temperature=6.0, rule=ClippedSoftmaxRule(0.003, 3.0))
     """
@@ -160,11 +160,11 @@ class GrowingSoftmaxNet(ResidualNet):
 
 
 class HybridSoftmaxNet(ResidualNet):
-    """The hybrid growing network of SPEC §4, §6: ``depth`` blocks d→d and a readout
+    """The hybrid growing network of docs/reference.md §4, §6: ``depth`` blocks d→d and a readout
     d→``d_out``, all :class:`~rcdl.hybrid.HybridSoftmax` (entries trained by Adam, growth by
     ``trigger``, default ``DistanceGate(50)``); train it with :class:`~rcdl.hybrid.HybridGrower`.
 
-    Example (SPEC §6: depth 3, T = 5, τ = 50, Adam 1e−3)::
+    Example (docs/reference.md §6: depth 3, T = 5, τ = 50, Adam 1e−3)::
 
         HybridSoftmaxNet(3072, 10, 3, temperature=5.0, rule=ClippedSoftmaxRule(1.0, 30.0))
     """
@@ -199,7 +199,7 @@ def hybrid_softmax_net(d_in: int, d_out: int, depth: int = 3, **kw) -> HybridSof
 
 
 class ParametricSoftmaxNet(ResidualNet):
-    """The parametric-softmax baseline of SPEC §5: the backbone with fixed tables of
+    """The parametric-softmax baseline of docs/reference.md §5: the backbone with fixed tables of
     ``entries`` weighted-softmax entries per layer, trained as ordinary parameters."""
 
     def __init__(self, d_in: int, d_out: int, depth: int = 2, *, entries: int,
@@ -212,9 +212,10 @@ class ParametricSoftmaxNet(ResidualNet):
 
 
 class GrowingRBFNet(ResidualNet):
-    """The growing RBF network of SPEC §6: residual backbone, every layer a growing RBF.
+    """The growing RBF network of docs/reference.md §6: residual backbone, every layer a growing
+    RBF.
 
-    Example (SPEC §6: T = 10, η = 10)::
+    Example (docs/reference.md §6: T = 10, η = 10)::
 
         GrowingRBFNet(3072, 10, 2, temperature=10.0, rule=FunctionalSGD(10.0))
     """
@@ -236,7 +237,7 @@ def to_dual_form(model: nn.Module, *, lr: float, weight_decay: float = 0.0,
 
     Trained by :class:`rcdl.grower.Grower`, the copy computes exactly what ``model``
     trained by ``torch.optim.SGD(params, lr, momentum, weight_decay=weight_decay)`` computes
-    (SPEC §1, §3), while storing one entry per training sample per layer.
+    (docs/reference.md §1, §3), while storing one entry per training sample per layer.
 
     Raises:
         ValueError: if ``model`` has trainable parameters outside its ``nn.Linear`` layers

@@ -1,4 +1,5 @@
-"""Parametric optimizers of the one-epoch comparison, with their tuned settings (SPEC §6).
+"""Parametric optimizers of the one-epoch comparison, with their tuned settings
+(docs/reference.md §6).
 
 ``make_optimizer(name, model)`` returns a ``torch.optim.Optimizer``-like object for the
 ResNet-MLP baselines and the parametric-softmax networks:
@@ -6,16 +7,17 @@ ResNet-MLP baselines and the parametric-softmax networks:
 | name    | setting (batch 16)                                                          |
 |---------|-----------------------------------------------------------------------------|
 | sgd     | lr 1e−3, momentum 0.85                                                      |
-| adam    | lr 1e−4 (1e−3 for the parametric-softmax tables, SPEC §5)                   |
+| adam    | lr 1e−4 (1e−3 for the parametric-softmax tables, docs/reference.md §5)       |
 | adamw   | lr 1e−4, weight decay 1e−4                                                  |
 | rmsprop | lr 1e−4, alpha 0.9, eps 1e−8                                                |
 | muon    | ``torch.optim.Muon`` lr 1e−3 on 2-D weights (weight_decay=0 given, momentum  |
 |         | 0.95, Nesterov) + Adam lr 1e−3 on the other parameters                      |
 | foof    | ``FOOF`` (rcdl.dual_optim) lr 1e−3, momentum 0.85, damping 1.0, ema 0.95,   |
-|         | refresh every 10 steps (SPEC §7; damping 1e−3 diverged at every lr from 1e−4 |
-|         | to 1e−2 in docs/optimizer_experiments.md's tuning, 1.0 trained; lr untuned)  |
+|         | refresh every 10 steps (docs/reference.md §7; damping 1e−3 diverged at every |
+|         | lr from 1e−4 to 1e−2 in docs/optimizer_experiments.md's tuning, 1.0 trained; |
+|         | lr untuned)                                                                  |
 | deltanet| ``DeltaNetDecay`` (rcdl.dual_optim) lr 1e−3, momentum 0.85, decay 1e−4      |
-|         | (SPEC §7; untuned)                                                          |
+|         | (docs/reference.md §7; untuned)                                              |
 
 In float32, ``adamw`` at these settings is bit-identical to ``adam``. Its decoupled decay
 multiplies each weight by ``1 − lr·wd = 1 − 1e−8`` per step. That factor is below half of
@@ -63,7 +65,7 @@ class OptimizerGroup:
 
 
 def make_optimizer(name: str, model: nn.Module, lr: float | None = None):  # noqa: ANN201
-    """The optimizer ``name`` over ``model``'s parameters with the SPEC §6 settings.
+    """The optimizer ``name`` over ``model``'s parameters with the settings of docs/reference.md §6.
 
     ``lr`` overrides the tuned learning rate (of Muon's matrices, for ``muon``).
     """

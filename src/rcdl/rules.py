@@ -1,4 +1,4 @@
-"""Learning rules: which entry each training sample writes (SPEC §3).
+"""Learning rules: which entry each training sample writes (docs/reference.md §3).
 
 A rule turns what a layer saw in one training step — its queries ``q (B, d_in)``, its
 outputs ``s (B, d_out)`` computed from the store *before* the step, and the gradient of the
@@ -57,16 +57,16 @@ class FunctionalSGD:
     """Functional gradient descent: append ``k = q``, ``v = −η g`` (linear dual form, RBF).
 
     For the linear kernel this is the dual form of SGD on the layer's weight; for the RBF
-    kernel it is the RKHS functional gradient step (SPEC §3). Weight decay and momentum
+    kernel it is the RKHS functional gradient step (docs/reference.md §3). Weight decay and momentum
     enter through per-entry age coefficients (:class:`rcdl.age.AgeCoefficients`).
 
     Args:
         lr: η.
         weight_decay: λ; every entry (and the initial weight) decays by ``1 − ηλ`` per step.
         momentum: heavy-ball μ (PyTorch's convention, no dampening).
-        per_sample: if True, ``g`` is the per-sample gradient (the SPEC's growing-RBF units,
-            η = 10 there); if False, the batch-mean gradient ``ḡ`` (what ``torch.optim.SGD``
-            steps on, so that the dual form equals it exactly).
+        per_sample: if True, ``g`` is the per-sample gradient (the growing-RBF units of
+            docs/reference.md §6, η = 10 there); if False, the batch-mean gradient ``ḡ`` (what
+            ``torch.optim.SGD`` steps on, so that the dual form equals it exactly).
     """
 
     lr: float
@@ -97,18 +97,19 @@ class FunctionalSGD:
 
 @dataclass(frozen=True)
 class ClippedSoftmaxRule:
-    """The growing weighted-softmax rule "gws" (SPEC §3), per-sample units.
+    """The growing weighted-softmax rule "gws" (docs/reference.md §3), per-sample units.
 
     Append ``k = q``, ``ṽ = −β g``, ``w = max(0, η · clip(⟨s, g⟩, −B, B))`` with ``B`` the
     batch size. With ``normalize=True`` both ``ṽ`` and ``w`` are divided by
     ``Z(q) = Σ_j w_j e^{⟨q, k_j⟩/τ}`` of the pre-step store, the per-sample step size of the
-    exact L² functional-gradient step of SPEC §3. The clip and the ``max(0, ·)`` stay, so
-    this is the exact step only for samples where neither acts; the exact step itself
+    exact L² functional-gradient step of docs/reference.md §3. The clip and the ``max(0, ·)`` stay,
+    so this is the exact step only for samples where neither acts; the exact step itself
     (``w = η⟨s, g⟩/Z``, which can be negative) is not offered as a rule.
 
     Appending ``(εw, k, εṽ)`` changes the sample's loss by ``ε c(q)(⟨g, ṽ⟩ − w⟨g, s⟩) + O(ε²)``,
     ``c(q) = e^{⟨q,k⟩/τ}/Z(q) > 0``; for this rule that is ``−ε c (β‖g‖² + w⟨g, s⟩) ≤ 0``
-    because ``w`` has the sign of ``⟨s, g⟩`` or is zero. SPEC §6: T = 6, β = 3, η = 0.003.
+    because ``w`` has the sign of ``⟨s, g⟩`` or is zero. docs/reference.md §6: T = 6, β = 3,
+    η = 0.003.
     """
 
     eta: float
@@ -134,13 +135,14 @@ class ClippedSoftmaxRule:
 
 @dataclass(frozen=True)
 class GaugeSoftmaxRule:
-    """The gauge-invariant weighted-softmax rule (SPEC §3), batch-mean units ``ḡ = g/B``.
+    """The gauge-invariant weighted-softmax rule (docs/reference.md §3), batch-mean units
+    ``ḡ = g/B``.
 
     Append ``k = q``, ``w = η α ‖ḡ‖``, ``ṽ = (−η α² − β + η α ⟨s, ḡ⟩ / (‖ḡ‖ + 1e−8)) ḡ``:
     the gws step taken in the frame shifted by ``b = (α − ⟨s, ĝ⟩) ĝ``, where
     ``⟨s + b, ḡ⟩ = α‖ḡ‖ > 0``, and mapped back. Existing entries are untouched and the new
     weight is never negative. First-order change of the loss: ``−c (β + ηα²)‖ḡ‖²``.
-    SPEC §6: T = 5, α = 10, η = 0.03, β = 100.
+    docs/reference.md §6: T = 5, α = 10, η = 0.03, β = 100.
     """
 
     alpha: float

@@ -1,8 +1,8 @@
-"""The entry store: the growing database a layer answers from (SPEC §2).
+"""The entry store: the growing database a layer answers from (docs/reference.md §2).
 
 One store per layer holds N entries, each a key ``k_j (d_in,)``, a value ``v_j (d_out,)``
 (the *weighted* value ``ṽ_j = w_j v_j`` for the weighted softmax), a scalar weight ``w_j``
-and the step at which the entry was written (for the age coefficients of SPEC §3).
+and the step at which the entry was written (for the age coefficients of docs/reference.md §3).
 
 Storage is a set of capacity-sized buffers of which the first ``N`` rows are live.
 Appending B entries is amortised O(B): when the capacity runs out it grows geometrically

@@ -2,11 +2,11 @@
 
 A growing model learns by writing entries (``Grower.step`` after ``loss.backward()``); a
 parametric model learns by a torch optimizer step; a hybrid does both, optimizer first.
-Either way the loop is the same: one pass (SPEC §6) — or ``epochs`` passes (SPEC §8) — over
-seeded random permutations of the training set in batches, with the test metric evaluated
-every ``eval_every`` steps and at the end of every epoch. A growing model keeps writing
-entries in every epoch: ``epochs`` passes over ``N`` samples store ``epochs · N`` entries
-per layer.
+Either way the loop is the same: one pass (docs/reference.md §6) — or ``epochs`` passes
+(docs/reference.md §8) — over seeded random permutations of the training set in batches, with the
+test metric evaluated every ``eval_every`` steps and at the end of every epoch. A growing model
+keeps writing entries in every epoch: ``epochs`` passes over ``N`` samples store ``epochs · N``
+entries per layer.
 
 Global step ``s`` is batch ``t = s mod S`` of epoch ``e = s div S`` (``S = ceil(N / B)``
 steps per epoch), i.e. ``perm_e[t*B : (t+1)*B]`` with ``perm_e = epoch_permutation(N, seed,
@@ -163,8 +163,8 @@ def train_one_pass(
             uninterrupted run (batches are a pure function of ``seed`` and the step). The
             state at a step does not depend on ``epochs``, so a run may also be continued
             for more epochs than it was started with.
-        epochs: passes over the training set, each in a fresh order (SPEC §8); 1 is the
-            one-pass protocol of SPEC §6, unchanged.
+        epochs: passes over the training set, each in a fresh order (docs/reference.md §8); 1 is the
+            one-pass protocol of docs/reference.md §6, unchanged.
         on_epoch_end: called as ``on_epoch_end(e)`` right after the evaluation before the
             first step (``e = 0``) and after the last step of each epoch (``e = 1, 2, ...``
             epochs done), e.g. to measure accuracy on the training data; the values it returns

@@ -1,8 +1,8 @@
-"""A small Vision Transformer whose feed-forward blocks may be RCDL layers (SPEC §8).
+"""A small Vision Transformer whose feed-forward blocks may be RCDL layers (docs/reference.md §8).
 
 The paper replaces the feed-forward block of every layer of a ViT by a weighted-softmax RCDL
-layer trained the hybrid way (SPEC §4) and reports 48.4 % → 54.4 % on CIFAR-10 after one
-epoch. This module builds both networks from the same parts; only the FFN differs::
+layer trained the hybrid way (docs/reference.md §4) and reports 48.4 % → 54.4 % on CIFAR-10 after
+one epoch. This module builds both networks from the same parts; only the FFN differs::
 
     x (B, 3072) HWC  →  patches (B, P, p·p·3)  →  tokens (B, P, d) + position embedding
     [class token]    →  (B, S, d),  S = P (+ 1)
@@ -100,7 +100,8 @@ class MLPFeedForward(nn.Sequential):
 
 
 class RCDLFeedForward(nn.Module):
-    """A hybrid weighted-softmax RCDL layer as the feed-forward block (SPEC §2, §4, §8).
+    """A hybrid weighted-softmax RCDL layer as the feed-forward block
+    (docs/reference.md §2, §4, §8).
 
     ``ffn(u) = γ · s(q)``, ``q = u / rms(u)`` (``‖q‖ = √d``), with ``s`` the weighted softmax
     ``s(q) = Σ_j e^{z_j} ṽ_j / Σ_j w_j e^{z_j}``, ``z_j = ⟨q, k_j⟩ / (T √d)``, over the
@@ -113,13 +114,13 @@ class RCDLFeedForward(nn.Module):
         width: ``d``.
         temperature: T. Logits of unit-norm directions range over ``±√d / T``.
         rule: the gws rule (default ``ClippedSoftmaxRule(eta=10, beta=0.3)``, chosen by the
-            probes of docs/vit.md; SPEC §6's hybrid MLP uses η = 1, β = 30).
+            probes of docs/vit.md; docs/reference.md §6's hybrid MLP uses η = 1, β = 30).
         trigger: the growth trigger (default ``DistanceGate(√d)``: τ equal to the query
-            norm; SPEC §6's τ = 50 at d = 3072 is 0.90 √d).
+            norm; docs/reference.md §6's τ = 50 at d = 3072 is 0.90 √d).
         scale: γ, a fixed output scale (1: the layer's output enters the residual stream as
-            it is, as in SPEC §6's backbone).
-        initial_entries, seed: the starting store of SPEC §6 (RMS-normalised random keys and
-            weighted values, weight ``1/initial_entries`` each), seeded by ``seed``.
+            it is, as in docs/reference.md §6's backbone).
+        initial_entries, seed: the starting store of docs/reference.md §6 (RMS-normalised random
+            keys and weighted values, weight ``1/initial_entries`` each), seeded by ``seed``.
     """
 
     def __init__(self, width: int, *, temperature: float, rule: ClippedSoftmaxRule | None = None,
@@ -214,7 +215,7 @@ def mlp_vit(*, mlp_ratio: int = 4, **vit_kw) -> ViT:
 def rcdl_vit(*, temperature: float, rule: ClippedSoftmaxRule | None = None,
              tau: float | None = None, trigger: GrowthTrigger | None = None,
              scale: float = 1.0, initial_entries: int = 16, seed: int = 0, **vit_kw) -> ViT:
-    """The RCDL-FFN ViT: every FFN an :class:`RCDLFeedForward` (SPEC §8).
+    """The RCDL-FFN ViT: every FFN an :class:`RCDLFeedForward` (docs/reference.md §8).
 
     Args:
         tau: the distance gate's threshold τ (absolute, in the units of ``‖q‖ = √d``); give

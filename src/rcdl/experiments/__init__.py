@@ -9,14 +9,14 @@
 - :mod:`rcdl.experiments.generalisation` — parametric vs growing softmax networks over
   several epochs (``rcdl reproduce generalisation``).
 - :mod:`rcdl.experiments.memory_budget` — the growing ``gws`` model under a bounded memory:
-  test accuracy against entries per layer for several eviction policies (SPEC §8;
+  test accuracy against entries per layer for several eviction policies (docs/reference.md §8;
   ``rcdl reproduce memory-budget``).
 - :mod:`rcdl.experiments.optimizers` — MLP optimizers (incl. Muon and FOOF) against the
-  growing networks over several epochs (SPEC §7, §8; ``rcdl reproduce optimizers``).
+  growing networks over several epochs (docs/reference.md §7, §8; ``rcdl reproduce optimizers``).
 - :mod:`rcdl.experiments.deltanet_decay` — DeltaNet decay against weight decay and none
-  (SPEC §7, §8; ``rcdl reproduce deltanet-decay``).
+  (docs/reference.md §7, §8; ``rcdl reproduce deltanet-decay``).
 - :mod:`rcdl.experiments.teacher_student` — growing vs size-matched parametric softmax
-  students of a random teacher (SPEC §8; ``rcdl reproduce teacher-student``).
+  students of a random teacher (docs/reference.md §8; ``rcdl reproduce teacher-student``).
 - :mod:`rcdl.experiments.vit` — a small ViT with MLP against hybrid RCDL feed-forward
-  blocks, one epoch (SPEC §8; ``rcdl reproduce vit``).
+  blocks, one epoch (docs/reference.md §8; ``rcdl reproduce vit``).
 """

@@ -1,9 +1,9 @@
-"""The paper's one-epoch CIFAR-10 comparison, its Fig. 2 (SPEC §6).
+"""The paper's one-epoch CIFAR-10 comparison, its Fig. 2 (docs/reference.md §6).
 
 Run it with ``rcdl reproduce cifar10-1epoch`` (see docs/cifar10.md).
 
-Protocol (SPEC §6): every model sees the training images once, in batches of 16 taken from a
-seeded random permutation, and minimises the batch-mean cross-entropy; test accuracy and
+Protocol (docs/reference.md §6): every model sees the training images once, in batches of 16 taken
+from a seeded random permutation, and minimises the batch-mean cross-entropy; test accuracy and
 test loss on the whole test set are computed from one prediction pass every ``eval_every``
 steps and at the end. Images are standardised and flattened to ``d = 3072``
 (:mod:`rcdl.cifar`). All models share the residual backbone of :mod:`rcdl.networks`.
@@ -18,9 +18,9 @@ None of them reimplements a layer.
 ``mlp-<opt>``         ResNet-MLP (8 blocks) trained by ``sgd``, ``adam``, ``adamw``,
                       ``rmsprop`` or ``muon`` with the tuned settings of :mod:`rcdl.optim`
 ``hybrid``            hybrid growing weighted softmax, L = 3, T = 5, τ = 50, η = 1, β = 30,
-                      entries also trained by Adam 1e−3 (SPEC §4)
+                      entries also trained by Adam 1e−3 (docs/reference.md §4)
 ``psoftmax-<N>``      parametric softmax, L = 2, T = 3, N entries per layer, Adam 1e−3
-                      (SPEC §5; the paper's N are 5000 and 50016)
+                      (docs/reference.md §5; the paper's N are 5000 and 50016)
 ``knn-l2``,           k-nearest neighbours (k chosen on 10 % of the training set held out),
 ``knn-cosine``        L2 or cosine distance (:mod:`rcdl.classical`)
 ``svm-linear``        linear SVM (hinge loss, SGD solver, penalty chosen on the held-out 10 %)
@@ -128,7 +128,8 @@ _DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class Reference:
-    """SPEC §6's numbers for one model (accuracy in percent; ``None`` where none is given).
+    """docs/reference.md §6's numbers for one model (accuracy in percent; ``None`` where none is
+    given).
 
     ``test_acc``, ``test_loss`` and ``entries`` come from the authors' one-seed run. For the
     tuned MLPs, ``seeds_acc = (mean, sd)`` is the accuracy over several seeds.
@@ -190,7 +191,7 @@ def _rbf(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
 
 
 def _hybrid(tau: float | None, seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
-    """SPEC §4, §6; ``tau=None`` grows on every sample (:class:`AlwaysGrow`)."""
+    """docs/reference.md §4, §6; ``tau=None`` grows on every sample (:class:`AlwaysGrow`)."""
     rule = ClippedSoftmaxRule(eta=1.0, beta=30.0)
     trigger = AlwaysGrow() if tau is None else DistanceGate(tau)
     net = HybridSoftmaxNet(D_IN, CLASSES, 3, temperature=5.0, rule=rule, trigger=trigger,
@@ -207,7 +208,7 @@ def _mlp(optimizer: str, seed: int, device: torch.device, dtype: torch.dtype) ->
 def _psoftmax(entries: int, seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
     model = ParametricSoftmaxNet(D_IN, CLASSES, 2, entries=entries, temperature=3.0)
     model = model.to(device=device, dtype=dtype)
-    return model, make_optimizer("adam", model, lr=1e-3), None  # SPEC §5: Adam 1e−3
+    return model, make_optimizer("adam", model, lr=1e-3), None  # docs/reference.md §5: Adam 1e−3
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -302,9 +303,9 @@ class Cifar10Config:
             sees the same images.
         seeds: each model is trained once per seed. The seed fixes the initialisation and
             the order of the training images.
-        batch_size: samples per step ``B`` (SPEC §6: 16).
-        eval_every: steps between test evaluations (SPEC §6: 250), and also at the end.
-        eval_batch_size: test images per prediction batch (SPEC §6: 500).
+        batch_size: samples per step ``B`` (docs/reference.md §6: 16).
+        eval_every: steps between test evaluations (docs/reference.md §6: 250), and also at the end.
+        eval_batch_size: test images per prediction batch (docs/reference.md §6: 500).
         data_dir: folder holding ``cifar10.npz`` or the official files (see
             :func:`rcdl.cifar.load_cifar`; ``None`` searches ``$RCDL_DATA``, then the cache).
         data_seed: seed of the subsets.
@@ -659,7 +660,7 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of :func:`model_rows`."""
     lines = [
         "| model | seeds | test acc. % | test loss | entries | store | parameters | train s "
-        "| eval s | paper (SPEC §6) |",
+        "| eval s | paper (docs/reference.md §6) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
@@ -752,7 +753,7 @@ def write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
     """Write ``results.md``, ``results.csv`` and ``test_accuracy.png``; return the markdown."""
     d = summary["data"]
     report = (
-        f"# CIFAR-10, one epoch (the paper's Fig. 2, SPEC §6)\n\n"
+        f"# CIFAR-10, one epoch (the paper's Fig. 2, docs/reference.md §6)\n\n"
         f"{_protocol_text(cfg, d, list(cfg.seeds))}\n\n"
         f"{results_table(summary['models'])}\n\n{_TABLE_NOTE}\n\n"
         f"Data: {d['source']}, {d['provenance']}.\n"
@@ -892,7 +893,7 @@ def _combined_report(cfg: Cifar10Config, combined: dict[str, Any], seeds: list[i
                      f"{len(sessions)} session(s), {minutes:.0f} min in all; "
                      f"{'; '.join(machines)}; git {', '.join(revisions)}")
     return (
-        f"# CIFAR-10, one epoch (the paper's Fig. 2, SPEC §6), combined\n\n"
+        f"# CIFAR-10, one epoch (the paper's Fig. 2, docs/reference.md §6), combined\n\n"
         f"{_protocol_text(cfg, d, sorted(set(seeds)))}\n\n"
         f"{results_table(combined['models'])}\n\n{_TABLE_NOTE}\n\n"
         f"Data: {d['source']}, {d['provenance']}.\n\n"

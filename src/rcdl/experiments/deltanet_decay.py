@@ -1,9 +1,9 @@
-"""DeltaNet-style decay against multiplicative weight decay and none (SPEC §7, §8).
+"""DeltaNet-style decay against multiplicative weight decay and none (docs/reference.md §7, §8).
 
 Run it with ``rcdl reproduce deltanet-decay`` (see docs/optimizer_experiments.md).
 
-The paper's finding (SPEC §8): a 10-layer residual MLP trained for 2000 epochs on CIFAR-10
-improves from 67 % to 74 % test accuracy with DeltaNet decay, where multiplicative weight
+The paper's finding (docs/reference.md §8): a 10-layer residual MLP trained for 2000 epochs on
+CIFAR-10 improves from 67 % to 74 % test accuracy with DeltaNet decay, where multiplicative weight
 decay barely helps. Three variants (:data:`VARIANTS`) of the same SGD, from the same
 initialisation, over the same orders of the same images:
 
@@ -13,19 +13,20 @@ initialisation, over the same orders of the same images:
                   every direction of ``W`` (coupled: ``λ_wd W`` joins the gradient)
 ``deltanet``      :class:`rcdl.dual_optim.DeltaNetDecay` ``(lr, momentum, decay=λ_dn)``:
                   ``W̃ ← W̃ − lr · m − λ_dn W̃ X̃ᵀX̃ / B`` shrinks ``W̃`` only along the
-                  directions the current batch's inputs span (SPEC §7, a derived reading)
+                  directions the current batch's inputs span (docs/reference.md §7, a derived
+                  reading)
 ================  =========================================================================
 
-The model is SPEC §6's ResNet-MLP (:class:`rcdl.networks.ResNetMLP`) with ``depth = 10``
-residual blocks (each one Linear ``w → w`` + tanh-GELU; "10-layer" is read as ten blocks,
-plus the linear readout), on the images seen through the fixed random projection of
+The model is docs/reference.md §6's ResNet-MLP (:class:`rcdl.networks.ResNetMLP`) with
+``depth = 10`` residual blocks (each one Linear ``w → w`` + tanh-GELU; "10-layer" is read as ten
+blocks, plus the linear readout), on the images seen through the fixed random projection of
 :mod:`rcdl.experiments.optimizers` (``width=None``: the 3072 pixel values).
 
 Decisions:
 
 - **What the paper's run is** (:meth:`DeltaNetDecayConfig.paper`): the whole of CIFAR-10,
-  width 3072, 10 blocks, 2000 epochs. SPEC states neither its batch size, learning rate,
-  momentum nor decay rates; ``paper()`` keeps this module's (batch 64, SGD lr 0.03,
+  width 3072, 10 blocks, 2000 epochs. docs/reference.md states neither its batch size, learning
+  rate, momentum nor decay rates; ``paper()`` keeps this module's (batch 64, SGD lr 0.03,
   momentum 0.9 and the decay rates below) and the report says so.
 - **The reduced default** cuts the training set to 2 000 images, the width to 256 and the
   epochs to 150 (4 800 steps at batch 64), so that the three variants run in an estimated
@@ -113,14 +114,15 @@ VARIANTS = {
     "weight-decay": "multiplicative weight decay (SGD weight_decay)",
     "deltanet": "DeltaNet decay (DeltaNetDecay)",
 }
-PAPER = {"none": 67.0, "deltanet": 74.0}  # SPEC §8: test accuracy (%) after 2000 epochs
+# docs/reference.md §8: test accuracy (%) after 2000 epochs
+PAPER = {"none": 67.0, "deltanet": 74.0}
 _OWNER = "DeltaNetDecayConfig"
 _DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class DeltaNetDecayConfig:
-    """Settings of the DeltaNet-decay experiment (SPEC §8).
+    """Settings of the DeltaNet-decay experiment (docs/reference.md §8).
 
     Defaults: the reduced run (2 000 train / 2 000 test CIFAR-10 images, width 256,
     150 epochs at batch 64, 4 800 steps); an estimated 10–15 minutes on this project's two
@@ -133,7 +135,7 @@ class DeltaNetDecayConfig:
             depend on ``data_seed`` only.
         epochs: passes over the training subset, each in a fresh order.
         width: ``w`` of the fixed random input projection (``None``: 3072, no projection).
-        depth: residual blocks of the MLP (SPEC §8: 10).
+        depth: residual blocks of the MLP (docs/reference.md §8: 10).
         lr, momentum: the SGD all three variants share (heavy ball, PyTorch's convention).
         weight_decay: ``λ_wd`` of the ``weight-decay`` variant (``torch.optim.SGD``'s).
         deltanet_decay: ``λ_dn`` of the ``deltanet`` variant (not multiplied by ``lr``).
@@ -204,10 +206,10 @@ class DeltaNetDecayConfig:
 
     @classmethod
     def paper(cls, **overrides: Any) -> DeltaNetDecayConfig:
-        """The paper's run (SPEC §8): the whole of CIFAR-10 (50 000 / 10 000 images), the
-        3072 pixel values without projection, 10 residual blocks, 2000 epochs. SPEC gives no
-        batch size, learning rate, momentum or decay rates: those stay this module's
-        (batch 64, i.e. 1.56 M steps per variant; rates swept at width 256, not 3072).
+        """The paper's run (docs/reference.md §8): the whole of CIFAR-10 (50 000 / 10 000 images),
+        the 3072 pixel values without projection, 10 residual blocks, 2000 epochs.
+        docs/reference.md gives no batch size, learning rate, momentum or decay rates: those stay
+        this module's (batch 64, i.e. 1.56 M steps per variant; rates swept at width 256, not 3072).
         A GPU job of days."""
         paper = {"train_size": None, "test_size": None, "width": None, "epochs": 2000}
         return cls(**{**paper, **overrides})
@@ -364,14 +366,15 @@ def write_report(run: RunDir, cfg: DeltaNetDecayConfig, summary: dict[str, Any],
             f"controls on final test accuracy (margin {v['margin_pct']:+.2f} points over the "
             f"better control; seeds: {' '.join(map(str, cfg.seeds))}).")  # fmt: skip
     parts = [
-        "# DeltaNet decay vs weight decay vs none (SPEC §8)",
+        "# DeltaNet decay vs weight decay vs none (docs/reference.md §8)",
         f"{d['n_train']:,} train / {d['n_test']:,} test CIFAR-10 images (random subsets, data "
         f"seed {cfg.data_seed}) seen through {width}. ResNet-MLP with {cfg.depth} blocks at "
         f"width {cfg.input_width}; {cfg.epochs} epochs, batch {cfg.batch_size} ({steps:,} steps "
         f"per epoch), cross-entropy; SGD lr {cfg.lr:g}, momentum {cfg.momentum:g} for all; "
         f"weight decay λ = {cfg.weight_decay:g}; DeltaNet decay λ = {cfg.deltanet_decay:g}. "
-        "SPEC gives no batch size, learning rate, momentum or decay rate for this experiment: "
-        "these are this project's, chosen on a validation split at width 256.",
+        "docs/reference.md gives no batch size, learning rate, momentum or decay rate for "
+        "this experiment: these are this project's, chosen on a validation split at width "
+        "256.",
         final_table(rows, "cifar10", cfg.epochs, VARIANTS, key="variant"),
         "Test accuracy (%) at selected epochs (every epoch in results.csv):",
         epoch_table(excerpt, "cifar10", "test_acc_pct", 2, key="variant"),
@@ -379,9 +382,9 @@ def write_report(run: RunDir, cfg: DeltaNetDecayConfig, summary: dict[str, Any],
         epoch_table([r for r in excerpt if r["epoch"] >= 1], "cifar10", "train_loss", 4,
                     key="variant"),
         conclusion,
-        f"Paper (SPEC §8; whole CIFAR-10, 2000 epochs, width 3072): {PAPER['none']:.0f} % "
-        f"without decay, {PAPER['deltanet']:.0f} % with DeltaNet decay; multiplicative weight "
-        "decay barely helps.",
+        "Paper (docs/reference.md §8; whole CIFAR-10, 2000 epochs, width 3072): "
+        f"{PAPER['none']:.0f} % without decay, {PAPER['deltanet']:.0f} % with DeltaNet "
+        "decay; multiplicative weight decay barely helps.",
         f"Data: {d['source']}, {d['provenance']}.\nMachine: {describe_machine(device)}.\n",
     ]  # fmt: skip
     report = "\n\n".join(parts)

@@ -4,7 +4,7 @@ A random teacher MLP (:mod:`rcdl.data`) labels Gaussian inputs; three students s
 training set once, in batches, and are evaluated on held-out test MSE as they go:
 
 - ``growing RBF``: :class:`rcdl.networks.GrowingRBFNet`, no parameters; every training
-  sample writes one entry per layer (``Grower.step``), SPEC §2–3;
+  sample writes one entry per layer (``Grower.step``), docs/reference.md §2–3;
 - ``MLP + SGD`` and ``MLP + Adam``: :class:`rcdl.networks.MLP` of the same shape.
 
 Everything lands in one run folder: ``config.json``, ``environment.json``,

@@ -1,11 +1,11 @@
-"""Parametric vs growing generalisation over several epochs (SPEC §8).
+"""Parametric vs growing generalisation over several epochs (docs/reference.md §8).
 
 Run it with ``rcdl reproduce generalisation`` (see docs/generalisation.md).
 
-The paper's claim (SPEC §8): the same architecture with its key/value tables trained as
+The paper's claim (docs/reference.md §8): the same architecture with its key/value tables trained as
 ordinary weights fits the training data more slowly and shows a growing train–test gap; the
-growing model shows no such gap. Two models, same backbone (SPEC §6: residual stream of the
-flattened image, L = 2 pre-norm blocks 3072 → 3072 and a readout 3072 → 10, all
+growing model shows no such gap. Two models, same backbone (docs/reference.md §6: residual stream of
+the flattened image, L = 2 pre-norm blocks 3072 → 3072 and a readout 3072 → 10, all
 weighted-softmax layers), trained for ``epochs`` passes over the same CIFAR-10 subset:
 
 ==============  ===========================================================================
@@ -13,8 +13,8 @@ weighted-softmax layers), trained for ``epochs`` passes over the same CIFAR-10 s
                 entries per layer; learns by growth only (:class:`rcdl.grower.Grower`, no
                 optimizer) and keeps writing one entry per sample per layer in *every*
                 epoch: ``16 + e · N`` entries per layer after ``e`` epochs of ``N`` images
-``parametric``  parametric softmax (SPEC §5), T = 3, a fixed table of ``P`` entries per layer
-                (keys, weighted values, weights) trained by Adam 1e−3
+``parametric``  parametric softmax (docs/reference.md §5), T = 3, a fixed table of ``P`` entries per
+                layer (keys, weighted values, weights) trained by Adam 1e−3
 ==============  ===========================================================================
 
 These are the ``gws`` and ``psoftmax-<P>`` models of :mod:`rcdl.experiments.cifar10`, built
@@ -25,9 +25,9 @@ Decisions:
 - **Table size.** ``P`` defaults to ``N + 16``: the growing model's size after one epoch
   (``N`` written entries plus 16 initial ones per layer). Both models then hold the same
   number of entries per layer after the first epoch; from there the growing model keeps
-  growing and the parametric one keeps its size. T = 3 and Adam 1e−3 are SPEC §5's.
+  growing and the parametric one keeps its size. T = 3 and Adam 1e−3 are docs/reference.md §5's.
 - **Orders.** Each epoch is a fresh permutation of the training subset, a pure function of
-  ``(seed, epoch)``; epoch 0 is the one-pass order of SPEC §6
+  ``(seed, epoch)``; epoch 0 is the one-pass order of docs/reference.md §6
   (:func:`rcdl.training.epoch_permutation`). Both models see the same orders.
 - **Measurements.** Before training and after every epoch: test accuracy and test loss on
   the whole test subset, and train accuracy and train loss on a fixed random sample of at
@@ -97,7 +97,7 @@ __all__ = [
 EXPERIMENT = "generalisation"
 D_IN, CLASSES, DEPTH = 3072, 10, 2
 MODELS = {"gws": "growing weighted softmax (gws)", "parametric": "parametric softmax"}
-INITIAL_ENTRIES = 16  # the growing model's initial entries per layer (SPEC §6)
+INITIAL_ENTRIES = 16  # the growing model's initial entries per layer (docs/reference.md §6)
 _TEST_METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}
 # on the fixed training sample; not "train_loss", the trainer's running mean of batch losses
 _TRAIN_METRICS = {"train_acc": accuracy, "train_set_loss": F.cross_entropy}
@@ -109,7 +109,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class GeneralisationConfig:
-    """Settings of the parametric-vs-growing comparison (SPEC §8).
+    """Settings of the parametric-vs-growing comparison (docs/reference.md §8).
 
     The defaults (1 000 train / 1 000 test images, 15 epochs, 945 steps, one seed) were
     chosen from measured step costs: an estimated 18 minutes on this project's two shared
@@ -131,8 +131,8 @@ class GeneralisationConfig:
             this many training images (all of them if the subset is smaller).
         parametric_entries: entries ``P`` per layer of the parametric model (``None``:
             ``train_size + 16``, the growing model's size after one epoch).
-        batch_size: samples per step ``B`` (SPEC §6: 16).
-        eval_batch_size: images per prediction batch when measuring (SPEC §6: 500).
+        batch_size: samples per step ``B`` (docs/reference.md §6: 16).
+        eval_batch_size: images per prediction batch when measuring (docs/reference.md §6: 500).
         data_dir: folder holding ``cifar10.npz`` or the official files (see
             :func:`rcdl.cifar.load_cifar`; ``None`` searches ``$RCDL_DATA``, then the cache).
         data_seed: seed of the subsets and of the train-accuracy sample.
@@ -233,7 +233,7 @@ def build_model(
     β = 3))`` with 16 initial entries per layer seeded from ``seed``, and a grower with room
     for ``cfg.epochs · cfg.train_size`` more entries per layer. ``parametric``:
     ``ParametricSoftmaxNet(3072, 10, 2, entries = cfg.entries, T = 3)``, initialised from
-    torch's global generator seeded with ``seed``, and Adam 1e−3 (SPEC §5).
+    torch's global generator seeded with ``seed``, and Adam 1e−3 (docs/reference.md §5).
 
     Returns:
         ``(model, optimizer or None, grower or None)``, the model on ``device``.
@@ -506,13 +506,14 @@ def write_report(run: RunDir, cfg: GeneralisationConfig, summary: dict[str, Any]
         for name, g in gaps.items()
     )
     report = "\n\n".join([
-        "# Parametric vs growing generalisation (SPEC §8)", protocol, "\n".join(models),
+        "# Parametric vs growing generalisation (docs/reference.md §8)", protocol,
+        "\n".join(models),
         results_table(rows),
         "Accuracies in percent and losses in nats, mean ± sd over seeds; gap = train minus "
         "test accuracy, in percentage points. Epoch 0: before training.",
         verdict,
         "The paper reports a widening gap for the parametric model and none for the growing "
-        "one (SPEC §8; it gives no numbers).",
+        "one (docs/reference.md §8; it gives no numbers).",
         f"Data: {d['source']}, {d['provenance']}.\nMachine: {describe_machine(device)}.\n",
     ])  # fmt: skip
     atomic_write_text(report, run.file("results.md"))

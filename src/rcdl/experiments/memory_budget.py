@@ -1,9 +1,10 @@
-"""Accuracy against memory: growing layers under a bounded memory (SPEC §8, "Known limits").
+"""Accuracy against memory: growing layers under a bounded memory (docs/reference.md §8, "Known
+limits").
 
 A growing model stores one entry per training sample per layer, so its memory grows
 linearly with the data. This experiment bounds it with a :class:`rcdl.memory.MemoryBudget`
-and measures what that costs on the one-epoch CIFAR-10 task (SPEC §6, the ``gws`` model by
-default): for every eviction policy and every capacity it trains the model once, and it
+and measures what that costs on the one-epoch CIFAR-10 task (docs/reference.md §6, the ``gws`` model
+by default): for every eviction policy and every capacity it trains the model once, and it
 trains the unbounded model as the reference, on the same data, seed and image order.
 
 Capacities are **entries per layer** (absolute; a softmax layer's 16 initial entries count
@@ -96,9 +97,9 @@ class MemoryBudgetConfig:
             here a fraction of the capacity, ``0 ≤ slack < 1``). ``0`` evicts ``B`` entries at
             every step once full, which compacts the whole store each step.
         seed: the model's initialisation, the image order and the ``random`` policy's draws.
-        batch_size: samples per step (SPEC §6: 16).
+        batch_size: samples per step (docs/reference.md §6: 16).
         eval_every: steps between test evaluations, and also at the end.
-        eval_batch_size: test images per prediction batch (SPEC §6: 500).
+        eval_batch_size: test images per prediction batch (docs/reference.md §6: 500).
         data_dir: folder holding ``cifar10.npz`` or the official files (``None`` searches
             ``$RCDL_DATA``, then the cache; see :func:`rcdl.cifar.load_cifar`).
         data_seed: seed of the subsets.
@@ -391,7 +392,7 @@ def write_report(run: RunDir, cfg: MemoryBudgetConfig, summary: dict[str, Any],
     steps = math.ceil(d["n_train"] / cfg.batch_size)
     rows = result_rows(summary["runs"])
     report = (
-        f"# Accuracy against memory: `{cfg.model}` under a memory budget (SPEC §8)\n\n"
+        f"# Accuracy against memory: `{cfg.model}` under a memory budget (docs/reference.md §8)\n\n"
         f"{d['n_train']:,} train / {d['n_test']:,} test CIFAR-10 images (data seed "
         f"{cfg.data_seed}), one pass, batch {cfg.batch_size} ({steps:,} steps), seed "
         f"{cfg.seed}, {cfg.dtype}. Each bounded run keeps at most *capacity* entries in "

@@ -1,9 +1,9 @@
-"""Multi-epoch optimizer comparison on CIFAR-10 and CIFAR-100 (SPEC §8).
+"""Multi-epoch optimizer comparison on CIFAR-10 and CIFAR-100 (docs/reference.md §8).
 
 Run it with ``rcdl reproduce optimizers`` (see docs/optimizer_experiments.md).
 
-The paper's claims (SPEC §8): on CIFAR-10 and CIFAR-100 MLPs, the weighted-softmax and RBF
-growing models, trained by their plain functional-gradient rules, clearly beat MLPs trained
+The paper's claims (docs/reference.md §8): on CIFAR-10 and CIFAR-100 MLPs, the weighted-softmax and
+RBF growing models, trained by their plain functional-gradient rules, clearly beat MLPs trained
 by SGD, Adam and RMSprop and drop the training loss fastest; among parametric optimizers
 Muon is best on CIFAR-10 and Mesa/FOOF on CIFAR-100. Methods (:data:`METHODS`), all trained
 for ``epochs`` passes over the same subset, in the same orders, with batch 16:
@@ -15,7 +15,7 @@ for ``epochs`` passes over the same subset, in the same orders, with batch 16:
 ``mlp-muon``     residual MLP, Muon on the matrices (momentum 0.95, Nesterov, no weight
                  decay) and Adam 1e−3 on the biases, as :func:`rcdl.optim.make_optimizer`
 ``mlp-foof``     residual MLP, :class:`rcdl.dual_optim.FOOF` (momentum 0.85, ema 0.95,
-                 refresh every 10 steps) — the Mesa dual form (SPEC §7)
+                 refresh every 10 steps) — the Mesa dual form (docs/reference.md §7)
 ``gws``          growing weighted softmax, 2 blocks, clipped rule β = 3, η = 0.003;
                  learns by growth only and writes one entry per sample per layer in every
                  epoch (``16 + e · N`` entries per layer after ``e`` epochs of ``N`` images)
@@ -31,17 +31,18 @@ Decisions (measured numbers in docs/optimizer_experiments.md):
   paper's ``w = 3072``). The projection keeps Muon's Newton–Schulz iteration (``O(w³)`` per
   matrix and step) and FOOF's ``(w + 1)²`` Cholesky affordable on a CPU, and gives the
   growing and parametric models the same information.
-- **The MLP** is SPEC §6's ResNet-MLP (:class:`rcdl.networks.ResNetMLP`: pre-norm residual
-  blocks of Linear ``w → w`` + tanh-GELU, LeCun init, linear readout) with ``mlp_depth``
-  blocks at width ``w``. SPEC does not give the paper's MLP sizes for this figure.
+- **The MLP** is docs/reference.md §6's ResNet-MLP (:class:`rcdl.networks.ResNetMLP`: pre-norm
+  residual blocks of Linear ``w → w`` + tanh-GELU, LeCun init, linear readout) with ``mlp_depth``
+  blocks at width ``w``. docs/reference.md does not give the paper's MLP sizes for this figure.
 - **Growing temperatures** scale with the width: ``T = T_paper · √(w / 3072)`` (gws 6, RBF 10
   at 3072). RMS-normalised queries have ``‖q‖² = w``, so the logits ``⟨q, k⟩ / (T√w)`` and
   RBF exponents ``‖q − k‖² / (2T√w)`` as functions of the cosine between query and key are
   then the paper's; the random projection nearly preserves cosines. (Unscaled, the RBF net
   diverged at ``w = 256`` in a probe.)
-- **Learning rates** were chosen by a small sweep at the default width (docs); SPEC §6's
-  tuned values are for the 3072-wide, 8-block ResNet-MLP and one epoch, and FOOF has none.
-  :meth:`OptimizerComparisonConfig.paper` uses SPEC §6's values where they exist.
+- **Learning rates** were chosen by a small sweep at the default width (docs);
+  docs/reference.md §6's tuned values are for the 3072-wide, 8-block ResNet-MLP and one epoch, and
+  FOOF has none. :meth:`OptimizerComparisonConfig.paper` uses docs/reference.md §6's values where
+  they exist.
 - **Muon's precision.** ``torch.optim.Muon`` runs Newton–Schulz in bfloat16, which a CPU
   computes about 25× slower than float32 (measured: 0.45 s against 0.018 s for one 256 × 256
   matrix). ``muon_ns_dtype="auto"`` uses :class:`Float32Muon` (the same update, float32
@@ -128,8 +129,8 @@ METHODS = {
     "rbf": "growing RBF",
 }
 PAPER_WIDTH = 3072  # the flattened image: the paper's residual stream
-INITIAL_ENTRIES = 16  # the gws model's initial entries per layer (SPEC §6)
-_PAPER_TEMPERATURE = {"gws": 6.0, "rbf": 10.0}  # SPEC §6, at width 3072
+INITIAL_ENTRIES = 16  # the gws model's initial entries per layer (docs/reference.md §6)
+_PAPER_TEMPERATURE = {"gws": 6.0, "rbf": 10.0}  # docs/reference.md §6, at width 3072
 _CLASSIC = ("mlp-sgd", "mlp-adam", "mlp-rmsprop")  # the optimizers the growing models beat
 _METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}
 _DEVICES = ("auto", "cpu", "cuda")
@@ -155,7 +156,7 @@ class Float32Muon(torch.optim.Muon):
     parameter's dtype, if wider). Constructor arguments and state are torch's; only
     ``adjust_lr_fn`` ``None``/``"original"`` and ``"match_rms_adamw"`` are accepted.
 
-    References: Jordan 2024 (Muon); SPEC §6, §7.
+    References: Jordan 2024 (Muon); docs/reference.md §6, §7.
     """
 
     @torch.no_grad()
@@ -210,7 +211,7 @@ def _muon_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 @dataclass(frozen=True)
 class OptimizerComparisonConfig:
-    """Settings of the multi-epoch optimizer comparison (SPEC §8).
+    """Settings of the multi-epoch optimizer comparison (docs/reference.md §8).
 
     The defaults (5 000 train / 2 000 test images, width 256, a 4-block MLP, 10 epochs,
     3 130 steps, one seed) were chosen from measured step costs on this project's two shared
@@ -231,7 +232,7 @@ class OptimizerComparisonConfig:
         width: ``w``, the width of the fixed random input projection shared by all methods
             (``None``: no projection, ``w = 3072``).
         mlp_depth: residual blocks of the MLP (each one Linear ``w → w``).
-        growing_depth: blocks of the growing models (SPEC §6: 2).
+        growing_depth: blocks of the growing models (docs/reference.md §6: 2).
         sgd_lr, adam_lr, rmsprop_lr, muon_lr, foof_lr: learning rates of the MLP's
             optimizers (``muon_lr``: Muon's matrices; the biases get Adam 1e−3).
         foof_damping: FOOF's λ added to the diagonal of the input second moment.
@@ -242,7 +243,7 @@ class OptimizerComparisonConfig:
             6 and 10 scaled by ``√(w / 3072)``).
         seeds: the comparison runs once per seed (initialisation and orders of the images).
         skip_missing: skip a data set that is not found (saying so) instead of stopping.
-        batch_size: samples per step (SPEC §6: 16).
+        batch_size: samples per step (docs/reference.md §6: 16).
         eval_batch_size: images per prediction batch when measuring.
         data_dir: folder holding the data (see :func:`rcdl.cifar.load_cifar`; ``None``
             searches ``$RCDL_DATA``, then the cache).
@@ -330,14 +331,15 @@ class OptimizerComparisonConfig:
 
     @classmethod
     def paper(cls, **overrides: Any) -> OptimizerComparisonConfig:
-        """The paper's scale as far as SPEC states it: the whole data sets (50 000 train /
-        10 000 test), no projection (``w = 3072``), SPEC §6's backbones (the ResNet-MLP's 8
-        blocks, the growing models' 2) and SPEC §6's tuned learning rates at batch 16 (SGD
-        1e−3, Adam 1e−4, RMSprop 1e−4, Muon 1e−3). SPEC gives neither this figure's MLP
-        sizes nor its number of epochs: the 8-block MLP is SPEC §6's one-epoch baseline and
-        the 10 epochs are this project's choice; FOOF keeps the default's swept settings.
-        A GPU job: the growing models end with 500 000 entries per layer (about 37 GB in
-        float32 for the two of them, one at a time: about 18.5 GB each)."""
+        """The paper's scale as far as docs/reference.md states it: the whole data sets (50 000
+        train / 10 000 test), no projection (``w = 3072``), docs/reference.md §6's backbones (the
+        ResNet-MLP's 8 blocks, the growing models' 2) and docs/reference.md §6's tuned learning
+        rates at batch 16 (SGD 1e−3, Adam 1e−4, RMSprop 1e−4, Muon 1e−3). docs/reference.md gives
+        neither this figure's MLP sizes nor its number of epochs: the 8-block MLP is
+        docs/reference.md §6's one-epoch baseline and the 10 epochs are this project's choice; FOOF
+        keeps the default's swept settings. A GPU job: the growing models end with 500 000 entries
+        per layer (about 37 GB in float32 for the two of them, one at a time: about 18.5 GB
+        each)."""
         paper = {"train_size": None, "test_size": None, "width": None, "mlp_depth": 8,
                  "epochs": 10, "sgd_lr": 1e-3, "adam_lr": 1e-4, "rmsprop_lr": 1e-4,
                  "muon_lr": 1e-3}  # fmt: skip
@@ -699,8 +701,8 @@ def epoch_rows(runs: list[dict[str, Any]], names: tuple[str, ...], *,
 
 
 def verdict(rows: list[dict[str, Any]], dataset: str, epochs: int) -> dict[str, Any]:
-    """The SPEC §8 claims checked on one data set's rows: do the growing models beat the
-    SGD/Adam/RMSprop MLPs on final test accuracy; which method has the lowest training loss
+    """The claims of docs/reference.md §8 checked on one data set's rows: do the growing models beat
+    the SGD/Adam/RMSprop MLPs on final test accuracy; which method has the lowest training loss
     after the first and the last epoch; which MLP optimizer is best."""
     at = {e: {r["method"]: r for r in rows if r["dataset"] == dataset and r["epoch"] == e}
           for e in (1, epochs)}  # fmt: skip
@@ -854,7 +856,7 @@ def write_report(run: RunDir, cfg: OptimizerComparisonConfig, summary: dict[str,
            f"{cfg.muon_ns_dtype if cfg.muon_ns_dtype != 'auto' else 'auto precision'}), FOOF "
            f"{cfg.foof_lr:g} (damping {cfg.foof_damping:g}, momentum 0.85)")  # fmt: skip
     parts = [
-        "# Multi-epoch optimizer comparison (SPEC §8)",
+        "# Multi-epoch optimizer comparison (docs/reference.md §8)",
         f"Every method sees {width}, {cfg.epochs} epochs (each a fresh order), batch "
         f"{cfg.batch_size}, cross-entropy. MLP: ResNet-MLP with {cfg.mlp_depth} blocks at width "
         f"{cfg.input_width}; learning rates {lrs}. Growing models: {cfg.growing_depth} blocks, "
@@ -883,9 +885,9 @@ def write_report(run: RunDir, cfg: OptimizerComparisonConfig, summary: dict[str,
                     title=f"{title}, {d['n_train']:,} training images, w = {cfg.input_width}",
                     labels={m: METHODS[m] for m in cfg.methods})  # fmt: skip
     parts += [
-        "Paper (SPEC §8): the weighted-softmax and RBF growing models clearly beat the "
-        "SGD/Adam/RMSprop MLPs and drop the training loss fastest; Muon is the best parametric "
-        "optimizer on CIFAR-10, Mesa/FOOF on CIFAR-100 (no numbers given).",
+        "Paper (docs/reference.md §8): the weighted-softmax and RBF growing models clearly "
+        "beat the SGD/Adam/RMSprop MLPs and drop the training loss fastest; Muon is the best "
+        "parametric optimizer on CIFAR-10, Mesa/FOOF on CIFAR-100 (no numbers given).",
         f"Machine: {describe_machine(device)}.\n",
     ]
     report = "\n\n".join(parts)

@@ -1,4 +1,4 @@
-"""The hybrid network's τ sweep, the paper's Fig. 5 (SPEC §4, §8).
+"""The hybrid network's τ sweep, the paper's Fig. 5 (docs/reference.md §4, §8).
 
 Run it with ``rcdl reproduce hybrid-tau-sweep`` (see docs/hybrid.md).
 
@@ -18,8 +18,8 @@ outputs of its own in the run folder::
                                  test accuracy, test loss, wall time; then the references
     entries_vs_accuracy.png      test accuracy against final entries stored
 
-On the scale: in the residual stream of SPEC §6 every query is RMS-normalised, so its norm
-is √3072 ≈ 55.4 and distances lie in [0, 111]. On 2 000 CIFAR-10 training images the
+On the scale: in the residual stream of docs/reference.md §6 every query is RMS-normalised, so its
+norm is √3072 ≈ 55.4 and distances lie in [0, 111]. On 2 000 CIFAR-10 training images the
 nearest earlier image (first layer, before any Adam step) is farther than 30 / 50 / 60 / 70
 for about 94 / 39 / 7 / 0.3 % of the samples, hence the default thresholds.
 """
@@ -224,10 +224,10 @@ def write_sweep_report(run: RunDir, rows: list[dict[str, Any]],
     """Write ``tau_sweep.md``, ``tau_sweep.csv`` and ``entries_vs_accuracy.png``."""
     d = summary["data"]
     lines = [
-        "# Hybrid τ sweep (the paper's Fig. 5, SPEC §4)\n",
+        "# Hybrid τ sweep (the paper's Fig. 5, docs/reference.md §4)\n",
         f"{d['n_train']:,} train / {d['n_test']:,} test CIFAR-10 images, one pass, batch 16; "
-        "hybrid network of SPEC §6 (3 blocks + readout, T = 5, η = 1, β = 30, Adam 1e−3 on "
-        "every entry) with the distance gate at τ.\n",
+        "hybrid network of docs/reference.md §6 (3 blocks + readout, T = 5, η = 1, β = 30, "
+        "Adam 1e−3 on every entry) with the distance gate at τ.\n",
         "| model | τ | entries stored | of possible | store | test acc. % | test loss "
         "| train s | eval s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -1,9 +1,9 @@
-"""Teacher–student regression: growing vs size-matched parametric softmax (SPEC §8).
+"""Teacher–student regression: growing vs size-matched parametric softmax (docs/reference.md §8).
 
 Run it with ``rcdl reproduce teacher-student`` (see docs/teacher_student.md).
 
-The paper's claim (SPEC §8): a random teacher network generates the data, and the growing
-weighted-softmax student clearly beats a parametric softmax whose size matches the
+The paper's claim (docs/reference.md §8): a random teacher network generates the data, and the
+growing weighted-softmax student clearly beats a parametric softmax whose size matches the
 student's final database. For every seed a fresh random teacher MLP
 (:func:`rcdl.data.make_teacher_data`: Gaussian inputs ``x ~ N(0, I_{d_in})``, targets
 rescaled to mean 0 and variance 1, so predicting 0 scores a test MSE of about 1) labels
@@ -11,14 +11,14 @@ rescaled to mean 0 and variance 1, so predicting 0 scores a test MSE of about 1)
 once, in the same order and the same batches, on the squared loss:
 
 ==============  ===========================================================================
-``gws``         growing weighted softmax: the residual backbone of SPEC §6 on the input
+``gws``         growing weighted softmax: the residual backbone of docs/reference.md §6 on the input
                 (width ``d_in``, no input projection), ``depth`` blocks ``d_in → d_in`` and
                 a readout ``d_in → d_out``, all :class:`~rcdl.layers.GrowingSoftmax` with
                 ``initial_entries`` initial entries; learns by growth only, the clipped rule
-                ``ClippedSoftmaxRule(η, β)`` (SPEC §3): one entry per sample per layer,
+                ``ClippedSoftmaxRule(η, β)`` (docs/reference.md §3): one entry per sample per layer,
                 ``initial_entries + n_train`` entries per layer at the end
-``parametric``  parametric softmax (SPEC §5): the same backbone with a fixed table of ``P``
-                entries per layer (keys, weighted values, weights), trained by Adam; ``P``
+``parametric``  parametric softmax (docs/reference.md §5): the same backbone with a fixed table of
+                ``P`` entries per layer (keys, weighted values, weights), trained by Adam; ``P``
                 defaults to ``initial_entries + n_train``, the growing student's final size
 ``mlp``         :class:`~rcdl.networks.MLP` ``d_in → mlp_width × mlp_depth → d_out`` (ReLU),
                 trained by Adam
@@ -33,11 +33,11 @@ Decisions (measured in docs/teacher_student.md):
   the growing stores (which add a timestamp per entry).
 - **Hyperparameters.** Each student got a small sweep on this task (seeds 0 and 1):
   the growing rule over T 0.25–2, β 0.1–3, η 0.01–3 at 4 000 samples, then the best few at
-  16 000: T = 0.7, β = η = 1 (β/η ≥ 30 diverges). SPEC §6's CIFAR-10 setting (T = 6,
+  16 000: T = 0.7, β = η = 1 (β/η ≥ 30 diverges). docs/reference.md §6's CIFAR-10 setting (T = 6,
   β = 3, η = 0.003) diverges here within ten steps: at ``d_in = 32`` the self-logit
   ``√d_in / T`` is below 1, so every new entry weighs on every query about as much as on
   its own, while its weight is at most ``η B``; a batch's values ``−β g`` overshoot. The
-  parametric student keeps SPEC §5's T = 3 and Adam 1e−3, the best of T ∈ {1, 3} ×
+  parametric student keeps docs/reference.md §5's T = 3 and Adam 1e−3, the best of T ∈ {1, 3} ×
   lr ∈ {1e−3, 3e−3, 1e−2} at 16 000 samples (lr 1e−2 wins at 4 000 samples, with four
   times fewer steps). The MLP: width 256, Adam 3e−3 (of widths 64, 256 × lr 1e−3–1e−2).
 - **Seeds.** Seed ``s`` fixes the teacher (``TeacherConfig(seed=s)``), the data, the
@@ -114,7 +114,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class TeacherStudentConfig:
-    """Settings of the teacher–student comparison (SPEC §8).
+    """Settings of the teacher–student comparison (docs/reference.md §8).
 
     The defaults (a 32 → 64 × 2 → 1 tanh teacher, 16 000 training samples, three seeds) ran
     in 7.1 minutes (measured) on this project's two shared, loaded CPU cores at one thread:
@@ -135,13 +135,14 @@ class TeacherStudentConfig:
             the initialisation and the sample order.
         depth: residual blocks of both softmax students (``depth + 1`` layers with the
             readout).
-        initial_entries: initial entries per layer of the growing student (SPEC §6: 16).
+        initial_entries: initial entries per layer of the growing student
+            (docs/reference.md §6: 16).
         temperature, beta, eta: the growing student's T and its clipped rule's β and η
-            (per-sample units, SPEC §3).
+            (per-sample units, docs/reference.md §3).
         parametric_entries: table size ``P`` per layer of the parametric student (``None``:
             ``initial_entries + n_train``, the growing student's final size per layer).
-        parametric_temperature, parametric_lr: its T and Adam learning rate (SPEC §5: 3,
-            1e−3).
+        parametric_temperature, parametric_lr: its T and Adam learning rate
+            (docs/reference.md §5: 3, 1e−3).
         mlp_width, mlp_depth, mlp_lr: the MLP student (ReLU) and its Adam learning rate.
         batch_size: samples per step ``B``.
         eval_every: steps between evaluations of the test MSE (also before the first and
@@ -535,11 +536,11 @@ def write_report(run: RunDir, cfg: TeacherStudentConfig, summary: dict[str, Any]
             f"parametric student's (per seed: "
             f"{', '.join(f'{r:.3f}' for r in v['per_seed_ratio'])}); it is lower on "
             f"{len(v['gws_better_on'])} of {len(v['seeds'])} seeds. The paper reports that "
-            "the growing student clearly beats the size-matched parametric softmax (SPEC §8; "
-            "no numbers given)."
+            "the growing student clearly beats the size-matched parametric softmax "
+            "(docs/reference.md §8; no numbers given)."
         )
     report = "\n\n".join(part for part in [
-        "# Teacher–student regression (SPEC §8)", task, students,
+        "# Teacher–student regression (docs/reference.md §8)", task, students,
         results_table(summary["rows"]),
         "Test MSE after the pass, mean ± sd over seeds; train s: seconds of training "
         "(forward, backward, update or growth), eval s: seconds of evaluating the test MSE "

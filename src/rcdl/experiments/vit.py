@@ -1,11 +1,11 @@
-"""ViT on CIFAR-10 with RCDL feed-forward blocks against the standard ViT (SPEC §8).
+"""ViT on CIFAR-10 with RCDL feed-forward blocks against the standard ViT (docs/reference.md §8).
 
 Run it with ``rcdl reproduce vit`` (see docs/vit.md).
 
-The paper's finding (SPEC §8): after one epoch on CIFAR-10, a standard ViT reaches 48.4 %
-and the same ViT with its feed-forward blocks replaced by (hybrid) weighted-softmax RCDL
-layers reaches 54.4 %. SPEC does not give the paper's ViT size, patching, optimiser or RCDL
-settings; the ones here are this project's choices (:class:`ViTConfig`). Two models, built
+The paper's finding (docs/reference.md §8): after one epoch on CIFAR-10, a standard ViT reaches
+48.4 % and the same ViT with its feed-forward blocks replaced by (hybrid) weighted-softmax RCDL
+layers reaches 54.4 %. docs/reference.md does not give the paper's ViT size, patching, optimiser or
+RCDL settings; the ones here are this project's choices (:class:`ViTConfig`). Two models, built
 by :mod:`rcdl.vit` from the same parts and the same initial random numbers for the shared
 parts (patch embedding, position embedding, class token, attention, norms, head):
 
@@ -20,7 +20,7 @@ parts (patch embedding, position embedding, class token, attention, norms, head)
 
 Protocol: one pass over a random permutation of the training images (the same order for
 both models: it depends on the seed only), batch 16, batch-mean cross-entropy, test accuracy
-and loss every ``eval_every`` steps and at the end (SPEC §6's protocol on tokens).
+and loss every ``eval_every`` steps and at the end (docs/reference.md §6's protocol on tokens).
 
 Run folder::
 
@@ -78,7 +78,8 @@ __all__ = ["EXPERIMENT", "MODELS", "PAPER", "ViTConfig", "build_model", "load_da
 
 EXPERIMENT = "vit"
 MODELS = {"mlp": "ViT, MLP feed-forward blocks", "rcdl": "ViT, RCDL feed-forward blocks"}
-PAPER = {"mlp": 48.4, "rcdl": 54.4}  # SPEC §8: one epoch, full CIFAR-10, test accuracy in %
+# docs/reference.md §8: one epoch, full CIFAR-10, test accuracy in %
+PAPER = {"mlp": 48.4, "rcdl": 54.4}
 _METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}
 _DEVICES = ("auto", "cpu", "cuda")
 _POOLS = ("cls", "mean")
@@ -89,13 +90,13 @@ _POOLS = ("cls", "mean")
 
 @dataclass(frozen=True)
 class ViTConfig:
-    """Settings of the ViT comparison (SPEC §8).
+    """Settings of the ViT comparison (docs/reference.md §8).
 
     The defaults follow the paper's protocol (one pass over all 50 000 training images, all
     10 000 test images) with a ViT small enough for this project's two shared CPU cores:
     patch 8 (17 tokens), width 64, 4 blocks; both models together in an estimated 15
     minutes at one thread (docs/vit.md). :meth:`quick` is a smoke test; :meth:`paper` a
-    larger ViT (the paper's ViT size is not in SPEC).
+    larger ViT (the paper's ViT size is not given in docs/reference.md).
 
     Attributes:
         models: names from :data:`MODELS`, trained in this order.
@@ -110,12 +111,12 @@ class ViTConfig:
         temperature: T of the RCDL layers; logits are ``⟨q, k⟩ / (T √d)`` with
             ``‖q‖ = √d``, so they range over ``±√d / T`` (4 at the defaults).
         tau_rel: the distance gate's threshold relative to the token norm,
-            ``τ = tau_rel · √d`` (SPEC §6's τ = 50 at d = 3072 is 0.90 √d).
-        eta, beta: the gws rule's η and β (per-sample units, SPEC §3).
-        initial_entries: entries each RCDL layer starts with (SPEC §6: 16).
+            ``τ = tau_rel · √d`` (docs/reference.md §6's τ = 50 at d = 3072 is 0.90 √d).
+        eta, beta: the gws rule's η and β (per-sample units, docs/reference.md §3).
+        initial_entries: entries each RCDL layer starts with (docs/reference.md §6: 16).
         ffn_scale: fixed scale γ of the RCDL FFN's output.
         lr: Adam's learning rate for both models (entries and parameters alike).
-        batch_size: images per step (SPEC §6: 16).
+        batch_size: images per step (docs/reference.md §6: 16).
         eval_every: steps between test evaluations (also at the start and the end).
         eval_batch_size: test images per prediction batch.
         data_dir: folder holding ``cifar10.npz`` or the official files (``None``: search
@@ -210,8 +211,8 @@ class ViTConfig:
         """A larger run on all of CIFAR-10 (50 000 / 10 000 images): patch 4 (65 tokens),
         width 128, 6 blocks, 4 heads, T scaled with the width so that ``√d / T`` stays 4.
 
-        SPEC does not give the paper's ViT size; this is a common small CIFAR ViT, not the
-        paper's model. It needs a GPU (hours on this project's CPUs; see docs/vit.md).
+        docs/reference.md does not give the paper's ViT size; this is a common small CIFAR ViT, not
+        the paper's model. It needs a GPU (hours on this project's CPUs; see docs/vit.md).
         """
         paper = {"train_size": None, "test_size": None, "patch_size": 4, "width": 128,
                  "depth": 6, "heads": 4, "temperature": math.sqrt(128) / 4}  # fmt: skip
@@ -522,11 +523,12 @@ def write_report(run: RunDir, cfg: ViTConfig, summary: dict[str, Any],
             stores.append(f"- seed {r['seed']}: entries per block {cells} of "
                           f"{r['layers'][0]['possible']:,} tokens seen per block.")
     report = "\n\n".join([
-        "# ViT with RCDL feed-forward blocks on CIFAR-10 (SPEC §8)", protocol, model,
+        "# ViT with RCDL feed-forward blocks on CIFAR-10 (docs/reference.md §8)", protocol, model,
         results_table(summary["rows"]),
         "Accuracy in percent, loss in nats (mean ± sd over seeds); entries and store: the "
-        "RCDL layers' stored entries and their bytes at the end. The paper's numbers (SPEC "
-        "§8) are for one epoch on all of CIFAR-10 with a ViT whose size SPEC does not give.",
+        "RCDL layers' stored entries and their bytes at the end. The paper's numbers "
+        "(docs/reference.md §8) are for one epoch on all of CIFAR-10 with a ViT whose size is "
+        "not given there.",
         "\n".join(["Store sizes at the end (fraction of the tokens that wrote an entry):",
                    *stores]) if stores else "",
         f"Data: {d['source']}, {d['provenance']}.\nMachine: {describe_machine(device)}.\n",
