@@ -323,3 +323,16 @@ def test_provenance_recognises_the_same_arrays_saved_again(tmp_path):
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
     assert digest(tmp_path / "bad.npz") is None
     assert "unknown provenance" in cifar10.data_provenance(tmp_path / "a.npz")
+
+
+def test_a_combined_table_can_be_a_source(run, second_run, tmp_path):
+    """A model run later joins a committed table whose own run folders are gone."""
+    first, _ = cifar10.combine_runs([run], tmp_path / "first", models=["gws", "mlp-sgd"])
+    _, direct = cifar10.combine_runs([second_run, run], tmp_path / "direct",
+                                     models=["rbf", "gws", "mlp-sgd"])
+    _, layered = cifar10.combine_runs([second_run, first], tmp_path / "layered")
+    assert layered["models"] == direct["models"]
+    assert layered["combined_from"] == direct["combined_from"]
+    assert sorted(layered["runs"], key=str) == sorted(direct["runs"], key=str)
+    with pytest.raises(ValueError, match="not only combined tables"):
+        cifar10.combine_runs([first], tmp_path / "alone")

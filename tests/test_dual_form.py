@@ -93,3 +93,17 @@ def test_sgd_copy_is_independent():
     to_dual_form(mlp, lr=0.1)
     for k, v in mlp.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+def test_models_with_other_trainable_parameters_are_refused_by_name():
+    """A LayerNorm's scale or an embedding would stay untrained in the dual form, so the copy
+    would not be the SGD-trained model: refused, naming them."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.LayerNorm(6),
+                                torch.nn.Linear(6, 3))
+    with pytest.raises(ValueError, match=r"outside nn.Linear layers \(0.weight, 1.weight, "
+                                         r"1.bias\)"):
+        to_dual_form(model, lr=0.1)
+    for module in (model[0], model[1]):
+        module.requires_grad_(False)  # frozen: nothing left untrained, so it is accepted
+    dual = to_dual_form(model, lr=0.1)
+    assert not any(p.requires_grad for p in dual.parameters())

@@ -131,3 +131,45 @@ def test_leading_dims_are_flattened():
     layer(x).pow(2).mean().backward()
     grower.step()
     assert len(layer.store) == 20
+
+
+def test_every_network_is_built_the_same_way():
+    """``Net(d_in, d_out, depth, *, temperature, rule, ...)``, the hidden width as width=."""
+    from rcdl import (
+        ClippedSoftmaxRule,
+        GaugeSoftmaxRule,
+        GrowingSoftmaxNet,
+        HybridSoftmaxNet,
+    )  # fmt: skip
+
+    nets = [
+        GrowingRBFNet(5, 3, 2, temperature=1.0, rule=FunctionalSGD(0.5), width=7),
+        GrowingSoftmaxNet(5, 3, 2, temperature=1.0, rule=ClippedSoftmaxRule(0.1, 1.0), width=7),
+        GrowingSoftmaxNet(5, 3, 2, temperature=1.0, rule=GaugeSoftmaxRule(1.0, 0.1, 1.0)),
+        HybridSoftmaxNet(5, 3, 2, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 1.0)),
+    ]
+    for net in nets:
+        assert len(net.blocks) == 2 and net(torch.randn(4, 5)).shape == (4, 3)
+    assert nets[0].readout.d_in == nets[1].readout.d_in == 7
+
+
+def test_the_old_rbf_net_signature_says_what_changed():
+    with pytest.raises(TypeError, match=r"hidden width moved .* to width="):
+        GrowingRBFNet(5, None, 3, 2, temperature=1.0, rule=FunctionalSGD(0.5))
+
+
+def test_rules_are_typed():
+    from rcdl import LearningRule
+
+    assert isinstance(FunctionalSGD(0.1), LearningRule)
+    with pytest.raises(TypeError, match="rule must be a rcdl.rules.LearningRule"):
+        GrowingRBF(3, 2, temperature=1.0, rule=0.5)
+    with pytest.raises(TypeError, match="per_sample=False"):
+        GrowingLinear(3, 2, rule=FunctionalSGD(0.1))  # per-sample units: not SGD's dual
+
+
+def test_deprecated_builders_still_work_and_say_so():
+    from rcdl import ClippedSoftmaxRule, growing_softmax_net
+
+    with pytest.warns(DeprecationWarning, match="use GrowingSoftmaxNet"):
+        growing_softmax_net(5, 3, 1, temperature=1.0, rule=ClippedSoftmaxRule(0.1, 1.0))

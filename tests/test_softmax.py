@@ -11,7 +11,7 @@ from rcdl import ClippedSoftmaxRule, GaugeSoftmaxRule, Grower, GrowingSoftmax, n
 
 RULES = {
     "gws": ClippedSoftmaxRule(eta=0.3, beta=2.0),
-    "exact": ClippedSoftmaxRule(eta=0.3, beta=2.0, normalize=True),
+    "normalized": ClippedSoftmaxRule(eta=0.3, beta=2.0, normalize=True),
     "gauge": GaugeSoftmaxRule(alpha=2.0, eta=0.3, beta=5.0),
 }
 LOSSES = {
@@ -119,17 +119,25 @@ def test_gws_weights_are_clipped_and_non_negative():
     assert (weights >= 0).all() and (weights <= 100.0 * 8).all()
 
 
-def test_exact_rule_divides_by_the_normaliser():
+def test_normalized_rule_divides_the_clipped_rule_by_the_normaliser():
+    """``normalize=True`` is the clipped gws rule divided by Z(q), clip and max(0, ·) kept
+    (it was called ``exact``, which it is not where the clip or the max act)."""
     q, y = data(3)
     entries = {}
-    for name in ("gws", "exact"):
+    for name in ("gws", "normalized"):
         layer = random_layer(RULES[name])
         F.mse_loss(layer(q), y).backward()
         entries[name] = layer.propose()
         z = torch.exp(layer.log_normalizer(q))
         layer.discard()
-    assert_close(entries["exact"][1], entries["gws"][1] / z[:, None])
-    assert_close(entries["exact"][2], entries["gws"][2] / z)
+    assert_close(entries["normalized"][1], entries["gws"][1] / z[:, None])
+    assert_close(entries["normalized"][2], entries["gws"][2] / z)
+    layer = random_layer(ClippedSoftmaxRule(eta=100.0, beta=1.0, normalize=True))
+    F.mse_loss(layer(q) * 50, y).backward()
+    assert (layer.propose()[2] >= 0).all()  # the max(0, ·) is kept
+    layer.discard()
+    with pytest.raises(TypeError, match="exact"):
+        ClippedSoftmaxRule(eta=0.3, beta=2.0, exact=True)  # the misleading name is gone
 
 
 def test_query_gradient_matches_dense_reference():

@@ -220,8 +220,13 @@ class GrowingRBFNet(ResidualNet):
         GrowingRBFNet(3072, 10, 2, temperature=10.0, rule=FunctionalSGD(10.0))
     """
 
-    def __init__(self, d_in: int, d_out: int, depth: int, *, temperature: float,
-                 rule: LearningRule, **kw) -> None:
+    def __init__(self, d_in: int, d_out: int, depth: int, *old_args: int,
+                 temperature: float, rule: LearningRule, **kw) -> None:
+        if old_args or d_out is None:
+            raise TypeError(
+                "GrowingRBFNet(d_in, d_out, depth, *, temperature, rule, width=None): the hidden "
+                "width moved from the second positional argument to width=, and lr=η became "
+                "rule=FunctionalSGD(η)")
         _check_widths(type(self).__name__, d_in, d_out, depth)
 
         def rbf(a: int, b: int) -> GrowingRBF:

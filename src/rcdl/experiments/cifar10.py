@@ -781,10 +781,17 @@ def _write_outputs(folder: Path, report: str, summary: dict[str, Any],
 _PER_RUN_SETTINGS = ("models", "seeds", "data_dir", "device", "checkpoint", "checkpoint_every")
 
 
-def _finished_runs(run_dir: Path) -> tuple[Cifar10Config, dict[str, Any]]:
-    """The config and summary of ``run_dir``; an error if no (model, seed) pair finished."""
-    cfg = load_run_config(run_dir)
+def _finished_runs(run_dir: Path) -> tuple[Cifar10Config | None, dict[str, Any]]:
+    """The config and summary of ``run_dir``; an error if no (model, seed) pair finished.
+
+    A folder written by :func:`combine_runs` (a ``summary.json`` with ``combined_from`` and no
+    ``config.json``, e.g. a committed table) has no config: ``(None, summary)``."""
     path = run_dir / RunDir.SUMMARY
+    if not (run_dir / RunDir.CONFIG).is_file() and path.is_file():
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        if "combined_from" in summary:
+            return None, summary
+    cfg = load_run_config(run_dir)
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no {RunDir.SUMMARY}, so no model finished there")
     summary = json.loads(path.read_text(encoding="utf-8"))
@@ -823,7 +830,10 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
     after checking that they share the protocol (sizes, batch, evaluation schedule, dtype,
     data seed and data provenance); a (model, seed) pair finished in two folders is an
     error. Unfinished pairs of an interrupted run are not in its summary and are ignored.
-    ``models`` keeps only those models (each must have finished in some folder).
+    ``models`` keeps only those models (each must have finished in some folder). A folder
+    that is itself a combined table (one written here, e.g. a committed one) may be a source
+    too: its runs keep their own sources, so a new model can be added to a table whose
+    original run folders are gone.
 
     Writes into ``out``: ``summary.json`` (the runs, per-model rows and, per source
     folder, its path, models, sessions and environment), ``results.md``, ``results.csv``
@@ -834,13 +844,20 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
         raise ValueError("combine: give at least one run folder")
     folders = [Path(p) for p in run_dirs]
     loaded = [(folder, *_finished_runs(folder)) for folder in folders]
-    first_folder, first_cfg, first_summary = loaded[0]
+    with_config = [entry for entry in loaded if entry[1] is not None]
+    if not with_config:
+        raise ValueError("combine: give at least one run folder (not only combined tables): "
+                         "its config describes the protocol")
+    first_folder, first_cfg, first_summary = with_config[0]
     protocol = _protocol(first_cfg, first_summary["data"])
     runs: list[dict[str, Any]] = []
     origin: dict[tuple[str, int], Path] = {}
     sources = []
     for folder, cfg, summary in loaded:
-        theirs = _protocol(cfg, summary["data"])
+        if cfg is None:  # a combined table: its runs keep their sources, listed after it
+            theirs = summary["protocol"]
+        else:
+            theirs = _protocol(cfg, summary["data"])
         if theirs != protocol:
             diff = {k: (protocol[k], theirs[k]) for k in protocol if protocol[k] != theirs[k]}
             raise ValueError(f"combine: {folder} used another protocol than {first_folder} "
@@ -853,7 +870,14 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
                 raise ValueError(f"combine: {r['model']} seed {r['seed']} finished in both "
                                  f"{origin[key]} and {folder}; leave one of them out")
             origin[key] = folder
-            runs.append({**r, "source": str(folder)})
+            runs.append({**r, "source": r["source"] if cfg is None else str(folder)})
+        if cfg is None:
+            for src in summary["combined_from"]:
+                kept = [m for m in src["models"]
+                        if any(r["source"] == src["path"] and r["model"] == m for r in runs)]
+                if kept:
+                    sources.append({**src, "models": kept})
+            continue
         environment = folder / RunDir.ENVIRONMENT
         sources.append({
             "path": str(folder),
