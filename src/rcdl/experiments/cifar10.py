@@ -854,10 +854,8 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
     origin: dict[tuple[str, int], Path] = {}
     sources = []
     for folder, cfg, summary in loaded:
-        if cfg is None:  # a combined table: its runs keep their sources, listed after it
-            theirs = summary["protocol"]
-        else:
-            theirs = _protocol(cfg, summary["data"])
+        # a combined table (no config) states its protocol; its runs keep their sources
+        theirs = summary["protocol"] if cfg is None else _protocol(cfg, summary["data"])
         if theirs != protocol:
             diff = {k: (protocol[k], theirs[k]) for k in protocol if protocol[k] != theirs[k]}
             raise ValueError(f"combine: {folder} used another protocol than {first_folder} "
