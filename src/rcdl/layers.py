@@ -247,16 +247,18 @@ class GrowingLayer(nn.Module):
         """Raise ``ValueError`` naming the layer if a ready record's output or gradient is not
         finite, or its outputs grew past ``max_output_growth`` (nothing is changed)."""
         for record in self.ready_records():
-            self._check_output(record)
-            if not torch.isfinite(record.grad).all():
+            rms, grad_finite = torch.stack([  # one device sync for both
+                record.s.double().square().mean().sqrt(),
+                torch.isfinite(record.grad).all().double()]).tolist()
+            self._check_output_scale(rms)
+            if not grad_finite:
                 raise ValueError(
                     f"{self.where}: the output gradient contains NaN or inf (a NaN in the "
                     "targets or the loss?); no entry written")
 
-    def _check_output(self, record: _Record) -> None:
+    def _check_output_scale(self, rms: float) -> None:
         """Refuse a diverging layer: non-finite outputs, or outputs whose RMS grew past
         ``max_output_growth`` times the RMS at the first step where they were non-zero."""
-        rms = float(record.s.double().square().mean().sqrt())
         advice = (f"the layer is diverging: lower the learning rate (rule {self.rule}) or raise "
                   f"the temperature (T = {self.temperature}), or normalise its inputs; "
                   "no entry written")
