@@ -23,10 +23,11 @@ machine class it was made on (:func:`machine_key`: the CPU's widest vector ISA f
 flags, the torch version and the thread count). On one machine class a quick run is
 deterministic, so when the class matches the comparison is tight (:data:`TIGHT`: accuracy
 ±0.1 point, one of 1 000 test images; losses 0.1 % relative). Across CPU types the same
-command moves an accuracy by up to 0.6 point and a loss by up to 5 % (the gws row: 28.7 % /
-2.481, 29.30 / 2.483 and 28.80 / 2.361 on three machines, same code), so otherwise it is
-loose (:data:`LOOSE`: ±1.5 points, 8 % relative) and the checker says so: only large changes
-are caught there. Entry counts, store bytes, parameter counts and seeds are always exact.
+command has moved an accuracy by up to 1.4 points and a loss by up to 4.9 % (gws: 28.7 % /
+2.481, 29.30 / 2.483 and 28.80 / 2.361 on three machines; gauge: 31.1 / 2.212 and 29.70 /
+2.254 on two), so otherwise it is loose (:data:`LOOSE`: ±2.5 points, 8 % relative) and the
+checker says so: only large changes are caught there. Entry counts, store bytes, parameter
+counts and seeds are always exact.
 
 Usage (from the repository root; ``make check-results`` runs the first line)::
 
@@ -115,12 +116,13 @@ TIGHT: dict[str, Tolerance] = {
     "store_bytes": EXACT,
     "parameters": EXACT,
 }
-# On another machine class (or an unknown one). Sized from the same quick gws run on three
-# machines with the same code: 28.7 % / 2.481, 29.30 / 2.483, 28.80 / 2.361, i.e. accuracy
-# within 0.6 point and loss within 4.9 %; these leave a 1.6–2.5x margin over that.
+# On another machine class (or an unknown one). Sized from the same quick runs on different
+# CPUs (docs/results.md): gws 28.7 % / 2.481, 29.30 / 2.483, 28.80 / 2.361 on three machines,
+# gauge 31.1 / 2.212 and 29.70 / 2.254 on two, i.e. accuracy within 1.4 points and loss within
+# 4.9 %; these leave a margin of about 1.6-1.8x over that.
 LOOSE: dict[str, Tolerance] = TIGHT | {
-    "test_acc_pct": Tolerance(abs=1.5),
-    "test_acc_pct_sd": Tolerance(abs=1.5),
+    "test_acc_pct": Tolerance(abs=2.5),
+    "test_acc_pct_sd": Tolerance(abs=2.5),
     "test_loss": Tolerance(rel=0.08),
     "test_loss_sd": Tolerance(abs=0.08),
     "test_mse": Tolerance(rel=0.08),
@@ -259,23 +261,31 @@ CONFIGS: tuple[QuickConfig, ...] = (
     QuickConfig(
         name="cifar10-1epoch",
         args=("reproduce", "cifar10-1epoch", "--quick", "--models", "gws", "gauge", "rbf",
-              "mlp-sgd", "mlp-adam", "mlp-adamw", "mlp-rmsprop"),
+              "hybrid-tau50", "mlp-sgd", "mlp-adam", "mlp-adamw", "mlp-rmsprop",
+              "psoftmax-5000"),
         expected="results/cifar10-1epoch/quick.json",
         table="results/cifar10-1epoch/quick.md",
         title="One-epoch CIFAR-10, quick configuration (2 000 train / 1 000 test images)",
         note=(
-            "125 steps of batch 16 on a random 2 000-image subset of the JPEG-decoded copy, "
-            "evaluation on 1 000 random test images every 50 steps. At this size the numbers "
-            "only show that every model trains through the command; they are not comparable "
-            "with the paper's full-data figures (given for orientation).\n\n"
-            "`mlp-muon` and `psoftmax-5000` are not in this configuration. "
-            "`torch.optim.Muon`'s Newton–Schulz orthogonalisation of eight 3072 × 3072 updates "
-            "costs about 7 TFLOP per step, over a minute per step on the 2-core CPU by that "
-            "count; the first quick run was stopped there, before `psoftmax-5000` ran.\n\n"
-            "`make check-results` re-runs this command and compares it with `quick.json` "
-            "(docs/results.md); timings are this run's and are not compared."
+            "125 steps of batch 16 on a random 2 000-image subset of the JPEG-decoded copy of "
+            "CIFAR-10 in `../shared/data` (lossy, about 30 dB PSNR from the original pixels; "
+            "docs/data.md), evaluation on 1 000 random test images every 50 steps; the full "
+            "protocol is docs/reference.md §6. At this size the numbers only show that every "
+            "model trains through the command; they are not comparable with the paper's "
+            "full-data figures (given for orientation). `psoftmax-5000` is still at chance "
+            "after 125 steps (test loss ln 10 ≈ 2.303): its row shows that it runs, not that "
+            "it learns. `hybrid-tau50` is the paper's hybrid (τ = 50, the model `hybrid`).\n\n"
+            "`mlp-muon` is not in this configuration. `torch.optim.Muon`'s Newton–Schulz "
+            "orthogonalisation of eight 3072 × 3072 updates costs about 7 TFLOP per step, "
+            "over a minute per step on the 2-core CPU by that count.\n\n"
+            "These numbers belong to the machine class above. On another CPU type the same "
+            "command gives other numbers with no code change (accuracy up to 1.4 points, "
+            "loss up to 5 % apart so far; docs/results.md). `make check-results` re-runs the "
+            "command and compares it with `quick.json`: tightly on this machine class, "
+            "loosely elsewhere. Timings are this run's and are not compared."
         ),
-        minutes="5–8",  # the four MLPs take nearly all of it; gws, gauge, rbf ~10 s each
+        minutes="6",  # 5.4 min on the 2-core VM, beside another job: the 4 MLPs and
+        # psoftmax-5000 about 40-60 s each, gws, gauge, rbf a few s, hybrid-tau50 ~13 s
     ),
 )
 

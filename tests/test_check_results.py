@@ -87,10 +87,12 @@ def test_a_rerun_on_the_same_machine_class_is_compared_tightly():
 
 def test_another_machine_class_is_compared_loosely():
     """The quick gws row on three machines, same code: 28.7 / 2.481 (the committed table),
-    29.30 / 2.4826 (AVX512 + bf16 + AMX), 28.80 / 2.361 (issue 12's session): all one."""
+    29.30 / 2.4826 (AVX512 + bf16 + AMX), 28.80 / 2.361 (issue 12's session): all one; and
+    the largest accuracy move seen (gauge: 31.1 → 29.70)."""
     committed = _expected(_summary())
     for gws, isa, threads in (((29.30, 2.4826), "avx512", 1), ((28.80, 2.361), "avx2", 1),
-                              ((29.30, 2.4826), "avx512_bf16", 2)):
+                              ((29.30, 2.4826), "avx512_bf16", 2),
+                              ((28.7 - 1.4, 2.481 * 1.019), "avx2", 1)):
         now = _expected(_summary(gws=gws), environment={**ENVIRONMENT, "num_threads": threads},
                         isa=isa)
         assert not cr.same_machine(committed, now)
@@ -104,11 +106,11 @@ def test_another_machine_class_is_compared_loosely():
     unknown["made"]["machine_key"] = None
     assert not cr.same_machine(unknown, unknown)
     # large changes are still caught
-    far = _expected(_summary(gws=(27.1, 2.481 * 1.081), adam=(30.6, 1.998)), isa="avx2")
+    far = _expected(_summary(gws=(26.1, 2.481 * 1.081), adam=(31.6, 1.998)), isa="avx2")
     mismatches = cr.compare(committed, far)
     assert _whats(mismatches) == [("gws", "test_acc_pct"), ("gws", "test_loss"),
                                   ("mlp-adam", "test_acc_pct")]
-    assert {m.tolerance for m in mismatches} == {"±1.5", "±8 % rel."}
+    assert {m.tolerance for m in mismatches} == {"±2.5", "±8 % rel."}
 
 
 def test_a_stale_accuracy_is_flagged():
@@ -154,7 +156,7 @@ def test_machine_key_and_note():
     assert "same machine class" in same and "tight" in same and "±0.1" in same
     differs = cr.machine_note(committed, _expected(_summary(), isa="avx2"))
     assert "MACHINE DIFFERS" in differs and "avx2 / torch" in differs
-    assert "only large changes" in differs and "±1.5" in differs and "±8 % rel." in differs
+    assert "only large changes" in differs and "±2.5" in differs and "±8 % rel." in differs
     assert "--update" in differs and "class avx512_bf16 / torch 2.13.0+cpu / 1 thread" in differs
 
 
@@ -202,8 +204,8 @@ def test_cells_the_committed_table_never_had_are_not_compared():
     (cr.TIGHT["test_loss"], 2.0, 1.9979, False),
     (cr.TIGHT["test_loss"], 2.0, float("nan"), False),
     (cr.TIGHT["test_loss"], 2.0, None, False),
-    (cr.LOOSE["test_acc_pct"], 28.7, 30.2, True),
-    (cr.LOOSE["test_acc_pct"], 28.7, 27.19, False),
+    (cr.LOOSE["test_acc_pct"], 28.7, 31.2, True),
+    (cr.LOOSE["test_acc_pct"], 28.7, 26.19, False),
     (cr.LOOSE["test_loss"], 2.0, 2.159, True),
     (cr.LOOSE["test_loss"], 2.0, 1.839, False),
     (cr.LOOSE["entries"], 6048, 6047, False),  # counts are exact on any machine
