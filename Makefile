@@ -21,7 +21,9 @@ lint:
 	$(PYTHON) -m ruff check src tests benchmarks
 
 # Re-run every committed --quick configuration under results/ and compare it with its committed
-# numbers (docs/results.md). Data: $RCDL_DATA, else ../shared/data; extra flags in ARGS, e.g.
+# numbers (docs/results.md): tightly on the machine class recorded there (CPU ISA, torch, threads;
+# the runs use 1 thread unless $OMP_NUM_THREADS or ARGS="--threads N"), loosely elsewhere.
+# Data: $RCDL_DATA, else ../shared/data; extra flags in ARGS, e.g.
 # make check-results ARGS="--only cifar10-1epoch --data-dir DIR"   (or ARGS=--update, --list)
 check-results:
 	$(PYTHON) benchmarks/check_results.py $(ARGS)
