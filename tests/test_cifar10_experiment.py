@@ -12,26 +12,8 @@ from rcdl.experiments import cifar10
 from rcdl.experiments.cifar10 import MODELS, Cifar10Config, build_model, model_spec
 from rcdl.networks import ResNetMLP
 
-CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-           "truck")  # fmt: skip
 TINY = ["--train-size", "48", "--test-size", "24", "--eval-every", "2", "--device", "cpu",
         "--no-progress", "--no-download"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """A random CIFAR-10 in the npz layout: 64 train / 32 test images."""
-    folder = tmp_path_factory.mktemp("data")
-    rng = np.random.default_rng(0)
-    np.savez(
-        folder / "cifar10.npz",
-        x_train=rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8),
-        y_train=rng.integers(0, 10, 64).astype(np.int64),
-        x_test=rng.integers(0, 256, (32, 32, 32, 3), dtype=np.uint8),
-        y_test=rng.integers(0, 10, 32).astype(np.int64),
-        class_names=np.array(CLASSES),
-    )
-    return folder
 
 
 def _reproduce(data_dir, *argv):

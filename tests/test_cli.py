@@ -8,7 +8,6 @@ import re
 import shlex
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from rcdl import cifar
@@ -25,8 +24,6 @@ from rcdl.experiments import (
 EXPERIMENTS = ("cifar10-1epoch", "hybrid-tau-sweep", "generalisation", "memory-budget",
                "optimizers", "deltanet-decay", "teacher-student", "vit")  # fmt: skip
 DATA_EXPERIMENTS = tuple(e for e in EXPERIMENTS if e != "teacher-student")
-CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-           "truck")  # fmt: skip
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -41,22 +38,6 @@ def _offline(monkeypatch, tmp_path):
     monkeypatch.setattr(cifar, "_open_url", no_download)
     monkeypatch.delenv("RCDL_DATA", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """A random CIFAR-10 in the npz layout: 64 train / 32 test images."""
-    folder = tmp_path_factory.mktemp("data")
-    rng = np.random.default_rng(0)
-    np.savez(
-        folder / "cifar10.npz",
-        x_train=rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8),
-        y_train=rng.integers(0, 10, 64).astype(np.int64),
-        x_test=rng.integers(0, 256, (32, 32, 32, 3), dtype=np.uint8),
-        y_test=rng.integers(0, 10, 32).astype(np.int64),
-        class_names=np.array(CLASSES),
-    )
-    return folder
 
 
 def _usage_error(argv, capsys) -> str:

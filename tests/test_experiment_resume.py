@@ -7,7 +7,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pytest
 
 from rcdl.cli import main
@@ -21,24 +20,11 @@ from rcdl.experiments import (
 )
 from rcdl.rundir import RunDir, open_run, read_config
 
-CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-           "truck")  # fmt: skip
-
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """A random CIFAR-10 in the npz layout: 64 train / 32 test images."""
-    folder = tmp_path_factory.mktemp("data")
-    rng = np.random.default_rng(0)
-    np.savez(
-        folder / "cifar10.npz",
-        x_train=rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8),
-        y_train=rng.integers(0, 10, 64).astype(np.int64),
-        x_test=rng.integers(0, 256, (32, 32, 32, 3), dtype=np.uint8),
-        y_test=rng.integers(0, 10, 32).astype(np.int64),
-        class_names=np.array(CLASSES),
-    )
-    return str(folder)
+def data_dir(data_dir):
+    """The shared random CIFAR-10 (tests/conftest.py), as a string path."""
+    return str(data_dir)
 
 
 # --------------------------------------------------------------------------- the experiments

@@ -5,7 +5,6 @@ import csv
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,8 +14,6 @@ from rcdl.grower import Grower
 from rcdl.hybrid import DistanceGate, EntryAdam, hybrid_layers
 from rcdl.vit import PatchEmbedding, RCDLFeedForward, ViT, mlp_vit, rcdl_vit
 
-CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
-           "truck")  # fmt: skip
 SMALL = {"patch_size": 8, "width": 16, "depth": 2, "heads": 2}
 
 
@@ -144,22 +141,6 @@ def test_a_query_farther_than_tau_writes_and_a_nearer_one_does_not():
 
 
 # --------------------------------------------------------------------------- the experiment
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """A random CIFAR-10 in the npz layout: 64 train / 32 test images."""
-    folder = tmp_path_factory.mktemp("data")
-    rng = np.random.default_rng(0)
-    np.savez(
-        folder / "cifar10.npz",
-        x_train=rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8),
-        y_train=rng.integers(0, 10, 64).astype(np.int64),
-        x_test=rng.integers(0, 256, (32, 32, 32, 3), dtype=np.uint8),
-        y_test=rng.integers(0, 10, 32).astype(np.int64),
-        class_names=np.array(CLASSES),
-    )
-    return folder
 
 
 def _tiny(data_dir, **overrides):
