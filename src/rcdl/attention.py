@@ -35,6 +35,7 @@ from rcdl.kernels import Kernel, check_kernel, guard_denominator, softmax_scale
 __all__ = [
     "Partial",
     "attention",
+    "attention_backward",
     "attention_partial",
     "default_chunk_size",
     "finalize",
@@ -205,72 +206,101 @@ class _StreamingAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):  # grad_out (B, d_out)
-        q, keys, values, weights, out, m, den, clamped = ctx.saved_tensors
-        kernel, tau, chunk = ctx.kernel, ctx.tau, ctx.chunk
-        need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
-        grad_q_t = q.new_zeros(q.shape[1], q.shape[0]) if need_q else None  # (d_in, B)
-        grad_k = torch.empty_like(keys) if need_k else None
-        grad_v = torch.empty_like(values) if need_v else None
-        grad_w = torch.empty_like(weights) if need_w else None
-        q_sqnorm = (q * q).sum(1) if kernel == "rbf" else None
-        scale = 1.0 if kernel == "linear" else 1.0 / tau  # d(score)/dq = k * scale
-        rbf_q_coef = q.new_zeros(q.shape[0])  # Σ_j ∂L/∂φ_j φ_j per query (RBF only)
-        if kernel == "softmax":
-            # s = num / D' with ∂D'/∂z_j = u_j e^{z_j − m}: u_j = w_j where D' = D, and
-            # u_j = ±eps |w_j| where the guard acted (D' = ±eps · mass). ⟨g, s⟩ is split into
-            # the part multiplying w_j and the part multiplying |w_j|.
-            g_dot_s = (grad_out * out).sum(1)  # (B,)
-            gs_w = g_dot_s.masked_fill(clamped, 0.0)  # (B,)
-            any_clamped = bool(clamped.any())
-            if any_clamped:
-                gs_abs = torch.where(clamped, ctx.eps * torch.sign(den) * g_dot_s, 0.0)  # (B,)
-            inv_den = 1.0 / den  # (B,), 0 where there is no weight mass (den = inf)
-        for i, start in enumerate(range(0, keys.shape[0], chunk)):
-            rows = slice(start, start + chunk)
-            k_c, v_c, w_c = keys[rows], values[rows], weights[rows]
-            if ctx.saved_blocks is not None:
-                block, m_used = ctx.saved_blocks[i]
-            else:
-                block = _chunk_kernel_values(kernel, q, q_sqnorm, k_c, tau)
-                m_used = m
-                if kernel == "softmax":
-                    block.sub_(m).exp_()
-            g_dot_v = v_c @ grad_out.T  # (c, B)
+        grads = attention_backward(
+            grad_out, *ctx.saved_tensors, kernel=ctx.kernel, tau=ctx.tau, chunk=ctx.chunk,
+            eps=ctx.eps, needs=ctx.needs_input_grad[:4], saved_blocks=ctx.saved_blocks)
+        return (*grads, None, None, None, None, None)
+
+
+def attention_backward(
+    grad_out: Tensor,  # (B, d_out)
+    q: Tensor,  # (B, d_in)
+    keys: Tensor,  # (N, d_in)
+    values: Tensor,  # (N, d_out)
+    weights: Tensor,  # (N,)
+    out: Tensor,  # (B, d_out) the attention's output over *all* entries
+    m: Tensor,  # (B,) the max logit over all entries (softmax; zeros otherwise)
+    den: Tensor | None,  # (B,) the guarded denominator over all entries (softmax)
+    clamped: Tensor | None,  # (B,) bool, where the guard acted (softmax)
+    *,
+    kernel: Kernel,
+    tau: float,
+    chunk: int,
+    eps: float,
+    needs: tuple[bool, bool, bool, bool],
+    saved_blocks: list | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients w.r.t. ``(q, keys, values, weights)`` of the entries given, streamed in chunks.
+
+    ``out``, ``m``, ``den`` and ``clamped`` describe the attention over *all* entries; the
+    entries given may be a subset (a shard). Then ``grad_q`` is this subset's share, and the
+    shares of disjoint subsets sum to the whole (what :mod:`rcdl.distributed` all-reduces).
+    ``needs`` says which of the four gradients to compute (the others are ``None``).
+    """
+    need_q, need_k, need_v, need_w = needs
+    grad_q_t = q.new_zeros(q.shape[1], q.shape[0]) if need_q else None  # (d_in, B)
+    grad_k = torch.empty_like(keys) if need_k else None
+    grad_v = torch.empty_like(values) if need_v else None
+    grad_w = torch.empty_like(weights) if need_w else None
+    q_sqnorm = (q * q).sum(1) if kernel == "rbf" else None
+    scale = 1.0 if kernel == "linear" else 1.0 / tau  # d(score)/dq = k * scale
+    rbf_q_coef = q.new_zeros(q.shape[0])  # Σ_j ∂L/∂φ_j φ_j per query (RBF only)
+    if kernel == "softmax":
+        # s = num / D' with ∂D'/∂z_j = u_j e^{z_j − m}: u_j = w_j where D' = D, and
+        # u_j = ±eps |w_j| where the guard acted (D' = ±eps · mass). ⟨g, s⟩ is split into
+        # the part multiplying w_j and the part multiplying |w_j|.
+        g_dot_s = (grad_out * out).sum(1)  # (B,)
+        gs_w = g_dot_s.masked_fill(clamped, 0.0)  # (B,)
+        any_clamped = bool(clamped.any())
+        if any_clamped:
+            gs_abs = torch.where(clamped, eps * torch.sign(den) * g_dot_s, 0.0)  # (B,)
+        inv_den = 1.0 / den  # (B,), 0 where there is no weight mass (den = inf)
+    for i, start in enumerate(range(0, keys.shape[0], chunk)):
+        rows = slice(start, start + chunk)
+        k_c, v_c, w_c = keys[rows], values[rows], weights[rows]
+        if saved_blocks is not None:
+            block, m_used = saved_blocks[i]
+        else:
+            block = _chunk_kernel_values(kernel, q, q_sqnorm, k_c, tau)
+            m_used = m
             if kernel == "softmax":
-                # a_j = e^{z_j - m} / D;  ∂s/∂z_j = a_j (ṽ_j − w_j s)
-                attn = block * (torch.exp(m_used - m) * inv_den)  # (c, B)
-                u_gs = w_c[:, None] * gs_w  # (c, B) u_j ⟨g, s⟩
+                block.sub_(m).exp_()
+        g_dot_v = v_c @ grad_out.T  # (c, B)
+        if kernel == "softmax":
+            # a_j = e^{z_j - m} / D;  ∂s/∂z_j = a_j (ṽ_j − w_j s)
+            attn = block * (torch.exp(m_used - m) * inv_den)  # (c, B)
+            u_gs = w_c[:, None] * gs_w  # (c, B) u_j ⟨g, s⟩
+            if any_clamped:
+                u_gs += w_c.abs()[:, None] * gs_abs
+            grad_scores = attn * g_dot_v.sub_(u_gs)  # (c, B) wrt z
+            if need_v:  # written in place: no (c, d_out) temporary to copy
+                torch.mm(attn, grad_out, out=grad_v[rows])
+            if need_w:
+                grad_w[rows] = -(attn @ gs_w)
                 if any_clamped:
-                    u_gs += w_c.abs()[:, None] * gs_abs
-                grad_scores = attn * g_dot_v.sub_(u_gs)  # (c, B) wrt z
-                if need_v:  # written in place: no (c, d_out) temporary to copy
-                    torch.mm(attn, grad_out, out=grad_v[rows])
-                if need_w:
-                    grad_w[rows] = -(attn @ gs_w)
-                    if any_clamped:
-                        grad_w[rows] -= torch.sign(w_c) * (attn @ gs_abs)
-            else:
-                if need_v:
-                    torch.mm(block * w_c[:, None], grad_out, out=grad_v[rows])
-                if need_w:
-                    grad_w[rows] = (block * g_dot_v).sum(1)
-                grad_scores = g_dot_v.mul_(w_c[:, None])  # (c, B) wrt the kernel values
-                if kernel == "rbf":  # φ = exp(−|q−k|²/2τ): dφ/dq = φ (k − q)/τ
-                    grad_scores.mul_(block)
-            if need_q:
-                grad_q_t.addmm_(k_c.T, grad_scores, alpha=scale)
-                if kernel == "rbf":
-                    rbf_q_coef += grad_scores.sum(0)
-            if need_k:
-                torch.mm(grad_scores, q, out=grad_k[rows]).mul_(scale)
-                if kernel == "rbf":
-                    grad_k[rows] -= k_c * (grad_scores.sum(1) * scale)[:, None]
-        grad_q = None
+                    grad_w[rows] -= torch.sign(w_c) * (attn @ gs_abs)
+        else:
+            if need_v:
+                torch.mm(block * w_c[:, None], grad_out, out=grad_v[rows])
+            if need_w:
+                grad_w[rows] = (block * g_dot_v).sum(1)
+            grad_scores = g_dot_v.mul_(w_c[:, None])  # (c, B) wrt the kernel values
+            if kernel == "rbf":  # φ = exp(−|q−k|²/2τ): dφ/dq = φ (k − q)/τ
+                grad_scores.mul_(block)
         if need_q:
-            grad_q = grad_q_t.T
-            if kernel == "rbf":  # the −q part of φ (k − q)/τ
-                grad_q = grad_q - q * (rbf_q_coef * scale)[:, None]
-        return grad_q, grad_k, grad_v, grad_w, None, None, None, None, None
+            grad_q_t.addmm_(k_c.T, grad_scores, alpha=scale)
+            if kernel == "rbf":
+                rbf_q_coef += grad_scores.sum(0)
+        if need_k:
+            torch.mm(grad_scores, q, out=grad_k[rows]).mul_(scale)
+            if kernel == "rbf":
+                grad_k[rows] -= k_c * (grad_scores.sum(1) * scale)[:, None]
+    grad_q = None
+    if need_q:
+        grad_q = grad_q_t.T
+        if kernel == "rbf":  # the −q part of φ (k − q)/τ
+            grad_q = grad_q - q * (rbf_q_coef * scale)[:, None]
+    return grad_q, grad_k, grad_v, grad_w
 
 
 def attention(

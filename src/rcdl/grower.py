@@ -76,6 +76,9 @@ class Grower(torch.optim.Optimizer):
             raise ValueError(f"Grower: {type(model).__name__} has no growing layers")
         if budget is not None:
             for layer in self.layers:
+                if getattr(layer, "shard", None) is not None:
+                    raise ValueError(f"Grower: {layer.where} is sharded over ranks; memory "
+                                     "budgets are not supported for sharded stores yet")
                 budget.check(layer)
         self.budget = budget
         self.evicted: dict[str, int] = {layer.name: 0 for layer in self.layers}

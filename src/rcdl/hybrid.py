@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from rcdl.attention import attention, nearest_sq_distance
+from rcdl.attention import nearest_sq_distance
 from rcdl.grower import Grower
 from rcdl.layers import GrowingSoftmax, _Record
 from rcdl.memory import MemoryBudget
@@ -188,9 +188,7 @@ class HybridSoftmax(GrowingSoftmax):
     def attend(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, d_out)
         if not (self.training and torch.is_grad_enabled()):
             return super().attend(q)
-        keys, values, weights = self.entry_leaves()
-        return attention(q, keys, values, weights, kernel=self.kernel,
-                         temperature=self.temperature, chunk_size=self.chunk_size)
+        return self._attention(q, *self.entry_leaves())
 
     def entry_leaves(self) -> tuple[Tensor, Tensor, Tensor]:
         """Leaf tensors sharing the store's live rows, on which backward leaves the entries'
@@ -286,7 +284,9 @@ class HybridSoftmax(GrowingSoftmax):
         sq_distance = None
         if self.trigger.needs_distance:
             sq_distance = nearest_sq_distance(record.q, self.store.keys,
-                                              chunk_size=self.chunk_size)
+                                              chunk_size=self.chunk_size)  # (B,) this shard
+            if self.shard is not None:
+                sq_distance = self.shard.nearest_sq_distance(sq_distance)
         accept = self.trigger.accept(sq_distance, len(self.store), errors)  # (B,) bool
         self._refused += int((~accept).sum())
         return keys[accept], values[accept], weights[accept]
@@ -301,12 +301,13 @@ class HybridSoftmax(GrowingSoftmax):
 
     @torch.no_grad()
     def commit(self, entries: Entries | None) -> None:
-        written = 0 if entries is None else int(entries[0].shape[0])
+        written = 0 if entries is None else int(entries[0].shape[0])  # all ranks together
         if self.has_entry_grads:  # Grower.step() ran before EntryAdam.step()
             self._adam_skipped = True
+        stored = len(self.store)
         super().commit(entries)
         self._leaves = None
-        self._zero_moments(written)
+        self._zero_moments(len(self.store) - stored)  # the rows this rank stored
         self.entries_written += written
         self.entries_refused += self._refused
         self._refused = 0

@@ -135,6 +135,7 @@ class GrowingLayer(nn.Module):
         self._ready: list[_Record] = []  # records that backward has reached
         self._pending: list[weakref.ref[_Record]] = []  # records awaiting backward
         self._generation = 0  # bumped by commit/discard: older records are never written
+        self.shard = None  # a rcdl.distributed.Shard when the store is split over ranks
 
     # ---------------------------------------------------------------- forward
     def entry_weights(self) -> Tensor:  # (N,)
@@ -147,16 +148,14 @@ class GrowingLayer(nn.Module):
         return ages.entry(age).to(self.store.dtype)
 
     def attend(self, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
-        """Attention from (already prepared) queries over the whole store."""
-        return attention(
-            q,
-            self.store.keys,
-            self.store.values,
-            self.entry_weights(),
-            kernel=self.kernel,
-            temperature=self.temperature,
-            chunk_size=self.chunk_size,
-        )
+        """Attention from (already prepared) queries over the whole store (every rank's
+        shard of it, if the store is sharded: :mod:`rcdl.distributed`)."""
+        return self._attention(q, self.store.keys, self.store.values, self.entry_weights())
+
+    def _attention(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor) -> Tensor:
+        attend = attention if self.shard is None else self.shard.attention
+        return attend(q, keys, values, weights, kernel=self.kernel,
+                      temperature=self.temperature, chunk_size=self.chunk_size)
 
     def output(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, d_out)
         """The layer's function ``s(q)`` (subclasses add their parametric part)."""
@@ -285,6 +284,9 @@ class GrowingLayer(nn.Module):
         if entries is None:
             return
         self.steps += 1
+        if self.shard is not None:  # this rank stores its rows of the batch
+            keep = self.shard.owned(entries[0].shape[0], entries[0].device)  # (B,) bool
+            entries = tuple(t[keep] for t in entries)
         self.store.append(*entries, written_at=int(self.steps))
 
     def discard(self) -> None:
@@ -415,9 +417,10 @@ class GrowingSoftmax(GrowingLayer):
     def log_normalizer(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B,)
         """``log Z(q) = log Σ_j w_j e^{⟨q, k_j⟩/τ}`` over the current store."""
         # the normaliser needs no values: attend with a zero-width slice of them
-        part = attention_partial(q, self.store.keys, self.store.values[:, :0], self.store.weights,
-                                 kernel="softmax", temperature=self.temperature,
-                                 chunk_size=self.chunk_size)
+        partial = attention_partial if self.shard is None else self.shard.partial
+        part = partial(q, self.store.keys, self.store.values[:, :0], self.store.weights,
+                       kernel="softmax", temperature=self.temperature,
+                       chunk_size=self.chunk_size)
         return part.m + torch.log(part.den)
 
     def make_entries(self, record: _Record) -> Entries:

@@ -1,0 +1,190 @@
+"""Growing stores sharded over ``torch.distributed``: each rank holds a slice of every store.
+
+A growing layer's store grows with every training sample, past one device's memory long
+before its compute is the limit. :func:`shard` splits every store of a model by rows over
+the ranks of a process group (gloo on CPU, NCCL on GPU, launched by ``torchrun``); nothing
+else of the model is split, and every rank runs the whole batch through it. The stores never
+move: the entries a step writes go to the ranks by row, ``sample i → rank i mod W``.
+
+**Attention is a tree reduction of partials** (the pattern of Tree Attention and
+Flash-Decoding: a few queries against very many keys). Every rank computes the partial
+``(m, num, den, mass)`` of the queries over its own shard (as
+:func:`rcdl.attention.attention_partial` does), then one ``all_reduce(MAX)`` on ``m``, a
+rescale, and one ``all_reduce(SUM)`` on ``[num | den | mass]`` merge them exactly (the
+log-sum-exp merge of :func:`rcdl.attention.merge_partials`). What crosses the wire per
+layer and call is ``O(B · d_out)``, whatever the store size. The partials are at least
+float32. An empty shard contributes ``m = −inf`` and zeros, which the rescale maps to 0
+(not ``−inf − (−inf)``).
+
+**Backward.** Every rank holds the same replicated loss, so ``∂L/∂s`` is the same on every
+rank. Each rank computes the gradients of its own entries (they stay local: a hybrid
+layer's Adam step needs no communication) and its share of ``∂L/∂q`` over its shard; one
+``all_reduce(SUM)`` adds the shares. The sum is over disjoint shards of one loss, so it is
+not multiplied by the world size.
+
+**Everything else that reads a store** reduces the same way: the hybrid's distance gate
+(``all_reduce(MIN)`` of the nearest squared distance) and the log-normaliser of the
+``normalize=True`` rule (the merged partial). Every rank computes the same proposals, so
+the rules, gates and divergence checks agree without communication.
+
+Not yet sharded (each refused with a clear error): memory budgets (eviction needs a global
+ranking). Checkpoints are one ``state_dict`` per rank; resume with the same world size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from rcdl.attention import (
+    Partial,
+    _stream,
+    attention_backward,
+    default_chunk_size,
+    finalize,
+)
+from rcdl.kernels import Kernel, guard_denominator, softmax_scale
+from rcdl.layers import growing_layers
+
+__all__ = ["Shard", "shard"]
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True, eq=False)
+class Shard:
+    """This process's place in the group a layer's store is sharded over."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+
+    # ------------------------------------------------------------ collectives
+    def all_reduce(self, t: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+        dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+    def merge(self, part: Partial, kernel: Kernel) -> Partial:
+        """The partial over every rank's shard from this rank's ``part`` (two collectives)."""
+        wire = torch.promote_types(part.num.dtype, torch.float32)  # partials: >= float32
+        m = part.m.to(wire)
+        if kernel == "softmax":
+            m = self.all_reduce(m.clone(), dist.ReduceOp.MAX)  # (B,)
+            local = part.m.to(wire)
+            scale = torch.where(local == _NEG_INF, 0.0, torch.exp(local - m))  # empty: 0
+        else:
+            scale = torch.ones_like(m)
+        columns = [part.num.to(wire), part.den.to(wire)[:, None], part.mass.to(wire)[:, None]]
+        packed = torch.cat(columns, dim=1) * scale[:, None]  # (B, d_out + 2)
+        self.all_reduce(packed)
+        dtype = part.num.dtype
+        return Partial(m.to(dtype), packed[:, :-2].to(dtype), packed[:, -2].to(dtype),
+                       packed[:, -1].to(dtype))
+
+    # ------------------------------------------------------------ what layers call
+    def attention(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, *,
+                  kernel: Kernel, temperature: float = 1.0, chunk_size: int | None = None,
+                  eps: float = 1e-6) -> Tensor:  # (B, d_out)
+        """:func:`rcdl.attention.attention` over the union of every rank's entries."""
+        return _ShardedAttention.apply(q, keys, values, weights, self, kernel, temperature,
+                                       chunk_size, eps)
+
+    @torch.no_grad()
+    def partial(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, *,
+                kernel: Kernel, temperature: float = 1.0,
+                chunk_size: int | None = None) -> Partial:
+        """The merged partial over every rank's entries (no autograd)."""
+        chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
+        part, _ = _stream(q, keys, values, weights, kernel, temperature, chunk, keep=False)
+        return self.merge(part, kernel)
+
+    @torch.no_grad()
+    def nearest_sq_distance(self, local: Tensor) -> Tensor:  # (B,)
+        """The minimum over ranks of each query's nearest squared distance on its shard."""
+        return self.all_reduce(local.clone(), dist.ReduceOp.MIN)
+
+    def owned(self, count: int, device: torch.device) -> Tensor:  # (count,) bool
+        """Which of ``count`` new rows (in batch order) this rank stores: ``i mod W == rank``."""
+        return torch.arange(count, device=device) % self.world_size == self.rank
+
+
+class _ShardedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, keys, values, weights, shard, kernel, temperature, chunk_size, eps):  # noqa: ANN001
+        chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
+        part, _ = _stream(q, keys, values, weights, kernel, temperature, chunk, keep=False)
+        part = shard.merge(part, kernel)
+        out = finalize(part, kernel=kernel, eps=eps)
+        den = clamped = None
+        if kernel == "softmax":
+            den = guard_denominator(part.den, part.mass, eps)
+            clamped = part.den.abs() < eps * part.mass
+        ctx.shard, ctx.kernel, ctx.chunk, ctx.eps = shard, kernel, chunk, eps
+        ctx.tau = softmax_scale(temperature, q.shape[1])
+        ctx.save_for_backward(q, keys, values, weights, out, part.m, den, clamped)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        needs = ctx.needs_input_grad[:4]
+        needs_q = needs[0]
+        # every rank takes part in the query-gradient reduction, so all compute their share
+        grads = attention_backward(grad_out, *ctx.saved_tensors, kernel=ctx.kernel, tau=ctx.tau,
+                                   chunk=ctx.chunk, eps=ctx.eps, needs=needs)
+        grad_q, grad_k, grad_v, grad_w = grads
+        if needs_q:
+            grad_q = ctx.shard.all_reduce(grad_q.contiguous())
+        return grad_q, grad_k, grad_v, grad_w, None, None, None, None, None
+
+
+def _fingerprint(model: nn.Module) -> str:
+    """A hash of what must agree between ranks: the structure and every hyperparameter."""
+    text = repr(model) + "|" + "|".join(
+        f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict().items())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Shard every growing layer's store of ``model`` over ``group`` (default: the world).
+
+    Call after ``torch.distributed.init_process_group`` on every rank, with the same model
+    (same seeds: the initial entries must agree). Rows already stored are split
+    ``row i → rank i mod W``; from then on each step's new entries are split the same way.
+    Returns ``model`` (changed in place). Raises if the ranks' models differ (naming the
+    ranks) or if the model has no growing layers.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("rcdl.distributed.shard: call torch.distributed.init_process_group "
+                           "first (torchrun sets up its environment)")
+    layers = growing_layers(model)
+    if not layers:
+        raise ValueError(f"shard: {type(model).__name__} has no growing layers")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    prints = [None] * world
+    dist.all_gather_object(prints, _fingerprint(model), group=group)
+    differing = [r for r, p in enumerate(prints) if p != prints[0]]
+    if differing:
+        raise ValueError(f"shard: the models of ranks {differing} differ from rank 0's "
+                         "(structure, hyperparameters or stored entries); every rank must "
+                         "build the same model with the same settings and seeds")
+    info = Shard(group, rank, world)
+    for _, layer in layers:
+        n = len(layer.store)
+        if n:
+            keep = info.owned(n, layer.store.device)
+            layer.remove_entries(~keep)
+        layer.shard = info
+    return model
+
+
+def world_bytes(batch: int, d_out: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one rank sends into the collectives of one sharded softmax attention call:
+    ``m (B,)`` and ``[num | den | mass] (B, d_out + 2)``, independent of the store size."""
+    size = torch.finfo(torch.promote_types(dtype, torch.float32)).bits // 8
+    return batch * (1 + d_out + 2) * size
