@@ -159,11 +159,19 @@ def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
         data = load_data(cfg, download=not args.no_download)
     except (OSError, CorruptDataError, ValueError) as e:  # bad settings, data or run folder
         raise CLIError(str(e)) from e
+    from rcdl.distributed import init_from_env
+
+    distributed = init_from_env(device)  # under torchrun: the stores are sharded over ranks
     try:
         run_cifar10(cfg, out=args.out, resume=args.resume, data=data, device=device,
                     progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints)
     except FileExistsError as e:
         raise CLIError(str(e)) from e
+    finally:
+        if distributed:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     return 0
 
 

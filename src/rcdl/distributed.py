@@ -34,7 +34,10 @@ ranking). Checkpoints are one ``state_dict`` per rank; resume with the same worl
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -51,7 +54,7 @@ from rcdl.attention import (
 from rcdl.kernels import Kernel, guard_denominator, softmax_scale
 from rcdl.layers import growing_layers
 
-__all__ = ["Shard", "shard"]
+__all__ = ["Shard", "init_from_env", "is_sharded", "rank_and_world", "shard", "world_bytes"]
 
 _NEG_INF = float("-inf")
 
@@ -188,3 +191,36 @@ def world_bytes(batch: int, d_out: int, dtype: torch.dtype = torch.float32) -> i
     ``m (B,)`` and ``[num | den | mass] (B, d_out + 2)``, independent of the store size."""
     size = torch.finfo(torch.promote_types(dtype, torch.float32)).bits // 8
     return batch * (1 + d_out + 2) * size
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world size)`` of the default process group; ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any growing layer of ``model`` has its store sharded over ranks."""
+    return any(getattr(layer, "shard", None) is not None for _, layer in growing_layers(model))
+
+
+def init_from_env(device: torch.device, timeout: timedelta = timedelta(minutes=10)) -> bool:
+    """Join the process group that ``torchrun`` describes in the environment, if any.
+
+    With ``WORLD_SIZE > 1`` in the environment, initialise the default group (NCCL on CUDA,
+    one device per local rank; gloo on CPU) with ``timeout`` on every collective, so a
+    dead rank ends the run with an error instead of a hang, and silence ``stdout`` on every
+    rank but 0 (errors still reach ``stderr``). Returns whether the run is distributed.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return False
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timeout)
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    return True

@@ -187,10 +187,18 @@ class Grower(torch.optim.Optimizer):
 
     @property
     def num_entries(self) -> int:
-        """Entries stored, all layers."""
-        return sum(len(layer.store) for layer in self.layers)
+        """Entries stored, all layers (over every rank if the stores are sharded: then this
+        is a collective, to read on every rank)."""
+        return self._total(sum(len(layer.store) for layer in self.layers))
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the live entries, all layers."""
-        return sum(layer.store.nbytes for layer in self.layers)
+        """Bytes of the live entries, all layers (over every rank, as :attr:`num_entries`)."""
+        return self._total(sum(layer.store.nbytes for layer in self.layers))
+
+    def _total(self, local: int) -> int:
+        sharded = [layer for layer in self.layers if layer.shard is not None]
+        if not sharded:
+            return local
+        count = torch.tensor([local], dtype=torch.long, device=sharded[0].store.device)
+        return int(sharded[0].shard.all_reduce(count)[0])

@@ -67,18 +67,21 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
+from fnmatch import fnmatch
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import nn
 
 from rcdl.cifar import CifarData, load_cifar
 from rcdl.classical import CLASSICAL_MODELS, fit_classical
+from rcdl.distributed import rank_and_world, shard
 from rcdl.grower import Grower
 from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam
 from rcdl.networks import (
@@ -453,6 +456,23 @@ def _array_digest(source: Path) -> str | None:
 # --------------------------------------------------------------------------- running
 
 
+class _RankRun:
+    """The run folder as a rank other than 0 of a torchrun sees it: it writes its own
+    checkpoints into rank 0's folder, and no logs, summaries or reports."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        pass
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        pass
+
+
 class _ModelLog:
     """Hands the trainer's records to the run's ``metrics.jsonl``, tagged with model and seed."""
 
@@ -473,11 +493,17 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
     """Train one (model, seed); returns its result (see ``train_one_pass``) plus identity."""
     if model_spec(name).classical:
         return _fit_classical(name, seed, cfg, data, run)
+    rank, world = rank_and_world()
     model, optimizer, grower = build_model(name, seed, device=device, dtype=cfg.torch_dtype,
-                                           reserve=len(data[0]))
+                                           reserve=math.ceil(len(data[0]) / world))
+    if world > 1:  # under torchrun: every growing store is split over the ranks
+        if grower is None:
+            raise ValueError(f"{name} has no growing layers to shard over the {world} ranks; "
+                             "run it without torchrun")
+        shard(model)
     # every growing layer could write one entry per training sample
     possible = None if grower is None else grower.num_entries + len(grower.layers) * len(data[0])
-    checkpoint = run.file(f"checkpoints/{_run_name(name, seed)}.pt") if cfg.checkpoint else None
+    checkpoint = _checkpoint_path(run, name, seed) if cfg.checkpoint else None
     result = train_one_pass(
         model, data, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer, grower=grower,
         loss_fn=F.cross_entropy, metrics=METRICS, eval_every=cfg.eval_every,
@@ -491,6 +517,23 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
     return {"model": name, "seed": seed, "parameters": parameters,
             "possible_entries": possible, **result,
             **({"layer_stats": layer_stats} if layer_stats else {})}
+
+
+def _checkpoint_path(run: RunDir, name: str, seed: int) -> Path:
+    """``checkpoints/<model>-seed<s>.pt``; under torchrun one file per rank,
+    ``...rank<r>of<W>.pt``. A checkpoint left by another number of ranks is refused."""
+    rank, world = rank_and_world()
+    stem = _run_name(name, seed)
+    folder = run.file("checkpoints")
+    mine = f"{stem}.pt" if world == 1 else f"{stem}.rank{rank}of{world}.pt"
+    allowed = mine if world == 1 else f"{stem}.rank*of{world}.pt"
+    left = [p.name for p in (folder / f"{stem}.pt", *folder.glob(f"{stem}.rank*of*.pt"))
+            if p.exists() and not fnmatch(p.name, allowed)]
+    if left:
+        raise ValueError(f"{stem}: its checkpoint {left[0]} was written by another number of "
+                         f"processes than this run's {world}; resume with the same torchrun "
+                         "--nproc-per-node (a plain .pt file: without torchrun)")
+    return folder / mine
 
 
 def _fit_classical(name: str, seed: int, cfg: Cifar10Config, data: tuple,
@@ -550,13 +593,19 @@ def run_cifar10(
         raise ValueError("give either out (a new run) or resume (an existing one), not both")
     if data is None:
         data = load_data(cfg, download=download)
+    rank, world = rank_and_world()
     if resume is None:
-        run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device)
+        run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device) if rank == 0 else None
         summary = {"experiment": EXPERIMENT, "complete": False, "runs": [], "sessions": []}
     else:
         run = RunDir(resume)
         summary = _resumable_summary(run, cfg)
-    session = {**environment_info(device), "seconds": None}
+    if world > 1:  # rank 0 owns the folder; the others write only their checkpoints there
+        path = [None if run is None else str(run.path)]
+        dist.broadcast_object_list(path, src=0)
+        run = run if rank == 0 else _RankRun(path[0])
+        progress = progress and rank == 0
+    session = {**environment_info(device), "world_size": world, "seconds": None}
     summary["sessions"].append(session)
     summary["data"] = {**data.describe(), "provenance": data_provenance(data.source),
                        "data_seed": cfg.data_seed}
@@ -568,7 +617,6 @@ def run_cifar10(
     try:
         for name in cfg.models:
             for seed in cfg.seeds:
-                checkpoint = run.file(f"checkpoints/{_run_name(name, seed)}.pt")
                 if (name, seed) in finished:
                     print(f"{_run_name(name, seed)}: finished in an earlier session, skipped")
                 else:
@@ -579,8 +627,8 @@ def run_cifar10(
                     session["seconds"] = time.perf_counter() - start
                     run.write_summary(summary)
                     release_memory(device)
-                if not keep_checkpoints:
-                    checkpoint.unlink(missing_ok=True)
+                if not keep_checkpoints and not model_spec(name).classical:
+                    _checkpoint_path(run, name, seed).unlink(missing_ok=True)
     except KeyboardInterrupt:
         command = resume_command(f"rcdl reproduce {experiment}", run.path, cfg.data_dir)
         print(f"\nInterrupted. Continue with: {command}", file=sys.stderr)
@@ -592,6 +640,8 @@ def run_cifar10(
     summary["models"] = model_rows(summary["runs"], cfg.models)
     summary["complete"] = True
     session["seconds"] = time.perf_counter() - start
+    if rank != 0:
+        return run, summary
     report = write_report(run, cfg, summary, device)
     run.write_summary(summary)
     print("\n" + report, end="")
