@@ -184,3 +184,81 @@ def test_budgets_are_refused_for_sharded_stores(monkeypatch):
         layer.shard = Shard(None, 0, 2)  # as shard() leaves it, without a process group
     with pytest.raises(ValueError, match="sharded over ranks; memory budgets"):
         Grower(net, budget=MemoryBudget(10))
+
+
+# --------------------------------------------------------------------------- the experiment
+
+
+def _experiment_cfg(data_dir):
+    from rcdl.experiments.cifar10 import Cifar10Config
+
+    return Cifar10Config(models=("gws", "hybrid-tau50"), train_size=48, test_size=24,
+                         eval_every=2, dtype="float64", data_dir=str(data_dir), device="cpu")
+
+
+def _experiment_worker(rank, world, init_file, data_dir, out):
+    from rcdl.experiments.cifar10 import run_cifar10
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=TIMEOUT)
+    try:
+        run_cifar10(_experiment_cfg(data_dir), out=out, progress=False, download=False)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_cifar10_experiment_sharded_over_two_ranks_equals_one_process(data_dir, tmp_path):
+    """What ``torchrun --nproc-per-node 2 -m rcdl reproduce cifar10-1epoch`` runs: rank 0
+    writes the run folder (recording the world size); the histories equal one process's."""
+    import json
+
+    from rcdl.experiments.cifar10 import run_cifar10
+
+    _, single = run_cifar10(_experiment_cfg(data_dir), out=tmp_path / "single",
+                            progress=False, download=False)
+    out = tmp_path / "sharded"
+    mp.start_processes(_experiment_worker, args=(2, tmp_path / "init", data_dir, out),
+                       nprocs=2, join=True, start_method="spawn")
+    sharded = json.loads((out / "summary.json").read_text())
+    assert sharded["sessions"][-1]["world_size"] == 2
+    for mine, theirs in zip(sharded["runs"], single["runs"], strict=True):
+        assert mine["entries"] == theirs["entries"] and mine["bytes"] == theirs["bytes"]
+        for a, b in zip(mine["history"], theirs["history"], strict=True):
+            assert a["step"] == b["step"] and a["test_acc"] == b["test_acc"]
+            assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-10, abs=1e-10)
+
+
+def test_a_checkpoint_of_another_world_size_is_refused(tmp_path, monkeypatch):
+    from rcdl.experiments import cifar10
+    from rcdl.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "gws-seed0.rank0of2.pt").write_bytes(b"")
+    monkeypatch.setattr(cifar10, "rank_and_world", lambda: (0, 3))
+    with pytest.raises(ValueError, match="another number of processes than this run's 3"):
+        cifar10._checkpoint_path(run, "gws", 0)
+    monkeypatch.setattr(cifar10, "rank_and_world", lambda: (1, 2))
+    assert cifar10._checkpoint_path(run, "gws", 0).name == "gws-seed0.rank1of2.pt"
+    monkeypatch.setattr(cifar10, "rank_and_world", lambda: (0, 1))
+    with pytest.raises(ValueError, match="another number of processes"):
+        cifar10._checkpoint_path(run, "gws", 0)
+
+
+def _mismatch_worker(rank, world, init_file):
+    from rcdl.distributed import shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=TIMEOUT)
+    try:
+        torch.manual_seed(0)
+        net = GrowingRBFNet(D_IN, D_OUT, 1, temperature=1.0 + rank, rule=FunctionalSGD(0.3))
+        shard(net)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_models_are_refused(tmp_path):
+    with pytest.raises(mp.ProcessRaisedException, match=r"models of ranks \[1\] differ"):
+        mp.start_processes(_mismatch_worker, args=(2, tmp_path / "init"), nprocs=2, join=True,
+                           start_method="spawn")
