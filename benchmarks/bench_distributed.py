@@ -59,7 +59,7 @@ import torch.nn.functional as F
 BATCH = 16
 CLASSES = 10
 TIMEOUT = timedelta(seconds=300)
-CHUNK_ROWS = 4096  # rows generated per seeded chunk while building a store
+CHUNK_ROWS = 1024  # rows generated per seeded chunk while building a store
 TEMPERATURE = 6.0  # docs/reference.md §6's gws
 ETA, BETA = 0.003, 3.0
 
@@ -545,10 +545,9 @@ def part_planning(cfg: dict, report: dict) -> None:
         ("ImageNet-sized (1.28 M samples)", 1_280_000, [(d, d)] * 3),
         ("10 M samples", 10_000_000, [(d, d)] * 3),
     ]
-    sources = sorted({per_entry(a, b)[1] for _, _, layers in cases for a, b in layers})
-    print(f"\n## 4. Planning (float32, B = {BATCH}; per-entry bytes "
-          f"{', '.join(f'{k}: {v:,.0f} B' for k, v in measured.items()) or 'from the formula'}"
-          f" — {'/'.join(sources)})\n")
+    used = {f"{a}->{b}": per_entry(a, b) for _, _, layers in cases for a, b in layers}
+    print(f"\n## 4. Planning (float32, B = {BATCH}; bytes per entry: "
+          + ", ".join(f"{k}: {v:,.0f} B ({src})" for k, (v, src) in used.items()) + ")\n")
     print("Store per rank = total / W when the rows are spread evenly; `as split now` = the "
           f"largest shard under the current split (row i of each batch → rank i mod W): at "
           f"B = {BATCH} only min(W, B) ranks ever receive entries. Payload per step = every "
@@ -573,6 +572,12 @@ def part_planning(cfg: dict, report: dict) -> None:
     print(table(["store", "total", "GPUs (W)", "store per rank (even)",
                  f"largest shard as split now (B = {BATCH})", "payload per rank and step",
                  "ring bytes sent per rank and step"], rows))
+    measured_step = [r["ranks"][0]["records"][-1]["coll_bytes"]
+                     for r in report.get("time", {}).get("runs", []) if r["world"] > 1]
+    if measured_step and cfg["d"] == d:
+        cifar = next(r for r in raw if r["case"].startswith("CIFAR"))["payload_per_step"]
+        print(f"\nPayload per step of the CIFAR-10 gws net measured in part 3: "
+              f"{measured_step[0]:,} B; formula above: {cifar:,} B.")
     report["planning"] = raw
 
 

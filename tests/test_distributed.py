@@ -262,3 +262,11 @@ def test_ranks_with_different_models_are_refused(tmp_path):
     with pytest.raises(mp.ProcessRaisedException, match=r"models of ranks \[1\] differ"):
         mp.start_processes(_mismatch_worker, args=(2, tmp_path / "init"), nprocs=2, join=True,
                            start_method="spawn")
+
+
+def test_experiments_not_yet_sharded_refuse_torchrun(monkeypatch, capsys):
+    from rcdl.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["reproduce", "generalisation", "--quick"]) == 2
+    assert "does not run under torchrun yet" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -277,7 +278,8 @@ def _cmd_reproduce_tau_sweep(args: argparse.Namespace) -> int:
 
 
 def _run_experiment(args: argparse.Namespace, config_cls, fields: Sequence[str], run,  # noqa: ANN001
-                    switches: Mapping[str, Mapping[str, Any]] | None = None) -> int:
+                    switches: Mapping[str, Mapping[str, Any]] | None = None,
+                    shards: bool = False) -> int:
     """A subset-scale experiment made of independent sub-runs, new or resumed.
 
     A new run: ``config_cls`` (with ``quick()`` and perhaps ``paper()``) filled from the
@@ -286,10 +288,16 @@ def _run_experiment(args: argparse.Namespace, config_cls, fields: Sequence[str],
     RUN_DIR``): the run's saved config, where only ``--data-dir`` (and ``--device``) may
     change; any flag that sets the experiment (``fields``, ``switches``, ``--quick``,
     ``--paper``, ``--out``) is refused. Then ``run(cfg, out=, resume=, device=, progress=,
-    download=)``, which skips the sub-runs a resumed run finished earlier.
+    download=)``, which skips the sub-runs a resumed run finished earlier. Under ``torchrun``
+    the growing stores are sharded over the ranks if ``shards``, else the run is refused.
     """
     from rcdl.cifar import CorruptDataError
+    from rcdl.distributed import init_from_env
     from rcdl.rundir import read_config
+
+    if not shards and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise CLIError(f"rcdl reproduce {args.experiment} does not run under torchrun yet "
+                       "(cifar10-1epoch and teacher-student do); run it as one process")
 
     switches = switches or {}
     settings = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
@@ -306,10 +314,19 @@ def _run_experiment(args: argparse.Namespace, config_cls, fields: Sequence[str],
             cfg = dataclasses.replace(cfg, data_dir=args.data_dir)
         device = resolve_device(args.device or cfg.device)
         kw = {"download": not args.no_download} if hasattr(args, "no_download") else {}
+    except (OSError, CorruptDataError, ValueError) as e:  # bad settings, data or run folder
+        raise CLIError(str(e)) from e
+    distributed = shards and init_from_env(device)
+    try:
         run(cfg, out=args.out, resume=args.resume, device=device,
             progress=not args.no_progress, **kw)
     except (OSError, CorruptDataError, ValueError) as e:  # bad settings, data or run folder
         raise CLIError(str(e)) from e
+    finally:
+        if distributed:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     return 0
 
 
@@ -366,7 +383,7 @@ def _cmd_reproduce_teacher_student(args: argparse.Namespace) -> int:
 
     fields = ("n_train", "n_test", "seeds", "d_in", "teacher_width", "teacher_depth", "noise",
               "temperature", "beta", "eta", "parametric_lr", "mlp_lr", "eval_every")
-    return _run_experiment(args, TeacherStudentConfig, fields, run_teacher_student)
+    return _run_experiment(args, TeacherStudentConfig, fields, run_teacher_student, shards=True)
 
 
 def _cmd_reproduce_optimizers(args: argparse.Namespace) -> int:

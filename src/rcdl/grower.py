@@ -196,6 +196,15 @@ class Grower(torch.optim.Optimizer):
         """Bytes of the live entries, all layers (over every rank, as :attr:`num_entries`)."""
         return self._total(sum(layer.store.nbytes for layer in self.layers))
 
+    def entries_per_layer(self) -> list[int]:
+        """Entries stored per layer (over every rank if sharded: a collective)."""
+        local = [len(layer.store) for layer in self.layers]
+        sharded = [layer for layer in self.layers if layer.shard is not None]
+        if not sharded:
+            return local
+        counts = torch.tensor(local, dtype=torch.long, device=sharded[0].store.device)
+        return sharded[0].shard.all_reduce(counts).tolist()
+
     def _total(self, local: int) -> int:
         sharded = [layer for layer in self.layers if layer.shard is not None]
         if not sharded:

@@ -42,6 +42,7 @@ from rcdl._version import __version__
 from rcdl.allocator import allocator_setting
 
 __all__ = [
+    "FollowerRunDir",
     "RunDir",
     "atomic_save_torch",
     "atomic_write_bytes",
@@ -395,6 +396,17 @@ def read_config(run_dir: str | os.PathLike, config_cls: Any) -> Any:
         return config_cls.from_dict(saved)
     except (TypeError, ValueError) as e:
         raise ValueError(f"cannot use the saved config {path}: {e}") from e
+
+
+class FollowerRunDir(RunDir):
+    """The run folder as a rank other than 0 of a ``torchrun`` sees it: it reads what rank 0
+    writes (the config, ``finished.json``) and writes nothing itself but its checkpoints."""
+
+    def write_json(self, name: str, obj: Any) -> Path:
+        return self.file(name)
+
+    def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None:
+        pass
 
 
 def open_run(

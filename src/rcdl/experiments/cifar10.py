@@ -74,14 +74,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import nn
 
 from rcdl.cifar import CifarData, load_cifar
 from rcdl.classical import CLASSICAL_MODELS, fit_classical
-from rcdl.distributed import rank_and_world, shard
+from rcdl.distributed import rank0_run, rank_and_world, shard
 from rcdl.grower import Grower
 from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam
 from rcdl.networks import (
@@ -456,23 +455,6 @@ def _array_digest(source: Path) -> str | None:
 # --------------------------------------------------------------------------- running
 
 
-class _RankRun:
-    """The run folder as a rank other than 0 of a torchrun sees it: it writes its own
-    checkpoints into rank 0's folder, and no logs, summaries or reports."""
-
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
-
-    def file(self, name: str) -> Path:
-        return self.path / name
-
-    def log(self, record: Mapping[str, Any]) -> None:
-        pass
-
-    def write_summary(self, summary: Mapping[str, Any]) -> None:
-        pass
-
-
 class _ModelLog:
     """Hands the trainer's records to the run's ``metrics.jsonl``, tagged with model and seed."""
 
@@ -593,18 +575,14 @@ def run_cifar10(
         raise ValueError("give either out (a new run) or resume (an existing one), not both")
     if data is None:
         data = load_data(cfg, download=download)
-    rank, world = rank_and_world()
+    rank, world = rank_and_world()  # under torchrun, rank 0 writes the run folder
     if resume is None:
-        run = RunDir.create(EXPERIMENT, path=out, config=cfg, device=device) if rank == 0 else None
+        run = rank0_run(partial(RunDir.create, EXPERIMENT, path=out, config=cfg, device=device))
         summary = {"experiment": EXPERIMENT, "complete": False, "runs": [], "sessions": []}
     else:
-        run = RunDir(resume)
+        run = rank0_run(partial(RunDir, resume))
         summary = _resumable_summary(run, cfg)
-    if world > 1:  # rank 0 owns the folder; the others write only their checkpoints there
-        path = [None if run is None else str(run.path)]
-        dist.broadcast_object_list(path, src=0)
-        run = run if rank == 0 else _RankRun(path[0])
-        progress = progress and rank == 0
+    progress = progress and rank == 0
     session = {**environment_info(device), "world_size": world, "seconds": None}
     summary["sessions"].append(session)
     summary["data"] = {**data.describe(), "provenance": data_provenance(data.source),

@@ -80,6 +80,7 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from rcdl.data import TeacherConfig, make_teacher_data
+from rcdl.distributed import rank0_run, rank_and_world, shard
 from rcdl.grower import Grower
 from rcdl.networks import MLP, GrowingSoftmaxNet, ParametricSoftmaxNet
 from rcdl.rules import ClippedSoftmaxRule
@@ -305,6 +306,8 @@ def _train(name: str, seed: int, cfg: TeacherStudentConfig, data: tuple, run: Ru
            device: torch.device, progress: bool) -> dict[str, Any]:  # fmt: skip
     """One pass of student ``name`` on the task of ``seed``; its result and its identity."""
     model, optimizer, grower = build_model(name, seed, cfg, device=device)
+    if grower is not None and rank_and_world()[1] > 1:  # under torchrun: split the stores
+        shard(model)  # (the parametric students are replicated: every rank trains the same)
     result = train_one_pass(
         model, data, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer, grower=grower,
         eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size, device=device,
@@ -312,7 +315,7 @@ def _train(name: str, seed: int, cfg: TeacherStudentConfig, data: tuple, run: Ru
     )  # fmt: skip
     per_layer = None  # weighted-softmax entries per layer, blocks then readout
     if grower is not None:
-        per_layer = [len(layer.store) for layer in grower.layers]
+        per_layer = grower.entries_per_layer()
     elif name == "parametric":
         per_layer = [layer.keys.shape[0] for layer in (*model.blocks, model.readout)]
     result.pop("resumed")
@@ -358,7 +361,9 @@ def run_teacher_student(
     """
     start = time.perf_counter()
     device = resolve_device(cfg.device) if device is None else torch.device(device)
-    run = open_run(EXPERIMENT, cfg, out=out, resume=resume, device=device)
+    run = rank0_run(partial(open_run, EXPERIMENT, cfg, out=out, resume=resume, device=device))
+    rank = rank_and_world()[0]
+    progress = progress and rank == 0
     summary: dict[str, Any] = {
         "experiment": EXPERIMENT, "complete": False, "parametric_entries": cfg.entries,
         "zero_predictor_mse": {}, "runs": [],
@@ -379,6 +384,8 @@ def run_teacher_student(
     summary["verdict"] = verdict(summary["runs"])
     summary["complete"] = True
     summary["seconds"] = time.perf_counter() - start
+    if rank != 0:
+        return run, summary
     report = write_report(run, cfg, summary, device)
     run.write_summary(summary)
     print("\n" + report, end="")
