@@ -268,5 +268,7 @@ def test_experiments_not_yet_sharded_refuse_torchrun(monkeypatch, capsys):
     from rcdl.cli import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["reproduce", "generalisation", "--quick"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["reproduce", "generalisation", "--quick"])
+    assert exit_.value.code == 2
     assert "does not run under torchrun yet" in capsys.readouterr().err
