@@ -272,3 +272,17 @@ def test_experiments_not_yet_sharded_refuse_torchrun(monkeypatch, capsys):
         main(["reproduce", "generalisation", "--quick"])
     assert exit_.value.code == 2
     assert "does not run under torchrun yet" in capsys.readouterr().err
+
+
+def test_a_grower_state_from_another_shard_layout_is_refused():
+    from rcdl.distributed import Shard
+
+    net, grower = build("rbf")
+    train(net, grower, range(2))
+    state = grower.state_dict()
+    assert state["shard"] is None
+    other, other_grower = build("rbf")
+    for _, layer in growing_layers(other):
+        layer.shard = Shard(None, 1, 3)
+    with pytest.raises(ValueError, match="saved by one process, this grower is rank 1 of 3"):
+        other_grower.load_state_dict(state)

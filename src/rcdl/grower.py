@@ -162,10 +162,24 @@ class Grower(torch.optim.Optimizer):
             "steps": {layer.name: int(layer.steps) for layer in self.layers},
             "evicted": dict(self.evicted),
             "output_scale": {layer.name: layer.output_scale for layer in self.layers},
+            "shard": self._shard_place(),
         }
+
+    def _shard_place(self) -> tuple[int, int] | None:
+        """``(rank, world size)`` the stores are sharded over, or ``None``."""
+        shard = next((layer.shard for layer in self.layers if layer.shard is not None), None)
+        return None if shard is None else (shard.rank, shard.world_size)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a :meth:`state_dict`; it must come from a grower over the same layers."""
+        place, theirs = self._shard_place(), state.get("shard")
+        if place != (None if theirs is None else tuple(theirs)):
+            def describe(p):  # noqa: ANN001, ANN202
+                return "one process" if p is None else f"rank {p[0]} of {p[1]}"
+            raise ValueError(
+                f"Grower.load_state_dict: the state was saved by {describe(theirs)}, this "
+                f"grower is {describe(place)}: a sharded run resumes with the same number of "
+                "processes, each rank from its own state (re-sharding is not supported)")
         names = [layer.name for layer in self.layers]
         saved = [g.get("layer") for g in state.get("param_groups", [])]
         if saved != names or set(state.get("steps", {})) != set(names):
