@@ -426,7 +426,7 @@ def part_bytes(cfg: dict, report: dict) -> None:
     print(table(["W", "N (all ranks)", "entries per rank", "forward: calls / bytes",
                  "backward: calls / bytes", "step: calls / bytes", "predicted fwd + bwd",
                  "= predicted", "socket bytes fwd + bwd (rank 0)",
-                 f"max |out − out(W={cfg['bytes_worlds'][0]})|"], rows))
+                 f"max abs(out − out(W={cfg['bytes_worlds'][0]}))"], rows))
     report["bytes"] = raw
 
 
@@ -548,29 +548,24 @@ def part_planning(cfg: dict, report: dict) -> None:
     used = {f"{a}->{b}": per_entry(a, b) for _, _, layers in cases for a, b in layers}
     print(f"\n## 4. Planning (float32, B = {BATCH}; bytes per entry: "
           + ", ".join(f"{k}: {v:,.0f} B ({src})" for k, (v, src) in used.items()) + ")\n")
-    print("Store per rank = total / W when the rows are spread evenly; `as split now` = the "
-          f"largest shard under the current split (row i of each batch → rank i mod W): at "
-          f"B = {BATCH} only min(W, B) ranks ever receive entries. Payload per step = every "
-          "layer's forward (world_bytes) + the query-gradient all_reduce of every layer but "
-          "the first (its input needs no gradient), per rank, whatever N and W; a ring "
-          "all_reduce sends 2(W − 1)/W times the payload per rank.\n")
+    print("Store per rank = total / W: the rows rotate over the ranks (sample i of step t → "
+          "rank (t·B + i) mod W), so every rank fills evenly even when W > B. Payload per "
+          "step = every layer's forward (world_bytes) + the query-gradient all_reduce of every "
+          "layer but the first (its input needs no gradient), per rank, whatever N and W; a "
+          "ring all_reduce sends 2(W − 1)/W times the payload per rank.\n")
     rows, raw = [], []
     for name, n, layers in cases:
         total = sum(n * per_entry(a, b)[0] for a, b in layers)
         payload = sum(world_bytes(BATCH, b) for _, b in layers)
         payload += sum(BATCH * a * 4 for a, _ in layers[1:])
         for w in (1, 8, 64):
-            loaded = min(w, BATCH)
             rows.append([name if w == 1 else "", f"{total / 1e9:,.2f} GB" if w == 1 else "",
-                         w, f"{total / w / 1e9:,.2f} GB", f"{total / loaded / 1e9:,.2f} GB",
-                         f"{payload / 1e3:,.1f} kB",
+                         w, f"{total / w / 1e9:,.2f} GB", f"{payload / 1e3:,.1f} kB",
                          f"{(2 * (w - 1) / w) * payload / 1e3:,.1f} kB"])
             raw.append({"case": name, "entries_per_layer": n, "total_bytes": total,
-                        "world": w, "per_rank_even": total / w,
-                        "per_rank_as_split_now": total / loaded, "payload_per_step": payload,
+                        "world": w, "per_rank": total / w, "payload_per_step": payload,
                         "ring_bytes_sent_per_rank": 2 * (w - 1) / w * payload})
-    print(table(["store", "total", "GPUs (W)", "store per rank (even)",
-                 f"largest shard as split now (B = {BATCH})", "payload per rank and step",
+    print(table(["store", "total", "GPUs (W)", "store per rank", "payload per rank and step",
                  "ring bytes sent per rank and step"], rows))
     measured_step = [r["ranks"][0]["records"][-1]["coll_bytes"]
                      for r in report.get("time", {}).get("runs", []) if r["world"] > 1]

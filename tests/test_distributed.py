@@ -245,23 +245,41 @@ def test_a_checkpoint_of_another_world_size_is_refused(tmp_path, monkeypatch):
         cifar10._checkpoint_path(run, "gws", 0)
 
 
-def _mismatch_worker(rank, world, init_file):
+def _mismatch_worker(rank, world, init_file, what):
     from rcdl.distributed import shard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=TIMEOUT)
     try:
-        torch.manual_seed(0)
-        net = GrowingRBFNet(D_IN, D_OUT, 1, temperature=1.0 + rank, rule=FunctionalSGD(0.3))
+        temperature, seed = (1.0 + rank, 0) if what == "settings" else (1.0, rank)
+        rule = ClippedSoftmaxRule(0.3, 2.0)
+        net = GrowingSoftmaxNet(D_IN, D_OUT, 1, temperature=temperature, rule=rule, seed=seed)
+        net.readout.store.reserve(100 * (rank + 1))  # capacity may differ: not a difference
         shard(net)
     finally:
         dist.destroy_process_group()
 
 
-def test_ranks_with_different_models_are_refused(tmp_path):
+@pytest.mark.parametrize("what", ["settings", "entries"])
+def test_ranks_with_different_models_are_refused(what, tmp_path):
+    """Another temperature, or the same settings with other initial entries (another seed)."""
     with pytest.raises(mp.ProcessRaisedException, match=r"models of ranks \[1\] differ"):
-        mp.start_processes(_mismatch_worker, args=(2, tmp_path / "init"), nprocs=2, join=True,
-                           start_method="spawn")
+        mp.start_processes(_mismatch_worker, args=(2, tmp_path / "init", what), nprocs=2,
+                           join=True, start_method="spawn")
+
+
+def test_rows_rotate_over_the_ranks_from_step_to_step():
+    """With the step as offset every rank fills, even when the batch is smaller than the
+    world (16 samples over 64 ranks) or not a multiple of it (16 over 3)."""
+    from rcdl.distributed import Shard
+
+    for world, steps in ((64, 4), (3, 3)):
+        counts = torch.zeros(world, dtype=torch.long)
+        for step in range(1, steps + 1):
+            for rank in range(world):
+                owned = Shard(None, rank, world).owned(16, "cpu", offset=16 * step)
+                counts[rank] += int(owned.sum())
+        assert counts.sum() == 16 * steps and counts.max() - counts.min() <= 1, counts
 
 
 def test_experiments_not_yet_sharded_refuse_torchrun(monkeypatch, capsys):

@@ -61,6 +61,7 @@ __all__ = [
 ]  # fmt: skip
 
 _NEG_INF = float("-inf")
+_SAVE_FRACTION = 0.05  # as rcdl.attention.attention's default
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,16 +116,26 @@ class Shard:
         """The minimum over ranks of each query's nearest squared distance on its shard."""
         return self.all_reduce(local.clone(), dist.ReduceOp.MIN)
 
-    def owned(self, count: int, device: torch.device) -> Tensor:  # (count,) bool
-        """Which of ``count`` new rows (in batch order) this rank stores: ``i mod W == rank``."""
-        return torch.arange(count, device=device) % self.world_size == self.rank
+    def owned(self, count: int, device: torch.device, offset: int = 0) -> Tensor:  # (count,)
+        """Which of ``count`` new rows (in batch order) this rank stores:
+        ``(i + offset) mod W == rank``. The layers pass ``step · B`` as ``offset`` (a global
+        sample counter for a constant batch size), so the rows rotate over the ranks from
+        step to step: every rank fills, even when the batch is smaller than the world or not
+        a multiple of it."""
+        return (torch.arange(count, device=device) + offset) % self.world_size == self.rank
 
 
 class _ShardedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, keys, values, weights, shard, kernel, temperature, chunk_size, eps):  # noqa: ANN001
         chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
-        part, _ = _stream(q, keys, values, weights, kernel, temperature, chunk, keep=False)
+        # keep the (chunk, B) kernel blocks for backward when they are small, as one process
+        # does (rcdl.attention.attention's save_fraction)
+        store_bytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
+        keep = (any(ctx.needs_input_grad[:4])
+                and q.shape[0] * keys.shape[0] * q.element_size() <= _SAVE_FRACTION * store_bytes)
+        part, saved = _stream(q, keys, values, weights, kernel, temperature, chunk, keep)
+        ctx.saved_blocks = saved if keep else None
         part = shard.merge(part, kernel)
         out = finalize(part, kernel=kernel, eps=eps)
         den = clamped = None
@@ -143,7 +154,8 @@ class _ShardedAttention(torch.autograd.Function):
         needs_q = needs[0]
         # every rank takes part in the query-gradient reduction, so all compute their share
         grads = attention_backward(grad_out, *ctx.saved_tensors, kernel=ctx.kernel, tau=ctx.tau,
-                                   chunk=ctx.chunk, eps=ctx.eps, needs=needs)
+                                   chunk=ctx.chunk, eps=ctx.eps, needs=needs,
+                                   saved_blocks=ctx.saved_blocks)
         grad_q, grad_k, grad_v, grad_w = grads
         if needs_q:
             grad_q = ctx.shard.all_reduce(grad_q.contiguous())
@@ -151,10 +163,28 @@ class _ShardedAttention(torch.autograd.Function):
 
 
 def _fingerprint(model: nn.Module) -> str:
-    """A hash of what must agree between ranks: the structure and every hyperparameter."""
-    text = repr(model) + "|" + "|".join(
-        f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict().items())
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """A hash of what must agree between ranks before their stores are split: the module
+    tree, every growing layer's settings, and the contents (not only the shapes) of every
+    parameter, buffer and store, read in place (no copy of the stores)."""
+    digest = hashlib.sha256()
+    for name, module in model.named_modules():
+        digest.update(f"{name}:{type(module).__name__};".encode())
+    for name, layer in growing_layers(model):
+        settings = (layer.d_in, layer.d_out, layer.kernel, layer.temperature, repr(layer.rule),
+                    repr(getattr(layer, "trigger", None)))
+        digest.update(f"{name}:{settings};".encode())
+        for t in (layer.store.keys, layer.store.values, layer.store.weights,
+                  layer.store.written_at):
+            _update(digest, t)
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        _update(digest, t)
+    return digest.hexdigest()[:16]
+
+
+def _update(digest: hashlib._Hash, t: Tensor) -> None:
+    data = t.detach().contiguous().cpu()
+    digest.update(data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b"")
 
 
 def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
@@ -178,7 +208,7 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
     differing = [r for r, p in enumerate(prints) if p != prints[0]]
     if differing:
         raise ValueError(f"shard: the models of ranks {differing} differ from rank 0's "
-                         "(structure, hyperparameters or stored entries); every rank must "
+                         "(structure, settings, parameters or stored entries); every rank must "
                          "build the same model with the same settings and seeds")
     info = Shard(group, rank, world)
     for _, layer in layers:
@@ -186,6 +216,10 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
         if n:
             keep = info.owned(n, layer.store.device)
             layer.remove_entries(~keep)
+            stores = (layer.store, getattr(layer, "adam_m", None), getattr(layer, "adam_v", None))
+            for store in stores:
+                if store is not None:
+                    store.compact()  # release the other ranks' rows
         layer.shard = info
     return model
 

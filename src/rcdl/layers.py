@@ -285,7 +285,9 @@ class GrowingLayer(nn.Module):
             return
         self.steps += 1
         if self.shard is not None:  # this rank stores its rows of the batch
-            keep = self.shard.owned(entries[0].shape[0], entries[0].device)  # (B,) bool
+            count = entries[0].shape[0]  # B, the same on every rank
+            keep = self.shard.owned(count, entries[0].device,
+                                    offset=int(self.steps) * count)  # (B,) bool
             entries = tuple(t[keep] for t in entries)
         self.store.append(*entries, written_at=int(self.steps))
 
