@@ -4,7 +4,8 @@ A growing layer's store grows with every training sample, past one device's memo
 before its compute is the limit. :func:`shard` splits every store of a model by rows over
 the ranks of a process group (gloo on CPU, NCCL on GPU, launched by ``torchrun``); nothing
 else of the model is split, and every rank runs the whole batch through it. The stores never
-move: the entries a step writes go to the ranks by row, ``sample i → rank i mod W``.
+move: the entries a step writes go to the ranks by row, sample ``i`` of step ``t`` to rank
+``(t·B + i) mod W`` (a global sample counter for a constant batch size ``B``).
 
 **Attention is a tree reduction of partials** (the pattern of Tree Attention and
 Flash-Decoding: a few queries against very many keys). Every rank computes the partial
@@ -192,7 +193,8 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
 
     Call after ``torch.distributed.init_process_group`` on every rank, with the same model
     (same seeds: the initial entries must agree). Rows already stored are split
-    ``row i → rank i mod W``; from then on each step's new entries are split the same way.
+    ``row i → rank i mod W``; from then on sample ``i`` of step ``t`` goes to rank
+    ``(t·B + i) mod W`` (:meth:`Shard.owned`).
     Returns ``model`` (changed in place). Raises if the ranks' models differ (naming the
     ranks) or if the model has no growing layers.
     """

@@ -56,6 +56,7 @@ between the last checkpoint and the interruption. ``summary.json`` is authoritat
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
@@ -613,7 +614,8 @@ def run_cifar10(
         raise
     checkpoints = run.file("checkpoints")
     if checkpoints.is_dir() and not any(checkpoints.iterdir()):
-        checkpoints.rmdir()
+        with contextlib.suppress(OSError):  # under torchrun another rank may remove it first
+            checkpoints.rmdir()
 
     summary["models"] = model_rows(summary["runs"], cfg.models)
     summary["complete"] = True
