@@ -175,15 +175,41 @@ def test_the_hybrid_case_exercises_the_gate():
     assert all(s["written"] > 0 and s["refused"] > 0 for s in stats)
 
 
-def test_budgets_are_refused_for_sharded_stores(monkeypatch):
+def _budget_worker(rank, world, init_file, result_file):
     from rcdl import MemoryBudget
-    from rcdl.distributed import Shard
+    from rcdl.distributed import shard
 
-    net, _ = build("rbf")
-    for _, layer in growing_layers(net):
-        layer.shard = Shard(None, 0, 2)  # as shard() leaves it, without a process group
-    with pytest.raises(ValueError, match="sharded over ranks; memory budgets"):
-        Grower(net, budget=MemoryBudget(10))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=TIMEOUT)
+    try:
+        net, _ = build("gws")
+        shard(net)
+        grower = Grower(net, budget=MemoryBudget(6, "contribution", merge=True))
+        sizes = []
+        for step in range(len(BATCHES)):
+            train(net, grower, [step])
+            sizes.append([len(layer.store) for layer in grower.layers])
+        totals = grower.entries_per_layer()
+        gathered = [None] * world
+        dist.all_gather_object(gathered, {"sizes": sizes, "totals": totals,
+                                          "evicted": grower.num_evicted})
+        if rank == 0:
+            torch.save(gathered, result_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_memory_budgets_are_per_shard(tmp_path):
+    """Each rank keeps at most ``capacity`` entries of its shard (choosing among its own)."""
+    result_file = tmp_path / "budget.pt"
+    mp.start_processes(_budget_worker, args=(2, tmp_path / "init", result_file), nprocs=2,
+                       join=True, start_method="spawn")
+    ranks = torch.load(result_file, weights_only=False)
+    for r in ranks:
+        assert all(size <= 6 for sizes in r["sizes"] for size in sizes)
+        assert r["totals"] == [12, 12]  # 6 per shard, both shards full by the end
+    written = 2 * (5 + sum(BATCHES))  # initial entries and one per sample, both layers
+    assert sum(r["evicted"] for r in ranks) == written - 24
 
 
 # --------------------------------------------------------------------------- the experiment

@@ -166,7 +166,7 @@ def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
     try:
         run_cifar10(cfg, out=args.out, resume=args.resume, data=data, device=device,
                     progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints)
-    except FileExistsError as e:
+    except (FileExistsError, ValueError) as e:
         raise CLIError(str(e)) from e
     finally:
         if distributed:
@@ -269,11 +269,19 @@ def _cmd_reproduce_tau_sweep(args: argparse.Namespace) -> int:
         data = load_data(comparison, download=not args.no_download)
     except (OSError, CorruptDataError, ValueError) as e:
         raise CLIError(str(e)) from e
+    from rcdl.distributed import init_from_env
+
+    distributed = init_from_env(device)  # under torchrun: the stores are sharded over ranks
     try:
         run_tau_sweep(cfg, out=args.out, resume=args.resume, data=data, device=device,
                       progress=not args.no_progress)
-    except FileExistsError as e:
+    except (FileExistsError, ValueError) as e:
         raise CLIError(str(e)) from e
+    finally:
+        if distributed:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     return 0
 
 
@@ -297,7 +305,8 @@ def _run_experiment(args: argparse.Namespace, config_cls, fields: Sequence[str],
 
     if not shards and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise CLIError(f"rcdl reproduce {args.experiment} does not run under torchrun yet "
-                       "(cifar10-1epoch and teacher-student do); run it as one process")
+                       "(cifar10-1epoch, hybrid-tau-sweep and teacher-student do); run it as "
+                       "one process")
 
     switches = switches or {}
     settings = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}

@@ -28,8 +28,9 @@ not multiplied by the world size.
 ``normalize=True`` rule (the merged partial). Every rank computes the same proposals, so
 the rules, gates and divergence checks agree without communication.
 
-Not yet sharded (each refused with a clear error): memory budgets (eviction needs a global
-ranking). Checkpoints are one ``state_dict`` per rank; resume with the same world size.
+Memory budgets are per shard (each rank keeps at most ``capacity`` of its own entries).
+Checkpoints are one ``state_dict`` per rank; resume with the same world size (another world
+size is refused, not re-sharded).
 """
 
 from __future__ import annotations

@@ -27,7 +27,10 @@ layer has committed, it chooses the entries each layer must drop to stay within 
 (all layers' choices are made before any entry is removed), merges them into their nearest
 kept entries if the budget says so, and removes them through
 :meth:`~rcdl.layers.GrowingLayer.remove_entries`. Between steps no store holds more than
-``budget.capacity`` entries; :attr:`Grower.evicted` counts what each layer dropped.
+``budget.capacity`` entries; :attr:`Grower.evicted` counts what each layer dropped. With
+stores sharded over ranks (:mod:`rcdl.distributed`) the budget is per shard: each rank keeps
+at most ``capacity`` entries of its shard, choosing (and merging) among its own entries, so
+a layer holds at most ``W · capacity`` in all and ``evicted`` counts this rank's evictions.
 
 For a hybrid network (entries also trained by Adam) use :class:`rcdl.hybrid.HybridGrower`,
 which runs the Adam step and then this one. (Growing first would drop the entries'
@@ -76,9 +79,6 @@ class Grower(torch.optim.Optimizer):
             raise ValueError(f"Grower: {type(model).__name__} has no growing layers")
         if budget is not None:
             for layer in self.layers:
-                if getattr(layer, "shard", None) is not None:
-                    raise ValueError(f"Grower: {layer.where} is sharded over ranks; memory "
-                                     "budgets are not supported for sharded stores yet")
                 budget.check(layer)
         self.budget = budget
         self.evicted: dict[str, int] = {layer.name: 0 for layer in self.layers}

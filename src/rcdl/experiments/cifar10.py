@@ -245,6 +245,11 @@ def hybrid_name(tau: float | None) -> str:
     return "hybrid-always" if tau is None else f"hybrid-tau{tau:g}"
 
 
+def _is_growing(name: str) -> bool:
+    """Whether model ``name`` has growing stores (which torchrun shards)."""
+    return name in ("gws", "gauge", "rbf", "hybrid") or bool(_HYBRID.fullmatch(name))
+
+
 def model_spec(name: str) -> ModelSpec:
     """The spec of model ``name``: a key of :data:`MODELS`, ``psoftmax-<N>`` for any N ≥ 1,
     ``hybrid-tau<τ>`` for the hybrid with another threshold, or ``hybrid-always``.
@@ -577,6 +582,12 @@ def run_cifar10(
     if data is None:
         data = load_data(cfg, download=download)
     rank, world = rank_and_world()  # under torchrun, rank 0 writes the run folder
+    if world > 1:
+        flat = [m for m in cfg.models if not _is_growing(m)]
+        if flat:
+            raise ValueError(f"under torchrun the growing models' stores are sharded over the "
+                             f"{world} ranks; {', '.join(flat)} have no growing stores: run "
+                             "them without torchrun")
     if resume is None:
         run = rank0_run(partial(RunDir.create, EXPERIMENT, path=out, config=cfg, device=device))
         summary = {"experiment": EXPERIMENT, "complete": False, "runs": [], "sessions": []}
