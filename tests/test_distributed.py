@@ -228,7 +228,8 @@ def _experiment_worker(rank, world, init_file, data_dir, out):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=TIMEOUT)
     try:
-        run_cifar10(_experiment_cfg(data_dir), out=out, progress=False, download=False)
+        run_cifar10(_experiment_cfg(data_dir), out=out, progress=False, download=False,
+                    keep_checkpoints=True)
     finally:
         dist.destroy_process_group()
 
@@ -247,6 +248,10 @@ def test_the_cifar10_experiment_sharded_over_two_ranks_equals_one_process(data_d
                        nprocs=2, join=True, start_method="spawn")
     sharded = json.loads((out / "summary.json").read_text())
     assert sharded["sessions"][-1]["world_size"] == 2
+    manifest = json.loads((out / "checkpoints" / "gws-seed0.manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["step"] == 2
+    assert manifest["files"] == ["gws-seed0.rank0of2.pt", "gws-seed0.rank1of2.pt"]
+    assert all((out / "checkpoints" / f).is_file() for f in manifest["files"])
     for mine, theirs in zip(sharded["runs"], single["runs"], strict=True):
         assert mine["entries"] == theirs["entries"] and mine["bytes"] == theirs["bytes"]
         for a, b in zip(mine["history"], theirs["history"], strict=True):
@@ -269,6 +274,10 @@ def test_a_checkpoint_of_another_world_size_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(cifar10, "rank_and_world", lambda: (0, 1))
     with pytest.raises(ValueError, match="another number of processes"):
         cifar10._checkpoint_path(run, "gws", 0)
+    (tmp_path / "checkpoints" / "gws-seed0.rank0of2.pt").unlink()
+    (tmp_path / "checkpoints" / "gws-seed0.manifest.json").write_text('{"world_size": 4}')
+    with pytest.raises(ValueError, match="manifest.json was written by another number"):
+        cifar10._checkpoint_path(run, "gws", 0)
 
 
 def _mismatch_worker(rank, world, init_file, what):
@@ -286,10 +295,13 @@ def _mismatch_worker(rank, world, init_file, what):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("what", ["settings", "entries"])
-def test_ranks_with_different_models_are_refused(what, tmp_path):
-    """Another temperature, or the same settings with other initial entries (another seed)."""
-    with pytest.raises(mp.ProcessRaisedException, match=r"models of ranks \[1\] differ"):
+@pytest.mark.parametrize(("what", "named"), [("settings", "T=2.0"),
+                                             ("entries", "entries and parameters")])
+def test_ranks_with_different_models_are_refused(what, named, tmp_path):
+    """Another temperature, or the same settings with other initial entries (another seed):
+    the error names what differs."""
+    with pytest.raises(mp.ProcessRaisedException,
+                       match=rf"models of ranks \[1\] differ(.|\n)*{named}"):
         mp.start_processes(_mismatch_worker, args=(2, tmp_path / "init", what), nprocs=2,
                            join=True, start_method="spawn")
 

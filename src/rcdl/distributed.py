@@ -164,24 +164,30 @@ class _ShardedAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_w, None, None, None, None, None
 
 
-def _fingerprint(model: nn.Module) -> str:
-    """A hash of what must agree between ranks before their stores are split: the module
-    tree, every growing layer's settings, and the contents (not only the shapes) of every
-    parameter, buffer and store, read in place (no copy of the stores)."""
+def _describe(model: nn.Module) -> dict[str, str]:
+    """What must agree between ranks before their stores are split, as readable settings:
+    the module tree, each growing layer's settings, and a hash of the contents (not only the
+    shapes) of every parameter, buffer and store, read in place (no copy of the stores)."""
+    described = {"modules": "; ".join(f"{name or '(model)'}: {type(module).__name__}"
+                                      for name, module in model.named_modules())}
     digest = hashlib.sha256()
-    for name, module in model.named_modules():
-        digest.update(f"{name}:{type(module).__name__};".encode())
     for name, layer in growing_layers(model):
-        settings = (layer.d_in, layer.d_out, layer.kernel, layer.temperature, repr(layer.rule),
-                    repr(getattr(layer, "trigger", None)))
-        digest.update(f"{name}:{settings};".encode())
+        described[name] = (f"{layer.d_in} -> {layer.d_out}, kernel={layer.kernel}, "
+                           f"T={layer.temperature}, rule={layer.rule!r}, "
+                           f"trigger={getattr(layer, 'trigger', None)!r}")
         for t in (layer.store.keys, layer.store.values, layer.store.weights,
                   layer.store.written_at):
             _update(digest, t)
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         _update(digest, t)
-    return digest.hexdigest()[:16]
+    described["entries and parameters (hash)"] = digest.hexdigest()[:16]
+    return described
+
+
+def _differences(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    return [f"{key}: {theirs.get(key)!r} (rank 0: {mine.get(key)!r})"
+            for key in dict.fromkeys([*mine, *theirs]) if mine.get(key) != theirs.get(key)]
 
 
 def _update(digest: hashlib._Hash, t: Tensor) -> None:
@@ -206,13 +212,15 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
     if not layers:
         raise ValueError(f"shard: {type(model).__name__} has no growing layers")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    prints = [None] * world
-    dist.all_gather_object(prints, _fingerprint(model), group=group)
-    differing = [r for r, p in enumerate(prints) if p != prints[0]]
+    described = [None] * world
+    dist.all_gather_object(described, _describe(model), group=group)
+    differing = {r: _differences(described[0], d) for r, d in enumerate(described)}
+    differing = {r: diff for r, diff in differing.items() if diff}
     if differing:
-        raise ValueError(f"shard: the models of ranks {differing} differ from rank 0's "
-                         "(structure, settings, parameters or stored entries); every rank must "
-                         "build the same model with the same settings and seeds")
+        detail = "; ".join(f"rank {r}: {', '.join(diff)}" for r, diff in differing.items())
+        raise ValueError(f"shard: the models of ranks {sorted(differing)} differ from rank 0's "
+                         f"({detail}); every rank must build the same model with the same "
+                         "settings and seeds")
     info = Shard(group, rank, world)
     for _, layer in layers:
         n = len(layer.store)

@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from rcdl.rundir import RunDir, atomic_save_torch
+from rcdl.distributed import is_sharded, rank_and_world
+from rcdl.rundir import RunDir, atomic_save_torch, atomic_write_json
 from rcdl.store import format_bytes
 
 __all__ = ["GrowerLike", "accuracy", "epoch_permutation", "evaluate", "train_one_pass"]
@@ -280,7 +282,16 @@ def train_one_pass(
             "grower": grower.state_dict() if hasattr(grower, "state_dict") else None,
         }
         atomic_save_torch(state, checkpoint_path)
+        if sharded:  # one file per rank, and rank 0 lists them in a manifest
+            files = [None] * world
+            dist.all_gather_object(files, checkpoint_path.name)
+            if rank == 0:
+                manifest = {"name": name, "step": loop["step"], "world_size": world,
+                            "files": files}
+                atomic_write_json(manifest, checkpoint_path.with_name(f"{name}.manifest.json"))
 
+    sharded = is_sharded(model)
+    rank, world = rank_and_world()
     model.train()
     with bar:
         if not loop["history"]:

@@ -509,7 +509,8 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
 
 def _checkpoint_path(run: RunDir, name: str, seed: int) -> Path:
     """``checkpoints/<model>-seed<s>.pt``; under torchrun one file per rank,
-    ``...rank<r>of<W>.pt``. A checkpoint left by another number of ranks is refused."""
+    ``...rank<r>of<W>.pt``, listed by rank 0 in ``<model>-seed<s>.manifest.json``. A
+    checkpoint left by another number of ranks is refused."""
     rank, world = rank_and_world()
     stem = _run_name(name, seed)
     folder = run.file("checkpoints")
@@ -517,6 +518,10 @@ def _checkpoint_path(run: RunDir, name: str, seed: int) -> Path:
     allowed = mine if world == 1 else f"{stem}.rank*of{world}.pt"
     left = [p.name for p in (folder / f"{stem}.pt", *folder.glob(f"{stem}.rank*of*.pt"))
             if p.exists() and not fnmatch(p.name, allowed)]
+    manifest = folder / f"{stem}.manifest.json"
+    with contextlib.suppress(FileNotFoundError):  # rank 0 may be removing it
+        if json.loads(manifest.read_text(encoding="utf-8"))["world_size"] != world:
+            left.insert(0, manifest.name)
     if left:
         raise ValueError(f"{stem}: its checkpoint {left[0]} was written by another number of "
                          f"processes than this run's {world}; resume with the same torchrun "
@@ -619,6 +624,9 @@ def run_cifar10(
                     release_memory(device)
                 if not keep_checkpoints and not model_spec(name).classical:
                     _checkpoint_path(run, name, seed).unlink(missing_ok=True)
+                    if rank == 0:
+                        run.file(f"checkpoints/{_run_name(name, seed)}.manifest.json").unlink(
+                            missing_ok=True)
     except KeyboardInterrupt:
         command = resume_command(f"rcdl reproduce {experiment}", run.path, cfg.data_dir)
         print(f"\nInterrupted. Continue with: {command}", file=sys.stderr)
