@@ -157,6 +157,8 @@ class HybridSoftmax(GrowingSoftmax):
     Statistics (buffers, saved with the model): ``entries_written``, ``entries_refused``.
     """
 
+    trains_entries = True  # EntryAdam moves every entry: no cached evaluation partials
+
     def __init__(self, d_in: int, d_out: int, *, temperature: float, rule: LearningRule,
                  trigger: GrowthTrigger | None = None, initial_entries: int = 16,
                  seed: int | None = None, **kw) -> None:
@@ -276,6 +278,7 @@ class HybridSoftmax(GrowingSoftmax):
                 v_c.mul_(b2).addcmul_(g, g, value=1 - b2)
                 torch.sqrt(v_c, out=denom).mul_(a[rows].view(shape)).add_(c[rows].view(shape))
                 param[rows].addcdiv_(m_c, denom, value=-1.0)
+        self.store.touch()  # every entry moved: cached partials over them are stale
 
     # ---------------------------------------------------------------- growth
     def make_entries(self, record: _Record) -> Entries:

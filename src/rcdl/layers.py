@@ -29,12 +29,13 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.attention import attention, attention_partial
+from rcdl.attention import Partial, attention, attention_partial, finalize, merge_partials
 from rcdl.kernels import Kernel, check_kernel, softmax_scale
 from rcdl.rules import Entries, FunctionalSGD, LearningRule
 from rcdl.store import EntryStore
@@ -62,6 +63,15 @@ class _Record:
             self.ready.append(self)  # from now on the layer holds it, not just the graph
         else:
             self.grad = self.grad + grad.detach()
+
+
+class _CachedPartial(NamedTuple):
+    """A layer's partial over its first ``rows`` entries for one evaluation batch."""
+
+    q: Tensor  # (B, key_dim) the queries, to check the next evaluation asks the same
+    rows: int
+    version: int  # store.version when cached
+    part: Partial
 
 
 class _EvalModeOutput(torch.autograd.Function):
@@ -136,6 +146,8 @@ class GrowingLayer(nn.Module):
         self._pending: list[weakref.ref[_Record]] = []  # records awaiting backward
         self._generation = 0  # bumped by commit/discard: older records are never written
         self.shard = None  # a rcdl.distributed.Shard when the store is split over ranks
+        self._eval_cache: dict[int, _CachedPartial] | None = None  # see enable_eval_cache
+        self._eval_calls = 0
 
     # ---------------------------------------------------------------- forward
     def entry_weights(self) -> Tensor:  # (N,)
@@ -150,7 +162,69 @@ class GrowingLayer(nn.Module):
     def attend(self, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
         """Attention from (already prepared) queries over the whole store (every rank's
         shard of it, if the store is sharded: :mod:`rcdl.distributed`)."""
+        if self._eval_cache is not None and not torch.is_grad_enabled():
+            return self._attend_cached(q)
         return self._attention(q, self.store.keys, self.store.values, self.entry_weights())
+
+    # ---------------------------------------------------------------- incremental evaluation
+    def enable_eval_cache(self) -> None:
+        """Cache this layer's partial results for repeated evaluations on fixed inputs.
+
+        Evaluation repeats the same test queries between training steps, and a step only
+        appends entries. With the cache on, the ``k``-th no-grad forward call after
+        :meth:`start_evaluation` keeps its queries and its partial ``(m, num, den, mass)``
+        over the store's ``n`` rows; the ``k``-th call of the next evaluation, if its queries
+        are the same and the store only grew since (same ``store.version``), attends over the
+        new rows alone and merges the two partials (:func:`rcdl.attention.merge_partials`,
+        exact up to rounding). Otherwise it attends over everything and caches anew; a layer
+        whose queries changed between evaluations (a layer after a growing one) stops
+        caching. Not cached: sharded stores, age coefficients (weight decay, momentum:
+        every entry's weight changes each step) and layers whose entries are trained
+        (``trains_entries``: the hybrid's Adam moves every entry each step). Costs the
+        queries and the partials of one evaluation in memory.
+        """
+        ages = getattr(self.rule, "ages", None)
+        if self.shard is None and (ages is None or ages.trivial) and not self.trains_entries:
+            self._eval_cache = {}
+        self._eval_calls = self._eval_hits = 0
+
+    def disable_eval_cache(self) -> None:
+        """Turn the cache off and free it."""
+        self._eval_cache, self._eval_calls = None, 0
+
+    def start_evaluation(self) -> None:
+        """Call before each evaluation: the next forward call is the first batch's."""
+        self._eval_calls = 0
+
+    @property
+    def eval_cache_hits(self) -> int:
+        """Cached calls that only attended over new rows, since the cache was enabled."""
+        return self._eval_hits
+
+    _eval_hits = 0
+    trains_entries = False  # True where an optimizer moves stored entries (the hybrid)
+
+    def _attend_cached(self, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
+        slot, self._eval_calls = self._eval_calls, self._eval_calls + 1
+        store, cached = self.store, self._eval_cache.get(slot)
+        n = len(store)
+        kw = {"kernel": self.kernel, "temperature": self.temperature,
+              "chunk_size": self.chunk_size}
+        reusable = (cached is not None and cached.version == store.version and cached.rows <= n
+                    and cached.q.shape == q.shape and torch.equal(cached.q, q))
+        if reusable:
+            rows = slice(cached.rows, n)
+            new = attention_partial(q, store.keys[rows], store.values[rows],
+                                    store.weights[rows], **kw)
+            part = merge_partials(cached.part, new)
+            self._eval_hits += 1
+        else:
+            if cached is not None and not torch.equal(cached.q, q):  # queries move: stop
+                self._eval_cache = None
+                return self._attention(q, store.keys, store.values, self.entry_weights())
+            part = attention_partial(q, store.keys, store.values, store.weights, **kw)
+        self._eval_cache[slot] = _CachedPartial(q.clone(), n, store.version, part)
+        return finalize(part, kernel=self.kernel)
 
     def _attention(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor) -> Tensor:
         attend = attention if self.shard is None else self.shard.attention

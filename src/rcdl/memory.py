@@ -170,6 +170,7 @@ def merge_into_nearest(layer: GrowingLayer, mask: Tensor) -> Tensor:  # (E,) tar
         values[hit] *= weights[hit][:, None]
         weights[hit] = 1.0
         values.index_add_(0, targets, ev_weights[:, None] * ev_values)
+    store.touch()
     return targets
 
 

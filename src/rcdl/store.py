@@ -43,6 +43,11 @@ class EntryStore(nn.Module):
 
     Views ``keys (N, d_in)``, ``values (N, d_out)``, ``weights (N,)``, ``written_at (N,)``
     are slices of the buffers: they are invalidated by the next append that reallocates.
+
+    ``version`` counts the changes other than appends (removals, clears, loads and in-place
+    edits, which must call :meth:`touch`): a cache of partial results over the first ``n``
+    rows (:meth:`rcdl.layers.GrowingLayer.enable_eval_cache`) stays valid while it is
+    unchanged, because an append only adds rows after them.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class EntryStore(nn.Module):
         self.d_in, self.d_out, self.growth = d_in, d_out, growth
         dtype = dtype or torch.get_default_dtype()
         self.size = 0
+        self.version = 0  # bumped by every change other than an append (see touch)
         self._keys = torch.empty(capacity, d_in, dtype=dtype, device=device)
         self._values = torch.empty(capacity, d_out, dtype=dtype, device=device)
         self._weights = torch.empty(capacity, dtype=dtype, device=device)
@@ -217,7 +223,13 @@ class EntryStore(nn.Module):
             buf[:n_keep] = buf[: self.size].index_select(0, keep)
         removed = self.size - n_keep
         self.size = n_keep
+        if removed:
+            self.touch()
         return removed
+
+    def touch(self) -> None:
+        """Record an in-place change of stored rows (what appends do not do)."""
+        self.version += 1
 
     def compact(self) -> None:
         """Release the unused capacity (capacity becomes N)."""
@@ -226,6 +238,7 @@ class EntryStore(nn.Module):
 
     def clear(self) -> None:
         self.size = 0
+        self.touch()
 
     # ---------------------------------------------------------------- state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001

@@ -1,0 +1,105 @@
+"""Incremental evaluation: each growing layer reuses its partial results over the entries it
+held at the previous evaluation of the same inputs and attends only over the new ones. Over
+a run it equals full evaluation (float64 to 1e-12, float32 to rounding), and it falls back to
+full evaluation wherever a cache would be stale."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from rcdl import (
+    ClippedSoftmaxRule,
+    FunctionalSGD,
+    Grower,
+    GrowingRBFNet,
+    GrowingSoftmaxNet,
+    HybridGrower,
+    HybridSoftmaxNet,
+    MemoryBudget,
+    growing_layers,
+)
+from rcdl.data import TeacherConfig, make_teacher_data
+from rcdl.training import train_one_pass
+
+
+def data(dtype="float64"):
+    return make_teacher_data(TeacherConfig(d_in=6, hidden=8, d_out=2, n_train=120, n_test=40,
+                                           dtype=dtype))
+
+
+def build(kind, dtype=torch.float64):
+    torch.manual_seed(0)
+    if kind == "gws":
+        net = GrowingSoftmaxNet(6, 2, 2, temperature=1.0, rule=ClippedSoftmaxRule(0.3, 2.0))
+    elif kind == "rbf":
+        net = GrowingRBFNet(6, 2, 1, temperature=1.0, rule=FunctionalSGD(0.2))
+    elif kind == "rbf-momentum":
+        net = GrowingRBFNet(6, 2, 1, temperature=1.0, rule=FunctionalSGD(0.1, momentum=0.5))
+    else:
+        net = HybridSoftmaxNet(6, 2, 1, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 2.0))
+    net = net.to(dtype)
+    if kind == "hybrid":
+        return net, HybridGrower(net, lr=0.01)
+    budget = MemoryBudget(60, "contribution", merge=True) if kind == "rbf" else None
+    return net, Grower(net, budget=budget)
+
+
+def run(kind, incremental, dtype=torch.float64, track=None):
+    net, learner = build(kind, dtype)
+    if track is not None:  # count the cache hits of every layer, after the run
+        original = type(growing_layers(net)[0][1]).disable_eval_cache
+
+        def record(layer, _original=original):
+            track[layer.name] = layer.eval_cache_hits
+            _original(layer)
+
+        for _, layer in growing_layers(net):
+            layer.disable_eval_cache = record.__get__(layer)
+    result = train_one_pass(net, data("float64" if dtype == torch.float64 else "float32"),
+                            batch_size=8, eval_every=3, progress=False, loss_fn=F.mse_loss,
+                            grower=learner, incremental_eval=incremental)
+    return [h["test_mse"] for h in result["history"]]
+
+
+@pytest.mark.parametrize("kind", ["gws", "rbf", "rbf-momentum", "hybrid"])
+def test_incremental_evaluation_equals_full_evaluation(kind):
+    hits = {}
+    full = run(kind, incremental=False)
+    incremental = run(kind, incremental=True, track=hits)
+    assert len(full) == 6  # evaluations at steps 0, 3, ..., 15
+    assert_close(torch.tensor(incremental), torch.tensor(full), rtol=1e-12, atol=1e-14)
+    if kind == "gws":  # the first layer's queries are the test inputs: it hits every time
+        assert hits["blocks.0"] == 5  # every evaluation after the first
+        assert hits["blocks.1"] == hits["readout"] == 0  # their queries move: no caching
+    elif kind == "rbf":  # hits while the store is under its budget (steps 3, 6), then the
+        assert hits["blocks.0"] == 2  # evictions and merges change rows: stale, recomputed
+    else:  # momentum ages every weight; Adam moves every hybrid entry: not cached at all
+        assert set(hits.values()) == {0}
+
+
+def test_float32_incremental_evaluation_agrees_to_rounding():
+    full = run("gws", incremental=False, dtype=torch.float32)
+    incremental = run("gws", incremental=True, dtype=torch.float32)
+    assert_close(torch.tensor(incremental), torch.tensor(full), rtol=1e-5, atol=1e-6)
+
+
+def test_other_inputs_are_not_served_from_the_cache():
+    net, grower = build("gws")
+    layer = net.blocks[0]
+    layer.enable_eval_cache()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    net.eval()
+    with torch.no_grad():
+        net(x)
+    net.train()
+    F.mse_loss(net(x), y).backward()
+    grower.step()
+    layer.start_evaluation()
+    net.eval()
+    other = torch.randn(5, 6, dtype=torch.float64)
+    with torch.no_grad():
+        got = net(other)
+    layer.disable_eval_cache()
+    with torch.no_grad():
+        assert_close(got, net(other))
