@@ -19,6 +19,7 @@ import subprocess
 import torch
 import torch.nn.functional as F
 
+from rcdl.allocator import keep_freed_memory
 from rcdl.experiments.cifar10 import METRICS, Cifar10Config, build_model, load_data
 from rcdl.training import train_one_pass
 
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--test-size", type=int, default=10_000)
     parser.add_argument("--eval-every", type=int, default=125)
     args = parser.parse_args()
+    keep_freed_memory()  # as the rcdl command does: large temporaries without page faults
     cfg = Cifar10Config(models=("gws",), train_size=args.train_size, test_size=args.test_size,
                         data_dir=args.data_dir, device="cpu")
     data = load_data(cfg, download=False)
