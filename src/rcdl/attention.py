@@ -24,13 +24,16 @@ gradients).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from rcdl.kernels import Kernel, check_kernel, guard_denominator, softmax_scale
+
+if TYPE_CHECKING:
+    from rcdl.distributed import Shard
 
 __all__ = [
     "Partial",
@@ -182,15 +185,18 @@ def finalize(part: Partial, *, kernel: Kernel, eps: float = 1e-6) -> Tensor:  # 
 
 class _StreamingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, keys, values, weights, kernel, temperature, chunk_size, eps, save_fraction):
+    def forward(ctx, q, keys, values, weights, kernel, temperature, chunk_size, eps,  # noqa: ANN001
+                save_fraction, shard):
         b, n = q.shape[0], keys.shape[0]
         store_bytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
         needs_grad = any(ctx.needs_input_grad[:4])
         keep = needs_grad and b * n * q.element_size() <= save_fraction * store_bytes
         chunk = chunk_size or default_chunk_size(b, q.device)
         part, saved = _stream(q, keys, values, weights, kernel, temperature, chunk, keep)
+        if shard is not None:  # these entries are one shard: merge the partials of all ranks
+            part = shard.merge(part, kernel)
         out = finalize(part, kernel=kernel, eps=eps)
-        ctx.kernel, ctx.chunk = kernel, chunk
+        ctx.kernel, ctx.chunk, ctx.shard = kernel, chunk, shard
         ctx.tau = softmax_scale(temperature, q.shape[1])
         ctx.saved_blocks = saved if keep else None
         # the softmax backward needs the final max, the guarded denominator and where the
@@ -206,10 +212,12 @@ class _StreamingAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):  # grad_out (B, d_out)
-        grads = attention_backward(
+        grad_q, *entry_grads = attention_backward(
             grad_out, *ctx.saved_tensors, kernel=ctx.kernel, tau=ctx.tau, chunk=ctx.chunk,
             eps=ctx.eps, needs=ctx.needs_input_grad[:4], saved_blocks=ctx.saved_blocks)
-        return (*grads, None, None, None, None, None)
+        if grad_q is not None and ctx.shard is not None:  # each rank holds its shard's share
+            grad_q = ctx.shard.all_reduce(grad_q.contiguous())
+        return (grad_q, *entry_grads, None, None, None, None, None, None)
 
 
 def attention_backward(
@@ -314,6 +322,7 @@ def attention(
     chunk_size: int | None = None,
     eps: float = 1e-6,
     save_fraction: float = 0.05,
+    shard: Shard | None = None,
 ) -> Tensor:  # (B, d_out)
     """Kernel attention from queries ``q`` over the entries ``(keys, values, weights)``.
 
@@ -326,6 +335,9 @@ def attention(
             to the weight mass ``Σ_j |w_j| e^{z_j}`` (:func:`rcdl.kernels.guard_denominator`).
         save_fraction: keep the ``(B, N)`` kernel values for backward when they take at most
             this fraction of the bytes of ``keys`` and ``values``; otherwise recompute.
+        shard: if given (a :class:`rcdl.distributed.Shard`), the entries are this rank's
+            shard of a store split over ranks: the partials of all ranks are merged before
+            the output, and the query gradient's shares are summed over the ranks.
 
     Example:
         >>> q, k, v = torch.randn(4, 8), torch.randn(100, 8), torch.randn(100, 3)
@@ -335,7 +347,7 @@ def attention(
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _StreamingAttention.apply(
-        q, keys, values, weights, kernel, temperature, chunk_size, eps, save_fraction
+        q, keys, values, weights, kernel, temperature, chunk_size, eps, save_fraction, shard
     )
 
 

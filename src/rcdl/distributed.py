@@ -45,16 +45,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
-from rcdl.attention import (
-    Partial,
-    _stream,
-    attention_backward,
-    default_chunk_size,
-    finalize,
-)
-from rcdl.kernels import Kernel, guard_denominator, softmax_scale
+from rcdl.attention import Partial, attention, attention_partial
+from rcdl.kernels import Kernel
 from rcdl.layers import growing_layers
 from rcdl.rundir import FollowerRunDir, RunDir
 
@@ -63,7 +56,6 @@ __all__ = [
 ]  # fmt: skip
 
 _NEG_INF = float("-inf")
-_SAVE_FRACTION = 0.05  # as rcdl.attention.attention's default
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,17 +93,17 @@ class Shard:
                   kernel: Kernel, temperature: float = 1.0, chunk_size: int | None = None,
                   eps: float = 1e-6) -> Tensor:  # (B, d_out)
         """:func:`rcdl.attention.attention` over the union of every rank's entries."""
-        return _ShardedAttention.apply(q, keys, values, weights, self, kernel, temperature,
-                                       chunk_size, eps)
+        return attention(q, keys, values, weights, kernel=kernel, temperature=temperature,
+                         chunk_size=chunk_size, eps=eps, shard=self)
 
     @torch.no_grad()
     def partial(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, *,
                 kernel: Kernel, temperature: float = 1.0,
                 chunk_size: int | None = None) -> Partial:
         """The merged partial over every rank's entries (no autograd)."""
-        chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
-        part, _ = _stream(q, keys, values, weights, kernel, temperature, chunk, keep=False)
-        return self.merge(part, kernel)
+        local = attention_partial(q, keys, values, weights, kernel=kernel,
+                                  temperature=temperature, chunk_size=chunk_size)
+        return self.merge(local, kernel)
 
     @torch.no_grad()
     def nearest_sq_distance(self, local: Tensor) -> Tensor:  # (B,)
@@ -125,43 +117,6 @@ class Shard:
         step to step: every rank fills, even when the batch is smaller than the world or not
         a multiple of it."""
         return (torch.arange(count, device=device) + offset) % self.world_size == self.rank
-
-
-class _ShardedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, keys, values, weights, shard, kernel, temperature, chunk_size, eps):  # noqa: ANN001
-        chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
-        # keep the (chunk, B) kernel blocks for backward when they are small, as one process
-        # does (rcdl.attention.attention's save_fraction)
-        store_bytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
-        keep = (any(ctx.needs_input_grad[:4])
-                and q.shape[0] * keys.shape[0] * q.element_size() <= _SAVE_FRACTION * store_bytes)
-        part, saved = _stream(q, keys, values, weights, kernel, temperature, chunk, keep)
-        ctx.saved_blocks = saved if keep else None
-        part = shard.merge(part, kernel)
-        out = finalize(part, kernel=kernel, eps=eps)
-        den = clamped = None
-        if kernel == "softmax":
-            den = guard_denominator(part.den, part.mass, eps)
-            clamped = part.den.abs() < eps * part.mass
-        ctx.shard, ctx.kernel, ctx.chunk, ctx.eps = shard, kernel, chunk, eps
-        ctx.tau = softmax_scale(temperature, q.shape[1])
-        ctx.save_for_backward(q, keys, values, weights, out, part.m, den, clamped)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
-        needs = ctx.needs_input_grad[:4]
-        needs_q = needs[0]
-        # every rank takes part in the query-gradient reduction, so all compute their share
-        grads = attention_backward(grad_out, *ctx.saved_tensors, kernel=ctx.kernel, tau=ctx.tau,
-                                   chunk=ctx.chunk, eps=ctx.eps, needs=needs,
-                                   saved_blocks=ctx.saved_blocks)
-        grad_q, grad_k, grad_v, grad_w = grads
-        if needs_q:
-            grad_q = ctx.shard.all_reduce(grad_q.contiguous())
-        return grad_q, grad_k, grad_v, grad_w, None, None, None, None, None
 
 
 def _describe(model: nn.Module) -> dict[str, str]:
