@@ -39,6 +39,7 @@ gradients; :class:`rcdl.hybrid.EntryAdam` then refuses its step with an error.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,6 +102,12 @@ class Grower(torch.optim.Optimizer):
         """
         if closure is not None:
             raise TypeError("Grower.step() takes no closure")
+        if self.validate():
+            self.write()
+
+    def validate(self) -> bool:
+        """The checks of :meth:`step` before anything is written; ``False`` when nothing was
+        recorded. (:class:`rcdl.hybrid.HybridGrower` runs them before its Adam step.)"""
         self.check_mode()
         if not any(layer.ready_records() for layer in self.layers):
             pending = [layer.where for layer in self.layers if layer.has_pending]
@@ -109,19 +116,30 @@ class Grower(torch.optim.Optimizer):
                     f"Grower.step(): {', '.join(pending)} ran a training forward pass that no "
                     "backward reached: call loss.backward() before grower.step(), with a loss "
                     "that depends on the model's output")
-            return
+            return False
+        self._refusing(lambda: [layer.check_records() for layer in self.layers])
+        return True
+
+    def write(self) -> None:
+        """Commit every layer's proposed entries, or none, then evict down to the budget
+        (after :meth:`validate`)."""
         self._apply_learning_rates()
-        try:
-            proposals = [layer.propose() for layer in self.layers]
-        except Exception:
-            self.zero_grad()  # a refused batch leaves nothing behind for the next step
-            raise
+        proposals = self._refusing(lambda: [layer.propose() for layer in self.layers])
         for layer, entries in zip(self.layers, proposals, strict=True):
             layer.commit(entries)
         if self.budget is not None:
             masks = [self.budget.evict_mask(layer) for layer in self.layers]  # (N,) each
             for layer, mask in zip(self.layers, masks, strict=True):
                 self.evicted[layer.name] += self.budget.apply(layer, mask)
+
+    def _refusing(self, check: Callable[[], Any]) -> Any:
+        """``check()``; if it raises, drop the records first: a refused batch leaves nothing
+        behind for the next step."""
+        try:
+            return check()
+        except Exception:
+            self.zero_grad()
+            raise
 
     def check_mode(self) -> None:
         """Raise if a growing layer is in eval mode (it records nothing to learn from)."""

@@ -503,15 +503,14 @@ class HybridGrower(torch.optim.Optimizer):
     def step(self, closure=None) -> None:  # noqa: ANN001
         if closure is not None:
             raise TypeError("HybridGrower.step() takes no closure")
-        self.grower.check_mode()
+        if not self.grower.validate():  # a refused step drops the records
+            return
         try:
-            for layer in self.grower.layers:
-                layer.check_records()
+            self.adam.step()  # checks the entry gradients before it moves anything
         except Exception:
             self.zero_grad()
             raise
-        self.adam.step()
-        self.grower.step()
+        self.grower.write()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget everything this step recorded: entry and parameter gradients, and records."""

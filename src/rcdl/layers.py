@@ -298,15 +298,12 @@ class GrowingLayer(nn.Module):
 
     @torch.no_grad()
     def propose(self) -> Entries | None:
-        """The entries this step's records would write, validated (nothing is written).
-
-        Raises ``ValueError`` naming the layer if an output or its gradient is not finite, or
-        if the outputs grew past ``max_output_growth`` times their first non-zero scale.
-        """
+        """The entries this step's records would write (nothing is written), after
+        :meth:`check_records`. Raises ``ValueError`` naming the layer if the rule produced
+        non-finite entries."""
         records = self.ready_records()
         if not records:
             return None
-        self.check_records()
         parts = [self.make_entries(record) for record in records]
         keys, values, weights = (torch.cat(p) for p in zip(*parts, strict=True))
         for name, t in (("keys", keys), ("values", values), ("weights", weights)):
