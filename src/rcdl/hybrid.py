@@ -427,7 +427,7 @@ class EntryAdam(torch.optim.Optimizer):
         layers = {}
         for name, layer in self.layers:
             layers[name] = {"adam_steps": int(layer.adam_steps),
-                            "m": _moments_state(layer.adam_m), "v": _moments_state(layer.adam_v)}
+                            "m": layer.adam_m.rows(), "v": layer.adam_v.rows()}
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         return {"param_groups": [group], "layers": layers,
                 "param_adam": None if self.param_adam is None else self.param_adam.state_dict()}
@@ -450,26 +450,14 @@ class EntryAdam(torch.optim.Optimizer):
         for name, layer in self.layers:
             saved = state["layers"][name]
             layer.adam_steps.fill_(saved["adam_steps"])
-            _load_moments(layer.adam_m, saved["m"])
-            _load_moments(layer.adam_v, saved["v"])
+            layer.adam_m.load_rows(saved["m"])
+            layer.adam_v.load_rows(saved["v"])
             layer._leaves = None
         group = self.param_groups[0]
         group.update({k: v for k, v in state["param_groups"][0].items() if k != "params"})
         group["betas"] = tuple(group["betas"])
         if self.param_adam is not None and state["param_adam"] is not None:
             self.param_adam.load_state_dict(state["param_adam"])
-
-
-def _moments_state(moments: EntryStore) -> dict[str, Tensor]:
-    return {name: getattr(moments, name).clone()
-            for name in ("keys", "values", "weights", "written_at")}
-
-
-def _load_moments(moments: EntryStore, saved: dict[str, Tensor]) -> None:
-    factory = {"dtype": moments.dtype, "device": moments.device}
-    moments.clear()
-    moments.append(saved["keys"].to(**factory), saved["values"].to(**factory),
-                   saved["weights"].to(**factory), saved["written_at"].to(moments.device))
 
 
 class HybridGrower(torch.optim.Optimizer):

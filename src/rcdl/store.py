@@ -245,17 +245,38 @@ class EntryStore(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if not self.persistent:
             return
-        destination[prefix + "keys"] = self.keys.clone()
-        destination[prefix + "values"] = self.values.clone()
-        destination[prefix + "weights"] = self.weights.clone()
-        destination[prefix + "written_at"] = self.written_at.clone()
+        for name, tensor in self.rows().items():
+            destination[prefix + name] = tensor
+
+    _ROWS = ("keys", "values", "weights", "written_at")
+
+    def rows(self) -> dict[str, Tensor]:
+        """The live rows as ``{keys, values, weights, written_at}`` (copies): what the state
+        dict holds, and what :meth:`load_rows` takes back."""
+        return {name: getattr(self, name).clone() for name in self._ROWS}
+
+    def load_rows(self, rows: dict[str, Tensor]) -> None:
+        """Replace the entries by ``rows`` (as :meth:`rows` gives them), checked first: a
+        refused load (``ValueError``) leaves the store as it was."""
+        problem = self._checkpoint_problem(*(rows[name] for name in self._ROWS))
+        if problem is not None:
+            raise ValueError(f"EntryStore.load_rows: {problem}")
+        self._replace(*(rows[name] for name in self._ROWS))
+
+    def _replace(self, keys: Tensor, values: Tensor, weights: Tensor,
+                 written_at: Tensor) -> None:
+        factory = {"device": self.device, "dtype": self.dtype}
+        self.clear()
+        self.reserve(keys.shape[0])
+        self.append(keys.to(**factory), values.to(**factory), weights.to(**factory),
+                    written_at.to(self.device))
 
     def _load_from_state_dict(  # noqa: ANN001, PLR0913
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
         if not self.persistent:
             return
-        names = ("keys", "values", "weights", "written_at")
+        names = self._ROWS
         present = [prefix + n in state_dict for n in names]
         if not all(present):
             missing_keys.extend(prefix + n for n, p in zip(names, present, strict=True) if not p)
@@ -265,11 +286,7 @@ class EntryStore(nn.Module):
         if problem is not None:  # refused before anything changes: the store stays as it was
             errors.append(f"EntryStore {prefix!r}: {problem}")
             return
-        factory = {"device": self.device, "dtype": self.dtype}
-        self.clear()
-        self.reserve(keys.shape[0])
-        self.append(keys.to(**factory), values.to(**factory), weights.to(**factory),
-                    written_at.to(self.device))
+        self._replace(keys, values, weights, written_at)
 
     def _checkpoint_problem(self, keys: Tensor, values: Tensor, weights: Tensor,
                             written_at: Tensor) -> str | None:
