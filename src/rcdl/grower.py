@@ -230,16 +230,15 @@ class Grower(torch.optim.Optimizer):
 
     def entries_per_layer(self) -> list[int]:
         """Entries stored per layer (over every rank if sharded: a collective)."""
-        local = [len(layer.store) for layer in self.layers]
-        sharded = [layer for layer in self.layers if layer.shard is not None]
-        if not sharded:
-            return local
-        counts = torch.tensor(local, dtype=torch.long, device=sharded[0].store.device)
-        return sharded[0].shard.all_reduce(counts).tolist()
+        return self._over_ranks([len(layer.store) for layer in self.layers])
+
+    def _over_ranks(self, counts: list[int]) -> list[int]:
+        """Per-layer ``counts`` of this rank, summed over the ranks if the stores are sharded."""
+        sharded = next((layer for layer in self.layers if layer.shard is not None), None)
+        if sharded is None:
+            return counts
+        local = torch.tensor(counts, dtype=torch.long, device=sharded.store.device)
+        return sharded.shard.all_reduce(local).tolist()
 
     def _total(self, local: int) -> int:
-        sharded = [layer for layer in self.layers if layer.shard is not None]
-        if not sharded:
-            return local
-        count = torch.tensor([local], dtype=torch.long, device=sharded[0].store.device)
-        return int(sharded[0].shard.all_reduce(count)[0])
+        return self._over_ranks([local])[0]

@@ -210,18 +210,16 @@ class GrowingLayer(nn.Module):
         n = len(store)
         kw = {"kernel": self.kernel, "temperature": self.temperature,
               "chunk_size": self.chunk_size}
-        reusable = (cached is not None and cached.version == store.version and cached.rows <= n
-                    and cached.q.shape == q.shape and torch.equal(cached.q, q))
-        if reusable:
-            rows = slice(cached.rows, n)
+        if cached is not None and not torch.equal(cached.q, q):  # queries move: stop caching
+            self._eval_cache = None
+            return self._attention(q, store.keys, store.values, self.entry_weights())
+        if cached is not None and cached.version == store.version and cached.rows <= n:
+            rows = slice(cached.rows, n)  # only the rows appended since: merge
             new = attention_partial(q, store.keys[rows], store.values[rows],
                                     store.weights[rows], **kw)
             part = merge_partials(cached.part, new)
             self._eval_hits += 1
-        else:
-            if cached is not None and not torch.equal(cached.q, q):  # queries move: stop
-                self._eval_cache = None
-                return self._attention(q, store.keys, store.values, self.entry_weights())
+        else:  # first evaluation, or the store changed otherwise: one full pass
             part = attention_partial(q, store.keys, store.values, store.weights, **kw)
         self._eval_cache[slot] = _CachedPartial(q.clone(), n, store.version, part)
         return finalize(part, kernel=self.kernel)
@@ -289,8 +287,8 @@ class GrowingLayer(nn.Module):
     @property
     def has_pending(self) -> bool:
         """Whether a training-mode forward of this step still waits for its backward."""
-        return any(r() is not None and r().generation == self._generation
-                   for r in self._pending)
+        alive = (ref() for ref in self._pending)
+        return any(r is not None and r.generation == self._generation for r in alive)
 
     def ready_records(self) -> list[_Record]:
         """The records of this step that backward has reached (what :meth:`propose` writes)."""

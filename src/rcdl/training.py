@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -84,6 +85,18 @@ def evaluate(
         return {name: float(fn(preds, y)) for name, fn in metrics.items()}
     finally:
         model.train(was_training)
+
+
+@contextmanager
+def _eval_caches(layers: list) -> Iterator[None]:  # noqa: ANN001
+    """Incremental evaluation for these growing layers while the block runs; then freed."""
+    for layer in layers:
+        layer.enable_eval_cache()
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.disable_eval_cache()
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> Tensor:
@@ -249,14 +262,12 @@ def train_one_pass(
         dynamic_ncols=True,
     )
 
-    cached = growing_layers(model) if incremental_eval else []
-    for _, layer in cached:
-        layer.enable_eval_cache()
+    cached = [layer for _, layer in growing_layers(model)] if incremental_eval else []
 
     def log_eval(step: int) -> dict[str, float]:
         _sync(device)
         t0 = time.perf_counter()
-        for _, layer in cached:
+        for layer in cached:
             layer.start_evaluation()
         values = evaluate(model, x_test, y_test, metrics, batch_size=eval_batch_size, device=device)
         if on_epoch_end is not None and step % steps_per_epoch == 0:
@@ -310,46 +321,42 @@ def train_one_pass(
     sharded = is_sharded(model)
     rank, world = rank_and_world()
     model.train()
-    try:
-        with bar:
-            if not loop["history"]:
-                log_eval(0)
-            final = loop["history"][-1]
-            perm, perm_epoch = None, None
-            for step in range(loop["step"], steps):
-                t0 = time.perf_counter()
-                epoch, t = divmod(step, steps_per_epoch)
-                if epoch != perm_epoch:
-                    perm, perm_epoch = epoch_permutation(n, seed, epoch), epoch  # (N,)
-                idx = perm[t * batch_size : (t + 1) * batch_size]  # (B,)
-                xb, yb = x_train[idx].to(device), y_train[idx].to(device)
-                loss = loss_fn(model(xb), yb)
-                loss_value = loss.item()  # syncs the device, so the train clock is honest
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(
-                        f"{name}: training loss is {loss_value} at step {step}")
-                loss.backward()
-                if optimizer is not None:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                if grower is not None:
-                    grower.step()
-                loop["loss_sum"] += loss_value
-                loop["loss_count"] += 1
-                loop["step"] = step + 1
-                loop["clock"]["train"] += time.perf_counter() - t0
-                bar.update(len(idx))
-                if (step + 1) % eval_every == 0 or (step + 1) % steps_per_epoch == 0:
-                    final = log_eval(step + 1)
-                if (
-                    checkpoint_path is not None
-                    and (step + 1) % checkpoint_every == 0
-                    and step + 1 < steps
-                ):
-                    save_checkpoint()
-    finally:
-        for _, layer in cached:  # free the cached partials
-            layer.disable_eval_cache()
+    with bar, _eval_caches(cached):
+        if not loop["history"]:
+            log_eval(0)
+        final = loop["history"][-1]
+        perm, perm_epoch = None, None
+        for step in range(loop["step"], steps):
+            t0 = time.perf_counter()
+            epoch, t = divmod(step, steps_per_epoch)
+            if epoch != perm_epoch:
+                perm, perm_epoch = epoch_permutation(n, seed, epoch), epoch  # (N,)
+            idx = perm[t * batch_size : (t + 1) * batch_size]  # (B,)
+            xb, yb = x_train[idx].to(device), y_train[idx].to(device)
+            loss = loss_fn(model(xb), yb)
+            loss_value = loss.item()  # syncs the device, so the train clock is honest
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(
+                    f"{name}: training loss is {loss_value} at step {step}")
+            loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if grower is not None:
+                grower.step()
+            loop["loss_sum"] += loss_value
+            loop["loss_count"] += 1
+            loop["step"] = step + 1
+            loop["clock"]["train"] += time.perf_counter() - t0
+            bar.update(len(idx))
+            if (step + 1) % eval_every == 0 or (step + 1) % steps_per_epoch == 0:
+                final = log_eval(step + 1)
+            if (
+                checkpoint_path is not None
+                and (step + 1) % checkpoint_every == 0
+                and step + 1 < steps
+            ):
+                save_checkpoint()
 
     return {
         **{k: final[k] for k in metrics},
