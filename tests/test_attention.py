@@ -132,7 +132,7 @@ def test_unknown_kernel_and_bad_temperature():
         attention(q, keys, values, weights, kernel="softmax", temperature=0.0)
     with pytest.raises(ValueError, match="shape mismatch"):
         attention(q[:, :2], keys, values, weights, kernel="softmax")
-    with pytest.raises(TypeError, match="keys are torch.float32"):
+    with pytest.raises(TypeError, match="keys torch.float32"):
         attention(q, keys.float(), values, weights, kernel="softmax")
 
 

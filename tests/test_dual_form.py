@@ -107,3 +107,51 @@ def test_models_with_other_trainable_parameters_are_refused_by_name():
         module.requires_grad_(False)  # frozen: nothing left untrained, so it is accepted
     dual = to_dual_form(model, lr=0.1)
     assert not any(p.requires_grad for p in dual.parameters())
+
+
+@pytest.mark.parametrize("opt_kw", SETTINGS)
+def test_collapsed_dual_form_equals_the_growing_layers(opt_kw):
+    """``from_dual_form`` turns every GrowingLinear into the nn.Linear ``r W₀ + Σ_j c_j v_j k_jᵀ``
+    it computes: equal on held-out inputs to 1e-10 in float64, with the age coefficients of
+    weight decay and momentum, and equal to the SGD-trained MLP itself."""
+    from rcdl import from_dual_form
+    from rcdl.layers import GrowingLinear
+
+    torch.manual_seed(0)
+    mlp = MLP(6, 16, 3, depth=2, act="relu").double()
+    dual = to_dual_form(mlp, lr=0.05, **opt_kw)
+    opt = torch.optim.SGD(mlp.parameters(), lr=0.05, **opt_kw)
+    grower = Grower(dual)
+    for x, y in teacher_batches(20):
+        opt.zero_grad()
+        F.mse_loss(mlp(x), y).backward()
+        opt.step()
+        F.mse_loss(dual(x), y).backward()
+        grower.step()
+    collapsed = from_dual_form(dual)
+    assert not any(isinstance(m, GrowingLinear) for m in collapsed.modules())
+    x_held = torch.randn(64, 6, dtype=torch.float64)
+    with torch.no_grad():
+        assert_close(collapsed(x_held), dual(x_held), rtol=1e-10, atol=1e-10)
+        assert_close(collapsed(x_held), mlp(x_held), rtol=1e-10, atol=1e-10)
+        for layer, linear in ((dual[0], collapsed[0]), (dual[-1], collapsed[-1])):
+            assert_close(linear.weight, layer.to_linear().weight, rtol=0, atol=0)
+    assert len(dual[0].store) == 20 * 8  # the dual form is untouched
+
+
+def test_collapsed_layer_without_bias():
+    from rcdl.layers import GrowingLinear
+    from rcdl.rules import FunctionalSGD
+
+    torch.manual_seed(0)
+    layer = GrowingLinear(5, 2, bias=False, rule=FunctionalSGD(0.1, 0.01, 0.5, per_sample=False),
+                          dtype=torch.float64)
+    grower = Grower(layer)
+    for _ in range(6):
+        layer(torch.randn(4, 5, dtype=torch.float64)).pow(2).sum().backward()
+        grower.step()
+    x = torch.randn(10, 5, dtype=torch.float64)
+    linear = layer.to_linear()
+    assert linear.bias is None
+    with torch.no_grad():
+        assert_close(linear(x), layer(x), rtol=1e-10, atol=1e-10)

@@ -22,6 +22,7 @@ from rcdl.layers import (
     GrowingSoftmax,
     ParametricSoftmax,
     growing_layers,
+    set_store_dtype,
 )
 from rcdl.memory import EVICTION_POLICIES, MemoryBudget, contribution_scores
 from rcdl.networks import (
@@ -35,6 +36,7 @@ from rcdl.networks import (
     RMSNorm,
     growing_softmax_net,
     hybrid_softmax_net,
+    from_dual_form,
     to_dual_form,
 )
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule, LearningRule
@@ -84,10 +86,12 @@ __all__ = [
     "finalize",
     "growing_layers",
     "growing_softmax_net",
+    "set_store_dtype",
     "hybrid_softmax_net",
     "merge_partials",
     "mlp_vit",
     "naive_attention",
     "rcdl_vit",
+    "from_dual_form",
     "to_dual_form",
 ]

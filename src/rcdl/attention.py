@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from rcdl.kernels import Kernel, check_kernel, guard_denominator, softmax_scale
+from rcdl.store import HALF_DTYPES
 
 if TYPE_CHECKING:
     from rcdl.distributed import Shard
@@ -83,18 +84,36 @@ def _empty_partial(q: Tensor, d_out: int, kernel: str) -> Partial:
 
 
 def _chunk_kernel_values(
-    kernel: str, q: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float
+    kernel: str, q: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float,
+    dtype: torch.dtype,
 ) -> Tensor:  # (c, B)
-    """Unweighted kernel values of one chunk; for softmax the raw logits ``z``."""
-    scores = keys @ q.T  # (c, B)
+    """Unweighted kernel values of one chunk, in ``dtype``; for softmax the raw logits ``z``.
+    ``q`` is in the keys' dtype (the product runs in it, see :func:`_addmm_`)."""
+    scores = (keys @ q.T).to(dtype)  # (c, B), no copy when the dtypes agree
     if kernel == "linear":
         return scores
     if kernel == "rbf":
-        k_sqnorm = (keys * keys).sum(1)  # (c,)
+        k_sqnorm = (keys * keys).sum(1, dtype=dtype)  # (c,)
         # exp(-(|q|^2 - 2 q.k + |k|^2) / (2 tau)), built in place on the score block
         scores = scores.mul_(2).sub_(q_sqnorm).sub_(k_sqnorm[:, None])
         return scores.div_(2 * tau).exp_()
     return scores.div_(tau)
+
+
+def _addmm_(acc: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """``acc += alpha · a @ b`` where ``a`` is read from the store and ``b`` is in ``acc``'s
+    dtype. For a half-precision store the product runs in ``a``'s dtype (``b`` rounded to
+    it; the matrix unit accumulates in float32) and is added to ``acc`` in its dtype."""
+    if a.dtype == acc.dtype:
+        return acc.addmm_(a, b, alpha=alpha)
+    return acc.add_(a @ b.to(a.dtype), alpha=alpha)
+
+
+def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``out = a @ b`` written into ``out`` (rounded to its dtype if it is narrower)."""
+    if out.dtype == a.dtype == b.dtype:
+        return torch.mm(a, b, out=out)
+    return out.copy_(a @ b)
 
 
 def _fold_chunk(
@@ -104,12 +123,12 @@ def _fold_chunk(
     ``e^{z − m_new}`` in place and returns ``m_new``; the other kernels leave it as it is."""
     num_t = part.num.T  # (d_out, B), contiguous
     if kernel != "softmax":
-        num_t.addmm_(values.T, block * weights[:, None])
+        _addmm_(num_t, values.T, block * weights[:, None])
         return part, None
     m_new = torch.maximum(part.m, block.amax(dim=0))  # (B,)
     rescale = torch.exp(part.m - m_new)  # (B,), 0 where m was -inf
     block.sub_(m_new).exp_()
-    num_t.mul_(rescale).addmm_(values.T, block)
+    _addmm_(num_t.mul_(rescale), values.T, block)
     den = part.den.mul_(rescale).add_(weights @ block)
     mass = part.mass.mul_(rescale).add_(weights.abs() @ block)
     return Partial(m_new, part.num, den, mass), m_new
@@ -127,11 +146,15 @@ def _check_inputs(q: Tensor, keys: Tensor, values: Tensor, weights: Tensor) -> N
             f"attention shape mismatch: q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
             f"values {tuple(values.shape)}, weights {tuple(weights.shape)}"
         )
+    if weights.dtype != q.dtype or keys.dtype != values.dtype or not (
+            keys.dtype == q.dtype or keys.dtype in HALF_DTYPES):
+        raise TypeError(
+            f"attention: queries are {q.dtype}, keys {keys.dtype}, values {values.dtype}, "
+            f"weights {weights.dtype}; weights must match the queries, and keys and values "
+            "share one dtype: the queries' or a half precision (bfloat16, float16)")
     for name, t in (("keys", keys), ("values", values), ("weights", weights)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise TypeError(
-                f"attention: {name} are {t.dtype} on {t.device}, queries {q.dtype} on {q.device}"
-            )
+        if t.device != q.device:
+            raise TypeError(f"attention: {name} are on {t.device}, queries on {q.device}")
 
 
 @torch.no_grad()
@@ -155,16 +178,24 @@ def _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep):
     _check_inputs(q, keys, values, weights)
     tau = softmax_scale(temperature, q.shape[1])
     chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
-    q_sqnorm = (q * q).sum(1) if kernel == "rbf" else None
+    q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel)
     part = _empty_partial(q, values.shape[1], kernel)
     saved = []  # per chunk: (block, m used for it) when keep
     for start in range(0, keys.shape[0], chunk):
         rows = slice(start, start + chunk)
-        block = _chunk_kernel_values(kernel, q, q_sqnorm, keys[rows], tau)
+        block = _chunk_kernel_values(kernel, q_keys, q_sqnorm, keys[rows], tau, q.dtype)
         part, m_used = _fold_chunk(kernel, part, block, values[rows], weights[rows])
         if keep:
             saved.append((block, m_used))
     return part, saved
+
+
+def _queries_as_keys(q: Tensor, keys: Tensor, kernel: str) -> tuple[Tensor, Tensor | None]:
+    """The queries in the keys' dtype, and for RBF their squared norms (of those rounded
+    queries, so that ``|q|² − 2⟨q, k⟩ + |k|²`` is the distance of the vectors multiplied)."""
+    q_keys = q.to(keys.dtype)  # (B, d_in), q itself when the dtypes agree
+    q_sqnorm = (q_keys * q_keys).sum(1, dtype=q.dtype) if kernel == "rbf" else None  # (B,)
+    return q_keys, q_sqnorm
 
 
 def merge_partials(a: Partial, b: Partial) -> Partial:
@@ -250,7 +281,8 @@ def attention_backward(
     grad_k = torch.empty_like(keys) if need_k else None
     grad_v = torch.empty_like(values) if need_v else None
     grad_w = torch.empty_like(weights) if need_w else None
-    q_sqnorm = (q * q).sum(1) if kernel == "rbf" else None
+    q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel)
+    grad_out_v = grad_out.to(values.dtype)  # (B, d_out) for the products with the values
     scale = 1.0 if kernel == "linear" else 1.0 / tau  # d(score)/dq = k * scale
     rbf_q_coef = q.new_zeros(q.shape[0])  # Σ_j ∂L/∂φ_j φ_j per query (RBF only)
     if kernel == "softmax":
@@ -259,7 +291,9 @@ def attention_backward(
         # the part multiplying w_j and the part multiplying |w_j|.
         g_dot_s = (grad_out * out).sum(1)  # (B,)
         gs_w = g_dot_s.masked_fill(clamped, 0.0)  # (B,)
-        any_clamped = bool(clamped.any())
+        # on a GPU, take the guarded branch always (it adds zeros where the guard did not
+        # act) rather than wait for the device to say whether it acted anywhere
+        any_clamped = clamped.is_cuda or bool(clamped.any())
         if any_clamped:
             gs_abs = torch.where(clamped, eps * torch.sign(den) * g_dot_s, 0.0)  # (B,)
         inv_den = 1.0 / den  # (B,), 0 where there is no weight mass (den = inf)
@@ -269,11 +303,11 @@ def attention_backward(
         if saved_blocks is not None:
             block, m_used = saved_blocks[i]
         else:
-            block = _chunk_kernel_values(kernel, q, q_sqnorm, k_c, tau)
+            block = _chunk_kernel_values(kernel, q_keys, q_sqnorm, k_c, tau, q.dtype)
             m_used = m
             if kernel == "softmax":
                 block.sub_(m).exp_()
-        g_dot_v = v_c @ grad_out.T  # (c, B)
+        g_dot_v = (v_c @ grad_out_v.T).to(q.dtype)  # (c, B)
         if kernel == "softmax":
             # a_j = e^{z_j - m} / D;  ∂s/∂z_j = a_j (ṽ_j − w_j s)
             attn = block * (torch.exp(m_used - m) * inv_den)  # (c, B)
@@ -282,25 +316,25 @@ def attention_backward(
                 u_gs += w_c.abs()[:, None] * gs_abs
             grad_scores = attn * g_dot_v.sub_(u_gs)  # (c, B) wrt z
             if need_v:  # written in place: no (c, d_out) temporary to copy
-                torch.mm(attn, grad_out, out=grad_v[rows])
+                _mm_into(grad_v[rows], attn, grad_out)
             if need_w:
                 grad_w[rows] = -(attn @ gs_w)
                 if any_clamped:
                     grad_w[rows] -= torch.sign(w_c) * (attn @ gs_abs)
         else:
             if need_v:
-                torch.mm(block * w_c[:, None], grad_out, out=grad_v[rows])
+                _mm_into(grad_v[rows], block * w_c[:, None], grad_out)
             if need_w:
                 grad_w[rows] = (block * g_dot_v).sum(1)
             grad_scores = g_dot_v.mul_(w_c[:, None])  # (c, B) wrt the kernel values
             if kernel == "rbf":  # φ = exp(−|q−k|²/2τ): dφ/dq = φ (k − q)/τ
                 grad_scores.mul_(block)
         if need_q:
-            grad_q_t.addmm_(k_c.T, grad_scores, alpha=scale)
+            _addmm_(grad_q_t, k_c.T, grad_scores, alpha=scale)
             if kernel == "rbf":
                 rbf_q_coef += grad_scores.sum(0)
         if need_k:
-            torch.mm(grad_scores, q, out=grad_k[rows]).mul_(scale)
+            _mm_into(grad_k[rows], grad_scores, q).mul_(scale)
             if kernel == "rbf":
                 grad_k[rows] -= k_c * (grad_scores.sum(1) * scale)[:, None]
     grad_q = None
@@ -369,9 +403,11 @@ def nearest_sq_distance(
         raise ValueError(f"nearest_sq_distance expects q (B, d) and keys (N, d), got "
                          f"{tuple(q.shape)} and {tuple(keys.shape)}")
     chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
+    q_keys, q_sqnorm = _queries_as_keys(q, keys, "rbf")
     best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
     for start in range(0, keys.shape[0], chunk):
         k_c = keys[start : start + chunk]  # (c, d)
-        block = (k_c @ q.T).mul_(-2).add_((k_c * k_c).sum(1)[:, None])  # (c, B)
+        k_sqnorm = (k_c * k_c).sum(1, dtype=q.dtype)  # (c,)
+        block = (k_c @ q_keys.T).to(q.dtype).mul_(-2).add_(k_sqnorm[:, None])  # (c, B)
         best = torch.minimum(best, block.amin(0))
-    return (best + (q * q).sum(1)).clamp_min_(0.0)
+    return (best + q_sqnorm).clamp_min_(0.0)

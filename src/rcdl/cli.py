@@ -136,7 +136,8 @@ def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
     settings = {
         "models": args.models, "train_size": args.train_size, "test_size": args.test_size,
         "seeds": args.seeds, "eval_every": args.eval_every,
-        "checkpoint": False if args.no_checkpoint else None,
+        "checkpoint": False if args.no_checkpoint else None, "store_dtype": args.store_dtype,
+        "incremental_eval": False if args.no_incremental_eval else None,
     }  # fmt: skip
     settings = {k: v for k, v in settings.items() if v is not None}
     if args.combine is not None:
@@ -160,6 +161,7 @@ def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
         data = load_data(cfg, download=not args.no_download)
     except (OSError, CorruptDataError, ValueError) as e:  # bad settings, data or run folder
         raise CLIError(str(e)) from e
+    _warn_if_bfloat16_is_emulated(cfg.store_dtype, device)
     from rcdl.distributed import init_from_env
 
     distributed = init_from_env(device)  # under torchrun: the stores are sharded over ranks
@@ -176,9 +178,20 @@ def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_if_bfloat16_is_emulated(store_dtype: str | None, device: torch.device) -> None:
+    """Say so when bfloat16 stores will save memory but probably not time (docs/precision.md)."""
+    from rcdl.rundir import native_bfloat16
+
+    if store_dtype == "bfloat16" and device.type == "cpu" and not native_bfloat16():
+        print("note: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products are "
+              "converted, not native: the stores take half the memory, but steps may be slower "
+              "than float32 (docs/precision.md)", file=sys.stderr)
+
+
 def _flags(settings: dict) -> list[str]:
     """The command-line flags that set these config keys (for error messages)."""
-    return [f"--{'no-' if k == 'checkpoint' else ''}{k.replace('_', '-')}" for k in settings]
+    negated = ("checkpoint", "incremental_eval")  # set by --no-<name>
+    return [f"--{'no-' if k in negated else ''}{k.replace('_', '-')}" for k in settings]
 
 
 def _combine_cifar10(args: argparse.Namespace, settings: dict) -> int:
@@ -496,6 +509,14 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
                        "table and figure in --out")
     cifar.add_argument("--device", choices=("auto", "cpu", "cuda"),
                        help="default: auto (CUDA when available)")
+    cifar.add_argument("--store-dtype", choices=("bfloat16", "float16"),
+                       help="keep the growing layers' keys and values in half precision: half "
+                       "the memory, and several times the speed on CPUs with avx512_bf16 or "
+                       "AMX (docs/precision.md; default: the model's float32)")
+    cifar.add_argument("--no-incremental-eval", action="store_true",
+                       help="evaluate every layer over its whole store each time (default: the "
+                       "first layer folds only the entries written since the last evaluation "
+                       "into cached partials; exact up to rounding)")
     cifar.add_argument("--quick", action="store_true", help="2000 train / 1000 test images, "
                        "evaluations every 50 steps, models gws gauge rbf mlp-adam: a smoke "
                        "test (minutes)")

@@ -47,6 +47,7 @@ from rcdl.store import EntryStore
 __all__ = [
     "AlwaysGrow", "CapacityGate", "DistanceGate", "EntryAdam", "ErrorScaledGate",
     "GrowthTrigger", "HybridGrower", "HybridSoftmax", "adam_block_elements", "hybrid_layers",
+    "round_stochastically",
 ]  # fmt: skip
 
 
@@ -246,6 +247,11 @@ class HybridSoftmax(GrowingSoftmax):
         one scratch block is the only temporary. On a GPU the default block is the whole
         tensor (each pass is one kernel launch). The dense
         rule it is checked against is in ``tests/test_hybrid.py``.
+
+        With a half-precision store (``store_dtype``) the moments stay in the layer's dtype
+        and the moved keys and values are rounded to the store's dtype *stochastically*
+        (:func:`round_stochastically`): an Adam step is often smaller than half a bfloat16
+        ulp, and rounding to nearest would drop it every time.
         """
         leaves, self._leaves = self._leaves, None
         if leaves is None or all(t.grad is None for t in leaves):
@@ -269,15 +275,19 @@ class HybridSoftmax(GrowingSoftmax):
             block = chunk_elements or adam_block_elements(param.device, param.numel())
             rows_per_chunk = max(1, block // math.prod(param.shape[1:]))
             shape = (-1,) + (1,) * (param.dim() - 1)  # per-entry scales broadcast over a row
-            scratch = param.new_empty((min(rows_per_chunk, n), *param.shape[1:]))
+            scratch = m.new_empty((min(rows_per_chunk, n), *param.shape[1:]))
             for start in range(0, n, rows_per_chunk):
                 rows = slice(start, start + rows_per_chunk)
-                g, m_c, v_c = grad[rows], m[rows], v[rows]
+                g, m_c, v_c = grad[rows].to(m.dtype), m[rows], v[rows]
                 denom = scratch[: g.shape[0]]
                 m_c.lerp_(g, 1 - b1)
                 v_c.mul_(b2).addcmul_(g, g, value=1 - b2)
                 torch.sqrt(v_c, out=denom).mul_(a[rows].view(shape)).add_(c[rows].view(shape))
-                param[rows].addcdiv_(m_c, denom, value=-1.0)
+                if param.dtype == m.dtype:
+                    param[rows].addcdiv_(m_c, denom, value=-1.0)
+                else:  # a half-precision store: round the moved entries without bias
+                    moved = torch.addcdiv(param[rows].to(m.dtype), m_c, denom, value=-1.0)
+                    param[rows] = round_stochastically(moved, param.dtype)
         self.store.touch()  # every entry moved: cached partials over them are stale
 
     # ---------------------------------------------------------------- growth
@@ -336,6 +346,20 @@ class HybridSoftmax(GrowingSoftmax):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, trigger={self.trigger}"
+
+
+def round_stochastically(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` rounded to the narrower ``dtype``, to one of its two neighbours there at random:
+    to the farther one with probability ``|x − nearest| / |farther − nearest|``, so that the
+    result is unbiased, ``E[result] = x``. Small updates then move a half-precision value
+    on average, where rounding to nearest would drop every one below half an ulp."""
+    nearest = x.to(dtype)
+    error = x - nearest.to(x.dtype)  # |error| <= half the gap
+    toward = torch.where(error > 0, torch.inf, -torch.inf).to(dtype)
+    farther = torch.nextafter(nearest, toward)
+    gap = farther.to(x.dtype) - nearest.to(x.dtype)  # 0 only where error is 0
+    p_farther = torch.where(gap != 0, error / gap, 0.0)  # in [0, 1/2]
+    return torch.where(torch.rand_like(x) < p_farther, farther, nearest)
 
 
 def adam_block_elements(device: torch.device | str, numel: int) -> int:

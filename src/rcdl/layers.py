@@ -42,7 +42,7 @@ from rcdl.store import EntryStore
 
 __all__ = [
     "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "ParametricSoftmax",
-    "growing_layers",
+    "growing_layers", "set_store_dtype",
 ]
 
 
@@ -106,6 +106,9 @@ class GrowingLayer(nn.Module):
             they were non-zero (a diverging layer: learning rate too high or temperature too
             low for the inputs' scale); non-finite outputs are always refused. ``None``
             turns the scale check off.
+        store_dtype: what the store keeps keys and values as (default: the layer's dtype);
+            ``torch.bfloat16`` or ``torch.float16`` halve its bytes, and where the CPU
+            multiplies bf16 natively also the attention's time (docs/precision.md).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class GrowingLayer(nn.Module):
         chunk_size: int | None = None,
         max_output_growth: float | None = 1e4,
         dtype: torch.dtype | None = None,
+        store_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -136,9 +140,8 @@ class GrowingLayer(nn.Module):
         self.rule = rule
         self.chunk_size = chunk_size
         self.max_output_growth = max_output_growth
-        self.store = EntryStore(
-            key_dim or d_in, d_out, capacity=capacity, dtype=dtype, device=device
-        )
+        self.store = EntryStore(key_dim or d_in, d_out, capacity=capacity, dtype=dtype,
+                                storage_dtype=store_dtype, device=device)
         self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=device))
         self.name = type(self).__name__  # set to the module path by the Grower
         self.output_scale: float | None = None  # output RMS at the first non-zero step
@@ -148,6 +151,7 @@ class GrowingLayer(nn.Module):
         self.shard = None  # a rcdl.distributed.Shard when the store is split over ranks
         self._eval_cache: dict[int, _CachedPartial] | None = None  # see enable_eval_cache
         self._eval_calls = 0
+        self.retrieval = None  # an rcdl.retrieval top-k mode, set by rcdl.retrieval.use_topk
 
     # ---------------------------------------------------------------- forward
     def entry_weights(self) -> Tensor:  # (N,)
@@ -162,6 +166,8 @@ class GrowingLayer(nn.Module):
     def attend(self, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
         """Attention from (already prepared) queries over the whole store (every rank's
         shard of it, if the store is sharded: :mod:`rcdl.distributed`)."""
+        if self.retrieval is not None and self.retrieval.applies(self):
+            return self.retrieval.attend(self, q)  # approximate: top-k entries (docs/retrieval.md)
         if self._eval_cache is not None and not torch.is_grad_enabled():
             return self._attend_cached(q)
         return self._attention(q, self.store.keys, self.store.values, self.entry_weights())
@@ -304,8 +310,9 @@ class GrowingLayer(nn.Module):
             return None
         parts = [self.make_entries(record) for record in records]
         keys, values, weights = (torch.cat(p) for p in zip(*parts, strict=True))
-        for name, t in (("keys", keys), ("values", values), ("weights", weights)):
-            if not torch.isfinite(t).all():
+        finite = torch.stack([torch.isfinite(t).all() for t in (keys, values, weights)])
+        for name, ok in zip(("keys", "values", "weights"), finite.tolist(), strict=True):
+            if not ok:  # one device sync for the three checks
                 raise ValueError(
                     f"{self.where}: the rule produced non-finite {name}; no entry written")
         return keys, values, weights
@@ -358,7 +365,7 @@ class GrowingLayer(nn.Module):
             keep = self.shard.owned(count, entries[0].device,
                                     offset=int(self.steps) * count)  # (B,) bool
             entries = tuple(t[keep] for t in entries)
-        self.store.append(*entries, written_at=int(self.steps))
+        self.store.append(*entries, written_at=self.steps)  # a tensor: no device sync
 
     def discard(self) -> None:
         """Forget this step's records without writing anything: records made so far are never
@@ -437,6 +444,33 @@ class GrowingLinear(GrowingLayer):
     def make_entries(self, record: _Record) -> Entries:
         keys, values, weights = super().make_entries(record)
         return self._augment(keys), values, weights
+
+    @torch.no_grad()
+    def to_linear(self) -> nn.Linear:
+        """The ``nn.Linear`` computing what this layer computes now, whatever its store size.
+
+        The linear kernel's attention is a sum of rank-one maps (docs/reference.md §1, §3):
+        ``s(q) = r(T)(W₀q + b₀) + Σ_j c_j v_j ⟨k_j, [q; 1]⟩`` with ``c_j = w_j h(a_j)`` the
+        entry's weight times its age coefficient (weight decay, momentum) and ``r(T)`` the
+        initial weight's factor after T steps. So ``W = r(T) W₀ + Σ_j c_j v_j k_jᵀ`` (the
+        key's last component gives the bias): one ``(d_out, N) @ (N, d_in + 1)`` product,
+        then ``O(d_in d_out)`` per query instead of ``O(N (d_in + d_out))``. Exact up to
+        rounding (``tests/test_dual_form.py``); the layer keeps training, the copy does not
+        follow it. A sharded store sums its ranks' shares (every rank gets the same layer).
+        """
+        dtype = self.weight0.dtype
+        coef = self.entry_weights().to(dtype)  # (N,) c_j
+        keys, values = self.store.keys.to(dtype), self.store.values.to(dtype)
+        delta = (values * coef[:, None]).T @ keys  # (d_out, d_in + bias) Σ_j c_j v_j k_jᵀ
+        if self.shard is not None:
+            delta = self.shard.all_reduce(delta.contiguous())
+        r = self.rule.ages.initial(int(self.steps))
+        linear = nn.Linear(self.d_in, self.d_out, bias=self.has_bias, dtype=dtype,
+                           device=self.weight0.device)
+        linear.weight.copy_(r * self.weight0 + delta[:, : self.d_in])
+        if self.has_bias:
+            linear.bias.copy_(r * self.bias0 + delta[:, self.d_in])
+        return linear
 
 
 class GrowingRBF(GrowingLayer):
@@ -536,3 +570,12 @@ def _rms_normalised(x: Tensor) -> Tensor:  # (N, d) rows scaled to unit RMS
 def growing_layers(model: nn.Module) -> list[tuple[str, GrowingLayer]]:
     """All growing layers of ``model`` with their module paths."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, GrowingLayer)]
+
+
+def set_store_dtype(model: nn.Module, store_dtype: torch.dtype | None) -> nn.Module:
+    """Keep the keys and values of every growing layer of ``model`` as ``store_dtype``
+    (``torch.bfloat16``, ``torch.float16``, or ``None`` for the layer's own dtype), converting
+    the entries held; returns ``model``. See docs/precision.md."""
+    for _, layer in growing_layers(model):
+        layer.store.set_storage_dtype(store_dtype)
+    return model

@@ -7,7 +7,8 @@
 - :class:`GrowingSoftmaxNet`, :class:`HybridSoftmaxNet`, :class:`GrowingRBFNet`,
   :class:`ParametricSoftmaxNet` — the RCDL models of docs/reference.md §4–6 on the same backbone,
   all built the same way: ``Net(d_in, d_out, depth, *, temperature, rule, ...)`` (the parametric
-  one takes ``entries`` instead of a rule), with the hidden width as ``width=`` (default
+  one takes ``entries`` instead of a rule), with ``store_dtype=`` for half-precision stores
+  (docs/precision.md) and the hidden width as ``width=`` (default
   ``d_in``).
 - :func:`to_dual_form` — a copy of a network with every ``nn.Linear`` replaced by its
   exact dual form (:class:`rcdl.layers.GrowingLinear`).
@@ -30,8 +31,8 @@ from rcdl.rules import FunctionalSGD, LearningRule
 
 __all__ = [
     "MLP", "GrowingRBFNet", "GrowingSoftmaxNet", "HybridSoftmaxNet", "ParametricSoftmaxNet",
-    "RMSNorm", "ResNetMLP", "ResidualNet", "growing_softmax_net", "hybrid_softmax_net",
-    "lecun_normal_", "to_dual_form",
+    "RMSNorm", "ResNetMLP", "ResidualNet", "from_dual_form", "growing_softmax_net",
+    "hybrid_softmax_net", "lecun_normal_", "to_dual_form",
 ]
 
 _ACTIVATIONS = {
@@ -147,13 +148,15 @@ class GrowingSoftmaxNet(ResidualNet):
     """
 
     def __init__(self, d_in: int, d_out: int, depth: int, *, temperature: float,
-                 rule: LearningRule, initial_entries: int = 16, seed: int = 0, **kw) -> None:
+                 rule: LearningRule, initial_entries: int = 16, seed: int = 0,
+                 store_dtype: torch.dtype | None = None, **kw) -> None:
         _check_widths(type(self).__name__, d_in, d_out, depth)
         seeds = iter(range(seed, seed + depth + 1))
 
         def layer(a: int, b: int) -> GrowingSoftmax:
             return GrowingSoftmax(a, b, temperature=temperature, rule=rule,
-                                  initial_entries=initial_entries, seed=next(seeds))
+                                  initial_entries=initial_entries, seed=next(seeds),
+                                  store_dtype=store_dtype)
 
         super().__init__(d_in, d_out, depth, make_block=lambda w: layer(w, w),
                          make_readout=layer, seed=seed, **kw)
@@ -171,14 +174,16 @@ class HybridSoftmaxNet(ResidualNet):
 
     def __init__(self, d_in: int, d_out: int, depth: int, *, temperature: float,
                  rule: LearningRule, trigger: GrowthTrigger | None = None,
-                 initial_entries: int = 16, seed: int = 0, **kw) -> None:
+                 initial_entries: int = 16, seed: int = 0,
+                 store_dtype: torch.dtype | None = None, **kw) -> None:
         _check_widths(type(self).__name__, d_in, d_out, depth)
         seeds = iter(range(seed, seed + depth + 1))
         trigger = DistanceGate(50.0) if trigger is None else trigger
 
         def layer(a: int, b: int) -> HybridSoftmax:
             return HybridSoftmax(a, b, temperature=temperature, rule=rule, trigger=trigger,
-                                 initial_entries=initial_entries, seed=next(seeds))
+                                 initial_entries=initial_entries, seed=next(seeds),
+                                 store_dtype=store_dtype)
 
         super().__init__(d_in, d_out, depth, make_block=lambda w: layer(w, w),
                          make_readout=layer, seed=seed, **kw)
@@ -221,7 +226,8 @@ class GrowingRBFNet(ResidualNet):
     """
 
     def __init__(self, d_in: int, d_out: int, depth: int, *old_args: int,
-                 temperature: float, rule: LearningRule, **kw) -> None:
+                 temperature: float, rule: LearningRule,
+                 store_dtype: torch.dtype | None = None, **kw) -> None:
         if old_args or d_out is None:
             raise TypeError(
                 "GrowingRBFNet(d_in, d_out, depth, *, temperature, rule, width=None): the hidden "
@@ -230,7 +236,7 @@ class GrowingRBFNet(ResidualNet):
         _check_widths(type(self).__name__, d_in, d_out, depth)
 
         def rbf(a: int, b: int) -> GrowingRBF:
-            return GrowingRBF(a, b, temperature=temperature, rule=rule)
+            return GrowingRBF(a, b, temperature=temperature, rule=rule, store_dtype=store_dtype)
 
         super().__init__(d_in, d_out, depth, make_block=lambda w: rbf(w, w),
                          make_readout=rbf, **kw)
@@ -263,3 +269,16 @@ def to_dual_form(model: nn.Module, *, lr: float, weight_decay: float = 0.0,
             f"layers ({shown}); the dual form trains only the Linear layers, so it would not "
             "equal SGD on this model. Freeze them (requires_grad_(False)) or remove them")
     return dual
+
+
+def from_dual_form(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` with every :class:`~rcdl.layers.GrowingLinear` replaced by the
+    ``nn.Linear`` it computes now (:meth:`~rcdl.layers.GrowingLinear.to_linear`): the inverse
+    of :func:`to_dual_form`. Inference then costs ``O(d_in d_out)`` per layer whatever the
+    number of stored entries, and the copy trains as an ordinary parametric model."""
+    collapsed = copy.deepcopy(model)
+    for _name, module in list(collapsed.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, GrowingLinear):
+                setattr(module, child_name, child.to_linear())
+    return collapsed

@@ -49,7 +49,10 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "config_from_dict",
+    "cpu_flags",
+    "cpu_model",
     "environment_info",
+    "native_bfloat16",
     "open_run",
     "read_config",
     "resume_command",
@@ -163,6 +166,41 @@ def _git(args: list[str], cwd: Path) -> str | None:
     return out.stdout.strip()
 
 
+# The CPU flags that decide how fast the attention's products run (docs/precision.md): AVX2/FMA
+# and AVX512 for float32; avx512_bf16 and AMX multiply bfloat16 natively, avx512_fp16 float16.
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    """The first ``name : value`` of ``/proc/cpuinfo`` (``None`` if absent or unreadable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.split(":")[0].strip() == name:
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def cpu_flags() -> list[str]:
+    """Which of :data:`SPEED_FLAGS` this CPU has (from ``/proc/cpuinfo``; empty where it is
+    not readable or on other architectures)."""
+    have = set((_cpuinfo_field("flags") or "").split())
+    return [flag for flag in SPEED_FLAGS if flag in have]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, else :func:`platform.processor`)."""
+    return _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (``avx512_bf16`` or ``amx_bf16``);
+    without either, bfloat16 products are converted and may be slower than float32."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags()))
+
+
 def environment_info(device: str | torch.device | None = None) -> dict[str, Any]:
     """Describe the machine and code a run used.
 
@@ -184,6 +222,7 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
         "num_threads": torch.get_num_threads(),
         "malloc": allocator_setting(),
         "cpu_count": os.cpu_count(),
+        "cpu_flags": cpu_flags(),
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
         "git_revision": revision,
@@ -447,12 +486,13 @@ def open_run(
 
 
 def describe_machine(device: str | torch.device) -> str:
-    """The machine a run used, in one line for its report: platform, CPUs, torch, device,
-    threads (and the CUDA device's name)."""
+    """The machine a run used, in one line for its report: platform, CPUs and their
+    :data:`SPEED_FLAGS`, torch, device, threads (and the CUDA device's name)."""
     device = torch.device(device)
     env = environment_info(device)
-    machine = (f"{env['platform']}, {env['cpu_count']} CPUs, torch {env['torch']}, "
-               f"device {device}, {env['num_threads']} threads")
+    flags = " ".join(env["cpu_flags"]) or "none of " + "/".join(SPEED_FLAGS)
+    machine = (f"{env['platform']}, {env['cpu_count']} CPUs (flags {flags}), torch "
+               f"{env['torch']}, device {device}, {env['num_threads']} threads")
     if device.type == "cuda" and env["cuda_device"]:
         machine += f" ({env['cuda_device']})"
     return machine

@@ -16,7 +16,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["EntryStore", "format_bytes"]
+__all__ = ["EntryStore", "format_bytes", "HALF_DTYPES"]
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # the storage dtypes narrower than the weights'
+
+
+def check_storage_dtype(storage_dtype: torch.dtype | None) -> None:
+    """Raise ``ValueError`` unless ``storage_dtype`` is ``None`` or a floating dtype."""
+    if storage_dtype is not None and not (isinstance(storage_dtype, torch.dtype)
+                                          and storage_dtype.is_floating_point):
+        raise ValueError(f"storage_dtype must be a floating torch.dtype such as torch.bfloat16 "
+                         f"or None, got {storage_dtype!r}")
 
 
 def format_bytes(n: int) -> str:
@@ -36,7 +46,13 @@ class EntryStore(nn.Module):
         d_out: value width.
         capacity: rows allocated up front (grow later as needed).
         growth: factor by which the capacity grows when an append does not fit (> 1).
-        dtype, device: of keys, values and weights (``written_at`` is always int64).
+        dtype, device: of the weights, and of what :meth:`append` takes and the attention
+            computes in (``written_at`` is always int64).
+        storage_dtype: what keys and values are stored as (default ``dtype``). A half
+            precision (``torch.bfloat16``, ``torch.float16``) halves the store's bytes: appended
+            rows are rounded to it, the attention multiplies in it and accumulates in
+            ``dtype`` (docs/precision.md). It is kept across ``.to(dtype)``/``.double()`` of
+            the enclosing module (only the weights follow); ``.to(device)`` moves everything.
         persistent: if False, the store is left out of the enclosing module's
             ``state_dict()`` (and ignored by ``load_state_dict``): for per-entry state that an
             optimizer saves in its own state dict (the hybrid's Adam moments).
@@ -58,6 +74,7 @@ class EntryStore(nn.Module):
         capacity: int = 0,
         growth: float = 1.5,
         dtype: torch.dtype | None = None,
+        storage_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         persistent: bool = True,
     ) -> None:
@@ -71,10 +88,12 @@ class EntryStore(nn.Module):
             raise ValueError(f"EntryStore capacity must be >= 0, got {capacity}")
         self.d_in, self.d_out, self.growth = d_in, d_out, growth
         dtype = dtype or torch.get_default_dtype()
+        check_storage_dtype(storage_dtype)
+        self._storage_dtype = storage_dtype  # None: keys and values follow the weights' dtype
         self.size = 0
         self.version = 0  # bumped by every change other than an append (see touch)
-        self._keys = torch.empty(capacity, d_in, dtype=dtype, device=device)
-        self._values = torch.empty(capacity, d_out, dtype=dtype, device=device)
+        self._keys = torch.empty(capacity, d_in, dtype=storage_dtype or dtype, device=device)
+        self._values = torch.empty(capacity, d_out, dtype=storage_dtype or dtype, device=device)
         self._weights = torch.empty(capacity, dtype=dtype, device=device)
         self._written_at = torch.empty(capacity, dtype=torch.long, device=device)
 
@@ -85,7 +104,19 @@ class EntryStore(nn.Module):
         super()._apply(fn, recurse)
         for name in ("_keys", "_values", "_weights", "_written_at"):
             setattr(self, name, fn(getattr(self, name)))
+        if self._storage_dtype is not None:  # a half-precision store stays half (exact)
+            self._keys = self._keys.to(self._storage_dtype)
+            self._values = self._values.to(self._storage_dtype)
         return self
+
+    def set_storage_dtype(self, storage_dtype: torch.dtype | None) -> None:
+        """Store keys and values as ``storage_dtype`` from now on (``None``: as the weights),
+        converting the rows held (rounding them when the new dtype is narrower)."""
+        check_storage_dtype(storage_dtype)
+        self._storage_dtype = storage_dtype
+        target = storage_dtype or self.dtype
+        self._keys, self._values = self._keys.to(target), self._values.to(target)
+        self.touch()
 
     # ---------------------------------------------------------------- views and sizes
     @property
@@ -110,6 +141,12 @@ class EntryStore(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The weights' dtype: what :meth:`append` takes and the attention computes in."""
+        return self._weights.dtype
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """What keys and values are stored as (``dtype`` unless a half precision was set)."""
         return self._keys.dtype
 
     @property
@@ -120,8 +157,8 @@ class EntryStore(nn.Module):
         return self.size
 
     def _row_bytes(self) -> int:
-        float_bytes = (self.d_in + self.d_out + 1) * self._keys.element_size()
-        return float_bytes + self._written_at.element_size()
+        row_bytes = (self.d_in + self.d_out) * self._keys.element_size()
+        return row_bytes + self._weights.element_size() + self._written_at.element_size()
 
     @property
     def nbytes(self) -> int:
@@ -134,8 +171,9 @@ class EntryStore(nn.Module):
         return self.capacity * self._row_bytes()
 
     def extra_repr(self) -> str:
+        storage = f"storage_dtype={self.storage_dtype}, " if self._storage_dtype else ""
         return (
-            f"N={self.size}, d_in={self.d_in}, d_out={self.d_out}, dtype={self.dtype}, "
+            f"N={self.size}, d_in={self.d_in}, d_out={self.d_out}, dtype={self.dtype}, {storage}"
             f"{format_bytes(self.nbytes)} used / {format_bytes(self.reserved_nbytes)} reserved"
         )
 
@@ -160,8 +198,10 @@ class EntryStore(nn.Module):
     ) -> None:
         """Append B entries: ``keys (B, d_in)``, ``values (B, d_out)``, ``weights (B,)``.
 
-        ``weights`` defaults to ones. Everything is validated before anything is written,
-        so a refused append leaves the store unchanged. Non-finite entries are refused.
+        ``weights`` defaults to ones. All three are in the store's ``dtype``; keys and values
+        are rounded to ``storage_dtype`` as they are written. Everything is validated before
+        anything is written, so a refused append leaves the store unchanged. Non-finite
+        entries are refused, and so are entries that overflow the storage dtype (float16).
         """
         b = keys.shape[0] if keys.dim() == 2 else -1
         if weights is None:
@@ -171,6 +211,12 @@ class EntryStore(nn.Module):
         self._check_entries(keys, values, weights, written_at)
         if b == 0:
             return
+        if self._keys.dtype != keys.dtype:
+            keys, values = keys.to(self._keys.dtype), values.to(self._keys.dtype)
+            narrow_range = torch.finfo(self._keys.dtype).max < torch.finfo(self.dtype).max
+            if narrow_range and not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+                raise ValueError(f"EntryStore.append: keys or values overflow the storage dtype "
+                                 f"{self.storage_dtype}; nothing written")
         if self.size + b > self.capacity:
             self.reserve(max(self.size + b, int(self.capacity * self.growth) + 1))
         rows = slice(self.size, self.size + b)
@@ -203,7 +249,9 @@ class EntryStore(nn.Module):
                 raise ValueError(
                     f"EntryStore.append: {name} on {tensor.device}, store on {self.device}"
                 )
-            if not torch.isfinite(tensor).all():
+        finite = torch.stack([torch.isfinite(t).all() for t in given.values()]).tolist()
+        for name, ok in zip(given, finite, strict=True):  # one device sync for the three
+            if not ok:
                 raise ValueError(f"EntryStore.append: {name} contain NaN or inf; nothing written")
         if written_at.shape != (b,):
             raise ValueError(f"EntryStore.append: written_at must have shape ({b},)")
@@ -265,11 +313,14 @@ class EntryStore(nn.Module):
 
     def _replace(self, keys: Tensor, values: Tensor, weights: Tensor,
                  written_at: Tensor) -> None:
-        factory = {"device": self.device, "dtype": self.dtype}
+        """Replace the rows by checked ones (copies cast to the store's dtypes and device)."""
+        n = keys.shape[0]
         self.clear()
-        self.reserve(keys.shape[0])
-        self.append(keys.to(**factory), values.to(**factory), weights.to(**factory),
-                    written_at.to(self.device))
+        self.reserve(n)
+        for buf, rows in ((self._keys, keys), (self._values, values), (self._weights, weights),
+                          (self._written_at, written_at)):
+            buf[:n] = rows  # copy_ casts (rounds to a half storage dtype) and moves
+        self.size = n
 
     def _load_from_state_dict(  # noqa: ANN001, PLR0913
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors

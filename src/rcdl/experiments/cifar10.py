@@ -84,6 +84,7 @@ from rcdl.classical import CLASSICAL_MODELS, fit_classical
 from rcdl.distributed import rank0_run, rank_and_world, shard
 from rcdl.grower import Grower
 from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam
+from rcdl.layers import set_store_dtype
 from rcdl.networks import (
     GrowingRBFNet,
     GrowingSoftmaxNet,
@@ -123,6 +124,7 @@ _LOSSY_NPZ_SHA256 = "ceb463d2555a42a78d4a20ad460779f39fd9d827bc592b2b09b8dc85042
 # SHA-256 of the same copy's arrays (see _array_digest): recognises it re-saved, e.g. uncompressed
 _LOSSY_ARRAYS_SHA256 = "181097d0bc6ef07e5392cdb48337aeebc8ed12618473cc40878288ce20013db4"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -276,13 +278,16 @@ def model_spec(name: str) -> ModelSpec:
 
 
 def build_model(name: str, seed: int, *, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32, reserve: int = 0) -> Learner:
+                dtype: torch.dtype = torch.float32, reserve: int = 0,
+                store_dtype: torch.dtype | None = None) -> Learner:
     """Build model ``name`` with its learner, reproducibly from ``seed``.
 
     torch's global generator is seeded with ``seed`` first (the MLP and parametric-softmax
     initialisations draw from it). The growing softmax nets seed their 16 initial entries
     from ``seed`` too. A grower reserves ``reserve`` more entries per layer, so its stores
-    never reallocate during a pass over that many samples.
+    never reallocate during a pass over that many samples. ``store_dtype`` (e.g.
+    ``torch.bfloat16``) is what the growing layers keep keys and values as
+    (:func:`rcdl.layers.set_store_dtype`; other models ignore it).
 
     Returns:
         ``(model, optimizer or None, grower or None)``, the model on ``device`` in ``dtype``.
@@ -292,6 +297,8 @@ def build_model(name: str, seed: int, *, device: torch.device | str = "cpu",
         raise ValueError(f"{name!r} is a classical baseline, fitted by rcdl.classical, not built")
     torch.manual_seed(seed)
     model, optimizer, grower = spec.build(seed, torch.device(device), dtype)
+    if store_dtype is not None:
+        set_store_dtype(model, store_dtype)
     if grower is not None and reserve:
         grower.reserve(reserve)
     return model, optimizer, grower
@@ -319,6 +326,11 @@ class Cifar10Config:
         data_seed: seed of the subsets.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
         dtype: ``"float32"`` (the paper's) or ``"float64"``.
+        store_dtype: ``None`` (stores in ``dtype``, exact) or ``"bfloat16"`` / ``"float16"``:
+            growing layers keep keys and values in half precision (docs/precision.md).
+        incremental_eval: evaluate each growing layer whose test queries stay fixed (the
+            first) over the entries written since the last evaluation only, merged with the
+            cached partials (exact up to rounding; docs/training.md).
         checkpoint: save each model's state under ``checkpoints/`` while it trains.
         checkpoint_every: steps between checkpoints (``None``: ``eval_every``).
     """
@@ -334,6 +346,8 @@ class Cifar10Config:
     data_seed: int = 0
     device: str = "auto"
     dtype: str = "float32"
+    store_dtype: str | None = None
+    incremental_eval: bool = True
     checkpoint: bool = True
     checkpoint_every: int | None = None
 
@@ -361,6 +375,9 @@ class Cifar10Config:
         if self.dtype not in _DTYPES:
             raise ValueError(f"Cifar10Config: dtype must be one of {list(_DTYPES)}, "
                              f"got {self.dtype!r}")
+        if self.store_dtype is not None and self.store_dtype not in _STORE_DTYPES:
+            raise ValueError(f"Cifar10Config: store_dtype must be None or one of "
+                             f"{list(_STORE_DTYPES)}, got {self.store_dtype!r}")
         if self.device not in _DEVICES:
             raise ValueError(f"Cifar10Config: device must be one of {list(_DEVICES)}, "
                              f"got {self.device!r}")
@@ -368,6 +385,10 @@ class Cifar10Config:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def torch_store_dtype(self) -> torch.dtype | None:
+        return None if self.store_dtype is None else _STORE_DTYPES[self.store_dtype]
 
     @classmethod
     def quick(cls, **overrides: Any) -> Cifar10Config:
@@ -483,7 +504,8 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
         return _fit_classical(name, seed, cfg, data, run)
     rank, world = rank_and_world()
     model, optimizer, grower = build_model(name, seed, device=device, dtype=cfg.torch_dtype,
-                                           reserve=math.ceil(len(data[0]) / world))
+                                           reserve=math.ceil(len(data[0]) / world),
+                                           store_dtype=cfg.torch_store_dtype)
     if world > 1:  # under torchrun: every growing store is split over the ranks
         if grower is None:
             raise ValueError(f"{name} has no growing layers to shard over the {world} ranks; "
@@ -497,7 +519,7 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
         loss_fn=F.cross_entropy, metrics=METRICS, eval_every=cfg.eval_every,
         eval_batch_size=cfg.eval_batch_size, device=device, run=_ModelLog(run, name, seed),
         name=_run_name(name, seed), progress=progress, checkpoint_path=checkpoint,
-        checkpoint_every=cfg.checkpoint_every,
+        checkpoint_every=cfg.checkpoint_every, incremental_eval=cfg.incremental_eval,
     )  # fmt: skip
     parameters = sum(p.numel() for p in model.parameters())
     layer_stats = {layer.name: layer.stats() for layer in (grower.layers if grower else [])
@@ -788,10 +810,11 @@ def _protocol_text(cfg: Cifar10Config, d: Mapping[str, Any], seeds: list[int]) -
              f"random subsets (data seed {cfg.data_seed}); not comparable with the paper's "
              "full-data numbers")
     steps = math.ceil(d["n_train"] / cfg.batch_size)
+    stores = "" if cfg.store_dtype is None else f" with {cfg.store_dtype} stores"
     return (
         f"{d['n_train']:,} train / {d['n_test']:,} test images ({scale}). One pass, batch "
-        f"{cfg.batch_size} ({steps:,} steps), cross-entropy, {cfg.dtype}. Test accuracy and "
-        f"loss on all {d['n_test']:,} test images every {cfg.eval_every} "
+        f"{cfg.batch_size} ({steps:,} steps), cross-entropy, {cfg.dtype}{stores}. Test accuracy "
+        f"and loss on all {d['n_test']:,} test images every {cfg.eval_every} "
         f"step{'s' if cfg.eval_every > 1 else ''} and at the end. Seeds: "
         f"{' '.join(map(str, seeds))}."
     )
@@ -827,7 +850,8 @@ def _write_outputs(folder: Path, report: str, summary: dict[str, Any],
 # --------------------------------------------------------------------------- combining runs
 
 # settings that may differ between runs combined into one table (the rest is the protocol)
-_PER_RUN_SETTINGS = ("models", "seeds", "data_dir", "device", "checkpoint", "checkpoint_every")
+_PER_RUN_SETTINGS = ("models", "seeds", "data_dir", "device", "checkpoint", "checkpoint_every",
+                     "incremental_eval")
 
 
 def _finished_runs(run_dir: Path) -> tuple[Cifar10Config | None, dict[str, Any]]:
@@ -904,7 +928,8 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
     sources = []
     for folder, cfg, summary in loaded:
         # a combined table (no config) states its protocol; its runs keep their sources
-        theirs = summary["protocol"] if cfg is None else _protocol(cfg, summary["data"])
+        theirs = ({"store_dtype": None, **summary["protocol"]} if cfg is None  # older tables
+                  else _protocol(cfg, summary["data"]))
         if theirs != protocol:
             diff = {k: (protocol[k], theirs[k]) for k in protocol if protocol[k] != theirs[k]}
             raise ValueError(f"combine: {folder} used another protocol than {first_folder} "

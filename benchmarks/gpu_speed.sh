@@ -1,0 +1,46 @@
+#!/bin/bash
+# The GPU timings of docs/precision.md, in one short script for a lent GPU machine.
+#
+# usage: benchmarks/gpu_speed.sh DATA_DIR OUT_DIR [SECONDS]
+#
+# DATA_DIR holds cifar10.npz (on the workplace's device machine it arrives in parts and is
+# rejoined first: see results/gpu-h200/gpu.sh). Within SECONDS (default 540) it runs, in turn,
+# each as one `rcdl reproduce cifar10-1epoch` at full scale (50 000 / 10 000 images, batch 16,
+# the paper's protocol) with --no-checkpoint, until the time runs out:
+#   1. a profile of gws training steps at 50 000 entries per layer (host reads, top kernels);
+#   2. gws, float32 stores            (the authors' notebook: 19.7 s on an H200);
+#   3. gws, bfloat16 stores;
+#   4. gauge and rbf, float32 stores;
+#   5. the hybrid (tau 50)            (authors: 108.5 s);
+#   6. gws, gauge and rbf for seeds 1 and 2 (three seeds with step 2 and 4: mean ± sd).
+# Each run folder's summary.json has train_seconds and eval_seconds; OUT_DIR/gpu_speed.log
+# the whole output. Checkpoints are never written (they are not part of the timed work).
+set -u
+DATA=${1:?usage: gpu_speed.sh DATA_DIR OUT_DIR [SECONDS]}
+OUT=${2:?usage: gpu_speed.sh DATA_DIR OUT_DIR [SECONDS]}
+SECONDS_LEFT=${3:-540}
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+start=$(date +%s)
+run() {  # run one command if time remains; its output goes to the log
+  local left=$(( SECONDS_LEFT - ($(date +%s) - start) ))
+  if [ $left -le 10 ]; then echo "SKIPPED (no time left): $*" | tee -a "$OUT/gpu_speed.log"; return; fi
+  echo "=== $*  (${left}s left)" | tee -a "$OUT/gpu_speed.log"
+  timeout $left "$@" 2>&1 | tee -a "$OUT/gpu_speed.log"
+}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee -a "$OUT/gpu_speed.log"
+C10="python3 -m rcdl reproduce cifar10-1epoch --data-dir $DATA --device cuda --no-progress --no-checkpoint"
+run python3 benchmarks/profile_step.py --model gws --entries 50000 --device cuda
+run $C10 --models gws --out "$OUT/gws-fp32"
+run $C10 --models gws --store-dtype bfloat16 --out "$OUT/gws-bf16"
+run $C10 --models gauge rbf --out "$OUT/gauge-rbf-fp32"
+run $C10 --models hybrid --out "$OUT/hybrid-fp32"
+run $C10 --models gws gauge rbf --seeds 1 2 --out "$OUT/seeds-1-2"
+python3 - "$OUT" <<'PY' | tee -a "$OUT/gpu_speed.log"
+import json, pathlib, sys
+for summary in sorted(pathlib.Path(sys.argv[1]).glob("*/summary.json")):
+    for run in json.loads(summary.read_text())["runs"]:
+        print(f"{summary.parent.name:16} {run['model']:8} seed {run['seed']}: "
+              f"{100 * run['test_acc']:.2f} %, train {run['train_seconds']:.1f} s, "
+              f"eval {run['eval_seconds']:.1f} s")
+PY

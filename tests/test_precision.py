@@ -1,0 +1,223 @@
+"""Half-precision stores (docs/precision.md): keys and values kept in bfloat16 or float16,
+the attention multiplying in that dtype and accumulating in the queries' dtype.
+
+The dense twin of a half-precision attention is the float64 attention over the same rounded
+numbers (queries, keys and values rounded to the storage dtype): the streaming op differs
+from it only by the rounding of its products' outputs, a few half-precision ulps.
+"""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rcdl import (
+    ClippedSoftmaxRule,
+    FunctionalSGD,
+    Grower,
+    GrowingRBFNet,
+    GrowingSoftmaxNet,
+    set_store_dtype,
+)
+from rcdl.attention import attention, attention_partial, finalize, nearest_sq_distance
+from rcdl.hybrid import HybridSoftmax, round_stochastically
+from rcdl.kernels import KERNELS, naive_attention
+from rcdl.store import EntryStore
+
+HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+TEMPERATURE = {"linear": 1.0, "rbf": 2.0, "softmax": 0.7}
+# relative error of the half-precision products: bf16 keeps 8 significant bits, fp16 11
+RTOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def entries(n=300, d_in=32, d_out=6, batch=9, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, d_in, generator=gen)
+    keys = torch.randn(n, d_in, generator=gen)
+    values = torch.randn(n, d_out, generator=gen)
+    weights = torch.rand(n, generator=gen) + 0.1
+    return q, keys, values, weights
+
+
+def rounded64(t, dtype):
+    return t.to(dtype).double()
+
+
+def relative_error(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_half_store_matches_the_float64_attention_over_the_rounded_numbers(kernel, dtype):
+    q, keys, values, weights = entries()
+    t = TEMPERATURE[kernel]
+    leaves = [q.clone(), keys.to(dtype), values.to(dtype), weights.clone()]
+    leaves = [x.requires_grad_() for x in leaves]
+    out = attention(*leaves, kernel=kernel, temperature=t, chunk_size=64)
+    assert out.dtype == torch.float32
+    ref_leaves = [rounded64(q, dtype), rounded64(keys, dtype), rounded64(values, dtype),
+                  weights.double()]
+    ref_leaves = [x.requires_grad_() for x in ref_leaves]
+    ref = naive_attention(*ref_leaves, kernel=kernel, temperature=t)
+    assert relative_error(out, ref) < RTOL[dtype]
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref.backward(grad_out.double())
+    for name, leaf, ref_leaf in zip("qkvw", leaves, ref_leaves, strict=True):
+        assert leaf.grad.dtype == leaf.dtype, name  # entry gradients in the entries' dtype
+        assert relative_error(leaf.grad, ref_leaf.grad) < 2 * RTOL[dtype], name
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_half_store_partials_merge_like_one_pass(kernel):
+    q, keys, values, weights = entries(n=500)
+    keys, values = keys.bfloat16(), values.bfloat16()
+    kw = {"kernel": kernel, "temperature": TEMPERATURE[kernel], "chunk_size": 128}
+    whole = attention(q, keys, values, weights, **kw)
+    part = attention_partial(q, keys, values, weights, **kw)
+    assert part.num.dtype == torch.float32  # partials accumulate in the queries' dtype
+    assert_close(finalize(part, kernel=kernel), whole)
+    # each chunk's value product is rounded to bfloat16 once: other chunks, other roundings
+    other_chunks = attention(q, keys, values, weights, **{**kw, "chunk_size": 37})
+    assert relative_error(other_chunks, whole) < 1e-2
+
+
+def test_nearest_sq_distance_of_a_half_store():
+    q, keys, _, _ = entries(n=400)
+    got = nearest_sq_distance(q, keys.bfloat16(), chunk_size=64)
+    ref = torch.cdist(rounded64(q, torch.bfloat16), rounded64(keys, torch.bfloat16)).amin(1) ** 2
+    assert relative_error(got, ref) < 3e-2
+
+
+def test_mixed_dtypes_are_refused_with_what_was_given():
+    q, keys, values, weights = entries(n=10)
+    with pytest.raises(TypeError, match="keys torch.bfloat16, values torch.float32"):
+        attention(q, keys.bfloat16(), values, weights, kernel="softmax")
+    with pytest.raises(TypeError, match="weights torch.bfloat16"):
+        attention(q, keys.bfloat16(), values.bfloat16(), weights.bfloat16(), kernel="softmax")
+
+
+# ------------------------------------------------------------------------------- the store
+
+
+def test_store_keeps_half_keys_and_values_and_halves_their_bytes():
+    full = EntryStore(64, 64)
+    half = EntryStore(64, 64, storage_dtype=torch.bfloat16)
+    keys, values = torch.randn(10, 64), torch.randn(10, 64)
+    for store in (full, half):
+        store.append(keys, values, written_at=3)
+    assert half.keys.dtype == half.values.dtype == torch.bfloat16
+    assert half.dtype == half.weights.dtype == torch.float32
+    assert_close(half.keys, keys.bfloat16())
+    # (64 + 64) numbers of 2 bytes instead of 4, the float32 weight and the int64 step alike
+    assert half.nbytes == 10 * (128 * 2 + 4 + 8) and full.nbytes == 10 * (128 * 4 + 4 + 8)
+    half.double()  # the weights follow the module's dtype, the half rows stay half
+    assert half.keys.dtype == torch.bfloat16 and half.weights.dtype == torch.float64
+    assert "storage_dtype=torch.bfloat16" in repr(half)
+
+
+def test_half_store_state_dict_round_trip_is_exact():
+    store = EntryStore(8, 3, storage_dtype=torch.float16)
+    store.append(torch.randn(5, 8), torch.randn(5, 3), torch.rand(5), written_at=2)
+    state = store.state_dict()
+    assert state["keys"].dtype == torch.float16
+    copy = EntryStore(8, 3, storage_dtype=torch.float16)
+    copy.load_state_dict(state)
+    for name in ("keys", "values", "weights", "written_at"):
+        assert torch.equal(getattr(copy, name), getattr(store, name)), name
+    wide = EntryStore(8, 3)  # a float32 store takes the half rows, widened exactly
+    wide.load_state_dict(state)
+    assert torch.equal(wide.keys, store.keys.float())
+
+
+def test_float16_overflow_is_refused_and_nothing_written():
+    store = EntryStore(2, 1, storage_dtype=torch.float16)
+    with pytest.raises(ValueError, match="overflow the storage dtype torch.float16"):
+        store.append(torch.tensor([[1e6, 0.0]]), torch.zeros(1, 1))
+    assert len(store) == 0
+
+
+def test_set_storage_dtype_converts_the_rows_held_and_is_refused_for_non_floats():
+    store = EntryStore(4, 2)
+    store.append(torch.randn(3, 4), torch.randn(3, 2))
+    keys = store.keys.clone()
+    version = store.version
+    store.set_storage_dtype(torch.bfloat16)
+    assert torch.equal(store.keys, keys.bfloat16()) and store.version > version
+    store.set_storage_dtype(None)
+    assert store.keys.dtype == torch.float32
+    with pytest.raises(ValueError, match="storage_dtype must be a floating"):
+        store.set_storage_dtype(torch.int8)
+
+
+# ------------------------------------------------------------------------------- networks
+
+
+def _train(net, grower, steps=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w_true = torch.randn(24, 4, generator=gen)
+    for _ in range(steps):
+        x = torch.randn(16, 24, generator=gen)
+        y = (x @ w_true).argmax(1)
+        grower.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        grower.step()
+    return torch.randn(64, 24, generator=gen)
+
+
+NETS = {
+    "gws": lambda **kw: GrowingSoftmaxNet(24, 4, 2, temperature=1.0,
+                                          rule=ClippedSoftmaxRule(0.05, 3.0), **kw),
+    "rbf": lambda **kw: GrowingRBFNet(24, 4, 2, temperature=1.0, rule=FunctionalSGD(1.0), **kw),
+}
+
+
+@pytest.mark.parametrize("name", list(NETS))
+def test_half_store_network_follows_the_float32_network(name):
+    full, half = NETS[name](), NETS[name](store_dtype=torch.bfloat16)
+    x_full = _train(full, Grower(full))
+    x_half = _train(half, Grower(half))
+    for layer in (m for m in half.modules() if hasattr(m, "store")):
+        assert layer.store.keys.dtype == torch.bfloat16 and len(layer.store) > 0
+    with torch.no_grad():
+        assert relative_error(half(x_half), full(x_full)) < 5e-2
+
+
+def test_set_store_dtype_on_a_built_network_equals_building_it_half():
+    built = NETS["gws"](store_dtype=torch.bfloat16)
+    converted = set_store_dtype(NETS["gws"](), torch.bfloat16)
+    for a, b in zip(built.state_dict().values(), converted.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------- the hybrid
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_stochastic_rounding_is_unbiased_and_exact_on_representable_numbers(dtype):
+    torch.manual_seed(0)
+    x = torch.full((200_000,), 1.0 + 1e-3)  # below half an ulp at 1 in bf16 and fp16
+    assert x.to(dtype).float().mean() != pytest.approx(1.001, abs=1e-4) or dtype == torch.float16
+    mean = round_stochastically(x, dtype).double().mean().item()
+    assert mean == pytest.approx(1.001, abs=2e-5)
+    exact = torch.randn(1000).to(dtype)
+    assert torch.equal(round_stochastically(exact.float(), dtype), exact)
+
+
+def test_hybrid_adam_moves_half_entries_by_small_steps_on_average():
+    """An Adam step of 1e-3 is under half a bfloat16 ulp of entries near 1: rounded to nearest
+    it would vanish; rounded stochastically, the entries move by it on average."""
+    torch.manual_seed(0)
+    layer = HybridSoftmax(256, 256, temperature=1.0, rule=ClippedSoftmaxRule(0.5, 3.0),
+                          initial_entries=64, store_dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.store.keys.fill_(1.0)
+    before = layer.store.keys.float().clone()
+    for leaf in layer.entry_leaves():
+        leaf.grad = -torch.ones_like(leaf)  # the first Adam step moves each number by +lr
+    layer.adam_step(1e-3, (0.9, 0.999), 1e-8)
+    moved = layer.store.keys.float() - before  # (64, 256), each 0 or one ulp (2^-7)
+    assert layer.store.keys.dtype == torch.bfloat16
+    assert set(moved.unique().tolist()) == {0.0, 2.0**-7}
+    assert moved.mean().item() == pytest.approx(1e-3, rel=0.05)
+    assert layer.adam_m.keys.dtype == torch.float32  # the moments stay in the layer's dtype
