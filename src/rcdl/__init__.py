@@ -34,9 +34,9 @@ from rcdl.networks import (
     ResidualNet,
     ResNetMLP,
     RMSNorm,
+    from_dual_form,
     growing_softmax_net,
     hybrid_softmax_net,
-    from_dual_form,
     to_dual_form,
 )
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule, LearningRule
