@@ -1,0 +1,649 @@
+"""Approximate retrieval: attention over each query's top-k entries, found by an index
+(docs/retrieval.md).
+
+Exact streaming attention (:mod:`rcdl.attention`) reads every entry for every query:
+``O(N d)`` per query. Where most of a query's kernel mass sits on a few entries, an index
+of the keys can find them in sublinear time and the attention can run over those alone
+(how far that holds for a given model is measured, not assumed: docs/retrieval.md).
+With ``κ_j`` the kernel value of entry ``j`` and ``τ = T √d_in``:
+
+- RBF, ``κ_j = exp(−‖q − k_j‖² / (2τ))``: ``κ`` decreases with the L2 distance, so the
+  ``k`` nearest keys are exactly the ``k`` largest kernel values. The output
+  ``Σ_{j∈K} w_j κ_j v_j`` is computed exactly over them.
+- weighted softmax, ``κ_j = e^{z_j}``, ``z_j = ⟨q, k_j⟩ / τ``: the index returns
+  ``c ≥ k`` candidates by inner product; they are rescored exactly by
+  ``t_j = z_j + log |w_j|`` (the log of entry ``j``'s share ``|w_j| e^{z_j}`` of the
+  softmax mass), the ``k`` best are kept, and the output is the weighted softmax over them,
+  ``Σ_{j∈K} e^{z_j} ṽ_j / Σ_{j∈K} w_j e^{z_j}`` (denominator guarded as in
+  :func:`rcdl.kernels.guard_denominator`).
+
+Both kernels share the rescoring step (for RBF ``t_j = log κ_j + log |w_j|``); with the
+default ``c = k`` it keeps every candidate.
+
+Pieces:
+
+- :class:`RetrievalIndex`, the interface an index offers; :class:`ExactIndex` (torch,
+  exact, chunked: the dense twin) and :class:`FaissIndex` (FAISS flat or HNSW).
+- :func:`topk_attention`, the attention over the retrieved entries, with a per-query
+  estimate of the mass it left out; :func:`recall_at_k` to measure an index.
+- :class:`TopK`, a layer's retrieval mode (``layer.retrieval``), which keeps an index in
+  step with the layer's store; :func:`use_topk` / :func:`use_exact` switch a whole model.
+
+Example:
+    >>> from rcdl.retrieval import use_topk, use_exact
+    >>> model = use_topk(model, 256, backend="faiss-hnsw")  # doctest: +SKIP
+    >>> logits = model.eval()(x_test)                       # doctest: +SKIP
+    >>> use_exact(model)                                    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Literal, NamedTuple, Protocol, get_args, runtime_checkable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rcdl.kernels import check_kernel, guard_denominator, softmax_scale
+from rcdl.layers import GrowingLayer, growing_layers
+
+__all__ = [
+    "BACKENDS", "Backend", "ExactIndex", "FaissIndex", "Metric", "RetrievalIndex", "TopK",
+    "TopKOutput", "make_index", "metric_for", "recall_at_k", "topk_attention", "use_exact",
+    "use_topk",
+]  # fmt: skip
+
+Metric = Literal["l2", "ip"]
+Backend = Literal["faiss-hnsw", "faiss-flat", "exact"]
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
+
+# elements of the gathered (b, c, d) blocks per block of queries: 2^22, 16 MB in float32
+_BLOCK_ELEMENTS = 1 << 22
+
+
+def _check_metric(metric: str) -> Metric:
+    if metric not in get_args(Metric):
+        raise ValueError(f"unknown metric {metric!r}; known: 'l2' (squared L2 distance, "
+                         "smallest first) and 'ip' (inner product, largest first)")
+    return metric
+
+
+def _check_count(what: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{what} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _check_search(q: Tensor, k: int, size: int, dim: int | None) -> None:
+    _check_count("search: k", k)
+    if q.dim() != 2 or (dim is not None and q.shape[1] != dim):
+        raise ValueError(f"search: expected queries (B, {dim}), got {tuple(q.shape)}")
+    if k > size:
+        raise ValueError(f"search: k = {k} is more than the {size} keys the index holds")
+
+
+def metric_for(kernel: str) -> Metric:
+    """The index metric whose nearest keys carry a kernel's largest values: ``"l2"`` for
+    RBF, ``"ip"`` for the softmax. The linear kernel has none (see :func:`topk_attention`)."""
+    if check_kernel(kernel) == "linear":
+        raise ValueError(
+            "top-k retrieval does not apply to the linear kernel: its terms ⟨q, k_j⟩ have no "
+            "largest few (both signs, no decay). The linear dual form collapses exactly to an "
+            "nn.Linear instead: GrowingLinear.to_linear()")
+    return "l2" if kernel == "rbf" else "ip"
+
+
+# --------------------------------------------------------------------------- indices
+
+
+@runtime_checkable
+class RetrievalIndex(Protocol):
+    """What an index of a store's keys offers.
+
+    Rows are numbered in the order they were added, from 0: the store's row numbers when
+    the index follows a store (:class:`TopK`).
+    """
+
+    metric: Metric
+
+    def add(self, keys: Tensor) -> None:
+        """Index ``keys (n, d)`` as the next ``n`` rows."""
+        ...
+
+    def search(self, q: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The ``k`` best rows for each query ``q (B, d)``: ``(scores (B, k), indices (B, k)
+        int64)``, best first, on ``q``'s device. Scores are squared L2 distances (``"l2"``)
+        or inner products (``"ip"``); an index that finds fewer than ``k`` rows pads the
+        indices with −1. ``k`` must not exceed ``len(self)``."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every row."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the index holds (its copy of the keys and any graph)."""
+        ...
+
+
+class ExactIndex:
+    """Exact top-k search in torch, streamed over chunks of the rows: the dense twin of
+    :class:`FaissIndex`.
+
+    Scores of query ``q`` and row ``k_j``: ``‖q − k_j‖² = ‖q‖² − 2⟨q, k_j⟩ + ‖k_j‖²`` (``"l2"``,
+    smallest first) or ``⟨q, k_j⟩`` (``"ip"``, largest first). Each chunk's ``(B, chunk)``
+    block is merged into a running top-k, so memory is one block whatever the rows.
+    The rows are kept as a copy in ``dtype`` on the device of the first keys added;
+    queries are moved and cast to it.
+
+    Args:
+        metric: ``"l2"`` or ``"ip"``.
+        dtype: what the rows are kept and compared in (float32 like FAISS; float64 for
+            tests that need exact ties).
+        chunk_size: rows per block (default: ``2^22 / B``, at least 1024).
+    """
+
+    def __init__(self, metric: Metric = "l2", *, dtype: torch.dtype = torch.float32,
+                 chunk_size: int | None = None) -> None:
+        self.metric = _check_metric(metric)
+        self.dtype, self.chunk_size = dtype, chunk_size
+        self.reset()
+
+    def reset(self) -> None:
+        self._rows: Tensor | None = None  # (capacity, d), the first `size` live
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._rows is None else self.size * self._rows[0].nbytes
+
+    def add(self, keys: Tensor) -> None:
+        if keys.dim() != 2 or (self._rows is not None and keys.shape[1] != self._rows.shape[1]):
+            want = "(n, d)" if self._rows is None else f"(n, {self._rows.shape[1]})"
+            raise ValueError(f"ExactIndex.add: expected keys {want}, got {tuple(keys.shape)}")
+        if self._rows is None:
+            self._rows = keys.new_empty((0, keys.shape[1]), dtype=self.dtype)
+        n, end = keys.shape[0], self.size + keys.shape[0]
+        if end > self._rows.shape[0]:  # grow geometrically: appends are amortised O(n)
+            grown = self._rows.new_empty((max(end, 2 * self._rows.shape[0]), keys.shape[1]))
+            grown[: self.size] = self._rows[: self.size]
+            self._rows = grown
+        self._rows[self.size : end] = keys.detach()
+        self.size += n
+
+    @torch.no_grad()
+    def search(self, q: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        dim = None if self._rows is None else self._rows.shape[1]
+        _check_search(q, k, self.size, dim)
+        rows = self._rows[: self.size]
+        q_rows = q.detach().to(rows.device, self.dtype)  # (B, d)
+        largest = self.metric == "ip"
+        chunk = self.chunk_size or max(1024, _BLOCK_ELEMENTS // q.shape[0])
+        best = q_rows.new_empty(q.shape[0], 0)  # (B, ≤k) running best scores
+        best_idx = torch.empty(q.shape[0], 0, dtype=torch.long, device=rows.device)
+        q_sqnorm = (q_rows * q_rows).sum(1, keepdim=True)  # (B, 1)
+        for start in range(0, self.size, chunk):
+            k_c = rows[start : start + chunk]  # (c, d)
+            scores = q_rows @ k_c.T  # (B, c)
+            if not largest:
+                scores = (q_sqnorm - 2 * scores + (k_c * k_c).sum(1)).clamp_min_(0.0)
+            idx = torch.arange(start, start + k_c.shape[0], device=rows.device)  # (c,)
+            best = torch.cat([best, scores], 1)  # (B, ≤k + c)
+            best_idx = torch.cat([best_idx, idx.expand(q.shape[0], -1)], 1)
+            best, pos = best.topk(min(k, best.shape[1]), dim=1, largest=largest)  # (B, ≤k)
+            best_idx = best_idx.gather(1, pos)
+        return best.to(q.device), best_idx.to(q.device)
+
+
+def _import_faiss():  # noqa: ANN202 - the faiss module
+    try:
+        import faiss
+    except ImportError as err:
+        raise ImportError(
+            "the FAISS retrieval backends need the faiss package: pip install 'rcdl[faiss]' "
+            "(faiss-cpu); or use backend='exact'") from err
+    return faiss
+
+
+class FaissIndex:
+    """A FAISS index of the keys: flat (exact, brute force in FAISS's BLAS) or HNSW
+    (a navigable small-world graph: approximate, ``O(log N)``-ish per query).
+
+    ``"l2"`` uses ``IndexFlatL2`` / ``IndexHNSWFlat``, ``"ip"`` ``IndexFlatIP`` /
+    ``IndexHNSWFlat`` with ``METRIC_INNER_PRODUCT``. Keys and queries are cast to float32
+    and copied to the CPU (faiss-cpu); results come back on the queries' device. Both kinds
+    grow by :meth:`add` without training (an IVF index would need training on a frozen
+    store, and is not offered).
+
+    Args:
+        metric: ``"l2"`` or ``"ip"``.
+        kind: ``"flat"`` or ``"hnsw"``.
+        hnsw_m: graph degree ``M`` (memory ``≈ 2 M · 4`` bytes per row beyond the keys).
+        ef_search: candidate list length of an HNSW search (raised to ``k`` when smaller):
+            larger is slower and recalls more.
+        ef_construction: candidate list length while inserting rows.
+    """
+
+    def __init__(self, metric: Metric = "l2", *, kind: Literal["flat", "hnsw"] = "hnsw",
+                 hnsw_m: int = 32, ef_search: int = 128, ef_construction: int = 40) -> None:
+        self._faiss = _import_faiss()
+        self.metric = _check_metric(metric)
+        if kind not in ("flat", "hnsw"):
+            raise ValueError(f"FaissIndex: unknown kind {kind!r}; known: 'flat', 'hnsw'")
+        self.kind = kind
+        self.hnsw_m = _check_count("FaissIndex: hnsw_m", hnsw_m)
+        self.ef_search = _check_count("FaissIndex: ef_search", ef_search)
+        self.ef_construction = _check_count("FaissIndex: ef_construction", ef_construction)
+        self.reset()
+
+    def reset(self) -> None:
+        self._index = None  # made at the first add, when the width is known
+
+    def _new_index(self, dim: int):  # noqa: ANN202 - a faiss.Index
+        faiss = self._faiss
+        if self.kind == "flat":
+            return faiss.IndexFlatL2(dim) if self.metric == "l2" else faiss.IndexFlatIP(dim)
+        metric = faiss.METRIC_L2 if self.metric == "l2" else faiss.METRIC_INNER_PRODUCT
+        index = faiss.IndexHNSWFlat(dim, self.hnsw_m, metric)
+        index.hnsw.efConstruction = self.ef_construction
+        return index
+
+    def __len__(self) -> int:
+        return 0 if self._index is None else int(self._index.ntotal)
+
+    @property
+    def nbytes(self) -> int:
+        if self._index is None:
+            return 0
+        total = len(self) * self._index.d * 4  # the float32 copy of the keys
+        if self.kind == "hnsw":  # graph links (int32), per-row offsets (size_t) and levels
+            hnsw = self._index.hnsw
+            total += hnsw.neighbors.size() * 4 + hnsw.offsets.size() * 8 + hnsw.levels.size() * 4
+        return total
+
+    def add(self, keys: Tensor) -> None:
+        if keys.dim() != 2 or (self._index is not None and keys.shape[1] != self._index.d):
+            want = "(n, d)" if self._index is None else f"(n, {self._index.d})"
+            raise ValueError(f"FaissIndex.add: expected keys {want}, got {tuple(keys.shape)}")
+        if self._index is None:
+            self._index = self._new_index(keys.shape[1])
+        if keys.shape[0]:
+            self._index.add(_as_float32_numpy(keys))
+
+    @torch.no_grad()
+    def search(self, q: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        _check_search(q, k, len(self), None if self._index is None else self._index.d)
+        if self.kind == "hnsw":
+            self._index.hnsw.efSearch = max(self.ef_search, k)
+        scores, indices = self._index.search(_as_float32_numpy(q), k)  # (B, k) each
+        return (torch.from_numpy(scores).to(q.device),
+                torch.from_numpy(indices).to(device=q.device, dtype=torch.long))
+
+
+def _as_float32_numpy(x: Tensor) -> np.ndarray:
+    return np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy())
+
+
+def make_index(backend: Backend, metric: Metric, **index_kw: Any) -> RetrievalIndex:
+    """A fresh index: ``"exact"`` (:class:`ExactIndex`), ``"faiss-flat"`` or
+    ``"faiss-hnsw"`` (:class:`FaissIndex`); ``index_kw`` go to its constructor."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown retrieval backend {backend!r}; known: {', '.join(BACKENDS)}")
+    if backend == "exact":
+        return ExactIndex(metric, **index_kw)
+    return FaissIndex(metric, kind=backend.removeprefix("faiss-"), **index_kw)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class TopKOutput(NamedTuple):
+    """What :func:`topk_attention` returns."""
+
+    out: Tensor  # (B, d_out) the attention over the kept entries
+    left_out: Tensor  # (B,) estimated fraction of the kernel mass outside them (no grad)
+    indices: Tensor  # (B, k) int64 the kept entries, by rescored value; −1: none found
+
+
+def topk_attention(
+    q: Tensor,  # (B, d_in)
+    keys: Tensor,  # (N, d_in)
+    values: Tensor,  # (N, d_out)
+    weights: Tensor,  # (N,)
+    *,
+    kernel: str,
+    temperature: float = 1.0,
+    index: RetrievalIndex,
+    k: int,
+    candidates: int | None = None,
+    eps: float = 1e-6,
+) -> TopKOutput:
+    """Kernel attention from ``q`` over each query's top-k entries, retrieved by ``index``.
+
+    ``index`` must hold exactly the rows of ``keys``, in order, under :func:`metric_for`'s
+    metric for ``kernel``. With ``κ_j`` the kernel value (``e^{z_j}``, ``z_j = ⟨q, k_j⟩/τ``,
+    for the softmax; ``exp(−‖q − k_j‖²/(2τ))`` for RBF) and ``τ = T √d_in``:
+
+    1. the index returns ``c`` candidates ``S`` per query, the rows of largest ``κ`` if it
+       is exact (``c = candidates``, default ``k``: no rescoring; docs/retrieval.md
+       measures why a larger candidate set rescored down to ``k`` is not the default);
+    2. each candidate is rescored by ``t_j = log κ_j + log |w_j|``, the log of its term in
+       the kernel mass ``M = Σ_j |w_j| κ_j``. ``κ_j`` comes from the index's own scores
+       when they are in ``q``'s dtype and no gradient is needed (the index compared the
+       same vectors); otherwise the keys are gathered, cast to ``q``'s dtype and compared
+       again. Entries of negative weight (a trained hybrid store) rank by magnitude and
+       keep their sign below; zero weights rank last;
+    3. the ``k`` best candidates ``K`` are kept, and the kernel's exact formula runs over them:
+       RBF ``Σ_{j∈K} w_j κ_j v_j``; softmax ``Σ_{j∈K} e^{z_j} ṽ_j / Σ_{j∈K} w_j e^{z_j}``
+       (guarded as :func:`rcdl.kernels.guard_denominator`). With ``k ≥ N`` this is the exact
+       attention, whatever the index. Gradients flow to ``q`` (and to ``keys``, ``values``,
+       ``weights`` if they require grad) through the gathered rows; the choice of ``K`` is
+       piecewise constant and has none.
+
+    The left-out estimate, per query, is ``ρ̂ = Ê / (Σ_{j∈K} |w_j| κ_j + Ê)`` with
+    ``Ê = Σ_{j∈S∖K} |w_j| κ_j + (N − c) · max_j |w_j| · min_{i∈S} κ_i``: the candidates
+    dropped, exactly, plus a bound on the rows never retrieved. If the index is exact,
+    every row outside ``S`` has ``κ_j ≤ min_S κ``, so ``Ê`` bounds the left-out mass and
+    ``ρ̂`` is an **upper bound** on the true fraction ``Σ_{j∉K} |w_j| κ_j / M``. With an
+    approximate index (HNSW) a missed row may exceed ``min_S κ``: ``ρ̂`` is then only an
+    estimate, and may be low. ``ρ̂ = 0`` when everything is kept. ``M`` is the softmax
+    denominator's mass: an entry of zero weight (gws writes ``w = 0`` for about half its
+    samples) adds ``e^{z_j} ṽ_j`` to the numerator and is not counted in it.
+
+    Raises:
+        ValueError: for the linear kernel (collapse it with ``GrowingLinear.to_linear()``),
+            ``k`` or ``candidates`` not an int ``≥ 1`` (or ``candidates < k``), or an index
+            not holding the ``N`` keys.
+    """
+    metric = metric_for(kernel)
+    _check_count("topk_attention: k", k)
+    if candidates is not None and _check_count("topk_attention: candidates", candidates) < k:
+        raise ValueError(f"topk_attention: candidates ({candidates}) must be >= k ({k})")
+    if index.metric != metric:
+        raise ValueError(f"topk_attention: the {kernel} kernel needs an index by {metric!r}, "
+                         f"got one by {index.metric!r}")
+    n = keys.shape[0]
+    if len(index) != n:
+        raise ValueError(f"topk_attention: the index holds {len(index)} rows, the store {n}: "
+                         "keep it in step with the store (TopK does)")
+    tau = softmax_scale(temperature, q.shape[1])
+    if n == 0:  # an empty store answers 0, like the exact attention
+        return TopKOutput(q.new_zeros(q.shape[0], values.shape[1]) + 0 * q.sum(),
+                          q.new_zeros(q.shape[0]),
+                          torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device))
+    k = min(k, n)
+    c = min(candidates or k, n)
+    scores, found = index.search(q, c)  # (B, c) best first; row −1 where none was found
+    scores, found = scores.to(q.device), found.to(keys.device)
+    w_max = weights.detach().abs().max()  # () for the bound on rows never retrieved
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad)
+    gather_keys = needs_grad or scores.dtype != q.dtype  # else the index's scores serve
+    per_query = c * (1 + 2 * keys.shape[1] * gather_keys)  # elements of the blocks formed
+    if values.dtype != q.dtype:
+        per_query += k * values.shape[1]  # a half-precision store's values are gathered
+    rows = max(1, _BLOCK_ELEMENTS // per_query)
+    parts = [
+        _attend_candidates(q[i : i + rows], scores[i : i + rows], found[i : i + rows], keys,
+                           values, weights, kernel=kernel, tau=tau, k=k, w_max=w_max, eps=eps,
+                           gather_keys=gather_keys)
+        for i in range(0, q.shape[0], rows)
+    ]
+    return TopKOutput(*(torch.cat(p) for p in zip(*parts, strict=True)))
+
+
+def _log_kernel(kernel: str, q: Tensor, scores: Tensor, rows: Tensor, keys: Tensor,
+                tau: float, gather_keys: bool) -> Tensor:  # (b, c)
+    """``log κ`` of the candidates ``rows (b, c)``: ``z = ⟨q, k⟩/τ`` (softmax) or
+    ``−‖q − k‖²/(2τ)`` (RBF).
+
+    Unless ``gather_keys``, from the index's ``scores (b, c)`` (inner products or squared
+    distances of the same vectors, in ``q``'s dtype). Otherwise (a gradient is needed, or
+    the index compared in another dtype) the keys are gathered, cast to ``q``'s dtype and
+    compared again: ``‖q − k‖² = ‖q‖² − 2⟨q, k⟩ + ‖k‖²`` as in :mod:`rcdl.attention`.
+    """
+    if not gather_keys:
+        return scores / tau if kernel == "softmax" else scores.clamp_min(0.0) / (-2 * tau)
+    k_c = keys[rows].to(q.dtype)  # (b, c, d)
+    dots = torch.bmm(k_c, q[:, :, None])[:, :, 0]  # (b, c) ⟨q, k_j⟩
+    if kernel == "softmax":
+        return dots / tau
+    sq_dist = (q * q).sum(1, keepdim=True) - 2 * dots + (k_c * k_c).sum(2)  # (b, c)
+    return sq_dist.clamp_min(0.0) / (-2 * tau)
+
+
+def _attend_candidates(
+    q: Tensor,  # (b, d_in)
+    scores: Tensor,  # (b, c) the index's scores of the candidates
+    found: Tensor,  # (b, c) int64 candidate rows, −1 for none
+    keys: Tensor,  # (N, d_in)
+    values: Tensor,  # (N, d_out)
+    weights: Tensor,  # (N,)
+    *,
+    kernel: str,
+    tau: float,
+    k: int,
+    w_max: Tensor,
+    eps: float,
+    gather_keys: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # out (b, d_out), left_out (b,), kept rows (b, k)
+    """Rescore one block of queries' candidates, keep the best ``k`` and attend over them."""
+    n = keys.shape[0]
+    valid = found >= 0  # (b, c)
+    rows = found.clamp_min(0)
+    log_kappa = _log_kernel(kernel, q, scores, rows, keys, tau, gather_keys)
+    log_kappa = log_kappa.masked_fill(~valid, -math.inf)  # (b, c)
+    w = weights[rows].masked_fill(~valid, 0.0)  # (b, c)
+    with torch.no_grad():
+        score = log_kappa + w.abs().log()  # (b, c) t_j = log(|w_j| κ_j), −inf for w_j = 0
+        pos = score.topk(k, dim=1).indices  # (b, k) the kept candidates, best first
+        left_out = _left_out(score, log_kappa, valid, pos, n, w_max)  # (b,)
+    kept = found.gather(1, pos)  # (b, k)
+    log_kappa_k, w_k = log_kappa.gather(1, pos), w.gather(1, pos)  # (b, k)
+    if kernel == "rbf":
+        out = _sum_rows(w_k * log_kappa_k.exp(), kept.clamp_min(0), values)  # Σ w_j κ_j v_j
+        return out, left_out, kept
+    m = log_kappa_k.detach().amax(1, keepdim=True)  # (b, 1) shift; −inf only if none found
+    e = (log_kappa_k - torch.where(m.isfinite(), m, 0.0)).exp()  # (b, k) e^{z_j − m}
+    num = _sum_rows(e, kept.clamp_min(0), values)  # (b, d_out) Σ e^{z_j − m} ṽ_j
+    den = guard_denominator((e * w_k).sum(1), (e * w_k.abs()).sum(1), eps)  # (b,)
+    return num / den[:, None], left_out, kept
+
+
+def _sum_rows(coef: Tensor, rows: Tensor, table: Tensor) -> Tensor:  # (b, d)
+    """``Σ_j coef[b, j] · table[rows[b, j]]`` for coefficients ``coef (b, k)`` and row numbers
+    ``rows (b, k)``. ``F.embedding_bag`` reads each row once, without the ``(b, k, d)`` copy
+    that a gather and a batched product would write and read again (15× faster on CPU at
+    ``d = 3072``, ``k = 128``); a half-precision table is gathered and cast instead."""
+    if table.dtype == coef.dtype:
+        return F.embedding_bag(rows, table, per_sample_weights=coef, mode="sum")
+    return torch.bmm(coef[:, None, :], table[rows].to(coef.dtype))[:, 0]
+
+
+def _left_out(score: Tensor, log_kappa: Tensor, valid: Tensor, pos: Tensor, n: int,
+              w_max: Tensor) -> Tensor:  # (b,)
+    """``ρ̂ = Ê / (Σ_K |w| κ + Ê)`` of :func:`topk_attention`, in log space: every term is
+    taken relative to ``max_S κ · max |w|``, which bounds them all."""
+    if not w_max > 0:  # no weight mass anywhere: nothing to leave out
+        return score.new_zeros(score.shape[0])
+    found = valid.any(1)  # (b,) a query whose search found nothing left everything out
+    max_kappa = log_kappa.amax(1).masked_fill(~found, 0.0)  # (b,)
+    terms = (score - (max_kappa + w_max.log())[:, None]).exp()  # (b, c) |w_j| κ_j, scaled
+    kept = torch.zeros_like(valid).scatter_(1, pos, True)  # (b, c) the kept candidates
+    kept_mass = terms.masked_fill(~kept, 0.0).sum(1)  # (b,)
+    dropped = terms.masked_fill(kept, 0.0).sum(1)  # (b,) candidates rescored out
+    unseen = n - valid.sum(1)  # (b,) rows the index never returned
+    min_kappa = log_kappa.masked_fill(~valid, math.inf).amin(1).masked_fill(~found, 0.0)
+    bound = unseen * (min_kappa - max_kappa).exp()  # (b,) (N − c) max|w| min_S κ, scaled
+    left = dropped + bound
+    total = kept_mass + left
+    return torch.where(found, torch.where(total > 0, left / total, 0.0), 1.0)
+
+
+def recall_at_k(approx: Tensor, exact: Tensor) -> float:
+    """Mean over queries of ``|A ∩ E| / |E|``, where ``A`` and ``E`` are a query's rows in
+    ``approx (B, k)`` and ``exact (B, k')`` (int64; −1 entries are ignored): the fraction of
+    the true top rows that the approximate search found."""
+    if approx.dim() != 2 or exact.dim() != 2 or approx.shape[0] != exact.shape[0]:
+        raise ValueError(f"recall_at_k: expected (B, k) and (B, k') row indices, got "
+                         f"{tuple(approx.shape)} and {tuple(exact.shape)}")
+    truth = exact.sort(1).values  # (B, k') sorted for searchsorted
+    pos = torch.searchsorted(truth, approx.contiguous()).clamp_max_(truth.shape[1] - 1)
+    hit = (truth.gather(1, pos) == approx) & (approx >= 0)  # (B, k)
+    relevant = (exact >= 0).sum(1).clamp_min(1)  # (B,)
+    return float((hit.sum(1) / relevant).mean())
+
+
+# --------------------------------------------------------------------------- the layer mode
+
+
+class TopK:
+    """A growing layer's top-k retrieval mode: set as ``layer.retrieval`` (by
+    :func:`use_topk`), it answers :meth:`rcdl.layers.GrowingLayer.attend` by
+    :func:`topk_attention` over an index that follows the layer's store.
+
+    The index follows the store: at each call the rows appended since the last call (a
+    growth step's batch) are added to it (:meth:`RetrievalIndex.add`), and it is rebuilt
+    from the whole store when ``store.version`` changed (removals by a memory budget, a
+    loaded state dict, the hybrid's Adam moving entries, a storage dtype change) or the
+    store is another one.
+    Nothing of the index is saved: a resumed run rebuilds it from the loaded store on its
+    first call (and a ``copy.deepcopy`` or pickle of the model drops it likewise). For flat
+    indices that is the same index; an HNSW graph built in one pass is deterministic but
+    differs from one grown step by step, so answers may differ where recall is below 1.
+
+    Args:
+        k: entries each query attends to.
+        backend: ``"faiss-hnsw"``, ``"faiss-flat"`` or ``"exact"`` (:func:`make_index`).
+        candidates: rows retrieved and rescored down to ``k`` (default ``k``).
+        train: also in training mode with grad enabled (each query then attends to its
+            top-k entries only, and the output recorded for the rule is that one). By
+            default the mode applies only in eval mode or under ``torch.no_grad()``.
+        index_kw: passed to the index (``hnsw_m``, ``ef_search``, ...).
+
+    Statistics: ``calls``, ``rebuilds``, ``rows_added`` (rows added without a rebuild),
+    ``left_out`` (mean of the last call's left-out estimate), and :meth:`stats`.
+    """
+
+    def __init__(self, k: int, *, backend: Backend = "faiss-hnsw",
+                 candidates: int | None = None, train: bool = False, **index_kw: Any) -> None:
+        self.k = _check_count("TopK: k", k)
+        if candidates is not None and _check_count("TopK: candidates", candidates) < k:
+            raise ValueError(f"TopK: candidates ({candidates}) must be >= k ({k})")
+        make_index(backend, "l2", **index_kw)  # fail now on bad settings, not at a forward
+        self.backend, self.candidates, self.train = backend, candidates, train
+        self.index_kw = index_kw
+        self.calls = self.rebuilds = self.rows_added = 0
+        self._last_left_out: Tensor | None = None
+        self._forget_index()
+
+    def _forget_index(self) -> None:
+        self.index: RetrievalIndex | None = None
+        self._store: weakref.ref | None = None  # the store indexed
+        self._version = -1  # its version when indexed
+        self._rows = 0  # its rows indexed
+
+    def __getstate__(self) -> dict[str, Any]:  # copies and pickles rebuild the index
+        state = self.__dict__.copy()
+        state.update(index=None, _store=None, _version=-1, _rows=0)
+        return state
+
+    def applies(self, layer: GrowingLayer) -> bool:
+        """Whether this call of ``layer`` uses top-k: in eval mode or without grad, and in
+        training too if ``train``."""
+        return self.train or not (layer.training and torch.is_grad_enabled())
+
+    def sync(self, layer: GrowingLayer) -> RetrievalIndex:
+        """Bring the index up to ``layer``'s store: add new rows, or rebuild if rows changed."""
+        store = layer.store
+        stale = (self._store is None or self._store() is not store
+                 or self._version != store.version or self._rows > len(store))
+        if stale:
+            if self.index is not None:
+                self.rebuilds += 1
+            self.index = make_index(self.backend, metric_for(layer.kernel), **self.index_kw)
+            self._store, self._version, self._rows = weakref.ref(store), store.version, 0
+        if len(store) > self._rows:
+            self.index.add(store.keys[self._rows :])
+            if not stale:
+                self.rows_added += len(store) - self._rows
+            self._rows = len(store)
+        return self.index
+
+    def attend(self, layer: GrowingLayer, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
+        """``layer``'s attention over each query's top-k entries."""
+        if layer.kernel == "linear":
+            raise ValueError(f"{layer.where}: top-k retrieval does not apply to the linear "
+                             "kernel; collapse the layer exactly with GrowingLinear.to_linear()")
+        if layer.shard is not None:
+            raise ValueError(f"{layer.where}: its store is sharded over ranks; top-k retrieval "
+                             "needs the whole store in one process")
+        index = self.sync(layer)
+        result = topk_attention(q, layer.store.keys, layer.store.values, layer.entry_weights(),
+                                kernel=layer.kernel, temperature=layer.temperature,
+                                index=index, k=self.k, candidates=self.candidates)
+        self.calls += 1
+        self._last_left_out = result.left_out.mean()  # kept as a tensor: no device sync
+        return result.out
+
+    @property
+    def left_out(self) -> float | None:
+        """Mean left-out estimate of the last call (``None`` before the first)."""
+        return None if self._last_left_out is None else float(self._last_left_out)
+
+    def stats(self) -> dict[str, Any]:
+        return {"k": self.k, "backend": self.backend, "candidates": self.candidates,
+                "calls": self.calls, "rebuilds": self.rebuilds, "rows_added": self.rows_added,
+                "rows_indexed": self._rows,
+                "index_bytes": 0 if self.index is None else self.index.nbytes,
+                "left_out": self.left_out}
+
+    def __repr__(self) -> str:
+        return (f"TopK(k={self.k}, backend={self.backend!r}, candidates={self.candidates}, "
+                f"train={self.train})")
+
+
+def use_topk(model: nn.Module, k: int, *, backend: Backend = "faiss-hnsw",
+             candidates: int | None = None, train: bool = False, **index_kw: Any) -> nn.Module:
+    """Give every growing RBF and softmax layer of ``model`` its own :class:`TopK` mode
+    (``layer.retrieval``); returns ``model``. Linear-kernel layers are left exact (collapse
+    them with ``GrowingLinear.to_linear()``). Arguments as :class:`TopK`.
+
+    Raises:
+        ValueError: if ``model`` has no growing RBF or softmax layer, or one of them is
+            sharded over ranks (nothing is changed then).
+    """
+    chosen = []
+    for name, layer in growing_layers(model):
+        if layer.kernel == "linear":
+            continue
+        if layer.shard is not None:
+            raise ValueError(f"use_topk: {type(layer).__name__} {name!r} is sharded over ranks "
+                             "(rcdl.distributed); top-k retrieval needs the whole store in one "
+                             "process")
+        chosen.append(layer)
+    if not chosen:
+        raise ValueError(f"use_topk: {type(model).__name__} has no growing RBF or softmax "
+                         "layer to retrieve from (linear layers collapse exactly: "
+                         "GrowingLinear.to_linear())")
+    modes = [TopK(k, backend=backend, candidates=candidates, train=train, **index_kw)
+             for _ in chosen]  # validated before any layer changes
+    for layer, mode in zip(chosen, modes, strict=True):
+        layer.retrieval = mode
+    return model
+
+
+def use_exact(model: nn.Module) -> nn.Module:
+    """Turn top-k retrieval off in every growing layer of ``model`` (exact streaming
+    attention again, indices freed); returns ``model``."""
+    for _, layer in growing_layers(model):
+        layer.retrieval = None
+    return model
