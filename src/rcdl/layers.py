@@ -355,7 +355,8 @@ class GrowingLayer(nn.Module):
 
     @torch.no_grad()
     def commit(self, entries: Entries | None) -> None:
-        """Append ``entries`` (from :meth:`propose`) as written at the next step."""
+        """Append ``entries`` as :meth:`propose` returns them (checked finite there, so not
+        again here) as written at the next step."""
         self.discard()
         if entries is None:
             return
@@ -365,7 +366,8 @@ class GrowingLayer(nn.Module):
             keep = self.shard.owned(count, entries[0].device,
                                     offset=int(self.steps) * count)  # (B,) bool
             entries = tuple(t[keep] for t in entries)
-        self.store.append(*entries, written_at=self.steps)  # a tensor: no device sync
+        # checked finite by propose(); the write step as a tensor: no device sync
+        self.store.append(*entries, written_at=self.steps, check_finite=False)
 
     def discard(self) -> None:
         """Forget this step's records without writing anything: records made so far are never

@@ -195,6 +195,8 @@ class EntryStore(nn.Module):
         values: Tensor,
         weights: Tensor | None = None,
         written_at: int | Tensor = 0,
+        *,
+        check_finite: bool = True,
     ) -> None:
         """Append B entries: ``keys (B, d_in)``, ``values (B, d_out)``, ``weights (B,)``.
 
@@ -202,13 +204,15 @@ class EntryStore(nn.Module):
         are rounded to ``storage_dtype`` as they are written. Everything is validated before
         anything is written, so a refused append leaves the store unchanged. Non-finite
         entries are refused, and so are entries that overflow the storage dtype (float16).
+        ``check_finite=False`` skips the finiteness test (one device sync), for callers
+        that have just made it (:meth:`rcdl.layers.GrowingLayer.propose`).
         """
         b = keys.shape[0] if keys.dim() == 2 else -1
         if weights is None:
             weights = torch.ones(max(b, 0), dtype=self.dtype, device=self.device)
         written_at = torch.as_tensor(written_at, dtype=torch.long, device=self.device)
         written_at = written_at.expand(max(b, 0)) if written_at.dim() == 0 else written_at
-        self._check_entries(keys, values, weights, written_at)
+        self._check_entries(keys, values, weights, written_at, check_finite)
         if b == 0:
             return
         if self._keys.dtype != keys.dtype:
@@ -226,7 +230,8 @@ class EntryStore(nn.Module):
         self._written_at[rows] = written_at
         self.size += b
 
-    def _check_entries(self, keys: Tensor, values: Tensor, weights: Tensor, written_at: Tensor):
+    def _check_entries(self, keys: Tensor, values: Tensor, weights: Tensor, written_at: Tensor,
+                       check_finite: bool = True) -> None:
         expected = {"keys": (-1, self.d_in), "values": (-1, self.d_out), "weights": (-1,)}
         given = {"keys": keys, "values": values, "weights": weights}
         b = keys.shape[0] if keys.dim() == 2 else None
@@ -249,8 +254,9 @@ class EntryStore(nn.Module):
                 raise ValueError(
                     f"EntryStore.append: {name} on {tensor.device}, store on {self.device}"
                 )
-        finite = torch.stack([torch.isfinite(t).all() for t in given.values()]).tolist()
-        for name, ok in zip(given, finite, strict=True):  # one device sync for the three
+        finite = (torch.stack([torch.isfinite(t).all() for t in given.values()]).tolist()
+                  if check_finite else [True] * len(given))  # one device sync for the three
+        for name, ok in zip(given, finite, strict=True):
             if not ok:
                 raise ValueError(f"EntryStore.append: {name} contain NaN or inf; nothing written")
         if written_at.shape != (b,):
