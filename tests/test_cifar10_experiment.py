@@ -318,3 +318,44 @@ def test_a_combined_table_can_be_a_source(run, second_run, tmp_path):
     assert sorted(layered["runs"], key=str) == sorted(direct["runs"], key=str)
     with pytest.raises(ValueError, match="not only combined tables"):
         cifar10.combine_runs([first], tmp_path / "alone")
+
+
+# --------------------------------------------------------------------------- speed modes
+
+
+def test_bfloat16_stores_halve_the_bytes_and_are_recorded(data_dir, tmp_path, monkeypatch,
+                                                           capsys):  # fmt: skip
+    from rcdl import rundir
+
+    monkeypatch.setattr(rundir, "native_bfloat16", lambda: False)  # as on an AVX2-only CPU
+    full, half = tmp_path / "full", tmp_path / "half"
+    assert _reproduce(data_dir, "--models", "rbf", "--out", str(full)) == 0
+    assert _reproduce(data_dir, "--models", "rbf", "--out", str(half),
+                      "--store-dtype", "bfloat16") == 0
+    assert "neither avx512_bf16 nor AMX" in capsys.readouterr().err
+    row_full, row_half = _summary(full)["models"][0], _summary(half)["models"][0]
+    assert row_half["entries"] == row_full["entries"] == 3 * 48
+    # keys (3 x 3072) and values (3072, 3072, 10) in 2 bytes instead of 4; weights and steps alike
+    assert row_full["store_bytes"] - row_half["store_bytes"] == 48 * 2 * (3 * 3072 + 2 * 3072 + 10)
+    assert json.loads((half / "config.json").read_text())["store_dtype"] == "bfloat16"
+    assert "float32 with bfloat16 stores" in (half / "results.md").read_text()
+    # a table mixes no store dtypes: they are part of the protocol
+    with pytest.raises(ValueError, match="another protocol.*store_dtype"):
+        cifar10.combine_runs([full, half], tmp_path / "combined")
+
+
+def test_incremental_evaluation_is_the_default_and_can_be_turned_off(data_dir, tmp_path):
+    on, off = tmp_path / "on", tmp_path / "off"
+    assert _reproduce(data_dir, "--models", "gws", "--out", str(on)) == 0
+    assert _reproduce(data_dir, "--models", "gws", "--out", str(off),
+                      "--no-incremental-eval") == 0
+    assert json.loads((on / "config.json").read_text())["incremental_eval"] is True
+    assert json.loads((off / "config.json").read_text())["incremental_eval"] is False
+    history_on = [h["test_acc"] for h in _summary(on)["runs"][0]["history"]]
+    history_off = [h["test_acc"] for h in _summary(off)["runs"][0]["history"]]
+    assert history_on == pytest.approx(history_off, abs=1e-6)  # merged partials: rounding
+
+
+def test_store_dtype_must_be_a_half_precision():
+    with pytest.raises(ValueError, match="store_dtype must be None or one of"):
+        Cifar10Config(store_dtype="int8")
