@@ -221,3 +221,19 @@ def test_hybrid_adam_moves_half_entries_by_small_steps_on_average():
     assert set(moved.unique().tolist()) == {0.0, 2.0**-7}
     assert moved.mean().item() == pytest.approx(1e-3, rel=0.05)
     assert layer.adam_m.keys.dtype == torch.float32  # the moments stay in the layer's dtype
+
+
+@pytest.mark.parametrize("kernel", ["rbf", "softmax"])
+def test_large_batches_of_a_half_store_take_the_other_score_layout(kernel):
+    """Over 128 queries the half-precision scores are formed as ``q @ keys.T`` (faster there
+    on CPUs with AMX): the same products, the same answers as in batches of 100."""
+    q, keys, values, weights = entries(n=400, batch=200)
+    keys, values = keys.bfloat16(), values.bfloat16()
+    kw = {"kernel": kernel, "temperature": TEMPERATURE[kernel], "chunk_size": 128}
+    whole = attention(q, keys, values, weights, **kw)
+    halves = torch.cat([attention(part, keys, values, weights, **kw) for part in q.split(100)])
+    assert relative_error(whole, halves) < 1e-2
+    ref = naive_attention(rounded64(q, torch.bfloat16), rounded64(keys, torch.bfloat16),
+                          rounded64(values, torch.bfloat16), weights.double(), kernel=kernel,
+                          temperature=TEMPERATURE[kernel])
+    assert relative_error(whole, ref) < RTOL[torch.bfloat16]

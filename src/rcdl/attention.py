@@ -83,7 +83,8 @@ def _empty_partial(q: Tensor, d_out: int, kernel: str) -> Partial:
 # chunk's entries (``blockᵀ @ values_c``, and ``gradᵀ @ keys_c`` backward) take the block
 # transposed into a contiguous (B, c) copy, the store chunk as it lies: measured 1.2-1.9x
 # faster than ``values_c.T @ block`` on an AVX512/AMX CPU in float32 and bfloat16, B = 16 and
-# 500 (docs/precision.md, "Where the time goes").
+# 500. For a half-precision store and B > 128 (evaluation) the scores are formed as
+# ``q @ keys_c.T``, 2x faster there in bfloat16 than ``keys_c @ q.T`` (docs/precision.md).
 
 
 def _chunk_kernel_values(
@@ -92,7 +93,10 @@ def _chunk_kernel_values(
 ) -> Tensor:  # (c, B)
     """Unweighted kernel values of one chunk, in ``dtype``; for softmax the raw logits ``z``.
     ``q`` is in the keys' dtype (the product runs in it, see :func:`_sum_over_entries_`)."""
-    scores = (keys @ q.T).to(dtype)  # (c, B), no copy when the dtypes agree
+    if keys.dtype in HALF_DTYPES and q.shape[0] > 128:  # see the layout note above
+        scores = (q @ keys.T).T.to(dtype)  # (c, B) view of a (B, c) product
+    else:
+        scores = (keys @ q.T).to(dtype)  # (c, B), no copy when the dtypes agree
     if kernel == "linear":
         return scores
     if kernel == "rbf":
