@@ -204,23 +204,19 @@ class EntryStore(nn.Module):
         are rounded to ``storage_dtype`` as they are written. Everything is validated before
         anything is written, so a refused append leaves the store unchanged. Non-finite
         entries are refused, and so are entries that overflow the storage dtype (float16).
-        ``check_finite=False`` skips the finiteness test (one device sync), for callers
-        that have just made it (:meth:`rcdl.layers.GrowingLayer.propose`).
+        ``check_finite=False`` skips the finiteness test (one device sync) where the storage
+        dtype cannot overflow, for callers that have just made it
+        (:meth:`rcdl.layers.GrowingLayer.propose`).
         """
         b = keys.shape[0] if keys.dim() == 2 else -1
         if weights is None:
             weights = torch.ones(max(b, 0), dtype=self.dtype, device=self.device)
         written_at = torch.as_tensor(written_at, dtype=torch.long, device=self.device)
         written_at = written_at.expand(max(b, 0)) if written_at.dim() == 0 else written_at
-        self._check_entries(keys, values, weights, written_at, check_finite)
+        self._check_entries(keys, values, weights, written_at)
         if b == 0:
             return
-        if self._keys.dtype != keys.dtype:
-            keys, values = keys.to(self._keys.dtype), values.to(self._keys.dtype)
-            narrow_range = torch.finfo(self._keys.dtype).max < torch.finfo(self.dtype).max
-            if narrow_range and not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
-                raise ValueError(f"EntryStore.append: keys or values overflow the storage dtype "
-                                 f"{self.storage_dtype}; nothing written")
+        keys, values = self._finite_rows(keys, values, weights, check_finite)
         if self.size + b > self.capacity:
             self.reserve(max(self.size + b, int(self.capacity * self.growth) + 1))
         rows = slice(self.size, self.size + b)
@@ -230,8 +226,31 @@ class EntryStore(nn.Module):
         self._written_at[rows] = written_at
         self.size += b
 
-    def _check_entries(self, keys: Tensor, values: Tensor, weights: Tensor, written_at: Tensor,
-                       check_finite: bool = True) -> None:
+    def _finite_rows(self, keys: Tensor, values: Tensor, weights: Tensor,
+                     check_finite: bool) -> tuple[Tensor, Tensor]:
+        """Keys and values rounded to the storage dtype, after checking (one device sync)
+        that they and the weights are finite. A store with a narrower exponent range than
+        its weights (float16) checks even when the caller already did: rows can overflow.
+        (bfloat16 has float32's range; only numbers within 0.4 % of float32's largest could
+        round up to inf there.)"""
+        stored = keys.to(self._keys.dtype), values.to(self._keys.dtype)  # no copy if equal
+        overflow_possible = torch.finfo(self._keys.dtype).max < torch.finfo(self.dtype).max / 2
+        if not (check_finite or overflow_possible):
+            return stored
+        checked = {"keys": stored[0], "values": stored[1], "weights": weights}
+        finite = torch.stack([torch.isfinite(t).all() for t in checked.values()]).tolist()
+        for (name, ok), given in zip(zip(checked, finite, strict=True), (keys, values, weights),
+                                     strict=True):
+            if ok:
+                continue
+            if bool(torch.isfinite(given).all()):
+                raise ValueError(f"EntryStore.append: {name} overflow the storage dtype "
+                                 f"{self.storage_dtype}; nothing written")
+            raise ValueError(f"EntryStore.append: {name} contain NaN or inf; nothing written")
+        return stored
+
+    def _check_entries(self, keys: Tensor, values: Tensor, weights: Tensor,
+                       written_at: Tensor) -> None:
         expected = {"keys": (-1, self.d_in), "values": (-1, self.d_out), "weights": (-1,)}
         given = {"keys": keys, "values": values, "weights": weights}
         b = keys.shape[0] if keys.dim() == 2 else None
@@ -254,11 +273,6 @@ class EntryStore(nn.Module):
                 raise ValueError(
                     f"EntryStore.append: {name} on {tensor.device}, store on {self.device}"
                 )
-        finite = (torch.stack([torch.isfinite(t).all() for t in given.values()]).tolist()
-                  if check_finite else [True] * len(given))  # one device sync for the three
-        for name, ok in zip(given, finite, strict=True):
-            if not ok:
-                raise ValueError(f"EntryStore.append: {name} contain NaN or inf; nothing written")
         if written_at.shape != (b,):
             raise ValueError(f"EntryStore.append: written_at must have shape ({b},)")
 
