@@ -198,8 +198,9 @@ def test_stochastic_rounding_is_unbiased_and_exact_on_representable_numbers(dtyp
     torch.manual_seed(0)
     x = torch.full((200_000,), 1.0 + 1e-3)  # below half an ulp at 1 in bf16 and fp16
     assert x.to(dtype).float().mean() != pytest.approx(1.001, abs=1e-4) or dtype == torch.float16
-    mean = round_stochastically(x, dtype).double().mean().item()
-    assert mean == pytest.approx(1.001, abs=2e-5)
+    for sign in (1, -1):  # the magnitude rounds, whatever the sign
+        mean = round_stochastically(sign * x, dtype).double().mean().item()
+        assert mean == pytest.approx(sign * 1.001, abs=2e-5)
     exact = torch.randn(1000).to(dtype)
     assert torch.equal(round_stochastically(exact.float(), dtype), exact)
 
