@@ -44,7 +44,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from rcdl.rundir import SPEED_FLAGS, cpu_flags, cpu_model
 
 BATCH = 16
 CLASSES = 10
@@ -73,22 +74,9 @@ QUICK = {"d": 256, "bytes_n": [100, 1000, 5000], "bytes_worlds": [1, 2],
 
 # ------------------------------------------------------------------ machine
 def machine_line() -> str:
-    cpu = platform.processor()
-    flags: set[str] = set()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model name":
-                cpu = value.strip()
-            elif key.strip() == "Flags":
-                flags = set(value.split())
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    wanted = ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"]
-    have = [f for f in wanted if f in flags] or ["none of avx2/avx512f/avx512_bf16/amx"]
-    return (f"{platform.node()} {platform.machine()}, {cpu}, {os.cpu_count()} CPUs, flags "
-            f"{' '.join(have)}; torch {torch.__version__}; one thread per rank "
+    flags = " ".join(cpu_flags()) or "none of " + "/".join(SPEED_FLAGS)
+    return (f"{platform.node()} {platform.machine()}, {cpu_model()}, {os.cpu_count()} CPUs, "
+            f"flags {flags}; torch {torch.__version__}; one thread per rank "
             "(torch.set_num_threads(1)); gloo on CPU, float32")
 
 

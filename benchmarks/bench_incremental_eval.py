@@ -13,29 +13,18 @@ both, their ratio, and the largest difference of the test metrics (rounding only
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 
 import torch
 import torch.nn.functional as F
 
 from rcdl.allocator import keep_freed_memory
 from rcdl.experiments.cifar10 import METRICS, Cifar10Config, build_model, load_data
+from rcdl.rundir import cpu_flags, cpu_model
 from rcdl.training import train_one_pass
 
 
 def cpu_line() -> str:
-    flags = ""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        line = next((x for x in out.splitlines() if x.startswith("Flags")), "")
-        wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-        flags = " ".join(f for f in wanted if f in line.split())
-        name = next((x.split(":", 1)[1].strip() for x in out.splitlines()
-                     if x.startswith("Model name")), platform.processor())
-    except OSError:
-        name = platform.processor()
-    return (f"# {name}, flags {flags or '?'}, torch {torch.__version__}, "
+    return (f"# {cpu_model()}, flags {' '.join(cpu_flags()) or '?'}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads")
 
 
