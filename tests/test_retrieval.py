@@ -1,11 +1,13 @@
 """Approximate retrieval (rcdl.retrieval) against dense references: the exact index against
 brute force, top-k attention against the exact attention (float64), the left-out bound,
-FAISS against the exact index, and the layer mode following its store.
+FAISS against the exact index, the layer mode following its store, its index saved with a
+checkpoint, and the hybrid trained on top-k attention against dense twins.
 
 The FAISS tests skip where the ``faiss`` extra is not installed (the CI installs ``dev`` and
 ``classical`` only); everything else runs on the torch index."""
 
 import copy
+import io
 import sys
 
 import pytest
@@ -20,9 +22,12 @@ from rcdl import (
     Grower,
     GrowingRBFNet,
     GrowingSoftmaxNet,
+    HybridSoftmaxNet,
     to_dual_form,
 )
 from rcdl.attention import attention
+from rcdl.data import TeacherConfig, make_teacher_data
+from rcdl.hybrid import DistanceGate, EntryAdam, HybridGrower, HybridSoftmax, hybrid_layers
 from rcdl.kernels import naive_attention
 from rcdl.layers import growing_layers
 from rcdl.retrieval import (
@@ -30,12 +35,15 @@ from rcdl.retrieval import (
     FaissIndex,
     RetrievalIndex,
     TopK,
+    load_retrieval_state,
     metric_for,
     recall_at_k,
+    retrieval_state,
     topk_attention,
     use_exact,
     use_topk,
 )
+from rcdl.training import train_one_pass
 
 try:
     import faiss  # noqa: F401
@@ -418,3 +426,317 @@ def test_use_topk_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match="'blocks.0' is sharded"):
         use_topk(net, 4, backend="exact")
     assert all(layer.retrieval is None for _, layer in growing_layers(net))
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+F64_INDEX = {"backend": "exact", "dtype": torch.float64}  # the exact index, compared in float64
+
+
+def through_a_file(state):
+    """``state`` after ``torch.save`` and ``torch.load(weights_only=True)``, as a checkpoint."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def modes(net):
+    return [layer.retrieval for _, layer in growing_layers(net)]
+
+
+@pytest.fixture
+def one_faiss_thread():
+    """HNSW insertion on several threads may link the graph differently run to run."""
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(threads)
+
+
+@requires_faiss
+def test_hnsw_index_round_trips_without_a_rebuild(monkeypatch, one_faiss_thread):
+    """The graph grown step by step comes back byte for byte: the same searches and the same
+    top-k attention, nothing rebuilt or added; a graph built in one pass is another graph."""
+    hnsw = {"backend": "faiss-hnsw", "hnsw_m": 4, "ef_search": 4}
+    net = use_topk(make_net("softmax"), 3, train=True, **hnsw)
+    train(net, Grower(net), 4)  # four growth steps: four adds
+    x_test, _ = batch(99, b=7)
+    before = outputs(net, x_test)
+    state = through_a_file(retrieval_state(net))
+    resumed = make_net("softmax")
+    resumed.load_state_dict(net.state_dict())
+    use_topk(resumed, 3, train=True, **hnsw)
+    load_retrieval_state(resumed, state)
+    monkeypatch.setattr(FaissIndex, "add", lambda *_: pytest.fail("the index was rebuilt"))
+    assert torch.equal(outputs(resumed, x_test), before)
+    q = torch.randn(20, 5, generator=torch.Generator().manual_seed(7))
+    for saved, loaded in zip(modes(net), modes(resumed), strict=True):
+        assert (loaded.restores, loaded.rebuilds) == (1, 0)
+        assert all(torch.equal(a, b) for a, b in zip(saved.index.search(q, 3),
+                                                      loaded.index.search(q, 3), strict=True))
+        graph = saved.index.state_dict()["faiss"]
+        assert torch.equal(loaded.index.state_dict()["faiss"], graph)
+    monkeypatch.undo()
+    one_pass = FaissIndex("ip", kind="hnsw", hnsw_m=4)
+    one_pass.add(net.readout.store.keys)
+    assert not torch.equal(one_pass.state_dict()["faiss"], graph)
+
+
+def test_exact_index_round_trips_and_a_store_that_moved_on_rebuilds():
+    net = use_topk(make_net("softmax"), 4, train=True, **F64_INDEX)
+    grower = Grower(net)
+    train(net, grower, 3)
+    x_test, _ = batch(99, b=7)
+    outputs(net, x_test)
+    state = through_a_file(retrieval_state(net))
+    assert state["readout"]["rows"] == state["readout"]["store_rows"] == len(net.readout.store)
+
+    def resume(model_state):
+        resumed = make_net("softmax")
+        resumed.load_state_dict(model_state)
+        load_retrieval_state(use_topk(resumed, 4, train=True, **F64_INDEX), state)
+        return resumed
+
+    same = resume(net.state_dict())
+    assert torch.equal(outputs(same, x_test), outputs(net, x_test))
+    for saved, loaded in zip(modes(net), modes(same), strict=True):
+        assert (loaded.restores, loaded.rebuilds) == (1, 0)
+        assert torch.equal(loaded.index.state_dict()["rows"], saved.index.state_dict()["rows"])
+
+    train(net, grower, 2, start=3)  # the store moves on: the saved index no longer fits it
+    later = resume(net.state_dict())
+    assert torch.equal(outputs(later, x_test), outputs(net, x_test))
+    for layer, loaded in zip(growing_layers(later), modes(later), strict=True):
+        assert (loaded.restores, loaded.rebuilds) == (0, 1)
+        assert len(loaded.index) == len(layer[1].store)
+
+
+def test_a_model_without_top_k_saves_and_loads_as_before():
+    """The indices travel beside the model's state dict, never in it; loading them needs
+    the saved run's top-k modes."""
+    net = make_net("rbf")
+    train(net, Grower(net), 2)
+    keys = list(net.state_dict())
+    assert retrieval_state(net) is None
+    load_retrieval_state(net, None)  # a checkpoint saved without top-k: nothing to do
+    use_topk(net, 4, backend="exact")
+    outputs(net, batch(99)[0])
+    assert list(net.state_dict()) == keys
+    state = retrieval_state(net)
+    fresh = make_net("rbf")
+    fresh.load_state_dict(net.state_dict())  # strict, as before
+    with pytest.raises(ValueError, match="layer 'blocks.0' of the saved state has no top-k mode"):
+        load_retrieval_state(fresh, state)
+    use_topk(fresh, 4, backend="exact", dtype=torch.float64)
+    with pytest.raises(ValueError, match="saved run's backend and index settings"):
+        load_retrieval_state(fresh, state)
+    outputs(fresh, batch(99)[0])
+    assert all(mode.restores == 0 for mode in modes(fresh))  # the refused load changed nothing
+    use_topk(fresh, 8, backend="exact", chunk_size=3)  # k and search settings may differ
+    load_retrieval_state(fresh, state)
+    outputs(fresh, batch(99)[0])
+    assert all(mode.restores == 1 for mode in modes(fresh))
+
+
+class _Interrupt(Exception):
+    pass
+
+
+TEACHER = make_teacher_data(TeacherConfig(d_in=4, hidden=8, depth=1, n_train=50, n_test=20))
+INDEX_KW = {"exact": {}, "faiss-hnsw": {"hnsw_m": 4, "ef_search": 4}}
+
+
+def build_run(kind, backend):
+    """A model in top-k training mode and its learners, as a fresh process builds them."""
+    torch.manual_seed(0)
+    if kind == "rbf":
+        model = GrowingRBFNet(4, 1, 1, temperature=1.0, rule=FunctionalSGD(0.1))
+        learner, refresh = {"grower": Grower(model)}, {}
+    else:  # Adam moves the entries every step; the index follows every fourth move
+        model = HybridSoftmaxNet(4, 1, 1, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 3.0),
+                                 trigger=DistanceGate(1.0), initial_entries=4)
+        learner = {"optimizer": EntryAdam(model, lr=0.1), "grower": Grower(model)}
+        refresh = {"refresh_every": 4}
+    use_topk(model, 3, backend=backend, train=True, **refresh, **INDEX_KW[backend])
+    return model, learner
+
+
+@pytest.mark.parametrize("backend", ["exact", pytest.param("faiss-hnsw", marks=requires_faiss)])
+@pytest.mark.parametrize("kind", ["rbf", "hybrid"])
+def test_a_top_k_run_resumes_with_its_saved_index(tmp_path, kind, backend, request):
+    """train_one_pass saves each layer's index in its checkpoint and restores it: the resumed
+    run ends with the uninterrupted run's history and the very same index."""
+    if backend == "faiss-hnsw":
+        request.getfixturevalue("one_faiss_thread")
+    kw = {"batch_size": 4, "eval_every": 5, "progress": False, "seed": 3}
+    reference, learner = build_run(kind, backend)
+    expected = train_one_pass(reference, TEACHER, **learner, **kw)
+
+    ckpt = tmp_path / "ckpt.pt"
+    model, learner = build_run(kind, backend)
+    grower, calls = learner["grower"], {"n": 0}
+    original = grower.step
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] > 7:
+            raise _Interrupt
+        original()
+
+    grower.step = step
+    with pytest.raises(_Interrupt):
+        train_one_pass(model, TEACHER, **learner, checkpoint_path=ckpt, checkpoint_every=2,
+                       **kw)
+    saved = torch.load(ckpt, weights_only=True)["retrieval"]
+    assert set(saved) == {"blocks.0", "readout"}
+    assert all(s["index"] is not None for s in saved.values())
+    model, learner = build_run(kind, backend)  # a fresh process: only the checkpoint survives
+    resumed = train_one_pass(model, TEACHER, **learner, checkpoint_path=ckpt, **kw)
+    assert resumed["resumed"] and resumed["history"] == expected["history"]
+    for ref, mode in zip(modes(reference), modes(model), strict=True):
+        assert mode.restores == 1
+        assert kind == "hybrid" or mode.rebuilds == 0  # a store that only grows: never rebuilt
+        for a, b in zip(ref.index.state_dict().values(), mode.index.state_dict().values(),
+                        strict=True):
+            assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- the hybrid
+
+
+def hybrid_net():
+    torch.manual_seed(0)
+    return HybridSoftmaxNet(5, 3, 1, temperature=0.7, rule=ClippedSoftmaxRule(1.0, 3.0),
+                            trigger=DistanceGate(1.5), initial_entries=6).double()
+
+
+def hybrid_layer(n=40, seed=5):
+    """A hybrid layer of ``n`` entries whose weights spread over orders of magnitude."""
+    layer = HybridSoftmax(5, 3, temperature=0.7, rule=ClippedSoftmaxRule(1.0, 3.0),
+                          trigger=DistanceGate(1.5), initial_entries=n, seed=0).double()
+    gen = torch.Generator().manual_seed(seed)
+    layer.store.weights.copy_(torch.exp(2 * torch.randn(n, generator=gen, dtype=torch.float64)))
+    layer.store.touch()
+    return layer
+
+
+def dense_top_k(q, keys, values, weights, rows):
+    """The dense attention of each query ``q[i]`` over its rows ``rows[i]`` only."""
+    return torch.cat([naive_attention(q[i : i + 1], keys[r], values[r], weights[r],
+                                      kernel="softmax", temperature=0.7)
+                      for i, r in enumerate(rows)])
+
+
+def top_rows(q, keys, weights, k, candidates=None):  # (B, k)
+    """The rows topk_attention keeps: candidates by logit, rescored by logit + log|w|."""
+    z = q @ keys.T / (0.7 * q.shape[1] ** 0.5)  # (B, N)
+    found = z.topk(candidates or k, dim=1).indices  # (B, c)
+    score = z.gather(1, found) + weights[found].abs().log()
+    return found.gather(1, score.topk(k, dim=1).indices)
+
+
+@pytest.mark.parametrize("refresh_every", [1, 2])
+def test_hybrid_training_with_k_at_least_n_is_exact_training(refresh_every):
+    """Dense twin in float64: every step's loss, every entry gradient and the entries after
+    each step equal those of exact training, whether the index follows each Adam move or
+    every second (with k ≥ N every row is kept, whatever the index found)."""
+    reference, candidate = hybrid_net(), hybrid_net()
+    use_topk(candidate, 1000, train=True, refresh_every=refresh_every, **F64_INDEX)
+    nets = (reference, candidate)
+    optimizers = [HybridGrower(net, lr=1e-2) for net in nets]
+    for step in range(3):
+        x, y = batch(step)
+        losses = [F.cross_entropy(net.train()(x), y) for net in nets]
+        for loss in losses:
+            loss.backward()
+        assert_close(losses[1], losses[0], rtol=1e-12, atol=1e-12)
+        pairs = list(zip(hybrid_layers(reference), hybrid_layers(candidate), strict=True))
+        for (_, ref), (_, layer) in pairs:
+            for want, got in zip(ref.entry_leaves(), layer.entry_leaves(), strict=True):
+                assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-13)
+        for opt in optimizers:
+            opt.step()
+        for (_, ref), (_, layer) in pairs:
+            assert len(layer.store) == len(ref.store)
+            for name in ("keys", "values", "weights"):
+                assert_close(getattr(layer.store, name), getattr(ref.store, name),
+                             rtol=1e-10, atol=1e-13)
+    assert [mode.calls for mode in modes(candidate)] == [3, 3]
+    assert [mode.rebuilds for mode in modes(candidate)] == [2 // refresh_every] * 2
+
+
+@pytest.mark.parametrize("candidates", [None, 12], ids=["c=k", "c=3k"])
+def test_hybrid_top_k_is_the_dense_attention_over_the_top_k_rows(candidates):
+    """k < N with an exact index: the output and the gradients on the query and on every
+    entry tensor equal a dense reference restricted to each query's top-k rows; rows no
+    query kept get zero gradient, so the first Adam step moves them not at all."""
+    layer = hybrid_layer()
+    use_topk(layer, 4, candidates=candidates, train=True, **F64_INDEX)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(6, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(6, 3, generator=gen, dtype=torch.float64)
+    out = layer.train()(q)
+    out.backward(grad_out)
+
+    q_ref = q.detach().clone().requires_grad_()
+    entries = [t.detach().clone().requires_grad_() for t in layer.entry_leaves()]
+    rows = top_rows(q_ref.detach(), entries[0].detach(), entries[2].detach(), 4, candidates)
+    ref = dense_top_k(q_ref, *entries, rows)
+    ref.backward(grad_out)
+    assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert_close(q.grad, q_ref.grad, rtol=1e-10, atol=1e-13)
+    for got, want in zip(layer.entry_leaves(), entries, strict=True):
+        assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-13)
+    unused = torch.ones(40, dtype=torch.bool)
+    unused[rows.flatten()] = False
+    assert unused.any()
+    assert all((leaf.grad[unused] == 0).all() for leaf in layer.entry_leaves())
+
+    before = layer.store.keys.clone()
+    EntryAdam(layer, lr=1e-2).step()
+    assert torch.equal(layer.store.keys[unused], before[unused])
+    assert not torch.equal(layer.store.keys[~unused], before[~unused])
+
+
+def test_a_stale_index_is_refreshed_every_r_moves_and_at_once_after_a_removal():
+    """refresh_every = 3: the index keeps the keys of its last rebuild for two Adam moves;
+    meanwhile each query attends, with the current entries, to the rows that the stale keys
+    rank first. A removal rebuilds at the next call. A checkpoint keeps the staleness."""
+    layer = hybrid_layer(n=30)
+    use_topk(layer, 4, train=True, refresh_every=3, **F64_INDEX)
+    mode, opt = layer.retrieval, HybridGrower(layer, lr=5e-2)
+    gen = torch.Generator().manual_seed(8)
+    rebuilds, stale = [], []
+    for _ in range(7):
+        q = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+        indexed = None if mode.index is None else mode.index.state_dict()["rows"]
+        out = layer.train()(q)
+        rebuilds.append(mode.rebuilds)
+        stale.append(mode.stats()["stale_moves"])
+        if stale[-1]:  # the index searched keys from before the last Adam steps
+            keys, values, weights = (t.detach() for t in layer.entry_leaves())
+            searched = torch.cat([indexed, keys[len(indexed) :]])  # + rows appended since
+            assert not torch.equal(searched, keys)
+            rows = top_rows(q, searched, weights, 4)
+            assert_close(out, dense_top_k(q, keys, values, weights, rows), rtol=1e-12,
+                         atol=1e-12)
+        out.square().mean().backward()
+        opt.step()
+    assert rebuilds == [0, 0, 0, 1, 1, 1, 2] and stale == [0, 1, 2, 0, 1, 2, 0]
+
+    state = through_a_file(retrieval_state(layer))
+    assert state[""]["stale"] == 1  # one Adam move since the last call
+    twin = copy.deepcopy(layer)  # drops the index, as a fresh process would
+    load_retrieval_state(twin, state)
+    q = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(twin.eval()(q), layer.eval()(q))
+    assert twin.retrieval.restores == 1
+    assert twin.retrieval.stats()["stale_moves"] == mode.stats()["stale_moves"] == 1
+
+    layer.remove_entries(torch.arange(len(layer.store)) % 4 == 0)
+    layer.train()(q).sum().backward()
+    assert mode.rebuilds == 3 and mode.stats()["stale_moves"] == 0
+    assert retrieval_state(layer)[""]["index"] is not None
+    opt.zero_grad()

@@ -189,9 +189,17 @@ class HybridSoftmax(GrowingSoftmax):
 
     # ---------------------------------------------------------------- forward
     def attend(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, d_out)
+        """In training (grad enabled), attention over the trainable :meth:`entry_leaves`:
+        over all of them, or, with a top-k mode that applies in training
+        (``use_topk(model, k, train=True)``), over each query's top-k rows found by its index,
+        so that the leaves' gradients are zero outside the rows gathered (docs/retrieval.md,
+        "Training the hybrid with top-k"). Otherwise as :class:`GrowingSoftmax`."""
         if not (self.training and torch.is_grad_enabled()):
             return super().attend(q)
-        return self._attention(q, *self.entry_leaves())
+        entries = self.entry_leaves()
+        if self.retrieval is not None and self.retrieval.applies(self):
+            return self.retrieval.attend(self, q, entries)
+        return self._attention(q, *entries)
 
     def entry_leaves(self) -> tuple[Tensor, Tensor, Tensor]:
         """Leaf tensors sharing the store's live rows, on which backward leaves the entries'
@@ -289,6 +297,8 @@ class HybridSoftmax(GrowingSoftmax):
                     moved = torch.addcdiv(param[rows].to(m.dtype), m_c, denom, value=-1.0)
                     param[rows] = round_stochastically(moved, param.dtype)
         self.store.touch()  # every entry moved: cached partials over them are stale
+        if self.retrieval is not None:  # a top-k index follows in-place moves lazily
+            self.retrieval.entries_moved(self)
 
     # ---------------------------------------------------------------- growth
     def make_entries(self, record: _Record) -> Entries:

@@ -27,7 +27,8 @@ Pieces:
 - :func:`topk_attention`, the attention over the retrieved entries, with a per-query
   estimate of the mass it left out; :func:`recall_at_k` to measure an index.
 - :class:`TopK`, a layer's retrieval mode (``layer.retrieval``), which keeps an index in
-  step with the layer's store; :func:`use_topk` / :func:`use_exact` switch a whole model.
+  step with the layer's store; :func:`use_topk` / :func:`use_exact` switch a whole model;
+  :func:`retrieval_state` / :func:`load_retrieval_state` carry the indices in a checkpoint.
 
 Example:
     >>> from rcdl.retrieval import use_topk, use_exact
@@ -38,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import weakref
 from typing import Any, Literal, NamedTuple, Protocol, get_args, runtime_checkable
@@ -52,8 +54,8 @@ from rcdl.layers import GrowingLayer, growing_layers
 
 __all__ = [
     "BACKENDS", "Backend", "ExactIndex", "FaissIndex", "Metric", "RetrievalIndex", "TopK",
-    "TopKOutput", "make_index", "metric_for", "recall_at_k", "topk_attention", "use_exact",
-    "use_topk",
+    "TopKOutput", "load_retrieval_state", "make_index", "metric_for", "recall_at_k",
+    "retrieval_state", "topk_attention", "use_exact", "use_topk",
 ]  # fmt: skip
 
 Metric = Literal["l2", "ip"]
@@ -62,6 +64,8 @@ BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 # elements of the gathered (b, c, d) blocks per block of queries: 2^22, 16 MB in float32
 _BLOCK_ELEMENTS = 1 << 22
+# index settings that only steer a search: they may differ between a save and its resume
+_SEARCH_SETTINGS = ("ef_search", "chunk_size")
 
 
 def _check_metric(metric: str) -> Metric:
@@ -180,6 +184,19 @@ class ExactIndex:
         self._rows[self.size : end] = keys.detach()
         self.size += n
 
+    def state_dict(self) -> dict[str, Tensor | None]:
+        """The rows held, ``{"rows": (n, d)}`` (a copy; ``None`` before the first add)."""
+        return {"rows": None if self._rows is None else self._rows[: self.size].clone()}
+
+    def load_state_dict(self, state: dict[str, Tensor | None],
+                        device: torch.device | str | None = None) -> None:
+        """Replace the rows by those of a :meth:`state_dict`, kept on ``device`` (default:
+        where they are)."""
+        self.reset()
+        rows = state["rows"]
+        if rows is not None:
+            self.add(rows.to(device or rows.device))
+
     @torch.no_grad()
     def search(self, q: Tensor, k: int) -> tuple[Tensor, Tensor]:
         dim = None if self._rows is None else self._rows.shape[1]
@@ -278,6 +295,42 @@ class FaissIndex:
             self._index = self._new_index(keys.shape[1])
         if keys.shape[0]:
             self._index.add(_as_float32_numpy(keys))
+
+    def state_dict(self) -> dict[str, Tensor | None]:
+        """The index as FAISS serialises it (the float32 keys and, for HNSW, the graph
+        exactly as grown), ``{"faiss": (bytes,) uint8}``; ``None`` before the first add."""
+        if self._index is None:
+            return {"faiss": None}
+        return {"faiss": torch.from_numpy(self._faiss.serialize_index(self._index))}
+
+    def load_state_dict(self, state: dict[str, Tensor | None],
+                        device: torch.device | str | None = None) -> None:
+        """Replace the index by that of a :meth:`state_dict` (``faiss.deserialize_index``:
+        the same graph, no rebuild). ``device`` is ignored: faiss-cpu keeps it on the CPU.
+
+        FAISS draws each inserted row's HNSW level from the graph's own generator, seeded at
+        construction and not serialised, one draw per row: the loaded graph draws once per
+        row it holds (about 1 µs each), so that rows added later get the levels, and hence
+        the links, they would have had in the saved index (tested).
+
+        Raises:
+            ValueError: if the saved index is not this ``kind`` by this ``metric``.
+        """
+        data = state["faiss"]
+        if data is None:
+            self.reset()
+            return
+        index = self._faiss.deserialize_index(np.ascontiguousarray(data.cpu().numpy()))
+        expected = self._new_index(index.d)
+        if type(index) is not type(expected) or index.metric_type != expected.metric_type:
+            raise ValueError(f"FaissIndex.load_state_dict: the saved index is a "
+                             f"{type(index).__name__} (metric {index.metric_type}), this is a "
+                             f"{self.kind!r} index by {self.metric!r}")
+        if self.kind == "hnsw":
+            levels = index.hnsw.rng
+            for _ in range(index.ntotal):
+                levels.rand_int()
+        self._index = index
 
     @torch.no_grad()
     def search(self, q: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -507,18 +560,28 @@ def recall_at_k(approx: Tensor, exact: Tensor) -> float:
 
 class TopK:
     """A growing layer's top-k retrieval mode: set as ``layer.retrieval`` (by
-    :func:`use_topk`), it answers :meth:`rcdl.layers.GrowingLayer.attend` by
-    :func:`topk_attention` over an index that follows the layer's store.
+    :func:`use_topk`), it answers :meth:`rcdl.layers.GrowingLayer.attend` (and the hybrid's
+    training forward, :meth:`rcdl.hybrid.HybridSoftmax.attend`) by :func:`topk_attention`
+    over an index that follows the layer's store (docs/retrieval.md).
 
-    The index follows the store: at each call the rows appended since the last call (a
-    growth step's batch) are added to it (:meth:`RetrievalIndex.add`), and it is rebuilt
-    from the whole store when ``store.version`` changed (removals by a memory budget, a
-    loaded state dict, the hybrid's Adam moving entries, a storage dtype change) or the
-    store is another one.
-    Nothing of the index is saved: a resumed run rebuilds it from the loaded store on its
-    first call (and a ``copy.deepcopy`` or pickle of the model drops it likewise). For flat
-    indices that is the same index; an HNSW graph built in one pass is deterministic but
-    differs from one grown step by step, so answers may differ where recall is below 1.
+    How the index follows the store: at each call the rows appended since the last call (a
+    growth step's batch) are added to it (:meth:`RetrievalIndex.add`); it is rebuilt from the
+    whole store when the store is another one, lost rows, or changed otherwise
+    (``store.version``: removals by a memory budget, a loaded state dict, a storage dtype
+    change). An optimizer that moves the stored rows in place (the hybrid's Adam, every step)
+    says so by :meth:`entries_moved`; the index follows the ``R``-th such move
+    (``refresh_every``) by a rebuild at the next call and keeps its keys between: it then
+    searches keys up to ``R − 1`` moves old. The rows it finds are rescored and attended over
+    with their current keys, values and weights, so staleness changes which rows are
+    chosen, never the attention over them. ``R = 1`` (default) rebuilds after every move.
+
+    Saving: :meth:`state_dict` / :meth:`load_state_dict` (for a model, :func:`retrieval_state`
+    / :func:`load_retrieval_state`) carry the index itself, so a resumed run goes on with the
+    same index: for HNSW the graph exactly as it was grown step by step, where a rebuild in
+    one pass gives another graph. A loaded index is adopted at the next call only if the
+    layer's store is then the one it was saved with (same row count, same SHA-256 of the
+    keys); otherwise it is rebuilt from the store (counted in ``rebuilds``). A
+    ``copy.deepcopy`` or pickle of the model drops the index and rebuilds it likewise.
 
     Args:
         k: entries each query attends to.
@@ -527,33 +590,41 @@ class TopK:
         train: also in training mode with grad enabled (each query then attends to its
             top-k entries only, and the output recorded for the rule is that one). By
             default the mode applies only in eval mode or under ``torch.no_grad()``.
+        refresh_every: ``R``, the in-place moves of the stored rows after which the index is
+            rebuilt (see above).
         index_kw: passed to the index (``hnsw_m``, ``ef_search``, ...).
 
     Statistics: ``calls``, ``rebuilds``, ``rows_added`` (rows added without a rebuild),
-    ``left_out`` (mean of the last call's left-out estimate), and :meth:`stats`.
+    ``restores`` (saved indices adopted), ``left_out`` (mean of the last call's left-out
+    estimate), and :meth:`stats`.
     """
 
     def __init__(self, k: int, *, backend: Backend = "faiss-hnsw",
-                 candidates: int | None = None, train: bool = False, **index_kw: Any) -> None:
+                 candidates: int | None = None, train: bool = False, refresh_every: int = 1,
+                 **index_kw: Any) -> None:
         self.k = _check_count("TopK: k", k)
         if candidates is not None and _check_count("TopK: candidates", candidates) < k:
             raise ValueError(f"TopK: candidates ({candidates}) must be >= k ({k})")
+        self.refresh_every = _check_count("TopK: refresh_every", refresh_every)
         make_index(backend, "l2", **index_kw)  # fail now on bad settings, not at a forward
         self.backend, self.candidates, self.train = backend, candidates, train
         self.index_kw = index_kw
-        self.calls = self.rebuilds = self.rows_added = 0
+        self.calls = self.rebuilds = self.rows_added = self.restores = 0
         self._last_left_out: Tensor | None = None
+        self._saved: dict[str, Any] | None = None  # a loaded state, adopted at the next call
         self._forget_index()
 
     def _forget_index(self) -> None:
         self.index: RetrievalIndex | None = None
         self._store: weakref.ref | None = None  # the store indexed
-        self._version = -1  # its version when indexed
+        self._version = -1  # its version when indexed (moves reported are absorbed)
         self._rows = 0  # its rows indexed
+        self._stale = 0  # in-place moves of its rows the index has not followed
+        self._moves = 0  # of which reported since the last call
 
     def __getstate__(self) -> dict[str, Any]:  # copies and pickles rebuild the index
         state = self.__dict__.copy()
-        state.update(index=None, _store=None, _version=-1, _rows=0)
+        state.update(index=None, _store=None, _version=-1, _rows=0, _stale=0, _moves=0)
         return state
 
     def applies(self, layer: GrowingLayer) -> bool:
@@ -561,25 +632,55 @@ class TopK:
         training too if ``train``."""
         return self.train or not (layer.training and torch.is_grad_enabled())
 
-    def sync(self, layer: GrowingLayer) -> RetrievalIndex:
-        """Bring the index up to ``layer``'s store: add new rows, or rebuild if rows changed."""
+    def entries_moved(self, layer: GrowingLayer) -> None:
+        """Note that an optimizer moved ``layer``'s stored rows in place and then called
+        ``store.touch()`` once (no row added, removed or reordered): the index may follow the
+        move lazily (``refresh_every``). A touch not reported here rebuilds at the next call."""
         store = layer.store
-        stale = (self._store is None or self._store() is not store
-                 or self._version != store.version or self._rows > len(store))
-        if stale:
+        if self._kept_staleness(store, store.version - 1) is not None:
+            self._version, self._moves = store.version, self._moves + 1
+
+    def _kept_staleness(self, store: Any, version: int | None = None) -> int | None:
+        """The moves the index would lag behind ``store`` by if kept at the next call
+        (``store.version`` taken as ``version``), or ``None`` if that call must rebuild it:
+        another store, rows lost, a change other than appends and reported moves, or
+        ``refresh_every`` moves not followed."""
+        if self.index is None or self._store is None or self._store() is not store:
+            return None
+        version = store.version if version is None else version
+        stale = self._stale + self._moves
+        if self._rows > len(store) or self._version != version or stale >= self.refresh_every:
+            return None
+        return stale
+
+    def sync(self, layer: GrowingLayer) -> RetrievalIndex:
+        """Bring the index up to ``layer``'s store: adopt a loaded index, add new rows, or
+        rebuild (see the class docstring)."""
+        store = layer.store
+        if self._saved is not None:
+            self._restore(layer)
+        stale = self._kept_staleness(store)
+        rebuild = stale is None
+        if rebuild:
             if self.index is not None:
                 self.rebuilds += 1
             self.index = make_index(self.backend, metric_for(layer.kernel), **self.index_kw)
-            self._store, self._version, self._rows = weakref.ref(store), store.version, 0
+            self._store, self._rows, stale = weakref.ref(store), 0, 0
+        self._version, self._stale, self._moves = store.version, stale, 0
         if len(store) > self._rows:
             self.index.add(store.keys[self._rows :])
-            if not stale:
+            if not rebuild:
                 self.rows_added += len(store) - self._rows
             self._rows = len(store)
         return self.index
 
-    def attend(self, layer: GrowingLayer, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
-        """``layer``'s attention over each query's top-k entries."""
+    def attend(self, layer: GrowingLayer, q: Tensor,
+               entries: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+        """``layer``'s attention from ``q (B, key_dim)`` over each query's top-k entries:
+        ``(B, d_out)``. ``entries = (keys (N, key_dim), values (N, d_out), weights (N,))``
+        are what is attended over, rows of the store (default: the store's rows and
+        ``layer.entry_weights()``; the hybrid passes its trainable leaves, which then get
+        gradients through the gathered rows only)."""
         if layer.kernel == "linear":
             raise ValueError(f"{layer.where}: top-k retrieval does not apply to the linear "
                              "kernel; collapse the layer exactly with GrowingLinear.to_linear()")
@@ -587,13 +688,72 @@ class TopK:
             raise ValueError(f"{layer.where}: its store is sharded over ranks; top-k retrieval "
                              "needs the whole store in one process")
         index = self.sync(layer)
-        result = topk_attention(q, layer.store.keys, layer.store.values, layer.entry_weights(),
-                                kernel=layer.kernel, temperature=layer.temperature,
-                                index=index, k=self.k, candidates=self.candidates)
+        keys, values, weights = entries or (layer.store.keys, layer.store.values,
+                                            layer.entry_weights())
+        result = topk_attention(q, keys, values, weights, kernel=layer.kernel,
+                                temperature=layer.temperature, index=index, k=self.k,
+                                candidates=self.candidates)
         self.calls += 1
         self._last_left_out = result.left_out.mean()  # kept as a tensor: no device sync
         return result.out
 
+    # ---------------------------------------------------------------- checkpoints
+    def _build_settings(self) -> dict[str, Any]:
+        """The index settings that shape what it holds (not those of a search only)."""
+        return {k: v for k, v in self.index_kw.items() if k not in _SEARCH_SETTINGS}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume this mode's index: the backend and build
+        settings, and, if the next call would keep the index, the index
+        (:meth:`FaissIndex.state_dict`: FAISS's serialisation as a uint8 tensor;
+        :meth:`ExactIndex.state_dict`: its rows), its metric, the rows it covers, the moves
+        it lags by, and the row count and SHA-256 of the keys of the store it was saved with.
+        Costs one serialisation of the index and one pass over the keys."""
+        if self._saved is not None:  # loaded and not used yet: still the state to resume
+            return self._saved
+        state = {"backend": self.backend, "build": self._build_settings(), "index": None}
+        store = None if self._store is None else self._store()
+        stale = None if store is None else self._kept_staleness(store)
+        if stale is None:  # nothing indexed, or the next call rebuilds anyway
+            return state
+        return state | {"index": self.index.state_dict(), "metric": self.index.metric,
+                        "rows": self._rows, "stale": stale, "store_rows": len(store),
+                        "store_keys_sha256": _keys_digest(store.keys)}
+
+    def _check_state(self, state: dict[str, Any], where: str = "TopK") -> None:
+        """Raise ``ValueError`` (prefixed by ``where``) unless ``state`` is a
+        :meth:`state_dict` of this backend with the same build settings."""
+        if state["backend"] != self.backend or state["build"] != self._build_settings():
+            raise ValueError(
+                f"{where}: the saved index is {state['backend']!r} with {state['build']}, this "
+                f"mode is {self.backend!r} with {self._build_settings()}: use_topk with the "
+                "saved run's backend and index settings (ef_search may differ)")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a :meth:`state_dict`: the current index is dropped, and the saved one
+        is adopted at the next call if the layer's store is then the one it was saved with
+        (load the model's state saved with it, before or after this); otherwise the index
+        is rebuilt from the store. Raises ``ValueError`` (nothing changed) if the state is
+        of another backend or build settings."""
+        self._check_state(state)
+        self._forget_index()
+        self._saved = None if state["index"] is None else state
+
+    def _restore(self, layer: GrowingLayer) -> None:
+        """Adopt the loaded index if ``layer``'s store is the one it was saved with."""
+        saved, self._saved = self._saved, None
+        store = layer.store
+        if (saved["store_rows"] != len(store) or saved["metric"] != metric_for(layer.kernel)
+                or saved["store_keys_sha256"] != _keys_digest(store.keys)):
+            self.rebuilds += 1  # the store moved on since the save: sync rebuilds from it
+            return
+        index = make_index(self.backend, saved["metric"], **self.index_kw)
+        index.load_state_dict(saved["index"], device=store.device)
+        self.index, self._store, self._version = index, weakref.ref(store), store.version
+        self._rows, self._stale, self._moves = saved["rows"], saved["stale"], 0
+        self.restores += 1
+
+    # ---------------------------------------------------------------- reporting
     @property
     def left_out(self) -> float | None:
         """Mean left-out estimate of the last call (``None`` before the first)."""
@@ -601,18 +761,30 @@ class TopK:
 
     def stats(self) -> dict[str, Any]:
         return {"k": self.k, "backend": self.backend, "candidates": self.candidates,
-                "calls": self.calls, "rebuilds": self.rebuilds, "rows_added": self.rows_added,
-                "rows_indexed": self._rows,
+                "refresh_every": self.refresh_every, "calls": self.calls,
+                "rebuilds": self.rebuilds, "rows_added": self.rows_added,
+                "restores": self.restores, "rows_indexed": self._rows,
+                "stale_moves": self._stale + self._moves,
                 "index_bytes": 0 if self.index is None else self.index.nbytes,
                 "left_out": self.left_out}
 
     def __repr__(self) -> str:
         return (f"TopK(k={self.k}, backend={self.backend!r}, candidates={self.candidates}, "
-                f"train={self.train})")
+                f"train={self.train}, refresh_every={self.refresh_every})")
+
+
+def _keys_digest(keys: Tensor) -> str:
+    """SHA-256 of ``keys (N, d)``: their shape, dtype and bytes (which store an index was
+    saved with)."""
+    data = keys.detach().contiguous().cpu()
+    digest = hashlib.sha256(f"{tuple(data.shape)} {data.dtype}".encode())
+    digest.update(data.view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def use_topk(model: nn.Module, k: int, *, backend: Backend = "faiss-hnsw",
-             candidates: int | None = None, train: bool = False, **index_kw: Any) -> nn.Module:
+             candidates: int | None = None, train: bool = False, refresh_every: int = 1,
+             **index_kw: Any) -> nn.Module:
     """Give every growing RBF and softmax layer of ``model`` its own :class:`TopK` mode
     (``layer.retrieval``); returns ``model``. Linear-kernel layers are left exact (collapse
     them with ``GrowingLinear.to_linear()``). Arguments as :class:`TopK`.
@@ -634,7 +806,8 @@ def use_topk(model: nn.Module, k: int, *, backend: Backend = "faiss-hnsw",
         raise ValueError(f"use_topk: {type(model).__name__} has no growing RBF or softmax "
                          "layer to retrieve from (linear layers collapse exactly: "
                          "GrowingLinear.to_linear())")
-    modes = [TopK(k, backend=backend, candidates=candidates, train=train, **index_kw)
+    modes = [TopK(k, backend=backend, candidates=candidates, train=train,
+                  refresh_every=refresh_every, **index_kw)
              for _ in chosen]  # validated before any layer changes
     for layer, mode in zip(chosen, modes, strict=True):
         layer.retrieval = mode
@@ -647,3 +820,38 @@ def use_exact(model: nn.Module) -> nn.Module:
     for _, layer in growing_layers(model):
         layer.retrieval = None
     return model
+
+
+def retrieval_state(model: nn.Module) -> dict[str, dict[str, Any]] | None:
+    """The :meth:`TopK.state_dict` of each growing layer of ``model`` in top-k mode, by
+    module path; ``None`` if there is none (a model without top-k adds nothing to a
+    checkpoint). Save it beside ``model.state_dict()``, which it does not change."""
+    state = {name: layer.retrieval.state_dict() for name, layer in growing_layers(model)
+             if isinstance(layer.retrieval, TopK)}
+    return state or None
+
+
+def load_retrieval_state(model: nn.Module, state: dict[str, dict[str, Any]] | None) -> None:
+    """Give ``model``'s top-k modes the indices of a :func:`retrieval_state`
+    (:meth:`TopK.load_state_dict`: each is adopted at its layer's next call if the store is
+    then the one saved with it, else rebuilt). Call :func:`use_topk` first, with the saved
+    run's backend and index settings. ``None`` changes nothing.
+
+    Raises:
+        ValueError: naming the layer, if a layer of ``state`` is not in ``model`` or not in
+            top-k mode, or its mode has another backend or build settings; nothing is
+            changed then.
+    """
+    if not state:
+        return
+    layers = dict(growing_layers(model))
+    for name, saved in state.items():
+        mode = getattr(layers.get(name), "retrieval", None)
+        where = f"load_retrieval_state: layer {name!r}"
+        if not isinstance(mode, TopK):
+            found = "is not in" if name not in layers else "has no top-k mode in"
+            raise ValueError(f"{where} of the saved state {found} {type(model).__name__}: "
+                             "call use_topk(model, ...) as the saved run did before loading")
+        mode._check_state(saved, where)
+    for name, saved in state.items():
+        layers[name].retrieval.load_state_dict(saved)

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from rcdl.distributed import is_sharded, rank_and_world
 from rcdl.layers import growing_layers
+from rcdl.retrieval import load_retrieval_state, retrieval_state
 from rcdl.rundir import RunDir, atomic_save_torch, atomic_write_json
 from rcdl.store import format_bytes
 
@@ -125,6 +126,7 @@ def _load_checkpoint(path: Path, model, optimizer, grower,  # noqa: ANN001
                 f", this run has {value!r}; delete it or use another checkpoint path"
             )
     model.load_state_dict(state["model"])
+    load_retrieval_state(model, state.get("retrieval"))  # top-k indices (docs/retrieval.md)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if grower is not None and state.get("grower") is not None and hasattr(grower, "state_dict"):
@@ -306,6 +308,7 @@ def train_one_pass(
             "run": identity,
             "loop": loop,
             "model": model.state_dict(),
+            "retrieval": retrieval_state(model),  # None unless top-k retrieval is on
             "optimizer": None if optimizer is None else optimizer.state_dict(),
             "grower": grower.state_dict() if hasattr(grower, "state_dict") else None,
         }

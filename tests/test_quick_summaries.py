@@ -1,0 +1,193 @@
+"""Every command's outcome, recorded: what a refactor of the application must not change.
+
+Each case is one ``rcdl`` command line at a tiny size on the shared random CIFAR-10 of
+``tests/conftest.py`` (or on no data: the demo and teacher–student). The test runs it
+in-process and compares, with the values recorded in ``tests/data/quick_summaries.json``:
+
+- the run folder's file names;
+- ``config.json`` (the resolved config);
+- ``summary.json`` without timings (any key naming seconds) and without the machine's
+  description;
+- ``results.csv`` without its timing columns, where the command writes one.
+
+Float results are reproducible on one machine class only (the CPU's widest vector ISA, the
+torch version and the thread count; docs/results.md), so the comparison is exact on the
+class the values were recorded on and structural elsewhere: the same keys, counts, names
+and settings, floats not compared. ``RCDL_RECORD_SUMMARIES=1`` rewrites the file from the
+code as it is (run it before a refactor, never to make a failing test pass).
+
+``RCDL_QUICK_DATA=DIR`` runs the real ``--quick`` configurations instead (minutes each, on
+the CIFAR-10 copy in ``DIR``), recorded in ``tests/data/quick_summaries_full.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rcdl.cli import main
+
+RECORDED = Path(__file__).parent / "data" / "quick_summaries.json"
+RECORDED_FULL = Path(__file__).parent / "data" / "quick_summaries_full.json"
+FULL_DATA = os.environ.get("RCDL_QUICK_DATA")
+RECORD = os.environ.get("RCDL_RECORD_SUMMARIES") == "1"
+
+# --quick with every size cut to the tiny data (64 train / 32 test images)
+TINY: dict[str, list[str]] = {
+    "demo": ["demo", "--quick", "--device", "cpu"],
+    "cifar10-1epoch": [
+        "reproduce", "cifar10-1epoch", "--quick", "--models", "gws", "gauge", "rbf",
+        "hybrid-tau50", "mlp-sgd", "mlp-muon", "psoftmax-40", "--train-size", "48",
+        "--test-size", "24", "--eval-every", "2", "--device", "cpu"],
+    "cifar10-1epoch-bf16": [
+        "reproduce", "cifar10-1epoch", "--quick", "--models", "gws", "--train-size", "32",
+        "--test-size", "16", "--eval-every", "1", "--store-dtype", "bfloat16",
+        "--no-checkpoint", "--device", "cpu"],
+    "hybrid-tau-sweep": [
+        "reproduce", "hybrid-tau-sweep", "--quick", "--train-size", "48", "--test-size", "24",
+        "--eval-every", "2", "--device", "cpu"],
+    "generalisation": [
+        "reproduce", "generalisation", "--quick", "--train-size", "32", "--test-size", "16",
+        "--epochs", "2", "--train-eval-size", "16", "--device", "cpu"],
+    "memory-budget": [
+        "reproduce", "memory-budget", "--quick", "--train-size", "48", "--test-size", "24",
+        "--capacities", "20", "--policies", "oldest", "random", "contribution+merge",
+        "--eval-every", "2", "--device", "cpu"],
+    "optimizers": [
+        "reproduce", "optimizers", "--quick", "--datasets", "cifar10", "--train-size", "48",
+        "--test-size", "24", "--epochs", "2", "--width", "16", "--device", "cpu"],
+    "deltanet-decay": [
+        "reproduce", "deltanet-decay", "--quick", "--train-size", "48", "--test-size", "24",
+        "--epochs", "2", "--width", "16", "--depth", "2", "--device", "cpu"],
+    "teacher-student": [
+        "reproduce", "teacher-student", "--quick", "--n-train", "48", "--n-test", "24",
+        "--seeds", "0", "1", "--device", "cpu"],
+    "vit": [
+        "reproduce", "vit", "--quick", "--train-size", "48", "--test-size", "24",
+        "--eval-every", "2", "--device", "cpu"],
+}  # fmt: skip
+
+FULL: dict[str, list[str]] = {
+    "demo": ["demo", "--quick", "--device", "cpu"],
+    "cifar10-1epoch": ["reproduce", "cifar10-1epoch", "--quick", "--device", "cpu"],
+    "hybrid-tau-sweep": ["reproduce", "hybrid-tau-sweep", "--quick", "--device", "cpu"],
+    "generalisation": ["reproduce", "generalisation", "--quick", "--device", "cpu"],
+    "memory-budget": ["reproduce", "memory-budget", "--quick", "--device", "cpu"],
+    "optimizers": ["reproduce", "optimizers", "--quick", "--device", "cpu"],
+    "deltanet-decay": ["reproduce", "deltanet-decay", "--quick", "--device", "cpu"],
+    "teacher-student": ["reproduce", "teacher-student", "--quick", "--device", "cpu"],
+    "vit": ["reproduce", "vit", "--quick", "--device", "cpu"],
+}  # fmt: skip
+
+NO_DATA = {"demo", "teacher-student"}
+CASES = FULL if FULL_DATA else TINY
+_recorded_now: dict[str, Any] = {}
+
+
+def machine_class() -> str:
+    """The machine class float results reproduce on (as ``benchmarks/check_results.py``)."""
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = next((f for f in ("avx512_bf16", "avx512f", "avx2", "avx") if f in flags), "other")
+    return f"{isa} / torch {torch.__version__} / {torch.get_num_threads()} threads"
+
+
+_NOT_OUTCOMES = ("machine", "environment", "out", "started", "command")  # differ run to run
+
+
+def _outcome(obj: Any, key: str = "") -> Any:
+    """``obj`` without timings (keys naming seconds) or the machine's description."""
+    if isinstance(obj, dict):
+        return {k: _outcome(v, k) for k, v in obj.items()
+                if "seconds" not in k and k not in _NOT_OUTCOMES}
+    if isinstance(obj, list):
+        return [_outcome(v) for v in obj]
+    return obj
+
+
+def _csv_outcome(text: str) -> list[dict[str, str]]:
+    rows = list(csv.DictReader(io.StringIO(text)))
+    return [{k: v for k, v in row.items() if "seconds" not in k and not k.endswith("_s")}
+            for row in rows]
+
+
+def _run(name: str, argv: list[str], data_dir: Path, out: Path) -> dict[str, Any]:
+    data = [] if name in NO_DATA else ["--data-dir", str(FULL_DATA or data_dir)]
+    assert main([*argv, *data, "--out", str(out), "--no-progress"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    config.pop("data_dir", None)
+    summary = json.loads((out / "summary.json").read_text())
+    result = {"files": sorted(p.name for p in out.iterdir() if p.name != "checkpoints"),
+              "config": config, "summary": _outcome(summary)}
+    if (out / "results.csv").exists():
+        result["csv"] = _csv_outcome((out / "results.csv").read_text())
+    text = json.dumps(result)  # paths differ between runs: the data's and the run's
+    for folder, alias in ((Path(FULL_DATA or data_dir).resolve(), "DATA"), (out, "RUN")):
+        text = text.replace(str(folder), alias)
+    return json.loads(text)
+
+
+def _same_structure(recorded: Any, now: Any, where: str = "") -> None:
+    """Equal except for floats, which need only be floats (another machine class)."""
+    if isinstance(recorded, float) or isinstance(now, float):
+        assert isinstance(now, (float, int)) or now is None or (
+            isinstance(now, str) and _floatish(now)), f"{where}: {now!r}"
+        return
+    if isinstance(recorded, str) and _floatish(recorded):
+        return  # a CSV cell holding a float
+    if isinstance(recorded, dict):
+        assert isinstance(now, dict) and set(recorded) == set(now), where
+        for k in recorded:
+            _same_structure(recorded[k], now[k], f"{where}.{k}")
+    elif isinstance(recorded, list):
+        assert isinstance(now, list) and len(recorded) == len(now), where
+        for i, (a, b) in enumerate(zip(recorded, now, strict=True)):
+            _same_structure(a, b, f"{where}[{i}]")
+    else:
+        assert recorded == now, f"{where}: {recorded!r} != {now!r}"
+
+
+def _floatish(text: str) -> bool:
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return "." in text or "e" in text or math.isnan(value)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_command_outcome_is_unchanged(name, data_dir, tmp_path):
+    path = RECORDED_FULL if FULL_DATA else RECORDED
+    now = _run(name, CASES[name], data_dir, tmp_path / "run")
+    if RECORD:
+        _recorded_now[name] = now
+        book = json.loads(path.read_text()) if path.exists() else {}
+        book.setdefault("machine_class", machine_class())
+        assert book["machine_class"] == machine_class(), "record on one machine class"
+        book.setdefault("cases", {})[name] = now
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(book, indent=1, sort_keys=True) + "\n")
+        return
+    if not path.exists():
+        pytest.skip(f"{path} not recorded")
+    book = json.loads(path.read_text())
+    recorded = book["cases"][name]
+    now = json.loads(json.dumps(now))  # tuples as lists, as recorded
+    if book["machine_class"] == machine_class():
+        assert now == recorded
+    else:
+        _same_structure(recorded, now, name)
