@@ -129,7 +129,7 @@ def main() -> None:
                                  args.save_fraction, store_dtype)))
         return
 
-    from rcdl.rundir import cpu_flags, cpu_model
+    from rcdl.app.rundir import cpu_flags, cpu_model
     from rcdl.store import format_bytes
 
     flags = " ".join(cpu_flags()) or "none of avx2/avx512f/avx512_bf16/amx"

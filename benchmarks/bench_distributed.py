@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from rcdl.rundir import SPEED_FLAGS, cpu_flags, cpu_model
+from rcdl.app.rundir import SPEED_FLAGS, cpu_flags, cpu_model
 
 BATCH = 16
 CLASSES = 10

@@ -17,9 +17,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from rcdl.allocator import keep_freed_memory
-from rcdl.experiments.cifar10 import METRICS, Cifar10Config, build_model, load_data
-from rcdl.rundir import cpu_flags, cpu_model
+from rcdl.app.allocator import keep_freed_memory
+from rcdl.app.experiments.cifar10 import METRICS, Cifar10Config, build_model, load_data
+from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.training import train_one_pass
 
 

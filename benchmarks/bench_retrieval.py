@@ -17,7 +17,7 @@ plus one float32 copy of the keys per index (and the ground truth's transient co
 1 M CIFAR-width keys (3072) would take 12 GB for the keys alone.
 
 **CIFAR-10** (``--cifar``). Trains the one-epoch ``gws`` or ``rbf`` model
-(``rcdl.experiments.cifar10.build_model``, ``rcdl.training.train_one_pass``, batch 16) on
+(``rcdl.app.experiments.cifar10.build_model``, ``rcdl.training.train_one_pass``, batch 16) on
 ``--train-size`` images, exactly or with top-k attention in training too (``--train-k``),
 then evaluates test accuracy, loss and evaluation time, exact and with top-k for each k,
 with the indices' build time and memory and recall@k of the first layer's search.
@@ -45,7 +45,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rcdl.allocator import keep_freed_memory
+from rcdl.app.allocator import keep_freed_memory
+from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.attention import attention, attention_partial
 from rcdl.kernels import softmax_scale
 from rcdl.layers import growing_layers
@@ -58,7 +59,6 @@ from rcdl.retrieval import (
     use_exact,
     use_topk,
 )
-from rcdl.rundir import cpu_flags, cpu_model
 from rcdl.store import format_bytes
 
 QUICK_SYNTHETIC = {"entries": 20_000, "dim": 64, "d_out": 64, "queries": 128}
@@ -220,7 +220,7 @@ def fmt(x: float | None) -> str:
 
 
 def bench_cifar(args: argparse.Namespace) -> dict[str, Any]:
-    from rcdl.experiments.cifar10 import METRICS, Cifar10Config, build_model, load_data
+    from rcdl.app.experiments.cifar10 import METRICS, Cifar10Config, build_model, load_data
     from rcdl.training import train_one_pass
 
     cfg = Cifar10Config(models=(args.model,), train_size=args.train_size,
@@ -265,7 +265,7 @@ def load_trained(model: torch.nn.Module, path: Path) -> dict[str, Any]:
 def bench_cifar_evaluation(args: argparse.Namespace, model: torch.nn.Module, data: Any,
                            trained: dict[str, Any]) -> dict[str, Any]:
     """Exact against top-k evaluation of a trained ``model`` on the test set."""
-    from rcdl.experiments.cifar10 import METRICS
+    from rcdl.app.experiments.cifar10 import METRICS
     from rcdl.training import evaluate
 
     training = trained["training"]

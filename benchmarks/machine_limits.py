@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from rcdl.rundir import cpu_flags, cpu_model
+from rcdl.app.rundir import cpu_flags, cpu_model
 
 
 def _best_time(fn, repeats: int) -> float:

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rcdl.experiments.cifar10 import build_model
+from rcdl.app.experiments.cifar10 import build_model
+from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.layers import growing_layers
-from rcdl.rundir import cpu_flags, cpu_model
 
 
 def fill_stores(model: torch.nn.Module, entries: int, seed: int = 0) -> None:

@@ -1,4 +1,4 @@
-"""The allocator tuning of the `rcdl` command (rcdl.allocator), in fresh processes."""
+"""The allocator tuning of the `rcdl` command (rcdl.app.allocator), in fresh processes."""
 
 import os
 import platform
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-PROBE = ("from rcdl.allocator import keep_freed_memory, allocator_setting; "
+PROBE = ("from rcdl.app.allocator import keep_freed_memory, allocator_setting; "
          "print(keep_freed_memory()); print(allocator_setting())")
 
 
@@ -30,7 +30,7 @@ def test_rcdl_malloc_system_opts_out():
 
 
 def test_the_library_alone_leaves_malloc_alone():
-    from rcdl.rundir import environment_info
+    from rcdl.app.rundir import environment_info
 
     assert environment_info()["malloc"] == "system default"  # main() and imports don't tune
 
@@ -42,7 +42,7 @@ def test_python_m_rcdl_runs_through_the_tuned_entry():
              "sys.argv = ['rcdl', '--help']\n"
              "try:\n    runpy.run_module('rcdl', run_name='__main__')\n"
              "except SystemExit:\n    pass\n"
-             "from rcdl.allocator import allocator_setting\n"
+             "from rcdl.app.allocator import allocator_setting\n"
              "print('SETTING', allocator_setting())")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, env={**os.environ, "RCDL_MALLOC": ""})

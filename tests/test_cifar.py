@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from rcdl import cifar
-from rcdl.cifar import (
+from rcdl.app import cifar
+from rcdl.app.cifar import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     CIFAR100_MEAN,

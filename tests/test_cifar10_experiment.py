@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from rcdl.cli import main
-from rcdl.experiments import cifar10
-from rcdl.experiments.cifar10 import MODELS, Cifar10Config, build_model, model_spec
+from rcdl.app.cli import main
+from rcdl.app.experiments import cifar10
+from rcdl.app.experiments.cifar10 import MODELS, Cifar10Config, build_model, model_spec
 from rcdl.networks import ResNetMLP
 
 TINY = ["--train-size", "48", "--test-size", "24", "--eval-every", "2", "--device", "cpu",
@@ -325,7 +325,7 @@ def test_a_combined_table_can_be_a_source(run, second_run, tmp_path):
 
 def test_bfloat16_stores_halve_the_bytes_and_are_recorded(data_dir, tmp_path, monkeypatch,
                                                            capsys):  # fmt: skip
-    from rcdl import rundir
+    from rcdl.app import rundir
 
     monkeypatch.setattr(rundir, "native_bfloat16", lambda: False)  # as on an AVX2-only CPU
     full, half = tmp_path / "full", tmp_path / "half"

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from rcdl.classical import _vote, fit_classical, fit_knn, fit_linear_svm, fit_rbf_svm
+from rcdl.app.classical import _vote, fit_classical, fit_knn, fit_linear_svm, fit_rbf_svm
 
 
 def _blobs(n, seed, d=6, classes=3):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rcdl import cifar
-from rcdl.cli import main
-from rcdl.experiments import (
+from rcdl.app import cifar
+from rcdl.app.cli import main
+from rcdl.app.experiments import (
     cifar10,
     deltanet_decay,
     generalisation,
@@ -119,7 +119,7 @@ def test_printed_resume_command_works_from_another_folder(experiment, data_dir, 
 
 def test_resume_of_a_run_started_without_data_dir_says_no_data_dir(tmp_path, monkeypatch,
                                                                    capsys):  # fmt: skip
-    from rcdl.experiments import teacher_student
+    from rcdl.app.experiments import teacher_student
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(teacher_student, "_train", _interrupt)

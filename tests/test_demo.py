@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rcdl._version import __version__
-from rcdl.cli import main
+from rcdl.app.cli import main
 
 MODELS = {"growing RBF", "MLP + SGD", "MLP + Adam"}
 

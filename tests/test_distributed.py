@@ -216,14 +216,14 @@ def test_memory_budgets_are_per_shard(tmp_path):
 
 
 def _experiment_cfg(data_dir):
-    from rcdl.experiments.cifar10 import Cifar10Config
+    from rcdl.app.experiments.cifar10 import Cifar10Config
 
     return Cifar10Config(models=("gws", "hybrid-tau50"), train_size=48, test_size=24,
                          eval_every=2, dtype="float64", data_dir=str(data_dir), device="cpu")
 
 
 def _experiment_worker(rank, world, init_file, data_dir, out):
-    from rcdl.experiments.cifar10 import run_cifar10
+    from rcdl.app.experiments.cifar10 import run_cifar10
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=TIMEOUT)
@@ -239,7 +239,7 @@ def test_the_cifar10_experiment_sharded_over_two_ranks_equals_one_process(data_d
     writes the run folder (recording the world size); the histories equal one process's."""
     import json
 
-    from rcdl.experiments.cifar10 import run_cifar10
+    from rcdl.app.experiments.cifar10 import run_cifar10
 
     _, single = run_cifar10(_experiment_cfg(data_dir), out=tmp_path / "single",
                             progress=False, download=False)
@@ -260,8 +260,8 @@ def test_the_cifar10_experiment_sharded_over_two_ranks_equals_one_process(data_d
 
 
 def test_a_checkpoint_of_another_world_size_is_refused(tmp_path, monkeypatch):
-    from rcdl.experiments import cifar10
-    from rcdl.rundir import RunDir
+    from rcdl.app.experiments import cifar10
+    from rcdl.app.rundir import RunDir
 
     run = RunDir(tmp_path)
     (tmp_path / "checkpoints").mkdir()
@@ -321,7 +321,7 @@ def test_rows_rotate_over_the_ranks_from_step_to_step():
 
 
 def test_experiments_not_yet_sharded_refuse_torchrun(monkeypatch, capsys):
-    from rcdl.cli import main
+    from rcdl.app.cli import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as exit_:

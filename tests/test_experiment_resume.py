@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from rcdl.cli import main
-from rcdl.experiments import (
+from rcdl.app.cli import main
+from rcdl.app.experiments import (
     deltanet_decay,
     generalisation,
     memory_budget,
@@ -18,7 +18,7 @@ from rcdl.experiments import (
     teacher_student,
     vit,
 )
-from rcdl.rundir import RunDir, open_run, read_config
+from rcdl.app.rundir import RunDir, open_run, read_config
 
 
 @pytest.fixture(scope="module")

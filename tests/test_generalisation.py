@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from rcdl.experiments.generalisation import (
+from rcdl.app.experiments.generalisation import (
     MODELS,
     GeneralisationConfig,
     build_model,
@@ -168,8 +168,8 @@ def test_data_of_another_size_is_refused(data_dir, tmp_path):
 
 def test_cli_quick_flags_reach_the_config(tmp_path, monkeypatch):
     """`rcdl reproduce generalisation` maps its flags onto GeneralisationConfig."""
-    from rcdl import cli
-    from rcdl.experiments import generalisation
+    from rcdl.app import cli
+    from rcdl.app.experiments import generalisation
 
     seen = {}
 

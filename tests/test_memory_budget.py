@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rcdl.experiments.memory_budget import (
+from rcdl.app.experiments.memory_budget import (
     MemoryBudgetConfig,
     load_data,
     run_memory_budget,
@@ -130,8 +130,8 @@ def test_unknown_saved_setting_is_an_error():
 
 def test_cli_flags_reach_the_config(tmp_path, monkeypatch):
     """`rcdl reproduce memory-budget` maps its flags onto MemoryBudgetConfig."""
-    from rcdl import cli
-    from rcdl.experiments import memory_budget
+    from rcdl.app import cli
+    from rcdl.app.experiments import memory_budget
 
     seen = {}
     monkeypatch.setattr(memory_budget, "run_memory_budget",

@@ -10,16 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from rcdl.cifar import CifarNotFoundError
-from rcdl.dual_optim import FOOF, DeltaNetDecay
-from rcdl.experiments.deltanet_decay import (
+from rcdl.app.cifar import CifarNotFoundError
+from rcdl.app.experiments.deltanet_decay import (
     VARIANTS,
     DeltaNetDecayConfig,
     build_variant,
     run_deltanet_decay,
 )
-from rcdl.experiments.deltanet_decay import load_data as load_decay_data
-from rcdl.experiments.optimizers import (
+from rcdl.app.experiments.deltanet_decay import load_data as load_decay_data
+from rcdl.app.experiments.optimizers import (
     METHODS,
     Float32Muon,
     OptimizerComparisonConfig,
@@ -29,6 +28,7 @@ from rcdl.experiments.optimizers import (
     random_projection,
     run_optimizer_comparison,
 )
+from rcdl.dual_optim import FOOF, DeltaNetDecay
 from rcdl.networks import ResidualNet
 from rcdl.optim import OptimizerGroup
 
@@ -417,8 +417,8 @@ def test_decay_data_of_another_size_is_refused(data_dir, tmp_path):
 
 def test_cli_flags_reach_the_configs(monkeypatch):
     """`rcdl reproduce optimizers` / `deltanet-decay` map their flags onto the configs."""
-    from rcdl import cli
-    from rcdl.experiments import deltanet_decay, optimizers
+    from rcdl.app import cli
+    from rcdl.app.experiments import deltanet_decay, optimizers
 
     seen = {}
     monkeypatch.setattr(optimizers, "run_optimizer_comparison",

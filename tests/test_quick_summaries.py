@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from rcdl.cli import main
+from rcdl.app.cli import main
 
 RECORDED = Path(__file__).parent / "data" / "quick_summaries.json"
 RECORDED_FULL = Path(__file__).parent / "data" / "quick_summaries_full.json"

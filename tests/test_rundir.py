@@ -9,7 +9,7 @@ import shlex
 import pytest
 import torch
 
-from rcdl.rundir import (
+from rcdl.app.rundir import (
     RunDir,
     atomic_save_torch,
     atomic_write_bytes,

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from rcdl.cli import main
-from rcdl.experiments.tau_sweep import TauSweepConfig
+from rcdl.app.cli import main
+from rcdl.app.experiments.tau_sweep import TauSweepConfig
 
 TINY = ["--train-size", "48", "--test-size", "24", "--eval-every", "2", "--device", "cpu",
         "--no-progress", "--no-download"]  # fmt: skip

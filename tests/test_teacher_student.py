@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rcdl.experiments.teacher_student import (
+from rcdl.app.experiments.teacher_student import (
     MODELS,
     TeacherStudentConfig,
     build_model,
@@ -149,8 +149,8 @@ def test_unknown_model_is_named():
 
 def test_cli_flags_reach_the_config(monkeypatch):
     """`rcdl reproduce teacher-student` maps its flags onto TeacherStudentConfig."""
-    from rcdl import cli
-    from rcdl.experiments import teacher_student
+    from rcdl.app import cli
+    from rcdl.app.experiments import teacher_student
 
     seen = {}
     monkeypatch.setattr(teacher_student, "run_teacher_student",

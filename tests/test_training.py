@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
+from rcdl.app.rundir import RunDir
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
 from rcdl.networks import GrowingRBFNet
 from rcdl.rules import FunctionalSGD
-from rcdl.rundir import RunDir
 from rcdl.training import epoch_permutation, evaluate, train_one_pass
 
 DATA = make_teacher_data(TeacherConfig(d_in=4, hidden=8, depth=1, n_train=50, n_test=20))

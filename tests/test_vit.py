@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rcdl.experiments.vit import MODELS, ViTConfig, build_model, load_data, run_vit
+from rcdl.app.experiments.vit import MODELS, ViTConfig, build_model, load_data, run_vit
 from rcdl.grower import Grower
 from rcdl.hybrid import DistanceGate, EntryAdam, hybrid_layers
 from rcdl.vit import PatchEmbedding, RCDLFeedForward, ViT, mlp_vit, rcdl_vit
@@ -261,8 +261,8 @@ def test_subset_larger_than_the_data_is_refused(data_dir, tmp_path):
 
 def test_cli_flags_reach_the_config(tmp_path, monkeypatch):
     """`rcdl reproduce vit` maps its flags onto ViTConfig; --quick and --paper exclude."""
-    from rcdl import cli
-    from rcdl.experiments import vit
+    from rcdl.app import cli
+    from rcdl.app.experiments import vit
 
     seen = {}
     monkeypatch.setattr(vit, "run_vit", lambda cfg, **kw: seen.update(cfg=cfg))

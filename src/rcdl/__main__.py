@@ -1,5 +1,5 @@
 """``python -m rcdl`` runs the command-line interface."""
 
-from rcdl.cli import entry
+from rcdl.app.cli import entry
 
 raise SystemExit(entry())

@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -49,10 +48,9 @@ from torch import Tensor, nn
 from rcdl.attention import Partial, attention, attention_partial
 from rcdl.kernels import Kernel
 from rcdl.layers import growing_layers
-from rcdl.rundir import FollowerRunDir, RunDir
 
 __all__ = [
-    "Shard", "init_from_env", "is_sharded", "rank_and_world", "rank0_run", "shard", "world_bytes",
+    "Shard", "init_from_env", "is_sharded", "rank_and_world", "shard", "world_bytes",
 ]  # fmt: skip
 
 _NEG_INF = float("-inf")
@@ -228,17 +226,3 @@ def init_from_env(device: torch.device, timeout: timedelta = timedelta(minutes=1
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     return True
-
-
-def rank0_run(open_run: Callable[[], RunDir]) -> RunDir:
-    """The run folder of a run that may be distributed: rank 0 opens it (``open_run()``:
-    creates it, or opens the one to resume) and tells the others its path; they get a
-    :class:`rcdl.rundir.FollowerRunDir` on it, which writes nothing. Without a process
-    group this is just ``open_run()``."""
-    rank, world = rank_and_world()
-    if world == 1:
-        return open_run()
-    run = open_run() if rank == 0 else None
-    path = [None if run is None else str(run.path)]
-    dist.broadcast_object_list(path, src=0)
-    return run if rank == 0 else FollowerRunDir(path[0])

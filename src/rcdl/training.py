@@ -30,9 +30,9 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from rcdl.distributed import is_sharded, rank_and_world
+from rcdl.io import atomic_save_torch, atomic_write_json
 from rcdl.layers import growing_layers
 from rcdl.retrieval import load_retrieval_state, retrieval_state
-from rcdl.rundir import RunDir, atomic_save_torch, atomic_write_json
 from rcdl.store import format_bytes
 
 __all__ = ["GrowerLike", "accuracy", "epoch_permutation", "evaluate", "train_one_pass"]
@@ -41,6 +41,12 @@ Metric = Callable[[Tensor, Tensor], Tensor]  # (predictions, targets) -> scalar
 # the keys of an evaluation record besides the metrics (see ``train_one_pass``)
 _RECORD_KEYS = frozenset({"model", "step", "samples", "epoch", "train_loss", "entries", "bytes",
                           "train_seconds", "eval_seconds"})  # fmt: skip
+
+
+class MetricLog(Protocol):
+    """Where the loop appends its evaluation records (e.g. a run folder's ``metrics.jsonl``)."""
+
+    def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None: ...
 
 
 class GrowerLike(Protocol):
@@ -147,7 +153,7 @@ def train_one_pass(
     eval_every: int = 50,
     eval_batch_size: int = 1000,
     device: torch.device | str = "cpu",
-    run: RunDir | None = None,
+    run: MetricLog | None = None,
     name: str = "model",
     progress: bool = True,
     checkpoint_path: str | Path | None = None,

@@ -24,11 +24,11 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
+from rcdl.app.rundir import RunDir, atomic_write_text, environment_info, save_figure
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
 from rcdl.networks import MLP, GrowingRBFNet
 from rcdl.rules import FunctionalSGD
-from rcdl.rundir import RunDir, atomic_write_text, environment_info, save_figure
 from rcdl.store import format_bytes
 from rcdl.training import train_one_pass
 

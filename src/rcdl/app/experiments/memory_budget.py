@@ -49,11 +49,9 @@ import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
 
-from rcdl.cifar import CifarData
-from rcdl.experiments import cifar10
-from rcdl.grower import Grower
-from rcdl.memory import MemoryBudget
-from rcdl.rundir import (
+from rcdl.app.cifar import CifarData
+from rcdl.app.experiments import cifar10
+from rcdl.app.rundir import (
     RunDir,
     atomic_write_text,
     config_from_dict,
@@ -63,6 +61,8 @@ from rcdl.rundir import (
     resolve_device,
     save_figure,
 )
+from rcdl.grower import Grower
+from rcdl.memory import MemoryBudget
 from rcdl.store import format_bytes
 from rcdl.training import train_one_pass
 
@@ -70,7 +70,7 @@ __all__ = ["EXPERIMENT", "GROWING_MODELS", "MemoryBudgetConfig", "load_data",
            "run_memory_budget"]  # fmt: skip
 
 EXPERIMENT = "memory-budget"
-# the models of rcdl.experiments.cifar10 that grow (a Grower to put a budget on)
+# the models of rcdl.app.experiments.cifar10 that grow (a Grower to put a budget on)
 GROWING_MODELS = tuple(m for m in ("gws", "gauge", "rbf", "hybrid") if m in cifar10.MODELS)
 UNBOUNDED = "unbounded"  # the policy column of the reference run
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -85,7 +85,7 @@ class MemoryBudgetConfig:
     parts in docs/memory.md); ``quick()`` took 15 s.
 
     Attributes:
-        model: the growing model of :mod:`rcdl.experiments.cifar10` (:data:`GROWING_MODELS`).
+        model: the growing model of :mod:`rcdl.app.experiments.cifar10` (:data:`GROWING_MODELS`).
         train_size, test_size: random subsets of that many images (``None``: all 50 000 /
             10 000); they depend on ``data_seed`` only.
         capacities: entries per layer (each ≥ 1), the initial entries included.
@@ -101,7 +101,7 @@ class MemoryBudgetConfig:
         eval_every: steps between test evaluations, and also at the end.
         eval_batch_size: test images per prediction batch (docs/reference.md §6: 500).
         data_dir: folder holding ``cifar10.npz`` or the official files (``None`` searches
-            ``$RCDL_DATA``, then the cache; see :func:`rcdl.cifar.load_cifar`).
+            ``$RCDL_DATA``, then the cache; see :func:`rcdl.app.cifar.load_cifar`).
         data_seed: seed of the subsets.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
         dtype: ``"float32"`` or ``"float64"``.
@@ -197,7 +197,7 @@ class MemoryBudgetConfig:
 
 
 def load_data(cfg: MemoryBudgetConfig, *, download: bool = True) -> CifarData:
-    """CIFAR-10 subset as ``cfg`` asks, exactly as :func:`rcdl.experiments.cifar10.load_data`
+    """CIFAR-10 subset as ``cfg`` asks, exactly as :func:`rcdl.app.experiments.cifar10.load_data`
     loads it (same files, standardisation and subsets)."""
     as_cifar10 = cifar10.Cifar10Config(models=(cfg.model,), train_size=cfg.train_size,
                                        test_size=cfg.test_size, data_dir=cfg.data_dir,
@@ -265,7 +265,7 @@ def run_memory_budget(
     run folder or the one at ``resume``.
 
     Args:
-        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+        cfg: the settings; to resume, the run's own (``rcdl.app.rundir.read_config``), where
             only ``data_dir`` and ``device`` may differ.
         out: the run folder (default ``runs/memory-budget-<timestamp>``); not with
             ``resume``.

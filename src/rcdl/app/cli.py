@@ -55,7 +55,7 @@ def _data_dir(text: str) -> str:
 def _explain(error: CLIError, parser: argparse.ArgumentParser) -> str:
     """The message of a usage error in the terms of the command line the user typed: data
     not found in two lines, and settings named by their flags (:func:`_in_flag_terms`)."""
-    from rcdl.cifar import CifarNotFoundError
+    from rcdl.app.cifar import CifarNotFoundError
 
     if isinstance(error.__cause__, CifarNotFoundError):
         return f"{error.__cause__.brief}\n{_DATA_NOT_FOUND_HINT}"
@@ -109,7 +109,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from rcdl.experiments.demo import DemoConfig, run_demo
+    from rcdl.app.experiments.demo import DemoConfig, run_demo
 
     if args.seed is not None and args.seed < 0:
         raise CLIError(f"--seed must be >= 0, got {args.seed}")
@@ -130,8 +130,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
-    from rcdl.cifar import CorruptDataError
-    from rcdl.experiments.cifar10 import Cifar10Config, load_data, load_run_config, run_cifar10
+    from rcdl.app.cifar import CorruptDataError
+    from rcdl.app.experiments.cifar10 import Cifar10Config, load_data, load_run_config, run_cifar10
 
     settings = {
         "models": args.models, "train_size": args.train_size, "test_size": args.test_size,
@@ -180,7 +180,7 @@ def _cmd_reproduce_cifar10(args: argparse.Namespace) -> int:
 
 def _warn_if_bfloat16_is_emulated(store_dtype: str | None, device: torch.device) -> None:
     """Say so when bfloat16 stores will save memory but probably not time (docs/precision.md)."""
-    from rcdl.rundir import native_bfloat16
+    from rcdl.app.rundir import native_bfloat16
 
     if store_dtype == "bfloat16" and device.type == "cpu" and not native_bfloat16():
         print("note: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products are "
@@ -196,7 +196,7 @@ def _flags(settings: dict) -> list[str]:
 
 def _combine_cifar10(args: argparse.Namespace, settings: dict) -> int:
     """``--combine RUN_DIR ... --out DIR``: one table from several finished runs."""
-    from rcdl.experiments.cifar10 import combine_runs
+    from rcdl.app.experiments.cifar10 import combine_runs
 
     given = _flags({k: v for k, v in settings.items() if k != "models"})
     given += [flag for flag, on in (("--quick", args.quick), ("--resume", args.resume)) if on]
@@ -215,7 +215,7 @@ def _combine_cifar10(args: argparse.Namespace, settings: dict) -> int:
 
 def _combine_tau_sweep(args: argparse.Namespace, settings: dict) -> int:
     """``hybrid-tau-sweep --combine RUN_DIR ... --out DIR``: one sweep from finished runs."""
-    from rcdl.experiments.tau_sweep import combine_sweep
+    from rcdl.app.experiments.tau_sweep import combine_sweep
 
     given = _flags({k: v for k, v in settings.items() if k not in ("taus", "references")})
     given += [flag for flag, on in (("--quick", args.quick), ("--full", args.full),
@@ -246,9 +246,9 @@ def _parse_tau(text: str) -> float | None:
 
 
 def _cmd_reproduce_tau_sweep(args: argparse.Namespace) -> int:
-    from rcdl.cifar import CorruptDataError
-    from rcdl.experiments.cifar10 import load_data, load_run_config
-    from rcdl.experiments.tau_sweep import TauSweepConfig, run_tau_sweep
+    from rcdl.app.cifar import CorruptDataError
+    from rcdl.app.experiments.cifar10 import load_data, load_run_config
+    from rcdl.app.experiments.tau_sweep import TauSweepConfig, run_tau_sweep
 
     settings = {
         "taus": args.taus, "references": args.references, "train_size": args.train_size,
@@ -312,9 +312,9 @@ def _run_experiment(args: argparse.Namespace, config_cls, fields: Sequence[str],
     download=)``, which skips the sub-runs a resumed run finished earlier. Under ``torchrun``
     the growing stores are sharded over the ranks if ``shards``, else the run is refused.
     """
-    from rcdl.cifar import CorruptDataError
+    from rcdl.app.cifar import CorruptDataError
+    from rcdl.app.rundir import read_config
     from rcdl.distributed import init_from_env
-    from rcdl.rundir import read_config
 
     if not shards and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise CLIError(f"rcdl reproduce {args.experiment} does not run under torchrun yet "
@@ -376,7 +376,7 @@ def _refuse_beside_resume(args: argparse.Namespace, fields: Sequence[str],
 
 
 def _cmd_reproduce_generalisation(args: argparse.Namespace) -> int:
-    from rcdl.experiments.generalisation import GeneralisationConfig, run_generalisation
+    from rcdl.app.experiments.generalisation import GeneralisationConfig, run_generalisation
 
     fields = ("train_size", "test_size", "epochs", "seeds", "train_eval_size",
               "parametric_entries")
@@ -384,7 +384,7 @@ def _cmd_reproduce_generalisation(args: argparse.Namespace) -> int:
 
 
 def _cmd_reproduce_memory_budget(args: argparse.Namespace) -> int:
-    from rcdl.experiments.memory_budget import MemoryBudgetConfig, run_memory_budget
+    from rcdl.app.experiments.memory_budget import MemoryBudgetConfig, run_memory_budget
 
     fields = ("model", "train_size", "test_size", "capacities", "policies", "slack", "seed",
               "eval_every")
@@ -393,7 +393,7 @@ def _cmd_reproduce_memory_budget(args: argparse.Namespace) -> int:
 
 
 def _cmd_reproduce_vit(args: argparse.Namespace) -> int:
-    from rcdl.experiments.vit import ViTConfig, run_vit
+    from rcdl.app.experiments.vit import ViTConfig, run_vit
 
     fields = ("models", "train_size", "test_size", "seeds", "patch_size", "width", "depth",
               "heads", "temperature", "tau_rel", "eta", "beta", "lr", "eval_every")
@@ -401,7 +401,7 @@ def _cmd_reproduce_vit(args: argparse.Namespace) -> int:
 
 
 def _cmd_reproduce_teacher_student(args: argparse.Namespace) -> int:
-    from rcdl.experiments.teacher_student import TeacherStudentConfig, run_teacher_student
+    from rcdl.app.experiments.teacher_student import TeacherStudentConfig, run_teacher_student
 
     fields = ("n_train", "n_test", "seeds", "d_in", "teacher_width", "teacher_depth", "noise",
               "temperature", "beta", "eta", "parametric_lr", "mlp_lr", "eval_every")
@@ -409,7 +409,7 @@ def _cmd_reproduce_teacher_student(args: argparse.Namespace) -> int:
 
 
 def _cmd_reproduce_optimizers(args: argparse.Namespace) -> int:
-    from rcdl.experiments.optimizers import OptimizerComparisonConfig, run_optimizer_comparison
+    from rcdl.app.experiments.optimizers import OptimizerComparisonConfig, run_optimizer_comparison
 
     fields = ("datasets", "methods", "train_size", "test_size", "epochs", "seeds", "width")
     return _run_experiment(args, OptimizerComparisonConfig, fields, run_optimizer_comparison,
@@ -417,7 +417,7 @@ def _cmd_reproduce_optimizers(args: argparse.Namespace) -> int:
 
 
 def _cmd_reproduce_deltanet_decay(args: argparse.Namespace) -> int:
-    from rcdl.experiments.deltanet_decay import DeltaNetDecayConfig, run_deltanet_decay
+    from rcdl.app.experiments.deltanet_decay import DeltaNetDecayConfig, run_deltanet_decay
 
     fields = ("variants", "train_size", "test_size", "epochs", "seeds", "width", "depth", "lr",
               "weight_decay", "deltanet_decay")
@@ -621,8 +621,8 @@ def _add_reproduce(sub: argparse._SubParsersAction) -> None:
     _add_common(mem, "memory-budget")
     mem.set_defaults(func=_cmd_reproduce_memory_budget, command_parser=mem)
 
-    from rcdl.experiments.deltanet_decay import VARIANTS
-    from rcdl.experiments.optimizers import DATASETS, METHODS
+    from rcdl.app.experiments.deltanet_decay import VARIANTS
+    from rcdl.app.experiments.optimizers import DATASETS, METHODS
 
     opt = which.add_parser(
         "optimizers", help=_EXPERIMENTS["optimizers"],
@@ -764,8 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def entry() -> int:
     """The ``rcdl`` command: :func:`main` after tuning the allocator for training
-    (:func:`rcdl.allocator.keep_freed_memory`; ``RCDL_MALLOC=system`` turns that off)."""
-    from rcdl.allocator import keep_freed_memory
+    (:func:`rcdl.app.allocator.keep_freed_memory`; ``RCDL_MALLOC=system`` turns that off)."""
+    from rcdl.app.allocator import keep_freed_memory
 
     keep_freed_memory()
     return main()

@@ -22,7 +22,6 @@ training it again.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime as _dt
 import json
 import os
@@ -31,17 +30,25 @@ import shlex
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from rcdl._version import __version__
-from rcdl.allocator import allocator_setting
+from rcdl.app.allocator import allocator_setting
+from rcdl.io import (  # noqa: F401 - re-exported: the run folder writes through them
+    atomic_save_torch,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    save_figure,
+    to_jsonable,
+)
 
 __all__ = [
+    "rank0_run",
     "FollowerRunDir",
     "RunDir",
     "atomic_save_torch",
@@ -58,99 +65,6 @@ __all__ = [
     "resume_command",
     "to_jsonable",
 ]
-
-
-# ----------------------------------------------------------------------------- atomic writes
-
-
-def _atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
-    """Call ``write(f)`` on a temporary file beside ``path``, fsync it, then rename it over."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened)."""
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
-    """Write ``data`` to ``path`` atomically; returns the path."""
-    return _atomic_write(path, lambda f: f.write(data))
-
-
-def atomic_write_text(text: str, path: str | os.PathLike) -> Path:
-    """Write UTF-8 ``text`` to ``path`` atomically; returns the path."""
-    return atomic_write_bytes(text.encode("utf-8"), path)
-
-
-def atomic_write_json(obj: Any, path: str | os.PathLike) -> Path:
-    """Write ``obj`` (see :func:`to_jsonable`) as indented JSON to ``path`` atomically."""
-    return atomic_write_text(json.dumps(to_jsonable(obj), indent=2) + "\n", path)
-
-
-def atomic_save_torch(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save(obj)`` to ``path`` atomically (for checkpoints); returns the path."""
-    return _atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
-    """Write a matplotlib ``Figure`` to ``path`` as PNG, atomically."""
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return atomic_write_bytes(buf.getvalue(), path)
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Convert dataclasses, paths, tensors-of-one, torch dtypes/devices and containers to JSON.
-
-    Non-finite floats are kept (``json`` writes them as ``NaN``/``Infinity``, which Python
-    reads back); anything else that JSON cannot hold raises ``TypeError`` naming its type.
-    """
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return to_jsonable(dataclasses.asdict(obj))
-    if isinstance(obj, Mapping):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [to_jsonable(v) for v in obj]
-    if obj is None or isinstance(obj, bool | int | float | str):
-        return obj
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
-    if isinstance(obj, torch.device | torch.dtype):
-        return str(obj)
-    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
-        return obj.item()
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        return obj.item()
-    raise TypeError(f"cannot write a value of type {type(obj).__name__} to JSON: {obj!r}")
 
 
 # ----------------------------------------------------------------------------- environment
@@ -513,3 +427,21 @@ def release_memory(device: str | torch.device) -> None:
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
+
+
+def rank0_run(open_run: Callable[[], RunDir]) -> RunDir:
+    """The run folder of a run that may be distributed: rank 0 opens it (``open_run()``:
+    creates it, or opens the one to resume) and tells the others its path; they get a
+    :class:`FollowerRunDir` on it, which writes nothing. Without a process
+    group this is just ``open_run()``."""
+    import torch.distributed as dist
+
+    from rcdl.distributed import rank_and_world
+
+    rank, world = rank_and_world()
+    if world == 1:
+        return open_run()
+    run = open_run() if rank == 0 else None
+    path = [None if run is None else str(run.path)]
+    dist.broadcast_object_list(path, src=0)
+    return run if rank == 0 else FollowerRunDir(path[0])

@@ -56,12 +56,9 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import nn
 
-from rcdl.cifar import CifarData, load_cifar
-from rcdl.experiments.cifar10 import data_provenance
-from rcdl.grower import Grower
-from rcdl.hybrid import EntryAdam, hybrid_layers
-from rcdl.rules import ClippedSoftmaxRule
-from rcdl.rundir import (
+from rcdl.app.cifar import CifarData, load_cifar
+from rcdl.app.experiments.cifar10 import data_provenance
+from rcdl.app.rundir import (
     RunDir,
     atomic_write_text,
     config_from_dict,
@@ -71,6 +68,9 @@ from rcdl.rundir import (
     resolve_device,
     save_figure,
 )
+from rcdl.grower import Grower
+from rcdl.hybrid import EntryAdam, hybrid_layers
+from rcdl.rules import ClippedSoftmaxRule
 from rcdl.training import accuracy, train_one_pass
 from rcdl.vit import ViT, mlp_vit, rcdl_vit
 
@@ -244,7 +244,7 @@ def load_data(cfg: ViTConfig, *, download: bool = True) -> CifarData:
     """CIFAR-10 from ``cfg.data_dir`` (or the usual places), subset as ``cfg`` asks.
 
     Raises:
-        rcdl.cifar.CifarNotFoundError, rcdl.cifar.CorruptDataError: from the loader.
+        rcdl.app.cifar.CifarNotFoundError, rcdl.app.cifar.CorruptDataError: from the loader.
         ValueError: if a subset is larger than the split.
     """
     data = load_cifar("cifar10", cfg.data_dir, download=download)
@@ -340,7 +340,7 @@ def run_vit(
     one at ``resume``; write the report.
 
     Args:
-        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+        cfg: the settings; to resume, the run's own (``rcdl.app.rundir.read_config``), where
             only ``data_dir`` and ``device`` may differ.
         out: the run folder (default ``runs/vit-<timestamp>``); it must not already hold a
             run. Not with ``resume``.

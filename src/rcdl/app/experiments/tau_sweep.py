@@ -9,9 +9,9 @@ against accuracy; the paper reports a smooth, graceful decline and no collapse. 
 growing gws network and parametric-softmax networks trained on the same images are the
 reference points.
 
-Every model is trained by the one-epoch protocol of :mod:`rcdl.experiments.cifar10` (same
+Every model is trained by the one-epoch protocol of :mod:`rcdl.app.experiments.cifar10` (same
 batches, evaluation and run folder; the models are ``hybrid-always``, ``hybrid-tau<τ>`` and
-the references), so a sweep is a :class:`~rcdl.experiments.cifar10.Cifar10Config` plus two
+the references), so a sweep is a :class:`~rcdl.app.experiments.cifar10.Cifar10Config` plus two
 outputs of its own in the run folder::
 
     tau_sweep.md / .csv          τ, entries stored (and their fraction of the possible),
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
-from rcdl.cifar import CifarData
-from rcdl.experiments.cifar10 import (
+from rcdl.app.cifar import CifarData
+from rcdl.app.experiments.cifar10 import (
     _HYBRID,
     Cifar10Config,
     _finished_runs,
@@ -47,7 +47,7 @@ from rcdl.experiments.cifar10 import (
     model_spec,
     run_cifar10,
 )
-from rcdl.rundir import RunDir, atomic_write_text, save_figure
+from rcdl.app.rundir import RunDir, atomic_write_text, save_figure
 from rcdl.store import format_bytes
 
 __all__ = ["TauSweepConfig", "combine_sweep", "run_tau_sweep", "sweep_rows",
@@ -63,11 +63,11 @@ class TauSweepConfig:
     Attributes:
         taus: distance thresholds; ``None`` is "always grow". The paper's model is τ = 50.
         references: other models of the one-epoch comparison trained on the same images
-            (any name :func:`rcdl.experiments.cifar10.model_spec` knows).
+            (any name :func:`rcdl.app.experiments.cifar10.model_spec` knows).
         train_size, test_size: CIFAR-10 subsets (``None``: the full 50 000 / 10 000). The
             default 2 000 / 1 000 took 14.5 minutes on one CPU thread here.
         eval_every, seed, data_dir, device, dtype, checkpoint: as in
-            :class:`~rcdl.experiments.cifar10.Cifar10Config`.
+            :class:`~rcdl.app.experiments.cifar10.Cifar10Config`.
     """
 
     taus: tuple[float | None, ...] = (None, 30.0, 40.0, 50.0, 55.0, 60.0, 65.0, 70.0)
@@ -157,7 +157,7 @@ def combine_sweep(
 
     A full-size sweep takes hours per threshold on a CPU, so its thresholds and reference
     models may come from different invocations, sessions or machines: any run folders of
-    the one-epoch comparison with the same protocol (:func:`~rcdl.experiments.cifar10.
+    the one-epoch comparison with the same protocol (:func:`~rcdl.app.experiments.cifar10.
     combine_runs` checks it). ``taus`` keeps the hybrids of those thresholds and
     ``references`` those other models; ``None`` keeps every one found.
 

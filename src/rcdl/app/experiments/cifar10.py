@@ -6,7 +6,7 @@ Protocol (docs/reference.md §6): every model sees the training images once, in 
 from a seeded random permutation, and minimises the batch-mean cross-entropy; test accuracy and
 test loss on the whole test set are computed from one prediction pass every ``eval_every``
 steps and at the end. Images are standardised and flattened to ``d = 3072``
-(:mod:`rcdl.cifar`). All models share the residual backbone of :mod:`rcdl.networks`.
+(:mod:`rcdl.app.cifar`). All models share the residual backbone of :mod:`rcdl.networks`.
 
 Models (:data:`MODELS`). Each builder uses the library's networks, rules and optimizers.
 None of them reimplements a layer.
@@ -22,7 +22,7 @@ None of them reimplements a layer.
 ``psoftmax-<N>``      parametric softmax, L = 2, T = 3, N entries per layer, Adam 1e−3
                       (docs/reference.md §5; the paper's N are 5000 and 50016)
 ``knn-l2``,           k-nearest neighbours (k chosen on 10 % of the training set held out),
-``knn-cosine``        L2 or cosine distance (:mod:`rcdl.classical`)
+``knn-cosine``        L2 or cosine distance (:mod:`rcdl.app.classical`)
 ``svm-linear``        linear SVM (hinge loss, SGD solver, penalty chosen on the held-out 10 %)
 ``svm-rbf``           RBF SVM through a Nyström map with 2 000 landmarks, then a linear SVM
 ====================  ==================================================================
@@ -79,9 +79,23 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import nn
 
-from rcdl.cifar import CifarData, load_cifar
-from rcdl.classical import CLASSICAL_MODELS, fit_classical
-from rcdl.distributed import rank0_run, rank_and_world, shard
+from rcdl.app.cifar import CifarData, load_cifar
+from rcdl.app.classical import CLASSICAL_MODELS, fit_classical
+from rcdl.app.rundir import (
+    RunDir,
+    atomic_write_json,
+    atomic_write_text,
+    config_from_dict,
+    describe_machine,
+    environment_info,
+    rank0_run,
+    read_config,
+    release_memory,
+    resolve_device,
+    resume_command,
+    save_figure,
+)
+from rcdl.distributed import rank_and_world, shard
 from rcdl.grower import Grower
 from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam
 from rcdl.layers import set_store_dtype
@@ -94,19 +108,6 @@ from rcdl.networks import (
 )
 from rcdl.optim import make_optimizer
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
-from rcdl.rundir import (
-    RunDir,
-    atomic_write_json,
-    atomic_write_text,
-    config_from_dict,
-    describe_machine,
-    environment_info,
-    read_config,
-    release_memory,
-    resolve_device,
-    resume_command,
-    save_figure,
-)
 from rcdl.store import format_bytes
 from rcdl.training import accuracy, train_one_pass
 
@@ -163,7 +164,7 @@ Builder = Callable[[int, torch.device, torch.dtype], Learner]  # (seed, device, 
 class ModelSpec:
     """A model of the comparison: readable label, builder and the paper's numbers.
 
-    A classical baseline (:mod:`rcdl.classical`) has no builder: it is fitted on the whole
+    A classical baseline (:mod:`rcdl.app.classical`) has no builder: it is fitted on the whole
     training set at once (``classical=True``) and scored once, at the end.
     """
 
@@ -294,7 +295,8 @@ def build_model(name: str, seed: int, *, device: torch.device | str = "cpu",
     """
     spec = model_spec(name)
     if spec.classical:
-        raise ValueError(f"{name!r} is a classical baseline, fitted by rcdl.classical, not built")
+        raise ValueError(f"{name!r} is a classical baseline, fitted by rcdl.app.classical, "
+                         "not built")
     torch.manual_seed(seed)
     model, optimizer, grower = spec.build(seed, torch.device(device), dtype)
     if store_dtype is not None:
@@ -322,7 +324,7 @@ class Cifar10Config:
         eval_every: steps between test evaluations (docs/reference.md §6: 250), and also at the end.
         eval_batch_size: test images per prediction batch (docs/reference.md §6: 500).
         data_dir: folder holding ``cifar10.npz`` or the official files (see
-            :func:`rcdl.cifar.load_cifar`; ``None`` searches ``$RCDL_DATA``, then the cache).
+            :func:`rcdl.app.cifar.load_cifar`; ``None`` searches ``$RCDL_DATA``, then the cache).
         data_seed: seed of the subsets.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
         dtype: ``"float32"`` (the paper's) or ``"float64"``.
@@ -434,7 +436,7 @@ def load_data(cfg: Cifar10Config, *, download: bool = True) -> CifarData:
     """CIFAR-10 from ``cfg.data_dir`` (or the usual places), subset as ``cfg`` asks.
 
     Raises:
-        rcdl.cifar.CifarNotFoundError, rcdl.cifar.CorruptDataError: from the loader.
+        rcdl.app.cifar.CifarNotFoundError, rcdl.app.cifar.CorruptDataError: from the loader.
         ValueError: if a subset is larger than the split.
     """
     data = load_cifar("cifar10", cfg.data_dir, download=download)

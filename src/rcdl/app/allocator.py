@@ -14,7 +14,7 @@ What it does: ``mallopt(M_MMAP_MAX, 0)`` (large blocks come from the heap, where
 are reused) and ``mallopt(M_TRIM_THRESHOLD, 2**31 − 1)`` (freed heap stays with the process).
 The price: the process keeps its peak memory until it exits, and the heap may fragment
 somewhat more. The ``rcdl`` command calls it before running anything (not the library, and
-not ``rcdl.cli.main``, which the tests call in-process). ``RCDL_MALLOC=system`` in the
+not ``rcdl.app.cli.main``, which the tests call in-process). ``RCDL_MALLOC=system`` in the
 environment turns it off. The setting is recorded in every run's ``environment.json``.
 """
 
@@ -48,7 +48,7 @@ def keep_freed_memory() -> bool:
         return False
     if not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)):
         return False
-    _state["setting"] = "glibc: no mmap for large blocks, freed memory kept (rcdl.allocator)"
+    _state["setting"] = "glibc: no mmap for large blocks, freed memory kept (rcdl.app.allocator)"
     return True
 
 

@@ -53,7 +53,7 @@ Decisions (measured numbers in docs/optimizer_experiments.md):
 - **Missing data.** Each data set of ``datasets`` is loaded before any training. One that is
   not found is skipped with a message saying where it was looked for (recorded in
   ``summary.json`` and ``results.md``) unless ``skip_missing=False``; if none is found, the
-  run stops with :class:`rcdl.cifar.CifarNotFoundError`.
+  run stops with :class:`rcdl.app.cifar.CifarNotFoundError`.
 
 Run folder::
 
@@ -92,14 +92,9 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from rcdl.cifar import CifarData, CifarNotFoundError, load_cifar
-from rcdl.dual_optim import FOOF
-from rcdl.experiments.cifar10 import data_provenance
-from rcdl.grower import Grower
-from rcdl.networks import GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
-from rcdl.optim import OptimizerGroup, make_optimizer
-from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD
-from rcdl.rundir import (
+from rcdl.app.cifar import CifarData, CifarNotFoundError, load_cifar
+from rcdl.app.experiments.cifar10 import data_provenance
+from rcdl.app.rundir import (
     RunDir,
     atomic_write_text,
     config_from_dict,
@@ -109,6 +104,11 @@ from rcdl.rundir import (
     resolve_device,
     save_figure,
 )
+from rcdl.dual_optim import FOOF
+from rcdl.grower import Grower
+from rcdl.networks import GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
+from rcdl.optim import OptimizerGroup, make_optimizer
+from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD
 from rcdl.training import accuracy, train_one_pass
 
 __all__ = [
@@ -245,7 +245,7 @@ class OptimizerComparisonConfig:
         skip_missing: skip a data set that is not found (saying so) instead of stopping.
         batch_size: samples per step (docs/reference.md §6: 16).
         eval_batch_size: images per prediction batch when measuring.
-        data_dir: folder holding the data (see :func:`rcdl.cifar.load_cifar`; ``None``
+        data_dir: folder holding the data (see :func:`rcdl.app.cifar.load_cifar`; ``None``
             searches ``$RCDL_DATA``, then the cache).
         data_seed: seed of the subsets and of the input projection.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
@@ -426,9 +426,9 @@ def load_datasets(
         set is announced on stderr when ``verbose``.
 
     Raises:
-        rcdl.cifar.CifarNotFoundError: a data set is missing and ``cfg.skip_missing`` is
+        rcdl.app.cifar.CifarNotFoundError: a data set is missing and ``cfg.skip_missing`` is
             False, or none of them is found; the message says where each was looked for.
-        rcdl.cifar.CorruptDataError, ValueError: from the loader, or a subset too large.
+        rcdl.app.cifar.CorruptDataError, ValueError: from the loader, or a subset too large.
     """
     loaded, missing, searched, briefs = {}, {}, [], []
     for name in cfg.datasets:
@@ -602,7 +602,7 @@ def run_optimizer_comparison(
     or the one at ``resume``; write the report.
 
     Args:
-        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+        cfg: the settings; to resume, the run's own (``rcdl.app.rundir.read_config``), where
             only ``data_dir`` and ``device`` may differ.
         out: the run folder (default ``runs/optimizers-<timestamp>``); it must not already
             hold a run. Not with ``resume``.
@@ -622,7 +622,7 @@ def run_optimizer_comparison(
         mean and sd over seeds, accuracies in percent) and ``verdicts`` (per data set).
 
     Raises:
-        rcdl.cifar.CifarNotFoundError: see :func:`load_datasets`.
+        rcdl.app.cifar.CifarNotFoundError: see :func:`load_datasets`.
     """
     start = time.perf_counter()
     device = resolve_device(cfg.device) if device is None else torch.device(device)

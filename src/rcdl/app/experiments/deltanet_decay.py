@@ -20,7 +20,7 @@ initialisation, over the same orders of the same images:
 The model is docs/reference.md §6's ResNet-MLP (:class:`rcdl.networks.ResNetMLP`) with
 ``depth = 10`` residual blocks (each one Linear ``w → w`` + tanh-GELU; "10-layer" is read as ten
 blocks, plus the linear readout), on the images seen through the fixed random projection of
-:mod:`rcdl.experiments.optimizers` (``width=None``: the 3072 pixel values).
+:mod:`rcdl.app.experiments.optimizers` (``width=None``: the 3072 pixel values).
 
 Decisions:
 
@@ -74,10 +74,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from rcdl.cifar import CifarData
-from rcdl.dual_optim import DeltaNetDecay
-from rcdl.experiments.cifar10 import data_provenance
-from rcdl.experiments.optimizers import (
+from rcdl.app.cifar import CifarData
+from rcdl.app.experiments.cifar10 import data_provenance
+from rcdl.app.experiments.optimizers import (
     PAPER_WIDTH,
     _check_int,
     _check_positive,
@@ -91,8 +90,7 @@ from rcdl.experiments.optimizers import (
     results_csv,
     train_method,
 )
-from rcdl.networks import ResNetMLP
-from rcdl.rundir import (
+from rcdl.app.rundir import (
     RunDir,
     atomic_write_text,
     config_from_dict,
@@ -101,6 +99,8 @@ from rcdl.rundir import (
     release_memory,
     resolve_device,
 )
+from rcdl.dual_optim import DeltaNetDecay
+from rcdl.networks import ResNetMLP
 
 __all__ = [
     "EXPERIMENT", "PAPER", "VARIANTS", "DeltaNetDecayConfig", "build_variant", "load_data",
@@ -224,7 +224,7 @@ def load_data(cfg: DeltaNetDecayConfig, *, download: bool = True) -> CifarData:
     """The CIFAR-10 subsets of ``cfg`` (before projection).
 
     Raises:
-        rcdl.cifar.CifarNotFoundError, rcdl.cifar.CorruptDataError: from the loader.
+        rcdl.app.cifar.CifarNotFoundError, rcdl.app.cifar.CorruptDataError: from the loader.
         ValueError: if a subset is larger than the split.
     """
     return _load_one("cifar10", cfg, download=download)
@@ -268,7 +268,7 @@ def run_deltanet_decay(
     ``resume``; write the report.
 
     Args:
-        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+        cfg: the settings; to resume, the run's own (``rcdl.app.rundir.read_config``), where
             only ``data_dir`` and ``device`` may differ.
         out: the run folder (default ``runs/deltanet-decay-<timestamp>``); it must not
             already hold a run. Not with ``resume``.

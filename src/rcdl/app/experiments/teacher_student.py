@@ -79,21 +79,22 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
-from rcdl.data import TeacherConfig, make_teacher_data
-from rcdl.distributed import rank0_run, rank_and_world, shard
-from rcdl.grower import Grower
-from rcdl.networks import MLP, GrowingSoftmaxNet, ParametricSoftmaxNet
-from rcdl.rules import ClippedSoftmaxRule
-from rcdl.rundir import (
+from rcdl.app.rundir import (
     RunDir,
     atomic_write_text,
     config_from_dict,
     describe_machine,
     open_run,
+    rank0_run,
     release_memory,
     resolve_device,
     save_figure,
 )
+from rcdl.data import TeacherConfig, make_teacher_data
+from rcdl.distributed import rank_and_world, shard
+from rcdl.grower import Grower
+from rcdl.networks import MLP, GrowingSoftmaxNet, ParametricSoftmaxNet
+from rcdl.rules import ClippedSoftmaxRule
 from rcdl.store import format_bytes
 from rcdl.training import train_one_pass
 
@@ -338,7 +339,7 @@ def run_teacher_student(
     at ``resume``; write the report.
 
     Args:
-        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+        cfg: the settings; to resume, the run's own (``rcdl.app.rundir.read_config``), where
             only ``device`` may differ.
         out: the run folder (default ``runs/teacher-student-<timestamp>``); it must not
             already hold a run. Not with ``resume``.

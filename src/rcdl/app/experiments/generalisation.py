@@ -17,7 +17,7 @@ weighted-softmax layers), trained for ``epochs`` passes over the same CIFAR-10 s
                 layer (keys, weighted values, weights) trained by Adam 1e−3
 ==============  ===========================================================================
 
-These are the ``gws`` and ``psoftmax-<P>`` models of :mod:`rcdl.experiments.cifar10`, built
+These are the ``gws`` and ``psoftmax-<P>`` models of :mod:`rcdl.app.experiments.cifar10`, built
 here by :func:`build_model` from the same library pieces.
 
 Decisions:
@@ -72,12 +72,9 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import nn
 
-from rcdl.cifar import CifarData, load_cifar
-from rcdl.experiments.cifar10 import data_provenance
-from rcdl.grower import Grower
-from rcdl.networks import GrowingSoftmaxNet, ParametricSoftmaxNet
-from rcdl.rules import ClippedSoftmaxRule
-from rcdl.rundir import (
+from rcdl.app.cifar import CifarData, load_cifar
+from rcdl.app.experiments.cifar10 import data_provenance
+from rcdl.app.rundir import (
     RunDir,
     atomic_write_text,
     config_from_dict,
@@ -87,6 +84,9 @@ from rcdl.rundir import (
     resolve_device,
     save_figure,
 )
+from rcdl.grower import Grower
+from rcdl.networks import GrowingSoftmaxNet, ParametricSoftmaxNet
+from rcdl.rules import ClippedSoftmaxRule
 from rcdl.training import accuracy, evaluate, train_one_pass
 
 __all__ = [
@@ -134,7 +134,7 @@ class GeneralisationConfig:
         batch_size: samples per step ``B`` (docs/reference.md §6: 16).
         eval_batch_size: images per prediction batch when measuring (docs/reference.md §6: 500).
         data_dir: folder holding ``cifar10.npz`` or the official files (see
-            :func:`rcdl.cifar.load_cifar`; ``None`` searches ``$RCDL_DATA``, then the cache).
+            :func:`rcdl.app.cifar.load_cifar`; ``None`` searches ``$RCDL_DATA``, then the cache).
         data_seed: seed of the subsets and of the train-accuracy sample.
         device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
     """
@@ -203,7 +203,7 @@ def load_data(cfg: GeneralisationConfig, *, download: bool = True) -> CifarData:
     """The CIFAR-10 subsets of ``cfg`` from ``cfg.data_dir`` (or the usual places).
 
     Raises:
-        rcdl.cifar.CifarNotFoundError, rcdl.cifar.CorruptDataError: from the loader.
+        rcdl.app.cifar.CifarNotFoundError, rcdl.app.cifar.CorruptDataError: from the loader.
         ValueError: if a subset is larger than the split.
     """
     data = load_cifar("cifar10", cfg.data_dir, download=download)
@@ -301,7 +301,7 @@ def run_generalisation(
     ``resume``; write the report.
 
     Args:
-        cfg: the settings; to resume, the run's own (``rcdl.rundir.read_config``), where
+        cfg: the settings; to resume, the run's own (``rcdl.app.rundir.read_config``), where
             only ``data_dir`` and ``device`` may differ.
         out: the run folder (default ``runs/generalisation-<timestamp>``); it must not
             already hold a run. Not with ``resume``.

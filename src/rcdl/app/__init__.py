@@ -1,0 +1,14 @@
+"""The application: what runs the paper's studies on top of the library.
+
+- :mod:`rcdl.app.cli`: the ``rcdl`` command line, generated from the experiments' configs;
+- :mod:`rcdl.app.config`: frozen experiment configs, validated in one place;
+- :mod:`rcdl.app.runner`: one runner for every experiment (seeds, sub-runs, resume,
+  ``finished.json``, device, timing, the run folder);
+- :mod:`rcdl.app.report`: tables (mean ± sd over seeds), CSV and figures;
+- :mod:`rcdl.app.rundir`: self-describing run folders;
+- :mod:`rcdl.app.cifar`, :mod:`rcdl.app.classical`: CIFAR loaders, kNN and SVM baselines;
+- :mod:`rcdl.app.allocator`: the command's malloc tuning;
+- :mod:`rcdl.app.experiments`: one module per experiment, holding only what is its own.
+
+The library (``rcdl``, the package above) never imports from here.
+"""

@@ -1,0 +1,22 @@
+"""Experiments: one module per experiment, each with one frozen config dataclass.
+
+- :mod:`rcdl.app.experiments.demo` — teacher–student regression: a growing RBF network against
+  MLPs trained by SGD and by Adam, one pass over the data (``rcdl demo``).
+- :mod:`rcdl.app.experiments.cifar10` — the paper's one-epoch CIFAR-10 comparison, Fig. 2
+  (``rcdl reproduce cifar10-1epoch``).
+- :mod:`rcdl.app.experiments.tau_sweep` — the hybrid network over distance thresholds τ, Fig. 5
+  (``rcdl reproduce hybrid-tau-sweep``).
+- :mod:`rcdl.app.experiments.generalisation` — parametric vs growing softmax networks over
+  several epochs (``rcdl reproduce generalisation``).
+- :mod:`rcdl.app.experiments.memory_budget` — the growing ``gws`` model under a bounded memory:
+  test accuracy against entries per layer for several eviction policies (docs/reference.md §8;
+  ``rcdl reproduce memory-budget``).
+- :mod:`rcdl.app.experiments.optimizers` — MLP optimizers (incl. Muon and FOOF) against the
+  growing networks over several epochs (docs/reference.md §7, §8; ``rcdl reproduce optimizers``).
+- :mod:`rcdl.app.experiments.deltanet_decay` — DeltaNet decay against weight decay and none
+  (docs/reference.md §7, §8; ``rcdl reproduce deltanet-decay``).
+- :mod:`rcdl.app.experiments.teacher_student` — growing vs size-matched parametric softmax
+  students of a random teacher (docs/reference.md §8; ``rcdl reproduce teacher-student``).
+- :mod:`rcdl.app.experiments.vit` — a small ViT with MLP against hybrid RCDL feed-forward
+  blocks, one epoch (docs/reference.md §8; ``rcdl reproduce vit``).
+"""
