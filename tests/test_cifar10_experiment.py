@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from rcdl.app import cifar
 from rcdl.app.cli import main
 from rcdl.app.experiments import cifar10
 from rcdl.app.experiments.cifar10 import MODELS, Cifar10Config, build_model, model_spec
@@ -299,7 +300,7 @@ def test_provenance_recognises_the_same_arrays_saved_again(tmp_path):
     np.savez_compressed(tmp_path / "a.npz", **arrays)
     np.savez(tmp_path / "b.npz", **arrays, extra=np.zeros(3))
     np.savez(tmp_path / "c.npz", **{**arrays, "y_test": np.array([1, 0])})
-    digest = cifar10._array_digest
+    digest = cifar._array_digest
     assert digest(tmp_path / "a.npz") == digest(tmp_path / "b.npz") is not None
     assert digest(tmp_path / "c.npz") != digest(tmp_path / "a.npz")
     (tmp_path / "bad.npz").write_bytes(b"not a zip")

@@ -56,12 +56,9 @@ interrupted.
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import statistics
-import time
-from collections.abc import Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -73,24 +70,17 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from rcdl.app.cifar import CifarData, load_cifar
-from rcdl.app.experiments.cifar10 import data_provenance
-from rcdl.app.rundir import (
-    RunDir,
-    atomic_write_text,
-    config_from_dict,
-    describe_machine,
-    open_run,
-    release_memory,
-    resolve_device,
-    save_figure,
-)
+from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.report import csv_text, mean_sd, pm, write_outputs
+from rcdl.app.rundir import RunDir, describe_machine, save_figure
+from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
 from rcdl.grower import Grower
 from rcdl.networks import GrowingSoftmaxNet, ParametricSoftmaxNet
 from rcdl.rules import ClippedSoftmaxRule
 from rcdl.training import accuracy, evaluate, train_one_pass
 
 __all__ = [
-    "EXPERIMENT", "MODELS", "GeneralisationConfig", "build_model", "load_data",
+    "EXPERIMENT", "EXPERIMENT_SPEC", "MODELS", "GeneralisationConfig", "build_model", "load_data",
     "run_generalisation",
 ]  # fmt: skip
 
@@ -101,14 +91,13 @@ INITIAL_ENTRIES = 16  # the growing model's initial entries per layer (docs/refe
 _TEST_METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}
 # on the fixed training sample; not "train_loss", the trainer's running mean of batch losses
 _TRAIN_METRICS = {"train_acc": accuracy, "train_set_loss": F.cross_entropy}
-_DEVICES = ("auto", "cpu", "cuda")
 
 
 # --------------------------------------------------------------------------- the config
 
 
 @dataclass(frozen=True)
-class GeneralisationConfig:
+class GeneralisationConfig(ExperimentConfig):
     """Settings of the parametric-vs-growing comparison (docs/reference.md §8).
 
     The defaults (1 000 train / 1 000 test images, 15 epochs, 945 steps, one seed) were
@@ -119,81 +108,38 @@ class GeneralisationConfig:
     and 4 of measuring. The parametric one (a 1 016-entry table per layer, 15.6 M parameters)
     costs about 0.4 ms per entry per Adam step: about 6 minutes. A short probe showed the
     parametric model needs several hundred Adam steps at lr 1e−3 to leave chance level, so
-    the budget goes to steps (epochs) rather than to images.
-
-    Attributes:
-        train_size, test_size: random subsets of CIFAR-10 of that many images; they depend
-            on ``data_seed`` only, so both models and every seed see the same images.
-        epochs: passes over the training subset, each in a fresh order.
-        seeds: the comparison runs once per seed; a seed fixes both models' initialisation
-            and the orders of the training images.
-        train_eval_size: train accuracy and loss are measured on a fixed random sample of
-            this many training images (all of them if the subset is smaller).
-        parametric_entries: entries ``P`` per layer of the parametric model (``None``:
-            ``train_size + 16``, the growing model's size after one epoch).
-        batch_size: samples per step ``B`` (docs/reference.md §6: 16).
-        eval_batch_size: images per prediction batch when measuring (docs/reference.md §6: 500).
-        data_dir: folder holding ``cifar10.npz`` or the official files (see
-            :func:`rcdl.app.cifar.load_cifar`; ``None`` searches ``$RCDL_DATA``, then the cache).
-        data_seed: seed of the subsets and of the train-accuracy sample.
-        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+    the budget goes to steps (epochs) rather than to images. ``--quick``: 200 train / 200
+    test images, 3 epochs (20 s measured on two shared CPU cores, one thread); the numbers
+    mean little at this size.
     """
 
-    train_size: int = 1000
-    test_size: int = 1000
-    epochs: int = 15
-    seeds: tuple[int, ...] = (0,)
-    train_eval_size: int = 2000
-    parametric_entries: int | None = None
-    batch_size: int = 16
-    eval_batch_size: int = 500
-    data_dir: str | None = None
-    data_seed: int = 0
-    device: str = "auto"
+    QUICK = {"train_size": 200, "test_size": 200, "epochs": 3}
 
-    def __post_init__(self) -> None:
-        # lists (from JSON or argparse) become tuples, paths strings, so configs compare equal
-        object.__setattr__(self, "seeds", tuple(self.seeds))
-        if self.data_dir is not None:
-            object.__setattr__(self, "data_dir", str(self.data_dir))
-        for what in ("train_size", "test_size", "epochs", "train_eval_size", "batch_size",
-                     "eval_batch_size"):  # fmt: skip
-            _check_int(what, getattr(self, what), minimum=1)
-        if self.parametric_entries is not None:
-            _check_int("parametric_entries", self.parametric_entries, minimum=1)
-        if not self.seeds:
-            raise ValueError("GeneralisationConfig: give at least one seed")
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"GeneralisationConfig: seeds must not repeat, got {list(self.seeds)}")
-        for seed in self.seeds:
-            _check_int("each seed", seed, minimum=0)
-        _check_int("data_seed", self.data_seed, minimum=0)
-        if self.device not in _DEVICES:
-            raise ValueError(
-                f"GeneralisationConfig: device must be one of {list(_DEVICES)}, got {self.device!r}"
-            )
+    train_size: int = setting(1000, "training images, a random subset that depends on "
+                              "--data-seed only (both models and every seed see it)",
+                              metavar="N")
+    test_size: int = setting(1000, "test images (a random subset)", metavar="N")
+    epochs: int = setting(15, "passes over the subset, each in a fresh order", metavar="E")
+    seeds: tuple[int, ...] = setting((0,), "seeds; each fixes both models' initialisation "
+                                     "and the orders of the training images", minimum=0,
+                                     metavar="K")
+    train_eval_size: int = setting(2000, "training images on which train accuracy is "
+                                   "measured (capped at the subset)", metavar="N")
+    parametric_entries: int | None = setting(
+        None, "table size of the parametric model per layer", metavar="N",
+        default_text="train size + 16, the growing model's size after one epoch")
+    batch_size: int = setting(16, "samples per step B (docs/reference.md §6)", metavar="B")
+    eval_batch_size: int = setting(500, "images per prediction batch when measuring",
+                                   metavar="N")
+    data_dir: str | None = setting(None, "folder of the CIFAR-10 files", cli=False)
+    data_seed: int = setting(0, "seed of the subsets and of the train-accuracy sample",
+                             minimum=0)
+    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
 
     @property
     def entries(self) -> int:
         """Entries ``P`` per layer of the parametric model."""
         return self.parametric_entries or self.train_size + INITIAL_ENTRIES
-
-    @classmethod
-    def quick(cls, **overrides: Any) -> GeneralisationConfig:
-        """A smoke-test scale: 200 train / 200 test images, 3 epochs (20 s measured on two
-        shared CPU cores, one thread); the numbers mean little at this size."""
-        quick = {"train_size": 200, "test_size": 200, "epochs": 3}
-        return cls(**{**quick, **overrides})
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> GeneralisationConfig:
-        """The config saved as ``config.json`` (unknown keys are an error)."""
-        return config_from_dict(cls, d)
-
-
-def _check_int(what: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"GeneralisationConfig: {what} must be an int >= {minimum}, got {value!r}")
 
 
 # --------------------------------------------------------------------------- the data
@@ -254,21 +200,10 @@ def build_model(
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
-class _ModelLog:
-    """Hands the trainer's records to the run's ``metrics.jsonl``, tagged with model and seed."""
-
-    def __init__(self, run: RunDir, model: str, seed: int) -> None:
-        self.run, self.model, self.seed = run, model, seed
-
-    def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None:
-        rest = {k: v for k, v in {**(record or {}), **fields}.items() if k != "model"}
-        self.run.log({"model": self.model, "seed": self.seed, **rest})
-
-
 def _train(name: str, seed: int, cfg: GeneralisationConfig, tensors: tuple, fit: tuple,
-           run: RunDir, device: torch.device, progress: bool) -> dict[str, Any]:  # fmt: skip
+           session: Session) -> dict[str, Any]:  # fmt: skip
     """Train one (model, seed) for ``cfg.epochs`` epochs; its result plus its identity."""
-    n = len(tensors[0])
+    n, device = len(tensors[0]), session.device
     model, optimizer, grower = build_model(name, seed, cfg, device=device)
     x_fit, y_fit = fit
 
@@ -280,92 +215,47 @@ def _train(name: str, seed: int, cfg: GeneralisationConfig, tensors: tuple, fit:
         model, tensors, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer,
         grower=grower, loss_fn=F.cross_entropy, metrics=_TEST_METRICS,
         eval_every=math.ceil(n / cfg.batch_size), eval_batch_size=cfg.eval_batch_size,
-        device=device, run=_ModelLog(run, name, seed), name=f"{name}-seed{seed}",
-        progress=progress, epochs=cfg.epochs, on_epoch_end=train_metrics,
+        device=device, run=session.log(model=name, seed=seed), name=f"{name}-seed{seed}",
+        progress=session.progress, epochs=cfg.epochs, on_epoch_end=train_metrics,
     )  # fmt: skip
     parameters = sum(p.numel() for p in model.parameters())
     return {"model": name, "seed": seed, "parameters": parameters, **result}
 
 
-def run_generalisation(
-    cfg: GeneralisationConfig,
-    *,
-    out: str | Path | None = None,
-    resume: str | Path | None = None,
-    data: CifarData | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-    download: bool = True,
-) -> tuple[RunDir, dict[str, Any]]:
-    """Train both models for every seed into a new run folder, or continue the one at
-    ``resume``; write the report.
-
-    Args:
-        cfg: the settings; to resume, the run's own (``rcdl.app.rundir.read_config``), where
-            only ``data_dir`` and ``device`` may differ.
-        out: the run folder (default ``runs/generalisation-<timestamp>``); it must not
-            already hold a run. Not with ``resume``.
-        resume: an interrupted run folder: its finished (model, seed) pairs are read back,
-            the others trained from scratch.
-        data: the subsets already loaded by :func:`load_data` (default: load them here);
-            their sizes must be the config's.
-        device: overrides ``cfg.device``.
-        progress: show progress bars.
-        download: download CIFAR-10 when no copy is found.
-
-    Returns:
-        The run folder and its summary (the content of ``summary.json``): ``runs`` (per
-        (model, seed): parameters, entries, seconds, ``history`` of every evaluation),
-        ``rows`` (per (model, epoch), averaged over seeds, accuracies in percent) and
-        ``gaps`` (per model: the gap after the first and the last epoch).
-    """
-    start = time.perf_counter()
-    device = resolve_device(cfg.device) if device is None else torch.device(device)
-    if data is None:
-        data = load_data(cfg, download=download)
-    sizes = (len(data.y_train), len(data.y_test))
-    if sizes != (cfg.train_size, cfg.test_size):
-        raise ValueError(
-            f"the data has {sizes[0]} train / {sizes[1]} test images, the config asks for "
-            f"{cfg.train_size} / {cfg.test_size}; pass load_data(cfg) or no data"
-        )
-    run = open_run(EXPERIMENT, cfg, out=out, resume=resume, device=device)
-    summary: dict[str, Any] = {
-        "experiment": EXPERIMENT, "complete": False,
-        "data": {**data.describe(), "provenance": data_provenance(data.source),
-                 "data_seed": cfg.data_seed},
-        "parametric_entries": cfg.entries, "runs": [],
-    }  # fmt: skip
-    tensors = tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test))
-    idx = _train_sample(cfg.train_size, cfg.train_eval_size, cfg.data_seed).to(device)  # (K,)
+def _sub_runs(cfg: GeneralisationConfig, data: CifarData, session: Session) -> Iterator:
+    """Both models for every seed, on the same tensors and training sample."""
+    tensors = tuple(t.to(session.device)
+                    for t in (data.x_train, data.y_train, data.x_test, data.y_test))
+    idx = _train_sample(cfg.train_size, cfg.train_eval_size, cfg.data_seed).to(session.device)
     fit = (tensors[0][idx], tensors[1][idx])  # (K, 3072), (K,)
-    summary["data"]["train_eval_size"] = len(idx)
+    for seed in cfg.seeds:
+        for name in MODELS:
+            yield f"{name}-seed{seed}", partial(_train, name, seed, cfg, tensors, fit, session)
 
-    with run.resumable(f"rcdl reproduce {EXPERIMENT}", cfg.data_dir):
-        for seed in cfg.seeds:
-            for name in MODELS:
-                train = partial(_train, name, seed, cfg, tensors, fit, run, device, progress)
-                summary["runs"].append(run.sub_run(f"{name}-seed{seed}", train))
-                summary["seconds"] = time.perf_counter() - start
-                run.write_summary(summary)
-                release_memory(device)
 
+def _start(cfg: GeneralisationConfig, data: CifarData) -> dict[str, Any]:
+    summary = cifar_summary(cfg, data)
+    summary["data"]["train_eval_size"] = min(cfg.train_eval_size, cfg.train_size)
+    return {**summary, "parametric_entries": cfg.entries}
+
+
+def _finish(cfg: GeneralisationConfig, summary: dict[str, Any]) -> None:
     summary["rows"] = epoch_rows(summary["runs"], cfg.epochs)
     summary["gaps"] = gap_change(summary["rows"], cfg.epochs)
-    summary["complete"] = True
-    summary["seconds"] = time.perf_counter() - start
-    report = write_report(run, cfg, summary, device)
-    run.write_summary(summary)
-    print("\n" + report, end="")
-    print(f"Run time {summary['seconds']:.1f} s. Run folder: {run.path}")
-    return run, summary
+
+
+def run_generalisation(cfg: GeneralisationConfig, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
+    """Train both models for every seed (:func:`rcdl.app.runner.run_experiment`, which
+    takes ``out``, ``resume``, ``data``, ``device``, ``progress``, ``download``).
+
+    The summary adds ``parametric_entries``, ``rows`` (per (model, epoch), averaged over
+    seeds, accuracies in percent) and ``gaps`` (per model: the gap after the first and the
+    last epoch); each of ``runs`` holds parameters, entries, seconds and the ``history`` of
+    every evaluation."""
+    return run_experiment(EXPERIMENT_SPEC, cfg, **kw)
 
 
 # --------------------------------------------------------------------------- reporting
-
-
-def _mean_sd(values: list[float]) -> tuple[float, float | None]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
 def epoch_rows(runs: list[dict[str, Any]], epochs: int) -> list[dict[str, Any]]:
@@ -386,7 +276,7 @@ def epoch_rows(runs: list[dict[str, Any]], epochs: int) -> list[dict[str, Any]]:
                 values = [scale * (h["train_acc"] - h["test_acc"] if key == "gap" else h[key])
                           for h in at]  # fmt: skip
                 suffix = "_pct" if scale == 100 else ""
-                row[f"{key}{suffix}"], row[f"{key}{suffix}_sd"] = _mean_sd(values)
+                row[f"{key}{suffix}"], row[f"{key}{suffix}_sd"] = mean_sd(values)
             n = rs[0]["samples"] // rs[0]["epochs"]
             row["entries_per_layer"] = (INITIAL_ENTRIES + epoch * n if rs[0]["entries"]
                                         is not None else None)  # fmt: skip
@@ -406,10 +296,6 @@ def gap_change(rows: list[dict[str, Any]], epochs: int) -> dict[str, dict[str, f
     return gaps
 
 
-def _pm(mean: float, sd: float | None, digits: int) -> str:
-    return f"{mean:.{digits}f}" if sd is None else f"{mean:.{digits}f} ± {sd:.{digits}f}"
-
-
 def results_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of :func:`epoch_rows`: one line per epoch, both models side by
     side (train acc., test acc., gap, test loss)."""
@@ -420,25 +306,12 @@ def results_table(rows: list[dict[str, Any]]) -> str:
         cells = []
         for m in names:
             r = next(r for r in rows if r["model"] == m and r["epoch"] == epoch)
-            cells += [_pm(r["train_acc_pct"], r["train_acc_pct_sd"], 2),
-                      _pm(r["test_acc_pct"], r["test_acc_pct_sd"], 2),
-                      _pm(r["gap_pct"], r["gap_pct_sd"], 2),
-                      _pm(r["test_loss"], r["test_loss_sd"], 3)]  # fmt: skip
+            cells += [pm(r["train_acc_pct"], r["train_acc_pct_sd"], 2),
+                      pm(r["test_acc_pct"], r["test_acc_pct_sd"], 2),
+                      pm(r["gap_pct"], r["gap_pct_sd"], 2),
+                      pm(r["test_loss"], r["test_loss_sd"], 3)]  # fmt: skip
         lines.append(f"| {epoch} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def results_csv(rows: list[dict[str, Any]]) -> str:
-    """The rows of :func:`epoch_rows` as CSV, one line per (model, epoch) (empty cells where
-    a value does not apply)."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    columns = list(rows[0]) if rows else []
-    writer.writerow(columns)
-    for r in rows:
-        cells = [" ".join(map(str, r[k])) if k == "seeds" else r[k] for k in columns]
-        writer.writerow(["" if v is None else v for v in cells])
-    return buf.getvalue()
 
 
 def plot_generalisation(rows: list[dict[str, Any]], path: Path, *, title: str) -> Path:
@@ -516,8 +389,19 @@ def write_report(run: RunDir, cfg: GeneralisationConfig, summary: dict[str, Any]
         "one (docs/reference.md §8; it gives no numbers).",
         f"Data: {d['source']}, {d['provenance']}.\nMachine: {describe_machine(device)}.\n",
     ])  # fmt: skip
-    atomic_write_text(report, run.file("results.md"))
-    atomic_write_text(results_csv(rows), run.file("results.csv"))
     title = f"CIFAR-10, {d['n_train']:,} training images, {cfg.epochs} epochs"
-    plot_generalisation(rows, run.file("generalisation.png"), title=title)
-    return report
+    return write_outputs(run, report, csv_text(rows), {
+        "generalisation.png": partial(plot_generalisation, rows, title=title)})
+
+
+EXPERIMENT_SPEC = Experiment(
+    name=EXPERIMENT, config=GeneralisationConfig,
+    help="parametric vs growing softmax networks over several epochs: train and test "
+    "accuracy and their gap (docs/reference.md §8)",
+    description="The growing gws network (writing entries every epoch) against the same "
+    "architecture with its key/value/weight tables trained as parameters by Adam, over "
+    "several epochs on a CIFAR-10 subset. Writes results.md, results.csv and "
+    "generalisation.png. See docs/generalisation.md.",
+    sub_runs=_sub_runs, report=write_report, load_data=load_data, start=_start,
+    finish=_finish,
+)  # fmt: skip

@@ -1,0 +1,188 @@
+"""One runner for every experiment: device, data, run folder, sub-runs, resume, report.
+
+An experiment is declared once, as an :class:`Experiment`: its name and config class, and
+the few functions that are its own: which sub-runs it has and how one trains
+(``sub_runs``), what its summary adds before and after training (``start``, ``finish``),
+and its report (``report``). :func:`run_experiment` does everything else, the same way for
+all of them:
+
+1. resolve the device (``cfg.device`` unless given) and load the data (unless given; a
+   given data set must have the config's sizes);
+2. open the run folder: a new one (``out``, default ``runs/<name>-<timestamp>``) or the
+   interrupted one at ``resume``, whose saved config must equal ``cfg`` except for
+   ``data_dir`` and ``device`` (:func:`rcdl.app.rundir.open_run`); under ``torchrun`` rank 0
+   writes it (:func:`rcdl.app.rundir.rank0_run`);
+3. train each sub-run through :meth:`rcdl.app.rundir.RunDir.sub_run`, which saves its
+   result in ``finished.json`` at once, so a resumed run skips it; the summary is rewritten
+   after each one, and an interrupt prints the command that continues the run;
+4. ``finish`` the summary (tables' rows, verdicts), write the report, print it.
+
+The command line (:mod:`rcdl.app.cli`) builds each experiment's flags from its config and
+calls :func:`run_experiment`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rcdl.app.rundir import (
+    RunDir,
+    open_run,
+    rank0_run,
+    release_memory,
+    resolve_device,
+)
+
+__all__ = ["Experiment", "Session", "TaggedLog", "check_sizes", "cifar_summary",
+           "run_experiment"]  # fmt: skip
+
+SubRuns = Iterable[tuple[str, Callable[[], Mapping[str, Any]]]]
+
+
+class TaggedLog:
+    """Hands the trainer's records to the run's ``metrics.jsonl`` with ``tags`` first (e.g.
+    ``model`` and ``seed``), replacing any field of the record the tags name."""
+
+    def __init__(self, run: RunDir, **tags: Any) -> None:
+        self.run, self.tags = run, tags
+
+    def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None:
+        rest = {k: v for k, v in {**(record or {}), **fields}.items() if k not in self.tags}
+        self.run.log({**self.tags, **rest})
+
+
+@dataclass(frozen=True)
+class Session:
+    """What a sub-run needs from the runner: the run folder, the device, whether to show
+    progress bars."""
+
+    run: RunDir
+    device: torch.device
+    progress: bool
+
+    def log(self, **tags: Any) -> TaggedLog:
+        """A log for the trainer that tags each record (e.g. ``log(model=name, seed=0)``)."""
+        return TaggedLog(self.run, **tags)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """An experiment: what the runner and the command line need to know of it.
+
+    Attributes:
+        name: the command (``rcdl reproduce NAME``) and the run folders' prefix.
+        config: its :class:`rcdl.app.config.ExperimentConfig` subclass.
+        help: one line for ``rcdl reproduce --help``.
+        description: the command's ``--help`` text.
+        sub_runs: ``sub_runs(cfg, data, session)`` yields ``(name, train)`` in training
+            order; ``train()`` returns the sub-run's result (a JSON-able dict).
+        report: ``report(run, cfg, summary, device)`` writes the tables and figures and
+            returns the markdown.
+        load_data: ``load_data(cfg, download=)``; ``None`` for an experiment without data
+            files (its data is made by ``sub_runs``).
+        start: ``start(cfg, data)``, the summary's keys known before training (default:
+            the data's description, :func:`cifar_summary`).
+        finish: ``finish(cfg, summary)`` adds what is computed from all sub-runs (rows,
+            verdicts) to the summary.
+        switches: extra on/off flags, ``{flag name: (help, settings it sets)}``.
+        shards: under ``torchrun`` the growing stores are sharded over the ranks (else a
+            multi-process launch is refused).
+    """
+
+    name: str
+    config: type
+    help: str
+    description: str
+    sub_runs: Callable[[Any, Any, Session], SubRuns]
+    report: Callable[[RunDir, Any, dict[str, Any], torch.device], str]
+    load_data: Callable[..., Any] | None = None
+    start: Callable[[Any, Any], Mapping[str, Any]] | None = None
+    finish: Callable[[Any, dict[str, Any]], None] | None = None
+    switches: Mapping[str, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
+    shards: bool = False
+
+
+def check_sizes(cfg: Any, data: Any) -> None:
+    """A data set passed in must have the sizes the config asks for (``None``: all)."""
+    sizes = (len(data.y_train), len(data.y_test))
+    asked = (cfg.train_size, cfg.test_size)
+    if any(want is not None and want != have for want, have in zip(asked, sizes, strict=True)):
+        raise ValueError(f"the data has {sizes[0]} train / {sizes[1]} test images, the config "
+                         f"asks for {asked[0]} / {asked[1]}; pass load_data(cfg) or no data")
+
+
+def cifar_summary(cfg: Any, data: Any) -> dict[str, Any]:
+    """The summary's ``data`` entry: what the data set is, where it came from, its seed."""
+    from rcdl.app.cifar import data_provenance
+
+    return {"data": {**data.describe(), "provenance": data_provenance(data.source),
+                     "data_seed": cfg.data_seed}}  # fmt: skip
+
+
+def run_experiment(
+    experiment: Experiment,
+    cfg: Any,
+    *,
+    out: str | Path | None = None,
+    resume: str | Path | None = None,
+    data: Any = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    download: bool = True,
+) -> tuple[RunDir, dict[str, Any]]:
+    """Run ``experiment`` with ``cfg`` into a new run folder, or continue the one at
+    ``resume``; write and print the report.
+
+    Args:
+        cfg: the settings; to resume, the run's own (:func:`rcdl.app.rundir.read_config`),
+            where only ``data_dir`` and ``device`` may differ.
+        out: the run folder (default ``runs/<name>-<timestamp>``); it must not already hold
+            a run. Not with ``resume``.
+        resume: an interrupted run folder: its finished sub-runs are read back, the others
+            trained from scratch.
+        data: the data already loaded by the experiment's ``load_data`` (default: load it
+            here); its sizes must be the config's.
+        device: overrides ``cfg.device``.
+        progress: show progress bars.
+        download: download the data set when no copy is found.
+
+    Returns:
+        The run folder and its summary (the content of ``summary.json``): ``experiment``,
+        ``complete``, what ``start`` gave, ``runs`` (each sub-run's result, in order), what
+        ``finish`` added, and ``seconds``.
+    """
+    began = time.perf_counter()
+    device = resolve_device(cfg.device) if device is None else torch.device(device)
+    if experiment.load_data is not None:
+        if data is None:
+            data = experiment.load_data(cfg, download=download)
+        else:
+            check_sizes(cfg, data)
+    run = rank0_run(partial(open_run, experiment.name, cfg, out=out, resume=resume,
+                            device=device))  # fmt: skip
+    start = experiment.start or cifar_summary
+    summary: dict[str, Any] = {"experiment": experiment.name, "complete": False,
+                               **start(cfg, data), "runs": []}  # fmt: skip
+    session = Session(run, device, progress)
+    with run.resumable(f"rcdl reproduce {experiment.name}", getattr(cfg, "data_dir", None)):
+        for name, train in experiment.sub_runs(cfg, data, session):
+            summary["runs"].append(run.sub_run(name, train))
+            summary["seconds"] = time.perf_counter() - began
+            run.write_summary(summary)
+            release_memory(device)
+    if experiment.finish is not None:
+        experiment.finish(cfg, summary)
+    summary["complete"] = True
+    summary["seconds"] = time.perf_counter() - began
+    report = experiment.report(run, cfg, summary, device)
+    run.write_summary(summary)
+    print("\n" + report, end="")
+    print(f"Run time {summary['seconds']:.1f} s. Run folder: {run.path}")
+    return run, summary
