@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from rcdl import MLP, AgeCoefficients, Grower, to_dual_form
+from rcdl import MLP, Grower, to_dual_form
+from rcdl.age import AgeCoefficients
 
 SETTINGS = [
     pytest.param({}, id="plain"),

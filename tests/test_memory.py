@@ -17,10 +17,9 @@ from rcdl import (
     GrowingSoftmax,
     GrowingSoftmaxNet,
     MemoryBudget,
-    contribution_scores,
-    naive_attention,
 )
-from rcdl.memory import merge_into_nearest
+from rcdl.kernels import naive_attention
+from rcdl.memory import contribution_scores, merge_into_nearest
 from rcdl.rules import FunctionalSGD
 
 POLICIES = [*EVICTION_POLICIES, *(f"{p}+merge" for p in EVICTION_POLICIES)]

@@ -226,3 +226,41 @@ def test_epochs_must_be_positive():
     with pytest.raises(ValueError, match="epochs must be >= 1, got 8, 50 and 0"):
         train_one_pass(_linear(), DATA, batch_size=8, epochs=0, progress=False,
                        optimizer=torch.optim.SGD(_linear().parameters(), lr=0.1))  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the loop's pieces
+
+
+def test_schedule_steps_cover_every_sample_once_per_epoch():
+    from rcdl.training import Schedule, epoch_permutation
+
+    schedule = Schedule(n=10, batch_size=4, epochs=2, seed=3)
+    assert (schedule.steps_per_epoch, schedule.steps) == (3, 6)
+    assert [schedule.seen(s) for s in range(7)] == [0, 4, 8, 10, 14, 18, 20]
+    batches = list(schedule.batches(0))
+    assert [s for s, _ in batches] == list(range(6))
+    for epoch in range(2):
+        order = torch.cat([idx for s, idx in batches if s // 3 == epoch])
+        assert torch.equal(order, epoch_permutation(10, 3, epoch))
+    later = list(schedule.batches(4))  # a resumed loop starts mid-epoch with the same batches
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(later, batches[4:], strict=True))
+    assert [schedule.ends_epoch(s) for s in range(7)] == [True, False, False, True, False,
+                                                          False, True]
+
+
+def test_checkpointer_saves_between_steps_only_and_refuses_another_run(tmp_path):
+    from rcdl.training import Checkpointer
+
+    model = nn.Linear(2, 1)
+    saver = Checkpointer(tmp_path / "c.pt", 2, {"name": "m", "seed": 0}, model, None, None)
+    assert [s for s in range(1, 7) if saver.due(s, 6)] == [2, 4]  # never after the last step
+    assert saver.restore() is None
+    saver.save({"step": 2, "history": []})
+    other = Checkpointer(tmp_path / "c.pt", 2, {"name": "m", "seed": 1}, nn.Linear(2, 1), None,
+                         None)  # fmt: skip
+    with pytest.raises(ValueError, match="different run: seed=0"):
+        other.restore()
+    fresh = nn.Linear(2, 1)
+    again = Checkpointer(tmp_path / "c.pt", 2, {"name": "m", "seed": 0}, fresh, None, None)
+    assert again.restore() == {"step": 2, "history": []}
+    assert torch.equal(fresh.weight, model.weight)

@@ -1,8 +1,34 @@
-"""rcdl — Retrieval-Centric Deep Learning: growing nonparametric networks in PyTorch."""
+"""rcdl — Retrieval-Centric Deep Learning: growing nonparametric networks in PyTorch.
+
+The front page: what a user builds models from (docs/ has the maths of each).
+
+Layers (one store of (weight, key, value) entries each; docs/reference.md §2–3)
+    GrowingLinear, GrowingRBF, GrowingSoftmax, HybridSoftmax, ParametricSoftmax,
+    GrowingLayer (their base), growing_layers (a model's growing layers)
+Networks (the residual backbone of docs/reference.md §6 and the baselines)
+    GrowingRBFNet, GrowingSoftmaxNet, HybridSoftmaxNet, ParametricSoftmaxNet, ResNetMLP,
+    ResidualNet, MLP, ViT, mlp_vit, rcdl_vit, growing_softmax_net, hybrid_softmax_net,
+    to_dual_form, from_dual_form (the linear dual form and back)
+Learning rules and growth (what writes entries after each backward)
+    FunctionalSGD, ClippedSoftmaxRule, GaugeSoftmaxRule, LearningRule, Grower,
+    HybridGrower, EntryAdam, DistanceGate, AlwaysGrow, CapacityGate, ErrorScaledGate
+Memory and precision
+    MemoryBudget, EVICTION_POLICIES, set_store_dtype, EntryStore
+Retrieval (approximate, opt-in; docs/retrieval.md)
+    use_topk, use_exact
+Optimizers from dual forms (docs/reference.md §7)
+    FOOF, DeltaNetDecay
+Training
+    train_one_pass, evaluate
+
+Internals stay importable from their modules and are not listed here: the streaming
+attention and its partials (:mod:`rcdl.attention`), kernels and the dense reference
+(:mod:`rcdl.kernels`), age coefficients (:mod:`rcdl.age`), sharding
+(:mod:`rcdl.distributed`), indices (:mod:`rcdl.retrieval`). The experiments and the
+``rcdl`` command live in :mod:`rcdl.app`, which the library never imports.
+"""
 
 from rcdl._version import __version__
-from rcdl.age import AgeCoefficients
-from rcdl.attention import Partial, attention, attention_partial, finalize, merge_partials
 from rcdl.dual_optim import FOOF, DeltaNetDecay
 from rcdl.grower import Grower
 from rcdl.hybrid import (
@@ -14,7 +40,6 @@ from rcdl.hybrid import (
     HybridGrower,
     HybridSoftmax,
 )
-from rcdl.kernels import KERNELS, Kernel, naive_attention
 from rcdl.layers import (
     GrowingLayer,
     GrowingLinear,
@@ -24,7 +49,7 @@ from rcdl.layers import (
     growing_layers,
     set_store_dtype,
 )
-from rcdl.memory import EVICTION_POLICIES, MemoryBudget, contribution_scores
+from rcdl.memory import EVICTION_POLICIES, MemoryBudget
 from rcdl.networks import (
     MLP,
     GrowingRBFNet,
@@ -33,65 +58,36 @@ from rcdl.networks import (
     ParametricSoftmaxNet,
     ResidualNet,
     ResNetMLP,
-    RMSNorm,
     from_dual_form,
     growing_softmax_net,
     hybrid_softmax_net,
     to_dual_form,
 )
+from rcdl.retrieval import use_exact, use_topk
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule, LearningRule
 from rcdl.store import EntryStore
+from rcdl.training import evaluate, train_one_pass
 from rcdl.vit import ViT, mlp_vit, rcdl_vit
 
 __all__ = [
-    "AgeCoefficients",
-    "AlwaysGrow",
-    "CapacityGate",
-    "ClippedSoftmaxRule",
-    "DeltaNetDecay",
-    "DistanceGate",
-    "EVICTION_POLICIES",
-    "EntryAdam",
-    "EntryStore",
-    "ErrorScaledGate",
-    "FOOF",
-    "FunctionalSGD",
-    "GaugeSoftmaxRule",
-    "Grower",
-    "GrowingLayer",
-    "GrowingLinear",
-    "GrowingRBF",
-    "GrowingRBFNet",
-    "GrowingSoftmax",
-    "GrowingSoftmaxNet",
-    "HybridGrower",
-    "HybridSoftmax",
-    "HybridSoftmaxNet",
-    "KERNELS",
-    "Kernel",
-    "LearningRule",
-    "MLP",
-    "MemoryBudget",
-    "ParametricSoftmax",
-    "ParametricSoftmaxNet",
-    "Partial",
-    "RMSNorm",
-    "ResNetMLP",
-    "ResidualNet",
-    "ViT",
     "__version__",
-    "attention",
-    "attention_partial",
-    "contribution_scores",
-    "finalize",
-    "growing_layers",
-    "growing_softmax_net",
-    "set_store_dtype",
-    "hybrid_softmax_net",
-    "merge_partials",
-    "mlp_vit",
-    "naive_attention",
-    "rcdl_vit",
-    "from_dual_form",
-    "to_dual_form",
-]
+    # layers
+    "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "HybridSoftmax",
+    "ParametricSoftmax", "growing_layers",
+    # networks
+    "GrowingRBFNet", "GrowingSoftmaxNet", "HybridSoftmaxNet", "MLP", "ParametricSoftmaxNet",
+    "ResNetMLP", "ResidualNet", "ViT", "from_dual_form", "growing_softmax_net",
+    "hybrid_softmax_net", "mlp_vit", "rcdl_vit", "to_dual_form",
+    # learning rules and growth
+    "AlwaysGrow", "CapacityGate", "ClippedSoftmaxRule", "DistanceGate", "EntryAdam",
+    "ErrorScaledGate", "FunctionalSGD", "GaugeSoftmaxRule", "Grower", "HybridGrower",
+    "LearningRule",
+    # memory and precision
+    "EVICTION_POLICIES", "EntryStore", "MemoryBudget", "set_store_dtype",
+    # retrieval
+    "use_exact", "use_topk",
+    # optimizers from dual forms
+    "DeltaNetDecay", "FOOF",
+    # training
+    "evaluate", "train_one_pass",
+]  # fmt: skip

@@ -31,7 +31,7 @@ from rcdl.rules import FunctionalSGD, LearningRule
 
 __all__ = [
     "MLP", "GrowingRBFNet", "GrowingSoftmaxNet", "HybridSoftmaxNet", "ParametricSoftmaxNet",
-    "RMSNorm", "ResNetMLP", "ResidualNet", "from_dual_form", "growing_softmax_net",
+    "ResNetMLP", "ResidualNet", "from_dual_form", "growing_softmax_net", "rms_norm",
     "hybrid_softmax_net", "lecun_normal_", "to_dual_form",
 ]
 
@@ -60,15 +60,10 @@ class MLP(nn.Sequential):
         super().__init__(*layers, nn.Linear(widths[-1], d_out))
 
 
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x²) + eps)`` over the last dim, no learned scale (docs/reference.md §6)."""
-
-    def __init__(self, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+def rms_norm(width: int) -> nn.RMSNorm:
+    """``x / sqrt(mean(x²) + eps)`` over the last dim of width ``width``, eps 1e−6, no
+    learned scale (docs/reference.md §6): ``torch.nn.RMSNorm`` without its affine weight."""
+    return nn.RMSNorm(width, eps=1e-6, elementwise_affine=False)
 
 
 class ResidualNet(nn.Module):
@@ -86,7 +81,7 @@ class ResidualNet(nn.Module):
                  width: int | None = None, act: str = "identity", seed: int = 0) -> None:
         super().__init__()
         width = width or d_in
-        self.norm = RMSNorm()
+        self.norm = rms_norm(width)
         self.act = _activation(act)
         self.blocks = nn.ModuleList(make_block(width) for _ in range(depth))
         self.readout = make_readout(width, d_out)

@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,7 +36,8 @@ from rcdl.layers import growing_layers
 from rcdl.retrieval import load_retrieval_state, retrieval_state
 from rcdl.store import format_bytes
 
-__all__ = ["GrowerLike", "accuracy", "epoch_permutation", "evaluate", "train_one_pass"]
+__all__ = ["Checkpointer", "Evaluator", "GrowerLike", "MetricLog", "Schedule", "accuracy",
+           "epoch_permutation", "evaluate", "train_one_pass"]
 
 Metric = Callable[[Tensor, Tensor], Tensor]  # (predictions, targets) -> scalar
 # the keys of an evaluation record besides the metrics (see ``train_one_pass``)
@@ -122,22 +124,215 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> Tensor:
     return torch.randperm(n, generator=gen)
 
 
-def _load_checkpoint(path: Path, model, optimizer, grower,  # noqa: ANN001
-                     expected: dict[str, Any]) -> dict[str, Any]:
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    for key, value in expected.items():
-        if state["run"].get(key) != value:
-            raise ValueError(
-                f"checkpoint {path} was written by a different run: {key}={state['run'].get(key)!r}"
-                f", this run has {value!r}; delete it or use another checkpoint path"
-            )
-    model.load_state_dict(state["model"])
-    load_retrieval_state(model, state.get("retrieval"))  # top-k indices (docs/retrieval.md)
+@dataclass(frozen=True)
+class Schedule:
+    """The step arithmetic of ``epochs`` passes over ``n`` samples in batches of
+    ``batch_size``: global step ``s`` is batch ``t = s mod S`` of epoch ``e = s div S``
+    (``S`` steps per epoch), samples ``perm_e[t·B : (t+1)·B]`` with ``perm_e =
+    epoch_permutation(n, seed, e)``."""
+
+    n: int
+    batch_size: int
+    epochs: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    @property
+    def steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    def seen(self, step: int) -> int:
+        """Samples seen after ``step`` steps, all epochs."""
+        done, t = divmod(step, self.steps_per_epoch)
+        return done * self.n + min(t * self.batch_size, self.n)
+
+    def batches(self, start: int) -> Iterator[tuple[int, Tensor]]:
+        """``(step, sample indices (B,))`` from step ``start`` to the end."""
+        perm, perm_epoch = None, None
+        for step in range(start, self.steps):
+            epoch, t = divmod(step, self.steps_per_epoch)
+            if epoch != perm_epoch:
+                perm, perm_epoch = epoch_permutation(self.n, self.seed, epoch), epoch  # (N,)
+            yield step, perm[t * self.batch_size : (t + 1) * self.batch_size]
+
+    def ends_epoch(self, step: int) -> bool:
+        """Whether ``step`` steps done is the end of an epoch."""
+        return step % self.steps_per_epoch == 0
+
+
+def _new_loop() -> dict[str, Any]:
+    """The loop's whole state besides the model and optimizer: what a checkpoint holds."""
+    return {"step": 0, "history": [], "clock": {"train": 0.0, "eval": 0.0},
+            "loss_sum": 0.0, "loss_count": 0, "last_loss": None}  # fmt: skip
+
+
+class Checkpointer:
+    """Saves the loop's whole state (model, optimizer, grower, top-k indices, the loop's
+    counters) to ``path`` atomically every ``every`` steps, and restores it at the start of
+    a run that finds the file; a checkpoint written by another run (``identity``: name,
+    seed, batch size, training samples) is refused. With a sharded store every rank writes
+    its own file and rank 0 lists them in ``<name>.manifest.json``."""
+
+    def __init__(self, path: str | Path, every: int, identity: dict[str, Any], model: nn.Module,
+                 optimizer: torch.optim.Optimizer | None, grower: Any) -> None:  # fmt: skip
+        self.path, self.every, self.identity = Path(path), every, identity
+        self.model, self.optimizer, self.grower = model, optimizer, grower
+
+    def restore(self) -> dict[str, Any] | None:
+        """The saved loop state after loading the rest into the model and learners; None if
+        there is no checkpoint."""
+        if not self.path.exists():
+            return None
+        state = torch.load(self.path, map_location="cpu", weights_only=False)
+        for key, value in self.identity.items():
+            if state["run"].get(key) != value:
+                raise ValueError(
+                    f"checkpoint {self.path} was written by a different run: "
+                    f"{key}={state['run'].get(key)!r}, this run has {value!r}; delete it or "
+                    "use another checkpoint path"
+                )
+        self.model.load_state_dict(state["model"])
+        load_retrieval_state(self.model, state.get("retrieval"))  # top-k (docs/retrieval.md)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if (self.grower is not None and state.get("grower") is not None
+                and hasattr(self.grower, "state_dict")):  # fmt: skip
+            self.grower.load_state_dict(state["grower"])
+        return state["loop"]
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether to save after ``step`` steps (never after the last: the result is saved)."""
+        return step % self.every == 0 and step < steps
+
+    def save(self, loop: dict[str, Any]) -> None:
+        grower = self.grower
+        state = {
+            "run": self.identity,
+            "loop": loop,
+            "model": self.model.state_dict(),
+            "retrieval": retrieval_state(self.model),  # None unless top-k retrieval is on
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "grower": grower.state_dict() if hasattr(grower, "state_dict") else None,
+        }
+        atomic_save_torch(state, self.path)
+        if is_sharded(self.model):  # one file per rank, and rank 0 lists them in a manifest
+            rank, world = rank_and_world()
+            files = [None] * world
+            dist.all_gather_object(files, self.path.name)
+            if rank == 0:
+                manifest = {"name": self.identity["name"], "step": loop["step"],
+                            "world_size": world, "files": files}  # fmt: skip
+                atomic_write_json(manifest, self.path.with_name(
+                    f"{self.identity['name']}.manifest.json"))
+
+
+class Evaluator:
+    """Measures the test metrics (and ``on_epoch_end``'s values at epoch ends) and records
+    them: in the loop's history, in ``run`` (``metrics.jsonl``) and on the progress bar.
+    ``cached`` growing layers evaluate incrementally (:func:`train_one_pass`)."""
+
+    def __init__(self, model: nn.Module, test: tuple[Tensor, Tensor],
+                 metrics: Mapping[str, Metric], *, schedule: Schedule, batch_size: int,
+                 device: torch.device, name: str, grower: Any, run: MetricLog | None,
+                 bar: Any, on_epoch_end: Callable[[int], Mapping[str, float]] | None,
+                 cached: list) -> None:  # fmt: skip
+        self.model, self.test, self.metrics, self.schedule = model, test, metrics, schedule
+        self.batch_size, self.device, self.name, self.grower = batch_size, device, name, grower
+        self.run, self.bar, self.on_epoch_end, self.cached = run, bar, on_epoch_end, cached
+
+    def measure(self, step: int) -> dict[str, float]:
+        """The metrics after ``step`` steps, plus ``on_epoch_end``'s at an epoch's end."""
+        for layer in self.cached:
+            layer.start_evaluation()
+        values = evaluate(self.model, *self.test, self.metrics, batch_size=self.batch_size,
+                          device=self.device)  # fmt: skip
+        if self.on_epoch_end is not None and self.schedule.ends_epoch(step):
+            extra = {k: float(v) for k, v in
+                     self.on_epoch_end(step // self.schedule.steps_per_epoch).items()}
+            taken = _RECORD_KEYS.union(values).intersection(extra)
+            if taken:
+                raise ValueError(
+                    f"{self.name}: on_epoch_end returned {sorted(taken)}, names the loop's "
+                    f"records already use ({', '.join(sorted(_RECORD_KEYS.union(values)))})"
+                )
+            values |= extra
+        return values
+
+    def __call__(self, step: int, loop: dict[str, Any]) -> dict[str, float]:
+        """Measure after ``step`` steps and record it; returns the history entry."""
+        _sync(self.device)
+        t0 = time.perf_counter()
+        values = self.measure(step)
+        _sync(self.device)
+        loop["clock"]["eval"] += time.perf_counter() - t0
+        samples, n = self.schedule.seen(step), self.schedule.n
+        loop["history"].append({"step": step, "samples": samples, "epoch": samples / n, **values})
+        if loop["loss_count"]:
+            loop["last_loss"] = loop["loss_sum"] / loop["loss_count"]
+            loop["loss_sum"], loop["loss_count"] = 0.0, 0
+        entries, nbytes = _store_size(self.grower)
+        if self.run is not None:
+            self.run.log({
+                "model": self.name, "step": step, "samples": samples, "epoch": samples / n,
+                **values, "train_loss": loop["last_loss"], "entries": entries,
+                "bytes": nbytes, "train_seconds": loop["clock"]["train"],
+                "eval_seconds": loop["clock"]["eval"],
+            })  # fmt: skip
+        first = next(iter(self.metrics))
+        postfix = {first: f"{values[first]:.4g}"}
+        if self.grower is not None:
+            postfix |= {"entries": entries, "store": format_bytes(nbytes)}
+        self.bar.set_postfix(postfix, refresh=False)
+        return loop["history"][-1]
+
+
+def _store_size(grower: Any) -> tuple[int | None, int | None]:
+    """Entries and bytes the grower's stores hold (None without a grower)."""
+    if grower is None:
+        return None, None
+    return int(grower.num_entries), int(grower.nbytes)
+
+
+def _train_step(model: nn.Module, xb: Tensor, yb: Tensor, loss_fn: Metric,
+                optimizer: torch.optim.Optimizer | None, grower: Any) -> float:  # fmt: skip
+    """One step: ``loss_fn(model(xb), yb)``, backward, then the optimizer's step and/or the
+    grower's writes; returns the loss (a float: syncs the device, so clocks are honest)."""
+    loss = loss_fn(model(xb), yb)
+    loss_value = loss.item()
+    if not math.isfinite(loss_value):
+        return loss_value  # the caller names the step
+    loss.backward()
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    if grower is not None and state.get("grower") is not None and hasattr(grower, "state_dict"):
-        grower.load_state_dict(state["grower"])
-    return state["loop"]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if grower is not None:
+        grower.step()
+    return loss_value
+
+
+def _check_arguments(name: str, data: tuple, optimizer: Any, grower: Any, metrics: Mapping,
+                     batch_size: int, eval_every: int, epochs: int) -> None:  # fmt: skip
+    if optimizer is None and grower is None:
+        raise ValueError(f"{name}: give an optimizer, a grower or both; got neither")
+    if batch_size < 1 or eval_every < 1 or epochs < 1:
+        raise ValueError(
+            f"{name}: batch_size, eval_every and epochs must be >= 1, got {batch_size}, "
+            f"{eval_every} and {epochs}"
+        )
+    if not metrics:
+        raise ValueError(f"{name}: give at least one test metric")
+    x_train, y_train, x_test, y_test = data
+    if len(x_train) != len(y_train) or len(x_test) != len(y_test):
+        raise ValueError(
+            f"{name}: inputs and targets differ in length: train {len(x_train)} vs "
+            f"{len(y_train)}, test {len(x_test)} vs {len(y_test)}"
+        )
+    if len(x_train) == 0 or len(x_test) == 0:
+        raise ValueError(f"{name}: empty data set: {len(x_train)} train and {len(x_test)} test "
+                         "samples")
 
 
 def train_one_pass(
@@ -217,163 +412,54 @@ def train_one_pass(
         FloatingPointError: if a training loss is not finite (naming the step).
     """
     metrics = dict(metrics or {"test_mse": F.mse_loss})
-    if optimizer is None and grower is None:
-        raise ValueError(f"{name}: give an optimizer, a grower or both; got neither")
-    if batch_size < 1 or eval_every < 1 or epochs < 1:
-        raise ValueError(
-            f"{name}: batch_size, eval_every and epochs must be >= 1, got {batch_size}, "
-            f"{eval_every} and {epochs}"
-        )
-    if not metrics:
-        raise ValueError(f"{name}: give at least one test metric")
+    _check_arguments(name, data, optimizer, grower, metrics, batch_size, eval_every, epochs)
     x_train, y_train, x_test, y_test = data
-    if len(x_train) != len(y_train) or len(x_test) != len(y_test):
-        raise ValueError(
-            f"{name}: inputs and targets differ in length: train {len(x_train)} vs "
-            f"{len(y_train)}, test {len(x_test)} vs {len(y_test)}"
-        )
-    n = len(x_train)
-    if n == 0 or len(x_test) == 0:
-        raise ValueError(f"{name}: empty data set: {n} train and {len(x_test)} test samples")
     device = torch.device(device)
-    steps_per_epoch = math.ceil(n / batch_size)
-    steps = epochs * steps_per_epoch
-
-    def seen(step: int) -> int:  # samples seen after `step` steps, all epochs
-        done, t = divmod(step, steps_per_epoch)
-        return done * n + min(t * batch_size, n)
-
-    checkpoint_path = None if checkpoint_path is None else Path(checkpoint_path)
-    checkpoint_every = checkpoint_every or eval_every
-    identity = {"name": name, "seed": seed, "batch_size": batch_size, "train_samples": n}
-
-    # the loop's whole state besides the model and optimizer: what a checkpoint holds
-    loop: dict[str, Any] = {
-        "step": 0, "history": [], "clock": {"train": 0.0, "eval": 0.0},
-        "loss_sum": 0.0, "loss_count": 0, "last_loss": None,
-    }  # fmt: skip
-    resumed = checkpoint_path is not None and checkpoint_path.exists()
-    if resumed:
-        loop = _load_checkpoint(checkpoint_path, model, optimizer, grower, identity)
-        if loop["step"] > steps:
-            raise ValueError(
-                f"{name}: checkpoint {checkpoint_path} is at step {loop['step']}, past the "
-                f"{steps} steps of {epochs} epoch(s); delete it or train for more epochs"
-            )
-    first_metric = next(iter(metrics))
-    bar = tqdm(
-        total=epochs * n,
-        initial=seen(loop["step"]),
-        unit="sample",
-        desc=name,
-        disable=not progress,
-        dynamic_ncols=True,
-    )
-
+    schedule = Schedule(len(x_train), batch_size, epochs, seed)
+    identity = {"name": name, "seed": seed, "batch_size": batch_size, "train_samples": schedule.n}
+    checkpoints = None if checkpoint_path is None else Checkpointer(
+        checkpoint_path, checkpoint_every or eval_every, identity, model, optimizer, grower)
+    loop = None if checkpoints is None else checkpoints.restore()
+    resumed = loop is not None
+    if resumed and loop["step"] > schedule.steps:
+        raise ValueError(
+            f"{name}: checkpoint {checkpoint_path} is at step {loop['step']}, past the "
+            f"{schedule.steps} steps of {epochs} epoch(s); delete it or train for more epochs"
+        )
+    loop = loop or _new_loop()
+    bar = tqdm(total=epochs * schedule.n, initial=schedule.seen(loop["step"]), unit="sample",
+               desc=name, disable=not progress, dynamic_ncols=True)  # fmt: skip
     cached = [layer for _, layer in growing_layers(model)] if incremental_eval else []
-
-    def log_eval(step: int) -> dict[str, float]:
-        _sync(device)
-        t0 = time.perf_counter()
-        for layer in cached:
-            layer.start_evaluation()
-        values = evaluate(model, x_test, y_test, metrics, batch_size=eval_batch_size, device=device)
-        if on_epoch_end is not None and step % steps_per_epoch == 0:
-            extra = {k: float(v) for k, v in on_epoch_end(step // steps_per_epoch).items()}
-            taken = _RECORD_KEYS.union(values).intersection(extra)
-            if taken:
-                raise ValueError(
-                    f"{name}: on_epoch_end returned {sorted(taken)}, names the loop's records "
-                    f"already use ({', '.join(sorted(_RECORD_KEYS.union(values)))})"
-                )
-            values |= extra
-        _sync(device)
-        loop["clock"]["eval"] += time.perf_counter() - t0
-        samples = seen(step)
-        loop["history"].append({"step": step, "samples": samples, "epoch": samples / n, **values})
-        if loop["loss_count"]:
-            loop["last_loss"] = loop["loss_sum"] / loop["loss_count"]
-            loop["loss_sum"], loop["loss_count"] = 0.0, 0
-        entries = None if grower is None else int(grower.num_entries)
-        nbytes = None if grower is None else int(grower.nbytes)
-        record = {
-            "model": name, "step": step, "samples": samples, "epoch": samples / n, **values,
-            "train_loss": loop["last_loss"], "entries": entries, "bytes": nbytes,
-            "train_seconds": loop["clock"]["train"], "eval_seconds": loop["clock"]["eval"],
-        }  # fmt: skip
-        if run is not None:
-            run.log(record)
-        postfix = {first_metric: f"{values[first_metric]:.4g}"}
-        if grower is not None:
-            postfix |= {"entries": entries, "store": format_bytes(nbytes)}
-        bar.set_postfix(postfix, refresh=False)
-        return values
-
-    def save_checkpoint() -> None:
-        state = {
-            "run": identity,
-            "loop": loop,
-            "model": model.state_dict(),
-            "retrieval": retrieval_state(model),  # None unless top-k retrieval is on
-            "optimizer": None if optimizer is None else optimizer.state_dict(),
-            "grower": grower.state_dict() if hasattr(grower, "state_dict") else None,
-        }
-        atomic_save_torch(state, checkpoint_path)
-        if sharded:  # one file per rank, and rank 0 lists them in a manifest
-            files = [None] * world
-            dist.all_gather_object(files, checkpoint_path.name)
-            if rank == 0:
-                manifest = {"name": name, "step": loop["step"], "world_size": world,
-                            "files": files}
-                atomic_write_json(manifest, checkpoint_path.with_name(f"{name}.manifest.json"))
-
-    sharded = is_sharded(model)
-    rank, world = rank_and_world()
+    record = Evaluator(model, (x_test, y_test), metrics, schedule=schedule,
+                       batch_size=eval_batch_size, device=device, name=name, grower=grower,
+                       run=run, bar=bar, on_epoch_end=on_epoch_end, cached=cached)  # fmt: skip
     model.train()
     with bar, _eval_caches(cached):
-        if not loop["history"]:
-            log_eval(0)
-        final = loop["history"][-1]
-        perm, perm_epoch = None, None
-        for step in range(loop["step"], steps):
+        final = loop["history"][-1] if loop["history"] else record(0, loop)
+        for step, idx in schedule.batches(loop["step"]):
             t0 = time.perf_counter()
-            epoch, t = divmod(step, steps_per_epoch)
-            if epoch != perm_epoch:
-                perm, perm_epoch = epoch_permutation(n, seed, epoch), epoch  # (N,)
-            idx = perm[t * batch_size : (t + 1) * batch_size]  # (B,)
             xb, yb = x_train[idx].to(device), y_train[idx].to(device)
-            loss = loss_fn(model(xb), yb)
-            loss_value = loss.item()  # syncs the device, so the train clock is honest
+            loss_value = _train_step(model, xb, yb, loss_fn, optimizer, grower)
             if not math.isfinite(loss_value):
-                raise FloatingPointError(
-                    f"{name}: training loss is {loss_value} at step {step}")
-            loss.backward()
-            if optimizer is not None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if grower is not None:
-                grower.step()
+                raise FloatingPointError(f"{name}: training loss is {loss_value} at step {step}")
             loop["loss_sum"] += loss_value
             loop["loss_count"] += 1
             loop["step"] = step + 1
             loop["clock"]["train"] += time.perf_counter() - t0
             bar.update(len(idx))
-            if (step + 1) % eval_every == 0 or (step + 1) % steps_per_epoch == 0:
-                final = log_eval(step + 1)
-            if (
-                checkpoint_path is not None
-                and (step + 1) % checkpoint_every == 0
-                and step + 1 < steps
-            ):
-                save_checkpoint()
+            if (step + 1) % eval_every == 0 or schedule.ends_epoch(step + 1):
+                final = record(step + 1, loop)
+            if checkpoints is not None and checkpoints.due(step + 1, schedule.steps):
+                checkpoints.save(loop)
 
+    entries, nbytes = _store_size(grower)
     return {
         **{k: final[k] for k in metrics},
         "train_loss": loop["last_loss"],
-        "entries": None if grower is None else int(grower.num_entries),
-        "bytes": None if grower is None else int(grower.nbytes),
-        "steps": steps,
-        "samples": epochs * n,
+        "entries": entries,
+        "bytes": nbytes,
+        "steps": schedule.steps,
+        "samples": epochs * schedule.n,
         "epochs": epochs,
         "train_seconds": loop["clock"]["train"],
         "eval_seconds": loop["clock"]["eval"],

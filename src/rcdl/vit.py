@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rcdl.hybrid import DistanceGate, GrowthTrigger, HybridSoftmax
-from rcdl.networks import RMSNorm
+from rcdl.networks import rms_norm
 from rcdl.rules import ClippedSoftmaxRule
 
 __all__ = [
@@ -131,7 +131,7 @@ class RCDLFeedForward(nn.Module):
             raise ValueError(f"RCDLFeedForward: scale must be a finite number > 0, got {scale}")
         rule = ClippedSoftmaxRule(eta=10.0, beta=0.3) if rule is None else rule
         trigger = DistanceGate(math.sqrt(width)) if trigger is None else trigger
-        self.norm = RMSNorm()
+        self.norm = rms_norm(width)
         self.layer = HybridSoftmax(width, width, temperature=temperature, rule=rule,
                                    trigger=trigger, initial_entries=initial_entries, seed=seed)
         self.scale = scale

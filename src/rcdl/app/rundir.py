@@ -413,9 +413,12 @@ def describe_machine(device: str | torch.device) -> str:
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
-    """``"auto"`` (CUDA when available, else CPU), or the named device."""
+    """``"auto"`` (CUDA when available, else CPU), or the named device; ``ValueError`` if
+    ``"cuda"`` is asked for and torch sees no CUDA device."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(name) == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
     return torch.device(name)
 
 
