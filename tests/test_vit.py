@@ -233,17 +233,20 @@ def test_quick_paper_and_saved_configs():
 
 @pytest.mark.parametrize(
     ("settings", "message"),
-    [({"models": ("mlp", "mlp")}, "models must not repeat"),
-     ({"models": ("cnn",)}, "unknown model 'cnn'"),
+    [({"models": ("mlp", "mlp")}, "ViTConfig: models must not repeat"),
+     ({"models": ("cnn",)}, r"ViTConfig: unknown models \['cnn'\]; known: mlp, rcdl"),
+     ({"models": ()}, "ViTConfig: give at least one of models: mlp, rcdl"),
      ({"patch_size": 5}, "patch_size must divide 32, got 5"),
      ({"heads": 3}, r"heads \(3\) must divide width \(64\)"),
      ({"temperature": 0.0}, "temperature must be a finite number > 0"),
      ({"tau_rel": -1.0}, "tau_rel must be a finite number >= 0"),
      ({"train_size": 0}, "train_size must be an int >= 1, got 0"),
      ({"pool": "max"}, "pool must be one of"),
+     ({"initial_entries": -1}, "initial_entries must be an int >= 0, got -1"),
+     ({"seeds": (0, -1)}, "each seed must be an int >= 0, got -1"),
      ({"device": "tpu"}, "device must be one of")],
-    ids=["repeated-model", "unknown-model", "patch", "heads", "temperature", "tau",
-         "empty-subset", "pool", "device"],
+    ids=["repeated-model", "unknown-model", "no-model", "patch", "heads", "temperature",
+         "tau", "empty-subset", "pool", "initial-entries", "seed", "device"],
 )  # fmt: skip
 def test_bad_config_names_the_problem(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -40,12 +40,9 @@ interrupted.
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import statistics
-import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -57,136 +54,101 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from rcdl.app.cifar import CifarData, load_cifar
-from rcdl.app.experiments.cifar10 import data_provenance
-from rcdl.app.rundir import (
-    RunDir,
-    atomic_write_text,
-    config_from_dict,
-    describe_machine,
-    open_run,
-    release_memory,
-    resolve_device,
-    save_figure,
-)
+from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
+from rcdl.app.rundir import RunDir, describe_machine, save_figure
+from rcdl.app.runner import Experiment, Session, TaggedLog, cifar_summary, run_experiment
 from rcdl.grower import Grower
 from rcdl.hybrid import EntryAdam, hybrid_layers
 from rcdl.rules import ClippedSoftmaxRule
 from rcdl.training import accuracy, train_one_pass
 from rcdl.vit import ViT, mlp_vit, rcdl_vit
 
-__all__ = ["EXPERIMENT", "MODELS", "PAPER", "ViTConfig", "build_model", "load_data", "run_vit"]
+__all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "MODELS", "PAPER", "ViTConfig", "build_model",
+           "load_data", "run_vit"]  # fmt: skip
 
 EXPERIMENT = "vit"
 MODELS = {"mlp": "ViT, MLP feed-forward blocks", "rcdl": "ViT, RCDL feed-forward blocks"}
-# docs/reference.md §8: one epoch, full CIFAR-10, test accuracy in %
+# docs/reference.md §8: one epoch, full CIFAR-10, test accuracy in % (ViTConfig.PAPER is
+# the paper-scale settings)
 PAPER = {"mlp": 48.4, "rcdl": 54.4}
 _METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}
-_DEVICES = ("auto", "cpu", "cuda")
-_POOLS = ("cls", "mean")
+_CSV_COLUMNS = ("model", "seed", "test_acc", "test_loss", "train_loss", "entries",
+                "entries_per_layer", "bytes", "parameters", "train_seconds",
+                "eval_seconds")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the config
 
 
 @dataclass(frozen=True)
-class ViTConfig:
+class ViTConfig(ExperimentConfig):
     """Settings of the ViT comparison (docs/reference.md §8).
 
     The defaults follow the paper's protocol (one pass over all 50 000 training images, all
     10 000 test images) with a ViT small enough for this project's two shared CPU cores:
     patch 8 (17 tokens), width 64, 4 blocks; both models together in an estimated 15
-    minutes at one thread (docs/vit.md). :meth:`quick` is a smoke test; :meth:`paper` a
-    larger ViT (the paper's ViT size is not given in docs/reference.md).
+    minutes at one thread (docs/vit.md). The patch side must divide 32 and the heads the
+    width.
 
-    Attributes:
-        models: names from :data:`MODELS`, trained in this order.
-        train_size, test_size: random subsets of that many images (``None``: all 50 000 /
-            10 000); they depend on ``data_seed`` only.
-        seeds: each model is trained once per seed; a seed fixes the initialisation (the
-            same for the shared parts of both models) and the order of the images.
-        patch_size: ``p``; ``(32 / p)²`` patch tokens per image, plus the class token.
-        width, depth, heads: ``d``, transformer blocks, attention heads.
-        pool: ``"cls"`` (class token) or ``"mean"`` (mean over the tokens).
-        mlp_ratio: hidden width of the standard FFN, ``mlp_ratio · d``.
-        temperature: T of the RCDL layers; logits are ``⟨q, k⟩ / (T √d)`` with
-            ``‖q‖ = √d``, so they range over ``±√d / T`` (4 at the defaults).
-        tau_rel: the distance gate's threshold relative to the token norm,
-            ``τ = tau_rel · √d`` (docs/reference.md §6's τ = 50 at d = 3072 is 0.90 √d).
-        eta, beta: the gws rule's η and β (per-sample units, docs/reference.md §3).
-        initial_entries: entries each RCDL layer starts with (docs/reference.md §6: 16).
-        ffn_scale: fixed scale γ of the RCDL FFN's output.
-        lr: Adam's learning rate for both models (entries and parameters alike).
-        batch_size: images per step (docs/reference.md §6: 16).
-        eval_every: steps between test evaluations (also at the start and the end).
-        eval_batch_size: test images per prediction batch.
-        data_dir: folder holding ``cifar10.npz`` or the official files (``None``: search
-            ``$RCDL_DATA``, then the cache).
-        data_seed: seed of the subsets.
-        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+    ``--quick`` (:meth:`quick`): 500 train / 200 test images, width 32, two blocks, two
+    heads, an evaluation every 10 steps: a smoke test (seconds; the numbers mean little at
+    this size). ``--paper`` (:meth:`paper`): all of CIFAR-10 (50 000 / 10 000 images),
+    patch 4 (65 tokens), width 128, 6 blocks, 4 heads, T scaled with the width so that
+    ``√d / T`` stays 4. docs/reference.md does not give the paper's ViT size; this is a
+    common small CIFAR ViT, not the paper's model. It needs a GPU (hours on this project's
+    CPUs; see docs/vit.md).
     """
 
-    models: tuple[str, ...] = tuple(MODELS)
-    train_size: int | None = None
-    test_size: int | None = None
-    seeds: tuple[int, ...] = (0,)
-    patch_size: int = 8
-    width: int = 64
-    depth: int = 4
-    heads: int = 4
-    pool: str = "cls"
-    mlp_ratio: int = 4
-    temperature: float = 2.0
-    tau_rel: float = 1.0
-    eta: float = 10.0
-    beta: float = 0.3
-    initial_entries: int = 16
-    ffn_scale: float = 1.0
-    lr: float = 1e-3
-    batch_size: int = 16
-    eval_every: int = 500
-    eval_batch_size: int = 250
-    data_dir: str | None = None
-    data_seed: int = 0
-    device: str = "auto"
+    QUICK = {"train_size": 500, "test_size": 200, "width": 32, "depth": 2, "heads": 2,
+             "eval_every": 10}  # fmt: skip
+    PAPER = {"train_size": None, "test_size": None, "patch_size": 4, "width": 128,
+             "depth": 6, "heads": 4, "temperature": math.sqrt(128) / 4}  # fmt: skip
 
-    def __post_init__(self) -> None:
-        # lists (from JSON or argparse) become tuples, paths strings, so configs compare equal
-        object.__setattr__(self, "models", tuple(self.models))
-        object.__setattr__(self, "seeds", tuple(self.seeds))
-        if self.data_dir is not None:
-            object.__setattr__(self, "data_dir", str(self.data_dir))
-        if not self.models:
-            raise ValueError("ViTConfig: give at least one model")
-        for name in self.models:
-            if name not in MODELS:
-                raise ValueError(f"ViTConfig: unknown model {name!r}; known: {', '.join(MODELS)}")
-        for what, items in (("models", self.models), ("seeds", self.seeds)):
-            if len(set(items)) != len(items):
-                raise ValueError(f"ViTConfig: {what} must not repeat, got {list(items)}")
-        if not self.seeds:
-            raise ValueError("ViTConfig: give at least one seed")
-        for seed in (*self.seeds, self.data_seed):
-            _check_int("seeds and data_seed", seed, minimum=0)
-        for what in ("train_size", "test_size"):
-            if getattr(self, what) is not None:
-                _check_int(what, getattr(self, what), minimum=1)
-        for what in ("patch_size", "width", "depth", "heads", "mlp_ratio", "batch_size",
-                     "eval_every", "eval_batch_size"):  # fmt: skip
-            _check_int(what, getattr(self, what), minimum=1)
-        _check_int("initial_entries", self.initial_entries, minimum=0)
+    models: tuple[str, ...] = setting(tuple(MODELS), "models to train, in this order, once "
+                                      "per seed", choices=tuple(MODELS))
+    train_size: int | None = setting(None, "training images, a random subset that depends on "
+                                     "--data-seed only", metavar="N", default_text="all")
+    test_size: int | None = setting(None, "test images (a random subset)", metavar="N",
+                                    default_text="all")
+    seeds: tuple[int, ...] = setting((0,), "seeds; each fixes the initialisation (the same "
+                                     "for the shared parts of both models) and the order of "
+                                     "the images", minimum=0, metavar="K")
+    patch_size: int = setting(8, "patch side p in pixels: (32 / p)² patch tokens per image, "
+                              "plus the class token", metavar="P")
+    width: int = setting(64, "token width d", metavar="D")
+    depth: int = setting(4, "transformer blocks", metavar="L")
+    heads: int = setting(4, "attention heads", metavar="H")
+    pool: str = setting("cls", "cls (the class token) or mean (the mean over the tokens)",
+                        choices=("cls", "mean"))
+    mlp_ratio: int = setting(4, "hidden width of the standard FFN, in units of the width",
+                             metavar="R")
+    temperature: float = setting(2.0, "softmax temperature T of the RCDL layers; logits "
+                                 "⟨q, k⟩ / (T √d) with ‖q‖ = √d range over ±√d / T",
+                                 positive=True, metavar="T")
+    tau_rel: float = setting(1.0, "growth threshold in units of √width: τ = tau_rel · √d",
+                             metavar="R")
+    eta: float = setting(10.0, "gws rule η of the RCDL layers (per-sample units)")
+    beta: float = setting(0.3, "gws rule β of the RCDL layers")
+    initial_entries: int = setting(16, "entries each RCDL layer starts with", minimum=0,
+                                   metavar="N")
+    ffn_scale: float = setting(1.0, "fixed scale γ of the RCDL FFN's output", positive=True)
+    lr: float = setting(1e-3, "Adam learning rate, both models (entries and parameters "
+                        "alike)", positive=True)
+    batch_size: int = setting(16, "images per step B (docs/reference.md §6)", metavar="B")
+    eval_every: int = setting(500, "steps between test evaluations (also at the start and "
+                              "the end)", metavar="STEPS")
+    eval_batch_size: int = setting(250, "test images per prediction batch", metavar="N")
+    data_dir: str | None = setting(None, "folder of the CIFAR-10 files", cli=False)
+    data_seed: int = setting(0, "seed of the subsets", minimum=0)
+    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+
+    def check(self) -> None:
+        """The patches tile the 32-pixel image and the heads split the width."""
         if 32 % self.patch_size:
             raise ValueError(f"ViTConfig: patch_size must divide 32, got {self.patch_size}")
         if self.width % self.heads:
             raise ValueError(f"ViTConfig: heads ({self.heads}) must divide width ({self.width})")
-        if self.pool not in _POOLS:
-            raise ValueError(f"ViTConfig: pool must be one of {list(_POOLS)}, got {self.pool!r}")
-        for what in ("temperature", "ffn_scale", "lr"):
-            _check_float(what, getattr(self, what), positive=True)
-        for what in ("tau_rel", "eta", "beta"):
-            _check_float(what, getattr(self, what), positive=False)
-        if self.device not in _DEVICES:
-            raise ValueError(f"ViTConfig: device must be one of {list(_DEVICES)}, "
-                             f"got {self.device!r}")
 
     @property
     def tau(self) -> float:
@@ -197,44 +159,6 @@ class ViTConfig:
     def tokens(self) -> int:
         """Tokens per image: the patches, plus the class token with ``pool="cls"``."""
         return (32 // self.patch_size) ** 2 + (self.pool == "cls")
-
-    @classmethod
-    def quick(cls, **overrides: Any) -> ViTConfig:
-        """A smoke-test scale: 500 train / 200 test images, width 32, two blocks (seconds;
-        the numbers mean little at this size)."""
-        quick = {"train_size": 500, "test_size": 200, "width": 32, "depth": 2, "heads": 2,
-                 "eval_every": 10}  # fmt: skip
-        return cls(**{**quick, **overrides})
-
-    @classmethod
-    def paper(cls, **overrides: Any) -> ViTConfig:
-        """A larger run on all of CIFAR-10 (50 000 / 10 000 images): patch 4 (65 tokens),
-        width 128, 6 blocks, 4 heads, T scaled with the width so that ``√d / T`` stays 4.
-
-        docs/reference.md does not give the paper's ViT size; this is a common small CIFAR ViT, not
-        the paper's model. It needs a GPU (hours on this project's CPUs; see docs/vit.md).
-        """
-        paper = {"train_size": None, "test_size": None, "patch_size": 4, "width": 128,
-                 "depth": 6, "heads": 4, "temperature": math.sqrt(128) / 4}  # fmt: skip
-        return cls(**{**paper, **overrides})
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ViTConfig:
-        """The config saved as ``config.json`` (unknown keys are an error)."""
-        return config_from_dict(cls, d)
-
-
-def _check_int(what: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"ViTConfig: {what} must be an int >= {minimum}, got {value!r}")
-
-
-def _check_float(what: str, value: Any, *, positive: bool) -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, int | float)
-          and math.isfinite(value) and (value > 0 if positive else value >= 0))  # fmt: skip
-    if not ok:
-        raise ValueError(f"ViTConfig: {what} must be a finite number "
-                         f"{'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 # --------------------------------------------------------------------------- data and models
@@ -287,34 +211,35 @@ def build_model(name: str, seed: int, cfg: ViTConfig, *, device: torch.device | 
 # --------------------------------------------------------------------------- running
 
 
-class _ModelLog:
-    """Hands the trainer's records to ``metrics.jsonl``, tagged with model and seed and with
-    the entries each RCDL layer holds at that evaluation."""
+class _StoreLog(TaggedLog):
+    """A :class:`rcdl.app.runner.TaggedLog` that also records the entries each RCDL layer of
+    ``net`` holds at every evaluation: in each record (``entries_per_layer``) and in
+    :attr:`sizes` (``{samples, entries_per_layer}`` per evaluation, for the summary)."""
 
-    def __init__(self, run: RunDir, model: str, seed: int, net: nn.Module) -> None:
-        self.run, self.model, self.seed = run, model, seed
+    def __init__(self, run: RunDir, net: nn.Module, **tags: Any) -> None:
+        super().__init__(run, **tags)
         self.layers = [layer for _, layer in hybrid_layers(net)]
-        self.sizes: list[dict[str, Any]] = []  # {samples, entries_per_layer} per evaluation
+        self.sizes: list[dict[str, Any]] = []
 
     def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None:
-        rest = {k: v for k, v in {**(record or {}), **fields}.items() if k != "model"}
+        record = {**(record or {}), **fields}
         if self.layers:
-            rest["entries_per_layer"] = [len(layer.store) for layer in self.layers]
-            self.sizes.append({"samples": rest["samples"],
-                               "entries_per_layer": rest["entries_per_layer"]})
-        self.run.log({"model": self.model, "seed": self.seed, **rest})
+            record["entries_per_layer"] = [len(layer.store) for layer in self.layers]
+            self.sizes.append({"samples": record["samples"],
+                               "entries_per_layer": record["entries_per_layer"]})
+        super().log(record)
 
 
-def _train(name: str, seed: int, cfg: ViTConfig, tensors: tuple, run: RunDir,
-           device: torch.device, progress: bool) -> dict[str, Any]:  # fmt: skip
+def _train(name: str, seed: int, cfg: ViTConfig, tensors: tuple,
+           session: Session) -> dict[str, Any]:  # fmt: skip
     """Train one (model, seed) for one pass; its result, identity and store statistics."""
-    model, optimizer, grower = build_model(name, seed, cfg, device=device)
-    log = _ModelLog(run, name, seed, model)
+    model, optimizer, grower = build_model(name, seed, cfg, device=session.device)
+    log = _StoreLog(session.run, model, model=name, seed=seed)
     result = train_one_pass(
         model, tensors, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer,
         grower=grower, loss_fn=F.cross_entropy, metrics=_METRICS, eval_every=cfg.eval_every,
-        eval_batch_size=cfg.eval_batch_size, device=device, run=log, name=f"{name}-seed{seed}",
-        progress=progress,
+        eval_batch_size=cfg.eval_batch_size, device=session.device, run=log,
+        name=f"{name}-seed{seed}", progress=session.progress,
     )  # fmt: skip
     out = {"model": name, "seed": seed,
            "parameters": sum(p.numel() for p in model.parameters()), **result}  # fmt: skip
@@ -326,79 +251,36 @@ def _train(name: str, seed: int, cfg: ViTConfig, tensors: tuple, run: RunDir,
     return out
 
 
-def run_vit(
-    cfg: ViTConfig,
-    *,
-    out: str | Path | None = None,
-    resume: str | Path | None = None,
-    data: CifarData | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-    download: bool = True,
-) -> tuple[RunDir, dict[str, Any]]:
-    """Train every model of ``cfg`` for every seed into a new run folder, or continue the
-    one at ``resume``; write the report.
+def _sub_runs(cfg: ViTConfig, data: CifarData, session: Session) -> Iterator:
+    """Every model of ``cfg`` for every seed, on the same tensors."""
+    tensors = tuple(t.to(session.device)
+                    for t in (data.x_train, data.y_train, data.x_test, data.y_test))
+    for seed in cfg.seeds:
+        for name in cfg.models:
+            yield f"{name}-seed{seed}", partial(_train, name, seed, cfg, tensors, session)
 
-    Args:
-        cfg: the settings; to resume, the run's own (``rcdl.app.rundir.read_config``), where
-            only ``data_dir`` and ``device`` may differ.
-        out: the run folder (default ``runs/vit-<timestamp>``); it must not already hold a
-            run. Not with ``resume``.
-        resume: an interrupted run folder: its finished (model, seed) pairs are read back,
-            the others trained from scratch.
-        data: the subsets already loaded by :func:`load_data` (default: load them here);
-            their sizes must be the config's.
-        device: overrides ``cfg.device``.
-        progress: show progress bars.
-        download: download CIFAR-10 when no copy is found.
 
-    Returns:
-        The run folder and its summary (the content of ``summary.json``): ``runs`` (per
-        (model, seed): accuracy, loss, parameters, entries, bytes, seconds, ``history`` of
-        every evaluation and, for ``rcdl``, ``layers`` (per layer: entries written, refused,
-        stored, bytes, possible) and ``sizes`` (entries per layer at every evaluation)) and
-        ``rows`` (per model, mean and sd over seeds).
-    """
-    start = time.perf_counter()
-    device = resolve_device(cfg.device) if device is None else torch.device(device)
-    if data is None:
-        data = load_data(cfg, download=download)
-    sizes = (len(data.y_train), len(data.y_test))
-    asked = (cfg.train_size, cfg.test_size)
-    if any(want is not None and want != have for want, have in zip(asked, sizes, strict=True)):
-        raise ValueError(f"the data has {sizes[0]} train / {sizes[1]} test images, the config "
-                         f"asks for {asked[0]} / {asked[1]}; pass load_data(cfg) or no data")
-    run = open_run(EXPERIMENT, cfg, out=out, resume=resume, device=device)
-    summary: dict[str, Any] = {
-        "experiment": EXPERIMENT, "complete": False,
-        "data": {**data.describe(), "provenance": data_provenance(data.source),
-                 "data_seed": cfg.data_seed},
-        "tau": cfg.tau, "tokens_per_image": cfg.tokens, "runs": [],
-    }  # fmt: skip
-    tensors = tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test))
-    with run.resumable(f"rcdl reproduce {EXPERIMENT}", cfg.data_dir):
-        for seed in cfg.seeds:
-            for name in cfg.models:
-                train = partial(_train, name, seed, cfg, tensors, run, device, progress)
-                summary["runs"].append(run.sub_run(f"{name}-seed{seed}", train))
-                summary["seconds"] = time.perf_counter() - start
-                run.write_summary(summary)
-                release_memory(device)
+def _start(cfg: ViTConfig, data: CifarData) -> dict[str, Any]:
+    return {**cifar_summary(cfg, data), "tau": cfg.tau, "tokens_per_image": cfg.tokens}
+
+
+def _finish(cfg: ViTConfig, summary: dict[str, Any]) -> None:
     summary["rows"] = model_rows(summary["runs"], cfg.models)
-    summary["complete"] = True
-    summary["seconds"] = time.perf_counter() - start
-    report = write_report(run, cfg, summary, device)
-    run.write_summary(summary)
-    print("\n" + report, end="")
-    print(f"Run time {summary['seconds']:.1f} s. Run folder: {run.path}")
-    return run, summary
+
+
+def run_vit(cfg: ViTConfig, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
+    """Train every model of ``cfg`` for every seed (:func:`rcdl.app.runner.run_experiment`,
+    which takes ``out``, ``resume``, ``data``, ``device``, ``progress``, ``download``).
+
+    The summary adds ``tau``, ``tokens_per_image`` and ``rows`` (per model, mean and sd over
+    seeds); each of ``runs`` (per (model, seed)) holds accuracy, loss, parameters, entries,
+    bytes, seconds, the ``history`` of every evaluation and, for ``rcdl``, ``layers`` (per
+    layer: entries written, refused, stored, bytes, possible) and ``sizes`` (entries per
+    layer at every evaluation)."""
+    return run_experiment(EXPERIMENT_SPEC, cfg, **kw)
 
 
 # --------------------------------------------------------------------------- reporting
-
-
-def _mean_sd(values: list[float]) -> tuple[float, float | None]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
 def model_rows(runs: list[dict[str, Any]], models: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -412,8 +294,8 @@ def model_rows(runs: list[dict[str, Any]], models: tuple[str, ...]) -> list[dict
         row: dict[str, Any] = {"model": name, "seeds": [r["seed"] for r in rs]}
         for key, scale in (("test_acc", 100), ("test_loss", 1)):
             suffix = "_pct" if scale == 100 else ""
-            row[f"{key}{suffix}"], row[f"{key}{suffix}_sd"] = _mean_sd([scale * r[key]
-                                                                        for r in rs])
+            row[f"{key}{suffix}"], row[f"{key}{suffix}_sd"] = mean_sd([scale * r[key]
+                                                                       for r in rs])
         for key in ("entries", "bytes"):
             row[key] = None if rs[0][key] is None else statistics.fmean(r[key] for r in rs)
         row["entries_per_layer"] = (
@@ -433,41 +315,28 @@ def model_rows(runs: list[dict[str, Any]], models: tuple[str, ...]) -> list[dict
     return rows
 
 
-def _pm(mean: float, sd: float | None, digits: int) -> str:
-    return f"{mean:.{digits}f}" if sd is None else f"{mean:.{digits}f} ± {sd:.{digits}f}"
-
-
 def results_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of :func:`model_rows`."""
-    lines = ["| model | test acc. % | test loss | entries (all layers) | per layer | store | "
-             "parameters | train s | eval s | paper |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    header = ("model", "test acc. %", "test loss", "entries (all layers)", "per layer", "store",
+              "parameters", "train s", "eval s", "paper")  # fmt: skip
+    lines = []
     for r in rows:
         entries = "—" if r["entries"] is None else f"{r['entries']:,.0f}"
         per_layer = ("—" if r["entries_per_layer"] is None else
                      " / ".join(f"{n:,.0f}" for n in r["entries_per_layer"]))  # fmt: skip
         store = "—" if r["bytes"] is None else f"{r['bytes'] / 2**20:.1f} MiB"
-        lines.append(
-            f"| {MODELS[r['model']]} | {_pm(r['test_acc_pct'], r['test_acc_pct_sd'], 2)} | "
-            f"{_pm(r['test_loss'], r['test_loss_sd'], 3)} | {entries} | {per_layer} | {store} | "
-            f"{r['parameters']:,} | {r['train_seconds']:.0f} | {r['eval_seconds']:.0f} | "
-            f"{r['paper_acc_pct']:.1f} % |"
-        )
-    return "\n".join(lines)
+        lines.append((MODELS[r["model"]], pm(r["test_acc_pct"], r["test_acc_pct_sd"], 2),
+                      pm(r["test_loss"], r["test_loss_sd"], 3), entries, per_layer, store,
+                      f"{r['parameters']:,}", f"{r['train_seconds']:.0f}",
+                      f"{r['eval_seconds']:.0f}", f"{r['paper_acc_pct']:.1f} %"))  # fmt: skip
+    return markdown_table(header, lines, align="lrrrlrrrrr")
 
 
 def results_csv(runs: list[dict[str, Any]]) -> str:
-    """One line per (model, seed): accuracy, loss, entries, bytes, parameters, seconds."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    columns = ["model", "seed", "test_acc", "test_loss", "train_loss", "entries",
-               "entries_per_layer", "bytes", "parameters", "train_seconds", "eval_seconds"]
-    writer.writerow(columns)
-    for r in runs:
-        per_layer = " ".join(str(x["entries"]) for x in r["layers"]) if "layers" in r else None
-        cells = {**r, "entries_per_layer": per_layer}
-        writer.writerow(["" if cells[k] is None else cells[k] for k in columns])
-    return buf.getvalue()
+    """One line per (model, seed): accuracy, loss, entries (all layers and per layer),
+    bytes, parameters, seconds."""
+    return csv_text([{**r, "entries_per_layer": [x["entries"] for x in r["layers"]]
+                      if "layers" in r else None} for r in runs], _CSV_COLUMNS)  # fmt: skip
 
 
 def plot_vit(runs: list[dict[str, Any]], path: Path, *, title: str) -> Path:
@@ -533,8 +402,19 @@ def write_report(run: RunDir, cfg: ViTConfig, summary: dict[str, Any],
                    *stores]) if stores else "",
         f"Data: {d['source']}, {d['provenance']}.\nMachine: {describe_machine(device)}.\n",
     ])  # fmt: skip
-    atomic_write_text(report, run.file("results.md"))
-    atomic_write_text(results_csv(summary["runs"]), run.file("results.csv"))
     title = f"CIFAR-10, {d['n_train']:,} training images, one pass"
-    plot_vit(summary["runs"], run.file("vit.png"), title=title)
-    return report
+    return write_outputs(run, report, results_csv(summary["runs"]), {
+        "vit.png": partial(plot_vit, summary["runs"], title=title)})
+
+
+EXPERIMENT_SPEC = Experiment(
+    name=EXPERIMENT, config=ViTConfig,
+    help="a small ViT with MLP feed-forward blocks against the same ViT with hybrid RCDL "
+    "feed-forward blocks, one epoch of CIFAR-10 (docs/reference.md §8)",
+    description="One epoch of CIFAR-10 for a small ViT with MLP feed-forward blocks and the "
+    "same ViT whose feed-forward blocks are hybrid weighted-softmax RCDL layers (entries "
+    "trained by Adam, growth gated at τ = tau_rel·√width), same data order. Writes "
+    "results.md, results.csv and vit.png. See docs/vit.md.",
+    sub_runs=_sub_runs, report=write_report, load_data=load_data, start=_start,
+    finish=_finish,
+)  # fmt: skip
