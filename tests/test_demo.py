@@ -1,11 +1,13 @@
 """`rcdl demo --quick` end to end through the CLI, and the CLI's errors."""
 
+import dataclasses
 import json
 
 import pytest
 
 from rcdl._version import __version__
 from rcdl.app.cli import main
+from rcdl.app.experiments.demo import DemoConfig
 
 MODELS = {"growing RBF", "MLP + SGD", "MLP + Adam"}
 
@@ -39,6 +41,23 @@ def test_demo_logs_every_model_and_summarises(quick_run):
     assert models["MLP + Adam"]["entries"] is None and models["MLP + Adam"]["parameters"] > 0
     table = (quick_run / "results.md").read_text()
     assert all(f"| {name} |" in table for name in MODELS) and "Machine:" in table
+
+
+def test_saved_config_reads_back(quick_run):
+    saved = json.loads((quick_run / "config.json").read_text())
+    quick = DemoConfig.quick()
+    assert DemoConfig.from_dict(saved) == dataclasses.replace(
+        quick, seed=3, teacher=dataclasses.replace(quick.teacher, seed=3))
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"batch_size": 0}, "DemoConfig: batch_size must be an int >= 1, got 0"),
+    ({"rbf_lr": 0.0}, "DemoConfig: rbf_lr must be a finite number > 0"),
+    ({"teacher": 3}, "DemoConfig: teacher must be a TeacherConfig, got 3"),
+], ids=["batch-size", "rbf-lr", "teacher"])  # fmt: skip
+def test_bad_settings_are_errors(settings, message):
+    with pytest.raises(ValueError, match=message):
+        DemoConfig(**settings)
 
 
 def test_demo_refuses_to_overwrite_a_run(quick_run, capsys):

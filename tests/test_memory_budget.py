@@ -102,17 +102,17 @@ def test_slack_is_a_fraction_of_each_capacity():
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"model": "mlp-adam"}, "model must be a growing model"),
-    ({"capacities": ()}, "at least one capacity and one policy"),
-    ({"policies": []}, "at least one capacity and one policy"),
+    ({"model": "mlp-adam"}, "model must be one of \\['gws', 'gauge', 'rbf', 'hybrid'\\]"),
+    ({"capacities": ()}, "give at least one"),
+    ({"policies": []}, "give at least one"),
     ({"capacities": (10, 10)}, "capacities must not repeat"),
-    ({"capacities": (0,)}, "capacities are entries per layer, ints >= 1"),
-    ({"capacities": (0.5,)}, "capacities are entries per layer, ints >= 1"),
+    ({"capacities": (0,)}, "must be an int >= 1, got 0"),
+    ({"capacities": (0.5,)}, "must be an int >= 1, got 0.5"),
     ({"policies": ("lru",)}, "unknown eviction policy 'lru'"),
     ({"policies": ("oldest+zip",)}, "unknown policy 'oldest\\+zip'"),
     ({"seed": -1}, "seed must be an int >= 0"),
     ({"slack": 1.0}, "slack is a fraction of the capacity"),
-    ({"slack": -0.1}, "slack is a fraction of the capacity"),
+    ({"slack": -0.1}, "slack must be a finite number >= 0"),
     ({"train_size": 0}, "train_size must be an int >= 1"),
     ({"eval_every": 0}, "eval_every must be an int >= 1"),
     ({"device": "tpu"}, "device must be one of"),

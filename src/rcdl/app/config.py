@@ -111,9 +111,14 @@ def _check_value(owner: str, what: str, value: Any, kind: type, meta: Mapping[st
             raise ValueError(f"{owner}: {what} must be {known}, got {value!r}")
 
 
+def _singular(name: str) -> str:
+    """``"seeds"``: ``"seed"``; ``"capacities"``: ``"capacity"``."""
+    return name[:-3] + "y" if name.endswith("ies") else name.removesuffix("s")
+
+
 def _check_tuple(owner: str, name: str, values: tuple, kind: type,
                  meta: Mapping[str, Any]) -> None:  # fmt: skip
-    choices, one = meta.get("choices"), name.removesuffix("s")  # "seeds": "seed"
+    choices, one = meta.get("choices"), _singular(name)
     if not values:
         what = f"of {name}: {', '.join(choices)}" if choices else one
         raise ValueError(f"{owner}: give at least one {what}")

@@ -15,8 +15,9 @@ table below plus the machine) and ``test_mse.png`` (test MSE against samples see
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,9 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
-from rcdl.app.rundir import RunDir, atomic_write_text, environment_info, save_figure
+from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.report import markdown_table, write_outputs
+from rcdl.app.rundir import RunDir, environment_info, save_figure
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
 from rcdl.networks import MLP, GrowingRBFNet
@@ -36,57 +39,54 @@ __all__ = ["DemoConfig", "run_demo"]
 
 
 @dataclass(frozen=True)
-class DemoConfig:
+class DemoConfig(ExperimentConfig):
     """The demo's settings; the defaults run in about a minute on two CPU cores.
 
-    Attributes:
-        teacher: the regression task (sizes of the teacher and of the data sets).
-        batch_size: samples per step ``B``.
-        eval_every: steps between evaluations of the test MSE.
-        seed: seeds the data order and the students' initialisation (the task has its own
-            seed in ``teacher``).
-        depth: blocks of every student: ``MLP(d_in, mlp_hidden, d_out, depth)`` and
-            ``GrowingRBFNet(d_in, d_out, depth, width=rbf_width, ...)`` (``depth`` residual growing
-            RBF blocks plus a growing RBF readout: ``depth + 1`` growing layers).
-        mlp_hidden: hidden width of the MLP baselines.
-        rbf_width: residual-stream width of the growing RBF net; ``None`` keeps ``d_in``
-            (the paper's setting, no input projection).
-        rbf_temperature: temperature ``T`` of the growing RBF layers.
-        rbf_lr: per-sample learning rate ``η`` of the growing RBF layers.
-        sgd_lr, sgd_momentum: the SGD baseline.
-        adam_lr: the Adam baseline.
+    ``rcdl demo`` sets only ``seed`` (``--seed``, which also sets the task's own seed,
+    ``teacher.seed``) and the scale (``--quick``); the other settings have no flag.
 
     The defaults were tuned briefly on this task (seed 0, 4 000 and 16 000 samples):
     ``T`` over 0.3–4 and ``η`` over 0.1–1 (``rbf_width = 64`` with its fixed random input
     map did worse); SGD ``lr`` over 0.003–0.03 (0.1 diverges); Adam ``lr`` over 1e-3–1e-2.
     """
 
-    teacher: TeacherConfig = field(
-        default_factory=lambda: TeacherConfig(n_train=16_000, n_test=2_000)
-    )
-    batch_size: int = 16
-    eval_every: int = 50
-    seed: int = 0
-    depth: int = 2
-    mlp_hidden: int = 64
-    rbf_width: int | None = None
-    rbf_temperature: float = 1.0
-    rbf_lr: float = 0.5
-    sgd_lr: float = 0.03
-    sgd_momentum: float = 0.9
-    adam_lr: float = 1e-3
+    # A tiny configuration that runs in seconds (for tests and smoke checks). With d_in = 8
+    # the RBF kernels overlap more, so η is halved: a growing RBF step overshoots (and the
+    # net diverges) once η times the kernel mass of a batch is too large.
+    QUICK = {"teacher": TeacherConfig(d_in=8, hidden=16, depth=1, n_train=128, n_test=64),
+             "mlp_hidden": 16, "eval_every": 4, "rbf_lr": 0.25}  # fmt: skip
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> DemoConfig:
-        """A tiny configuration that runs in seconds (for tests and smoke checks).
+    teacher: TeacherConfig = setting(
+        TeacherConfig(n_train=16_000, n_test=2_000), "the regression task: sizes of the "
+        "teacher and of the data sets, and the task's seed", cli=False)
+    batch_size: int = setting(16, "samples per step B", cli=False)
+    eval_every: int = setting(50, "steps between evaluations of the test MSE", cli=False)
+    seed: int = setting(0, "seed of the task, data order and models", minimum=0)
+    depth: int = setting(2, "blocks of every student: MLP(d_in, mlp_hidden, d_out, depth) "
+                         "and GrowingRBFNet(d_in, d_out, depth, ...), depth + 1 growing "
+                         "layers with its readout", minimum=0, cli=False)
+    mlp_hidden: int = setting(64, "hidden width of the MLP baselines", cli=False)
+    rbf_width: int | None = setting(None, "residual-stream width of the growing RBF net; "
+                                    "None keeps d_in (the paper's setting, no input "
+                                    "projection)", cli=False)
+    rbf_temperature: float = setting(1.0, "temperature T of the growing RBF layers",
+                                     positive=True, cli=False)
+    rbf_lr: float = setting(0.5, "per-sample learning rate η of the growing RBF layers",
+                            positive=True, cli=False)
+    sgd_lr: float = setting(0.03, "learning rate of the SGD baseline", positive=True,
+                            cli=False)
+    sgd_momentum: float = setting(0.9, "momentum of the SGD baseline", cli=False)
+    adam_lr: float = setting(1e-3, "learning rate of the Adam baseline", positive=True,
+                             cli=False)
 
-        With ``d_in = 8`` the RBF kernels overlap more, so ``η`` is halved: a growing RBF
-        step overshoots (and the net diverges) once ``η`` times the kernel mass of a batch
-        is too large.
-        """
-        small = TeacherConfig(d_in=8, hidden=16, depth=1, n_train=128, n_test=64)
-        quick = {"teacher": small, "mlp_hidden": 16, "eval_every": 4, "rbf_lr": 0.25}
-        return cls(**{**quick, **overrides})
+    def check(self) -> None:
+        """``teacher`` is a :class:`rcdl.data.TeacherConfig` (a mapping, as read back from
+        ``config.json``, becomes one)."""
+        if isinstance(self.teacher, Mapping):
+            object.__setattr__(self, "teacher", TeacherConfig(**self.teacher))
+        elif not isinstance(self.teacher, TeacherConfig):
+            raise ValueError(f"DemoConfig: teacher must be a TeacherConfig, got "
+                             f"{self.teacher!r}")
 
 
 def _students(cfg: DemoConfig, device: torch.device) -> dict[str, dict[str, Any]]:
@@ -120,18 +120,12 @@ def _students(cfg: DemoConfig, device: torch.device) -> dict[str, dict[str, Any]
 
 def results_table(results: dict[str, dict[str, Any]]) -> str:
     """A markdown table of the students' final results."""
-    lines = [
-        "| model | test MSE | entries | store | parameters | train s | eval s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, r in results.items():
-        entries = "—" if r["entries"] is None else f"{r['entries']:,}"
-        store = "—" if r["bytes"] is None else format_bytes(r["bytes"])
-        lines.append(
-            f"| {name} | {r['test_mse']:.4f} | {entries} | {store} | {r['parameters']:,} "
-            f"| {r['train_seconds']:.1f} | {r['eval_seconds']:.1f} |"
-        )
-    return "\n".join(lines)
+    header = ("model", "test MSE", "entries", "store", "parameters", "train s", "eval s")
+    return markdown_table(header, [[
+        name, f"{r['test_mse']:.4f}", "—" if r["entries"] is None else f"{r['entries']:,}",
+        "—" if r["bytes"] is None else format_bytes(r["bytes"]), f"{r['parameters']:,}",
+        f"{r['train_seconds']:.1f}", f"{r['eval_seconds']:.1f}",
+    ] for name, r in results.items()])  # fmt: skip
 
 
 def plot_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
@@ -146,6 +140,15 @@ def plot_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> P
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     return save_figure(fig, path)
+
+
+def _machine(device: torch.device) -> str:
+    """The machine in one short line: platform, torch, device, threads (and the GPU)."""
+    env = environment_info(device)
+    machine = f"{env['platform']}, torch {env['torch']}, {device}, {env['num_threads']} threads"
+    if env["cuda_device"] and device.type == "cuda":
+        machine += f" ({env['cuda_device']})"
+    return machine
 
 
 def run_demo(
@@ -177,23 +180,17 @@ def run_demo(
         result["parameters"] = sum(p.numel() for p in model.parameters())
         results[name] = result
 
-    env = environment_info(device)
-    machine = f"{env['platform']}, torch {env['torch']}, {device}, {env['num_threads']} threads"
-    if env["cuda_device"] and device.type == "cuda":
-        machine += f" ({env['cuda_device']})"
     t = cfg.teacher
     task = (
         f"teacher MLP {t.d_in}→{t.hidden}×{t.depth}→{t.d_out} ({t.act}), "
         f"{t.n_train} train / {t.n_test} test samples, batch {cfg.batch_size}, one pass"
     )
-    table = results_table(results)
-    report = (
+    report = write_outputs(run, (
         f"# rcdl demo: teacher–student regression\n\n{task}.\n"
-        f"Predicting 0 everywhere scores test MSE {zero_mse:.4f}.\n\n{table}\n\n"
-        f"Machine: {machine}.\n"
-    )
-    atomic_write_text(report, run.file("results.md"))
-    plot_curves(results, run.file("test_mse.png"), title=f"one pass, {t.n_train} samples")
+        f"Predicting 0 everywhere scores test MSE {zero_mse:.4f}.\n\n{results_table(results)}"
+        f"\n\nMachine: {_machine(device)}.\n"
+    ), figures={"test_mse.png": partial(plot_curves, results,
+                                        title=f"one pass, {t.n_train} samples")})
     total = time.perf_counter() - start
     run.write_summary(
         {"task": task, "zero_predictor_mse": zero_mse, "total_seconds": total, "models": results}

@@ -64,12 +64,10 @@ interrupted.
 
 from __future__ import annotations
 
-import csv
-import io
+import dataclasses
 import math
 import statistics
-import time
-from collections.abc import Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -79,17 +77,10 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
-from rcdl.app.rundir import (
-    RunDir,
-    atomic_write_text,
-    config_from_dict,
-    describe_machine,
-    open_run,
-    rank0_run,
-    release_memory,
-    resolve_device,
-    save_figure,
-)
+from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
+from rcdl.app.rundir import RunDir, describe_machine, save_figure
+from rcdl.app.runner import Experiment, Session, run_experiment
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.distributed import rank_and_world, shard
 from rcdl.grower import Grower
@@ -98,8 +89,8 @@ from rcdl.rules import ClippedSoftmaxRule
 from rcdl.store import format_bytes
 from rcdl.training import train_one_pass
 
-__all__ = ["EXPERIMENT", "MODELS", "TeacherStudentConfig", "build_model", "make_data",
-           "run_teacher_student"]  # fmt: skip
+__all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "MODELS", "TeacherStudentConfig", "build_model",
+           "make_data", "run_teacher_student"]  # fmt: skip
 
 EXPERIMENT = "teacher-student"
 MODELS = {
@@ -107,15 +98,13 @@ MODELS = {
     "parametric": "parametric softmax, size-matched",
     "mlp": "MLP + Adam",
 }
-_ACTS = ("tanh", "relu")
-_DEVICES = ("auto", "cpu", "cuda")
 
 
 # --------------------------------------------------------------------------- the config
 
 
 @dataclass(frozen=True)
-class TeacherStudentConfig:
+class TeacherStudentConfig(ExperimentConfig):
     """Settings of the teacher–student comparison (docs/reference.md §8).
 
     The defaults (a 32 → 64 × 2 → 1 tanh teacher, 16 000 training samples, three seeds) ran
@@ -123,88 +112,46 @@ class TeacherStudentConfig:
     per seed about 25 + 5 s (training + evaluation) for the growing student, whose step
     attends over every entry so far, so its cost grows with the square of ``n_train``;
     92 + 12 s for the parametric one (1 000 Adam steps on three tables of 16 016 entries,
-    2.6 M parameters); 5 s for the MLP. See docs/teacher_student.md.
+    2.6 M parameters); 5 s for the MLP. See docs/teacher_student.md. ``--quick``: 512 train
+    / 256 test samples, three seeds (a few seconds); the numbers mean little at this size.
 
-    Attributes:
-        d_in, d_out: input and output dimension of the task (and of every student).
-        teacher_width, teacher_depth, teacher_act: the teacher MLP: ``teacher_depth``
-            hidden layers of ``teacher_width`` units with ``teacher_act`` (``"tanh"`` or
-            ``"relu"``) between them (:class:`rcdl.data.TeacherConfig`).
-        n_train, n_test: training and test samples; every student sees the training set
-            once.
-        noise: std of Gaussian noise on the training targets only.
-        seeds: the comparison runs once per seed; seed ``s`` fixes the teacher, the data,
-            the initialisation and the sample order.
-        depth: residual blocks of both softmax students (``depth + 1`` layers with the
-            readout).
-        initial_entries: initial entries per layer of the growing student
-            (docs/reference.md §6: 16).
-        temperature, beta, eta: the growing student's T and its clipped rule's β and η
-            (per-sample units, docs/reference.md §3).
-        parametric_entries: table size ``P`` per layer of the parametric student (``None``:
-            ``initial_entries + n_train``, the growing student's final size per layer).
-        parametric_temperature, parametric_lr: its T and Adam learning rate
-            (docs/reference.md §5: 3, 1e−3).
-        mlp_width, mlp_depth, mlp_lr: the MLP student (ReLU) and its Adam learning rate.
-        batch_size: samples per step ``B``.
-        eval_every: steps between evaluations of the test MSE (also before the first and
-            after the last step).
-        eval_batch_size: test samples per prediction batch.
-        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+    Seed ``s`` fixes the teacher (:meth:`teacher`), the data, the students' initialisation
+    and the sample order; the teacher's settings are those of :class:`rcdl.data.TeacherConfig`.
     """
 
-    d_in: int = 32
-    d_out: int = 1
-    teacher_width: int = 64
-    teacher_depth: int = 2
-    teacher_act: str = "tanh"
-    n_train: int = 16_000
-    n_test: int = 1_000
-    noise: float = 0.0
-    seeds: tuple[int, ...] = (0, 1, 2)
-    depth: int = 2
-    initial_entries: int = 16
-    temperature: float = 0.7
-    beta: float = 1.0
-    eta: float = 1.0
-    parametric_entries: int | None = None
-    parametric_temperature: float = 3.0
-    parametric_lr: float = 1e-3
-    mlp_width: int = 256
-    mlp_depth: int = 2
-    mlp_lr: float = 3e-3
-    batch_size: int = 16
-    eval_every: int = 50
-    eval_batch_size: int = 1000
-    device: str = "auto"
+    QUICK = {"n_train": 512, "n_test": 256, "eval_every": 4}
 
-    def __post_init__(self) -> None:
-        # lists (from JSON or argparse) become tuples, so configs compare equal
-        object.__setattr__(self, "seeds", tuple(self.seeds))
-        positive = ("d_in", "d_out", "teacher_width", "teacher_depth", "n_train", "n_test",
-                    "depth", "mlp_width", "batch_size", "eval_every", "eval_batch_size")
-        for what in positive:
-            _check_int(what, getattr(self, what), minimum=1)
-        _check_int("initial_entries", self.initial_entries, minimum=0)
-        _check_int("mlp_depth", self.mlp_depth, minimum=0)
-        if self.parametric_entries is not None:
-            _check_int("parametric_entries", self.parametric_entries, minimum=1)
-        for what in ("temperature", "beta", "eta", "parametric_temperature", "parametric_lr",
-                     "mlp_lr"):  # fmt: skip
-            _check_float(what, getattr(self, what), positive=True)
-        _check_float("noise", self.noise, positive=False)
-        if self.teacher_act not in _ACTS:
-            raise ValueError(f"TeacherStudentConfig: teacher_act must be one of {list(_ACTS)}, "
-                             f"got {self.teacher_act!r}")  # fmt: skip
-        if not self.seeds:
-            raise ValueError("TeacherStudentConfig: give at least one seed")
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"TeacherStudentConfig: seeds must not repeat, got {list(self.seeds)}")
-        for seed in self.seeds:
-            _check_int("each seed", seed, minimum=0)
-        if self.device not in _DEVICES:
-            raise ValueError(f"TeacherStudentConfig: device must be one of {list(_DEVICES)}, "
-                             f"got {self.device!r}")  # fmt: skip
+    d_in: int = setting(32, "input dimension", metavar="D")
+    d_out: int = setting(1, "output dimension of the task and of every student", metavar="D")
+    teacher_width: int = setting(64, "teacher width", metavar="W")
+    teacher_depth: int = setting(2, "teacher hidden layers", metavar="L")
+    teacher_act: str = setting("tanh", "the teacher's activation between its hidden layers",
+                               choices=("tanh", "relu"))
+    n_train: int = setting(16_000, "training samples", metavar="N")
+    n_test: int = setting(1_000, "test samples", metavar="N")
+    noise: float = setting(0.0, "target noise sd")
+    seeds: tuple[int, ...] = setting((0, 1, 2), "seeds", minimum=0, metavar="K")
+    depth: int = setting(2, "residual blocks of both softmax students (and a readout)",
+                         metavar="L")
+    initial_entries: int = setting(16, "initial entries per layer of the growing student "
+                                   "(docs/reference.md §6)", minimum=0, metavar="N")
+    temperature: float = setting(0.7, "growing student's T", positive=True, metavar="T")
+    beta: float = setting(1.0, "growing student's β", positive=True)
+    eta: float = setting(1.0, "growing student's η", positive=True)
+    parametric_entries: int | None = setting(
+        None, "table size P per layer of the parametric student", metavar="N",
+        default_text="initial entries + n_train, the growing student's final size")
+    parametric_temperature: float = setting(3.0, "T of the parametric student "
+                                            "(docs/reference.md §5)", positive=True,
+                                            metavar="T")
+    parametric_lr: float = setting(1e-3, "Adam lr of the parametric student", positive=True)
+    mlp_width: int = setting(256, "hidden width of the MLP student (ReLU)", metavar="W")
+    mlp_depth: int = setting(2, "hidden layers of the MLP student", minimum=0, metavar="L")
+    mlp_lr: float = setting(3e-3, "Adam lr of the MLP", positive=True)
+    batch_size: int = setting(16, "samples per step B", metavar="B")
+    eval_every: int = setting(50, "steps between test evaluations", metavar="STEPS")
+    eval_batch_size: int = setting(1000, "test samples per prediction batch", metavar="N")
+    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
 
     @property
     def entries(self) -> int:
@@ -220,33 +167,6 @@ class TeacherStudentConfig:
                              depth=self.teacher_depth, act=self.teacher_act,
                              n_train=self.n_train, n_test=self.n_test, noise=self.noise,
                              seed=seed)  # fmt: skip
-
-    @classmethod
-    def quick(cls, **overrides: Any) -> TeacherStudentConfig:
-        """A smoke-test scale: 512 train / 256 test samples, three seeds (a few seconds);
-        the numbers mean little at this size."""
-        quick = {"n_train": 512, "n_test": 256, "eval_every": 4}
-        return cls(**{**quick, **overrides})
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TeacherStudentConfig:
-        """The config saved as ``config.json`` (unknown keys are an error)."""
-        return config_from_dict(cls, d)
-
-
-def _check_int(what: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"TeacherStudentConfig: {what} must be an int >= {minimum}, "
-                         f"got {value!r}")  # fmt: skip
-
-
-def _check_float(what: str, value: Any, *, positive: bool) -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
-          and (value > 0 if positive else value >= 0))  # fmt: skip
-    if not ok:
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"TeacherStudentConfig: {what} must be a finite number {bound}, "
-                         f"got {value!r}")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- running
@@ -292,27 +212,17 @@ def build_model(
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
-class _ModelLog:
-    """Hands the trainer's records to the run's ``metrics.jsonl``, tagged with model and seed."""
-
-    def __init__(self, run: RunDir, model: str, seed: int) -> None:
-        self.run, self.model, self.seed = run, model, seed
-
-    def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None:
-        rest = {k: v for k, v in {**(record or {}), **fields}.items() if k != "model"}
-        self.run.log({"model": self.model, "seed": self.seed, **rest})
-
-
-def _train(name: str, seed: int, cfg: TeacherStudentConfig, data: tuple, run: RunDir,
-           device: torch.device, progress: bool) -> dict[str, Any]:  # fmt: skip
+def _train(name: str, seed: int, cfg: TeacherStudentConfig, data: tuple,
+           session: Session) -> dict[str, Any]:  # fmt: skip
     """One pass of student ``name`` on the task of ``seed``; its result and its identity."""
-    model, optimizer, grower = build_model(name, seed, cfg, device=device)
+    model, optimizer, grower = build_model(name, seed, cfg, device=session.device)
     if grower is not None and rank_and_world()[1] > 1:  # under torchrun: split the stores
         shard(model)  # (the parametric students are replicated: every rank trains the same)
     result = train_one_pass(
         model, data, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer, grower=grower,
-        eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size, device=device,
-        run=_ModelLog(run, name, seed), name=f"{name}-seed{seed}", progress=progress,
+        eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size, device=session.device,
+        run=session.log(model=name, seed=seed), name=f"{name}-seed{seed}",
+        progress=session.progress,
     )  # fmt: skip
     per_layer = None  # weighted-softmax entries per layer, blocks then readout
     if grower is not None:
@@ -327,78 +237,48 @@ def _train(name: str, seed: int, cfg: TeacherStudentConfig, data: tuple, run: Ru
     }  # fmt: skip
 
 
-def run_teacher_student(
-    cfg: TeacherStudentConfig,
-    *,
-    out: str | Path | None = None,
-    resume: str | Path | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-) -> tuple[RunDir, dict[str, Any]]:
-    """Train the three students for every seed into a new run folder, or continue the one
-    at ``resume``; write the report.
+def _sub_runs(cfg: TeacherStudentConfig, data: None, session: Session) -> Iterator:
+    """The three students for every seed, on that seed's task; under ``torchrun`` only
+    rank 0 shows progress bars."""
+    session = dataclasses.replace(session, progress=session.progress
+                                  and rank_and_world()[0] == 0)  # fmt: skip
+    for seed in cfg.seeds:
+        task = tuple(t.to(session.device) for t in make_data(cfg, seed))
+        for name in MODELS:
+            yield f"{name}-seed{seed}", partial(_train, name, seed, cfg, task, session)
 
-    Args:
-        cfg: the settings; to resume, the run's own (``rcdl.app.rundir.read_config``), where
-            only ``device`` may differ.
-        out: the run folder (default ``runs/teacher-student-<timestamp>``); it must not
-            already hold a run. Not with ``resume``.
-        resume: an interrupted run folder: its finished (model, seed) pairs are read back,
-            the others trained from scratch.
-        device: overrides ``cfg.device``.
-        progress: show progress bars.
 
-    Returns:
-        The run folder and its summary (the content of ``summary.json``): ``runs`` (per
-        (model, seed): final ``test_mse``, entries, parameters, seconds, ``history``),
-        ``rows`` (per model, mean ± sd over seeds), ``curves`` (per model, mean ± sd test
-        MSE at every evaluation) and ``verdict`` (gws against the size-matched parametric
-        student).
+def _start(cfg: TeacherStudentConfig, data: None) -> dict[str, Any]:
+    """The parametric table size and, per seed, the test MSE of predicting 0 everywhere."""
+    zero = {str(seed): float(make_data(cfg, seed)[3].pow(2).mean()) for seed in cfg.seeds}
+    return {"parametric_entries": cfg.entries, "zero_predictor_mse": zero}
+
+
+def _finish(cfg: TeacherStudentConfig, summary: dict[str, Any]) -> None:
+    summary["rows"] = model_rows(summary["runs"])
+    summary["curves"] = mean_curves(summary["runs"])
+    summary["verdict"] = verdict(summary["runs"])
+
+
+def run_teacher_student(cfg: TeacherStudentConfig, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
+    """Train the three students for every seed (:func:`rcdl.app.runner.run_experiment`,
+    which takes ``out``, ``resume``, ``device``, ``progress``; the tasks are made here, so
+    ``data`` and ``download`` have no use).
+
+    The summary adds ``parametric_entries``, ``zero_predictor_mse`` (per seed), ``rows``
+    (per model, mean ± sd over seeds), ``curves`` (per model, mean ± sd test MSE at every
+    evaluation) and ``verdict`` (gws against the size-matched parametric student); each of
+    ``runs`` holds the final ``test_mse``, entries, parameters, seconds and ``history``.
 
     Raises:
         FloatingPointError: if a student's training loss is not finite (naming the step).
         ValueError: if a growing layer is handed a non-finite gradient (the growing rule
             diverged: lower β/η or raise T).
     """
-    start = time.perf_counter()
-    device = resolve_device(cfg.device) if device is None else torch.device(device)
-    run = rank0_run(partial(open_run, EXPERIMENT, cfg, out=out, resume=resume, device=device))
-    rank = rank_and_world()[0]
-    progress = progress and rank == 0
-    summary: dict[str, Any] = {
-        "experiment": EXPERIMENT, "complete": False, "parametric_entries": cfg.entries,
-        "zero_predictor_mse": {}, "runs": [],
-    }  # fmt: skip
-    with run.resumable(f"rcdl reproduce {EXPERIMENT}"):
-        for seed in cfg.seeds:
-            data = tuple(t.to(device) for t in make_data(cfg, seed))
-            summary["zero_predictor_mse"][str(seed)] = float(data[3].pow(2).mean())
-            for name in MODELS:
-                train = partial(_train, name, seed, cfg, data, run, device, progress)
-                summary["runs"].append(run.sub_run(f"{name}-seed{seed}", train))
-                summary["seconds"] = time.perf_counter() - start
-                run.write_summary(summary)
-                release_memory(device)
-
-    summary["rows"] = model_rows(summary["runs"])
-    summary["curves"] = mean_curves(summary["runs"])
-    summary["verdict"] = verdict(summary["runs"])
-    summary["complete"] = True
-    summary["seconds"] = time.perf_counter() - start
-    if rank != 0:
-        return run, summary
-    report = write_report(run, cfg, summary, device)
-    run.write_summary(summary)
-    print("\n" + report, end="")
-    print(f"Run time {summary['seconds']:.1f} s. Run folder: {run.path}")
-    return run, summary
+    return run_experiment(EXPERIMENT_SPEC, cfg, **kw)
 
 
 # --------------------------------------------------------------------------- reporting
-
-
-def _mean_sd(values: list[float]) -> tuple[float, float | None]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
 def model_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -412,7 +292,7 @@ def model_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"model": name, "label": MODELS[name],
                                "seeds": [r["seed"] for r in rs]}  # fmt: skip
         for key in ("test_mse", "train_seconds", "eval_seconds"):
-            row[key], row[f"{key}_sd"] = _mean_sd([r[key] for r in rs])
+            row[key], row[f"{key}_sd"] = mean_sd([r[key] for r in rs])
         for key in ("entries_per_layer", "table_entries", "parameters", "bytes"):
             row[key] = rs[0][key]  # the same for every seed
         rows.append(row)
@@ -428,7 +308,7 @@ def mean_curves(runs: list[dict[str, Any]]) -> dict[str, dict[str, list]]:
         if not rs:
             continue
         samples = [h["samples"] for h in rs[0]["history"]]  # every seed evaluates alike
-        points = [_mean_sd([r["history"][i]["test_mse"] for r in rs]) for i in range(len(samples))]
+        points = [mean_sd([r["history"][i]["test_mse"] for r in rs]) for i in range(len(samples))]
         curves[name] = {"samples": samples, "mean": [m for m, _ in points],
                         "sd": [s for _, s in points]}  # fmt: skip
     return curves
@@ -450,43 +330,19 @@ def verdict(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
             "seeds": seeds}  # fmt: skip
 
 
-def _pm(mean: float, sd: float | None, fmt: str) -> str:
-    return format(mean, fmt) if sd is None else f"{format(mean, fmt)} ± {format(sd, fmt)}"
-
-
 def results_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of :func:`model_rows`."""
-    lines = [
-        "| model | test MSE | entries per layer | entries, all layers | parameters | store "
-        "| train s | eval s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        per_layer = ("—" if r["entries_per_layer"] is None
-                     else " / ".join(f"{n:,}" for n in r["entries_per_layer"]))  # fmt: skip
-        total = "—" if r["table_entries"] is None else f"{r['table_entries']:,}"
-        store = "—" if r["bytes"] is None else format_bytes(r["bytes"])
-        lines.append(
-            f"| {r['label']} | {_pm(r['test_mse'], r['test_mse_sd'], '.4f')} | {per_layer} "
-            f"| {total} | {r['parameters']:,} | {store} "
-            f"| {_pm(r['train_seconds'], r['train_seconds_sd'], '.1f')} "
-            f"| {_pm(r['eval_seconds'], r['eval_seconds_sd'], '.1f')} |"
-        )
-    return "\n".join(lines)
-
-
-def results_csv(rows: list[dict[str, Any]]) -> str:
-    """The rows of :func:`model_rows` as CSV (lists space-separated, empty cells where a
-    value does not apply)."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    columns = list(rows[0]) if rows else []
-    writer.writerow(columns)
-    for r in rows:
-        cells = [" ".join(map(str, v)) if isinstance(v, list) else v
-                 for v in (r[k] for k in columns)]  # fmt: skip
-        writer.writerow(["" if v is None else v for v in cells])
-    return buf.getvalue()
+    header = ("model", "test MSE", "entries per layer", "entries, all layers", "parameters",
+              "store", "train s", "eval s")  # fmt: skip
+    return markdown_table(header, [[
+        r["label"], pm(r["test_mse"], r["test_mse_sd"], 4),
+        "—" if r["entries_per_layer"] is None else " / ".join(
+            f"{n:,}" for n in r["entries_per_layer"]),
+        "—" if r["table_entries"] is None else f"{r['table_entries']:,}",
+        f"{r['parameters']:,}", "—" if r["bytes"] is None else format_bytes(r["bytes"]),
+        pm(r["train_seconds"], r["train_seconds_sd"], 1),
+        pm(r["eval_seconds"], r["eval_seconds_sd"], 1),
+    ] for r in rows])  # fmt: skip
 
 
 def plot_curves(curves: dict[str, dict[str, list]], path: Path, *, title: str,
@@ -510,10 +366,25 @@ def plot_curves(curves: dict[str, dict[str, list]], path: Path, *, title: str,
     return save_figure(fig, path)
 
 
+def _outcome(v: dict[str, Any] | None) -> str:
+    """The verdict in words ("" without one)."""
+    if v is None:
+        return ""
+    return (
+        f"The growing student's mean test MSE is {v['mse_ratio']:.3f} × the size-matched "
+        f"parametric student's (per seed: {', '.join(f'{r:.3f}' for r in v['per_seed_ratio'])}"
+        f"); it is lower on {len(v['gws_better_on'])} of {len(v['seeds'])} seeds. The paper "
+        "reports that the growing student clearly beats the size-matched parametric softmax "
+        "(docs/reference.md §8; no numbers given)."
+    )
+
 
 def write_report(run: RunDir, cfg: TeacherStudentConfig, summary: dict[str, Any],
                  device: torch.device) -> str:  # fmt: skip
-    """Write ``results.md``, ``results.csv`` and ``test_mse.png``; return the markdown."""
+    """Write ``results.md``, ``results.csv`` and ``test_mse.png``; return the markdown.
+    Under ``torchrun`` only rank 0 writes (the others return ``""``)."""
+    if rank_and_world()[0] != 0:
+        return ""
     steps = math.ceil(cfg.n_train / cfg.batch_size)
     zero = statistics.fmean(summary["zero_predictor_mse"].values())
     noise = f", training-target noise sd {cfg.noise:g}" if cfg.noise else ""
@@ -536,17 +407,6 @@ def write_report(run: RunDir, cfg: TeacherStudentConfig, summary: dict[str, Any]
         f"- **mlp**: {cfg.d_in} → {cfg.mlp_width} × {cfg.mlp_depth} → {cfg.d_out} (ReLU), "
         f"Adam {cfg.mlp_lr:g}.",
     ])  # fmt: skip
-    v = summary["verdict"]
-    outcome = ""
-    if v is not None:
-        outcome = (
-            f"The growing student's mean test MSE is {v['mse_ratio']:.3f} × the size-matched "
-            f"parametric student's (per seed: "
-            f"{', '.join(f'{r:.3f}' for r in v['per_seed_ratio'])}); it is lower on "
-            f"{len(v['gws_better_on'])} of {len(v['seeds'])} seeds. The paper reports that "
-            "the growing student clearly beats the size-matched parametric softmax "
-            "(docs/reference.md §8; no numbers given)."
-        )
     report = "\n\n".join(part for part in [
         "# Teacher–student regression (docs/reference.md §8)", task, students,
         results_table(summary["rows"]),
@@ -554,11 +414,23 @@ def write_report(run: RunDir, cfg: TeacherStudentConfig, summary: dict[str, Any]
         "(forward, backward, update or growth), eval s: seconds of evaluating the test MSE "
         f"every {cfg.eval_every} steps. Entries: weighted-softmax entries (for the parametric "
         "student, its table rows); store: the growing student's entry store.",
-        outcome,
+        _outcome(summary["verdict"]),
         f"Machine: {describe_machine(device)}.\n",
     ] if part)  # fmt: skip
-    atomic_write_text(report, run.file("results.md"))
-    atomic_write_text(results_csv(summary["rows"]), run.file("results.csv"))
     title = f"teacher–student, one pass over {cfg.n_train:,} samples"
-    plot_curves(summary["curves"], run.file("test_mse.png"), title=title, zero_mse=zero)
-    return report
+    return write_outputs(run, report, csv_text(summary["rows"]), {
+        "test_mse.png": partial(plot_curves, summary["curves"], title=title, zero_mse=zero)})
+
+
+EXPERIMENT_SPEC = Experiment(
+    name=EXPERIMENT, config=TeacherStudentConfig,
+    help="teacher–student regression: growing weighted-softmax student vs a "
+    "size-matched parametric softmax and an MLP (docs/reference.md §8)",
+    description="A random teacher network generates a regression stream; a growing "
+    "weighted-softmax student (gws rule), a parametric-softmax student with as many "
+    "entries as the growing one stores at the end (Adam) and an MLP (Adam) learn it in "
+    "one pass, several seeds. Writes results.md, results.csv and test_mse.png. No data "
+    "files needed. See docs/teacher_student.md.",
+    sub_runs=_sub_runs, report=write_report, load_data=None, start=_start, finish=_finish,
+    shards=True,
+)  # fmt: skip
