@@ -394,14 +394,15 @@ def test_decay_configs():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [({"variants": ("adamw",)}, r"unknown variants \['adamw'\]; known: none"),
-     ({"variants": ()}, "give at least one variant"),
+     ({"variants": ()}, "give at least one of variants: none, weight-decay, deltanet"),
      ({"momentum": 1.0}, r"momentum must be in \[0, 1\), got 1.0"),
+     ({"momentum": -0.1}, "momentum must be a finite number >= 0, got -0.1"),
      ({"lr": -1e-3}, "lr must be a finite number > 0"),
      ({"deltanet_decay": 0}, "deltanet_decay must be a finite number > 0, got 0"),
      ({"depth": 0}, "depth must be an int >= 1, got 0"),
      ({"seeds": (-1,)}, "each seed must be an int >= 0, got -1")],
-    ids=["unknown-variant", "no-variant", "momentum-one", "negative-lr", "zero-decay",
-         "no-depth", "negative-seed"],
+    ids=["unknown-variant", "no-variant", "momentum-one", "negative-momentum", "negative-lr",
+         "zero-decay", "no-depth", "negative-seed"],
 )  # fmt: skip
 def test_bad_decay_settings_name_the_problem(settings, message):
     with pytest.raises(ValueError, match=f"DeltaNetDecayConfig: {message}"):

@@ -64,47 +64,36 @@ interrupted.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from rcdl.app.cifar import CifarData
-from rcdl.app.experiments.cifar10 import data_provenance
+from rcdl.app.config import setting
 from rcdl.app.experiments.optimizers import (
-    PAPER_WIDTH,
-    _check_int,
-    _check_positive,
-    _check_seeds,
-    _load_one,
+    ProjectedConfig,
     epoch_rows,
     epoch_table,
     final_table,
+    load_subsets,
     plot_curves,
-    project,
-    results_csv,
+    projected_tensors,
+    seed_runs,
     train_method,
 )
-from rcdl.app.rundir import (
-    RunDir,
-    atomic_write_text,
-    config_from_dict,
-    describe_machine,
-    open_run,
-    release_memory,
-    resolve_device,
-)
+from rcdl.app.report import csv_text, write_outputs
+from rcdl.app.rundir import RunDir, describe_machine
+from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
 from rcdl.dual_optim import DeltaNetDecay
 from rcdl.networks import ResNetMLP
 
 __all__ = [
-    "EXPERIMENT", "PAPER", "VARIANTS", "DeltaNetDecayConfig", "build_variant", "load_data",
-    "run_deltanet_decay",
+    "EXPERIMENT", "EXPERIMENT_SPEC", "PAPER", "VARIANTS", "DeltaNetDecayConfig",
+    "build_variant", "load_data", "run_deltanet_decay",
 ]  # fmt: skip
 
 EXPERIMENT = "deltanet-decay"
@@ -116,108 +105,54 @@ VARIANTS = {
 }
 # docs/reference.md §8: test accuracy (%) after 2000 epochs
 PAPER = {"none": 67.0, "deltanet": 74.0}
-_OWNER = "DeltaNetDecayConfig"
-_DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
-class DeltaNetDecayConfig:
+class DeltaNetDecayConfig(ProjectedConfig):
     """Settings of the DeltaNet-decay experiment (docs/reference.md §8).
 
     Defaults: the reduced run (2 000 train / 2 000 test CIFAR-10 images, width 256,
     150 epochs at batch 64, 4 800 steps); an estimated 10–15 minutes on this project's two
     shared CPU cores, one thread (docs/optimizer_experiments.md). Rates from a validation
-    sweep (module docstring). :meth:`paper` gives the paper's run.
+    sweep (module docstring).
 
-    Attributes:
-        variants: keys of :data:`VARIANTS`, in the order of the tables.
-        train_size, test_size: random CIFAR-10 subsets (``None``: the whole split); they
-            depend on ``data_seed`` only.
-        epochs: passes over the training subset, each in a fresh order.
-        width: ``w`` of the fixed random input projection (``None``: 3072, no projection).
-        depth: residual blocks of the MLP (docs/reference.md §8: 10).
-        lr, momentum: the SGD all three variants share (heavy ball, PyTorch's convention).
-        weight_decay: ``λ_wd`` of the ``weight-decay`` variant (``torch.optim.SGD``'s).
-        deltanet_decay: ``λ_dn`` of the ``deltanet`` variant (not multiplied by ``lr``).
-        batch_size: samples per step.
-        seeds: the experiment runs once per seed (initialisation and orders).
-        eval_batch_size: images per prediction batch when measuring.
-        data_dir: folder holding ``cifar10.npz`` or the official files (``None``: search
-            ``$RCDL_DATA``, then the cache).
-        data_seed: seed of the subsets and of the input projection.
-        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+    ``quick()``: 300 train / 300 test images, width 64, 10 blocks, 5 epochs (about 20 s on
+    two shared CPU cores, one thread); the numbers mean little.
+
+    ``paper()``: the paper's run (docs/reference.md §8): the whole of CIFAR-10 (50 000 /
+    10 000 images), the 3072 pixel values without projection, 10 residual blocks, 2000
+    epochs. docs/reference.md gives no batch size, learning rate, momentum or decay rates:
+    those stay this module's (batch 64, i.e. 1.56 M steps per variant; rates swept at width
+    256, not 3072). A GPU job of days.
     """
 
-    variants: tuple[str, ...] = tuple(VARIANTS)
-    train_size: int | None = 2000
-    test_size: int | None = 2000
-    epochs: int = 150
-    width: int | None = 256
-    depth: int = 10
-    lr: float = 3e-2
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    deltanet_decay: float = 1e-5
-    batch_size: int = 64
-    seeds: tuple[int, ...] = (0,)
-    eval_batch_size: int = 500
-    data_dir: str | None = None
-    data_seed: int = 0
-    device: str = "auto"
+    QUICK = {"train_size": 300, "test_size": 300, "width": 64, "epochs": 5}
+    PAPER = {"train_size": None, "test_size": None, "width": None, "epochs": 2000}
 
-    def __post_init__(self) -> None:
-        for name in ("variants", "seeds"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        if self.data_dir is not None:
-            object.__setattr__(self, "data_dir", str(self.data_dir))
-        if not self.variants:
-            raise ValueError(f"{_OWNER}: give at least one variant: {', '.join(VARIANTS)}")
-        unknown = [v for v in self.variants if v not in VARIANTS]
-        if unknown:
-            raise ValueError(f"{_OWNER}: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
-        if len(set(self.variants)) != len(self.variants):
-            raise ValueError(f"{_OWNER}: variants must not repeat, got {list(self.variants)}")
-        for name in ("train_size", "test_size", "width"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum=1, owner=_OWNER)
-        for name in ("epochs", "depth", "batch_size", "eval_batch_size"):
-            _check_int(name, getattr(self, name), minimum=1, owner=_OWNER)
-        for name in ("lr", "weight_decay", "deltanet_decay"):
-            _check_positive(name, getattr(self, name), owner=_OWNER)
-        if isinstance(self.momentum, bool) or not isinstance(self.momentum, int | float) \
-                or not 0 <= self.momentum < 1:
-            raise ValueError(f"{_OWNER}: momentum must be in [0, 1), got {self.momentum!r}")
-        _check_seeds(self.seeds, self.data_seed, owner=_OWNER)
-        if self.device not in _DEVICES:
-            raise ValueError(f"{_OWNER}: device must be one of {list(_DEVICES)}, got "
-                             f"{self.device!r}")  # fmt: skip
+    variants: tuple[str, ...] = setting(tuple(VARIANTS), "variants", choices=VARIANTS,
+                                        default_text="all three")
+    train_size: int | None = setting(2000, "training images", metavar="N")
+    test_size: int | None = setting(2000, "test images", metavar="N")
+    epochs: int = setting(150, "epochs", metavar="E", default_text="150; the paper: 2000")
+    width: int | None = setting(256, "projected input width", metavar="W")
+    depth: int = setting(10, "residual blocks", metavar="L")
+    lr: float = setting(3e-2, "SGD learning rate", positive=True)
+    momentum: float = setting(0.9, "SGD momentum of all three variants (heavy ball, "
+                              "PyTorch's convention), in [0, 1)")
+    weight_decay: float = setting(1e-4, "multiplicative decay", positive=True)
+    deltanet_decay: float = setting(1e-5, "DeltaNet decay λ", positive=True)
+    batch_size: int = setting(64, "samples per step", metavar="B")
+    seeds: tuple[int, ...] = setting((0,), "seeds", minimum=0, metavar="K")
+    eval_batch_size: int = setting(500, "images per prediction batch when measuring",
+                                   metavar="N")
+    data_dir: str | None = setting(None, "folder of the CIFAR-10 files", cli=False)
+    data_seed: int = setting(0, "seed of the subsets and of the input projection", minimum=0)
+    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
 
-    @property
-    def input_width(self) -> int:
-        """``w``: the MLP's width (3072 without a projection)."""
-        return self.width or PAPER_WIDTH
-
-    @classmethod
-    def quick(cls, **overrides: Any) -> DeltaNetDecayConfig:
-        """A smoke-test scale: 300 train / 300 test images, width 64, 10 blocks, 5 epochs
-        (about 20 s on two shared CPU cores, one thread); the numbers mean little."""
-        quick = {"train_size": 300, "test_size": 300, "width": 64, "epochs": 5}
-        return cls(**{**quick, **overrides})
-
-    @classmethod
-    def paper(cls, **overrides: Any) -> DeltaNetDecayConfig:
-        """The paper's run (docs/reference.md §8): the whole of CIFAR-10 (50 000 / 10 000 images),
-        the 3072 pixel values without projection, 10 residual blocks, 2000 epochs.
-        docs/reference.md gives no batch size, learning rate, momentum or decay rates: those stay
-        this module's (batch 64, i.e. 1.56 M steps per variant; rates swept at width 256, not 3072).
-        A GPU job of days."""
-        paper = {"train_size": None, "test_size": None, "width": None, "epochs": 2000}
-        return cls(**{**paper, **overrides})
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DeltaNetDecayConfig:
-        """The config saved as ``config.json`` (unknown keys are an error)."""
-        return config_from_dict(cls, d)
+    def check(self) -> None:
+        if self.momentum >= 1:
+            raise ValueError(f"DeltaNetDecayConfig: momentum must be in [0, 1), got "
+                             f"{self.momentum!r}")  # fmt: skip
 
 
 def load_data(cfg: DeltaNetDecayConfig, *, download: bool = True) -> CifarData:
@@ -227,7 +162,7 @@ def load_data(cfg: DeltaNetDecayConfig, *, download: bool = True) -> CifarData:
         rcdl.app.cifar.CifarNotFoundError, rcdl.app.cifar.CorruptDataError: from the loader.
         ValueError: if a subset is larger than the split.
     """
-    return _load_one("cifar10", cfg, download=download)
+    return load_subsets("cifar10", cfg, download=download)
 
 
 def build_variant(name: str, seed: int, cfg: DeltaNetDecayConfig, *,
@@ -254,78 +189,33 @@ def build_variant(name: str, seed: int, cfg: DeltaNetDecayConfig, *,
     return model, optimizer, None
 
 
-def run_deltanet_decay(
-    cfg: DeltaNetDecayConfig,
-    *,
-    out: str | Path | None = None,
-    resume: str | Path | None = None,
-    data: CifarData | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-    download: bool = True,
-) -> tuple[RunDir, dict[str, Any]]:
-    """Train every variant for every seed into a new run folder, or continue the one at
-    ``resume``; write the report.
+def _sub_runs(cfg: DeltaNetDecayConfig, data: CifarData, session: Session) -> Iterator:
+    """Every (seed, variant), trained by :func:`rcdl.app.experiments.optimizers.train_method`
+    on the projected images."""
+    build = partial(build_variant, cfg=cfg, device=session.device)
+    tensors = projected_tensors(data, cfg, session.device)
+    return seed_runs(train_method, cfg.variants, cfg, build, tensors, session, key="variant",
+                     dataset="cifar10")  # fmt: skip
 
-    Args:
-        cfg: the settings; to resume, the run's own (``rcdl.app.rundir.read_config``), where
-            only ``data_dir`` and ``device`` may differ.
-        out: the run folder (default ``runs/deltanet-decay-<timestamp>``); it must not
-            already hold a run. Not with ``resume``.
-        resume: an interrupted run folder: its finished (variant, seed) runs are read back,
-            the others trained from scratch.
-        data: the subsets already loaded by :func:`load_data` (before projection; their
-            sizes must be the config's). Default: load them here.
-        device: overrides ``cfg.device``.
-        progress: show progress bars.
-        download: download CIFAR-10 when no copy is found.
 
-    Returns:
-        The run folder and its summary (the content of ``summary.json``): ``runs`` (per
-        (variant, seed): parameters, seconds, ``history`` per epoch), ``rows`` (per
-        (variant, epoch), mean and sd over seeds, accuracy in percent) and ``verdict``.
-    """
-    start = time.perf_counter()
-    device = resolve_device(cfg.device) if device is None else torch.device(device)
-    if data is None:
-        data = load_data(cfg, download=download)
-    sizes, want = (len(data.y_train), len(data.y_test)), (cfg.train_size, cfg.test_size)
-    if any(w is not None and s != w for s, w in zip(sizes, want, strict=True)):
-        raise ValueError(f"the data has {sizes[0]} train / {sizes[1]} test images, the config "
-                         f"asks for {want[0]} / {want[1]}; pass load_data(cfg) or no data")
-    run = open_run(EXPERIMENT, cfg, out=out, resume=resume, device=device)
-    summary: dict[str, Any] = {
-        "experiment": EXPERIMENT, "complete": False,
-        "data": {**data.describe(), "provenance": data_provenance(data.source),
-                 "data_seed": cfg.data_seed},
-        "input_width": cfg.input_width, "runs": [],
-    }  # fmt: skip
-    data = project(data, cfg.width, cfg.data_seed)
-    tensors = tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test))
+def _start(cfg: DeltaNetDecayConfig, data: CifarData) -> dict[str, Any]:
+    return {**cifar_summary(cfg, data), "input_width": cfg.input_width}
 
-    def build(name: str, seed: int) -> tuple[nn.Module, Any, None]:
-        return build_variant(name, seed, cfg, device=device)
 
-    with run.resumable(f"rcdl reproduce {EXPERIMENT}", cfg.data_dir):
-        for seed in cfg.seeds:
-            for name in cfg.variants:
-                train = partial(train_method, name, seed, cfg, build, tensors, run,
-                                device=device, progress=progress, key="variant",
-                                dataset="cifar10")  # fmt: skip
-                summary["runs"].append(run.sub_run(f"{name}-seed{seed}", train))
-                summary["seconds"] = time.perf_counter() - start
-                run.write_summary(summary)
-                release_memory(device)
-
+def _finish(cfg: DeltaNetDecayConfig, summary: dict[str, Any]) -> None:
     summary["rows"] = epoch_rows(summary["runs"], cfg.variants, key="variant")
     summary["verdict"] = verdict(summary["rows"], cfg.epochs)
-    summary["complete"] = True
-    summary["seconds"] = time.perf_counter() - start
-    report = write_report(run, cfg, summary, device)
-    run.write_summary(summary)
-    print("\n" + report, end="")
-    print(f"Run time {summary['seconds']:.1f} s. Run folder: {run.path}")
-    return run, summary
+
+
+def run_deltanet_decay(cfg: DeltaNetDecayConfig, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
+    """Train every variant for every seed (:func:`rcdl.app.runner.run_experiment`, which
+    takes ``out``, ``resume``, ``data`` (from :func:`load_data`, before projection),
+    ``device``, ``progress``, ``download``).
+
+    The summary adds ``input_width``, ``rows`` (per (variant, epoch), mean and sd over
+    seeds, accuracy in percent) and ``verdict``; each of ``runs`` (per (variant, seed))
+    holds parameters, seconds and the ``history`` per epoch."""
+    return run_experiment(EXPERIMENT_SPEC, cfg, **kw)
 
 
 # --------------------------------------------------------------------------- reporting
@@ -379,18 +269,28 @@ def write_report(run: RunDir, cfg: DeltaNetDecayConfig, summary: dict[str, Any],
         "Test accuracy (%) at selected epochs (every epoch in results.csv):",
         epoch_table(excerpt, "cifar10", "test_acc_pct", 2, key="variant"),
         "Training loss (mean batch loss of the epoch) at selected epochs:",
-        epoch_table([r for r in excerpt if r["epoch"] >= 1], "cifar10", "train_loss", 4,
-                    key="variant"),
+        epoch_table(excerpt, "cifar10", "train_loss", 4, key="variant"),
         conclusion,
         "Paper (docs/reference.md §8; whole CIFAR-10, 2000 epochs, width 3072): "
         f"{PAPER['none']:.0f} % without decay, {PAPER['deltanet']:.0f} % with DeltaNet "
         "decay; multiplicative weight decay barely helps.",
         f"Data: {d['source']}, {d['provenance']}.\nMachine: {describe_machine(device)}.\n",
     ]  # fmt: skip
-    report = "\n\n".join(parts)
-    atomic_write_text(report, run.file("results.md"))
-    atomic_write_text(results_csv(rows), run.file("results.csv"))
-    plot_curves(rows, run.file("deltanet_decay.png"), key="variant",
-                title=f"CIFAR-10, {d['n_train']:,} training images, w = {cfg.input_width}, "
-                f"{cfg.depth} blocks", labels={m: VARIANTS[m] for m in cfg.variants})
-    return report
+    title = (f"CIFAR-10, {d['n_train']:,} training images, w = {cfg.input_width}, "
+             f"{cfg.depth} blocks")  # fmt: skip
+    return write_outputs(run, "\n\n".join(parts), csv_text(rows), {
+        "deltanet_decay.png": partial(plot_curves, rows, key="variant", title=title,
+                                      labels={m: VARIANTS[m] for m in cfg.variants})})
+
+
+EXPERIMENT_SPEC = Experiment(
+    name=EXPERIMENT, config=DeltaNetDecayConfig,
+    help="a 10-block residual MLP without decay, with weight decay and with DeltaNet decay, "
+    "many epochs (docs/reference.md §7, §8)",
+    description="A 10-block residual MLP trained by SGD without decay, with multiplicative "
+    "weight decay and with DeltaNet decay (docs/reference.md §7: forgetting only along the "
+    "current inputs' directions), many epochs on a CIFAR-10 subset. Writes results.md, "
+    "results.csv and the curves. See docs/optimizer_experiments.md.",
+    sub_runs=_sub_runs, report=write_report, load_data=load_data, start=_start,
+    finish=_finish, switches={"no_projection": ("the raw 3 072 pixels", {"width": None})},
+)  # fmt: skip

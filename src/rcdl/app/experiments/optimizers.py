@@ -75,13 +75,10 @@ of the run that was interrupted.
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import statistics
 import sys
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -93,17 +90,10 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, CifarNotFoundError, load_cifar
-from rcdl.app.experiments.cifar10 import data_provenance
-from rcdl.app.rundir import (
-    RunDir,
-    atomic_write_text,
-    config_from_dict,
-    describe_machine,
-    open_run,
-    release_memory,
-    resolve_device,
-    save_figure,
-)
+from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.report import csv_text, mean_sd, pm, write_outputs
+from rcdl.app.rundir import RunDir, describe_machine, save_figure
+from rcdl.app.runner import Experiment, Session, TaggedLog, cifar_summary, run_experiment
 from rcdl.dual_optim import FOOF
 from rcdl.grower import Grower
 from rcdl.networks import GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
@@ -112,9 +102,10 @@ from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD
 from rcdl.training import accuracy, train_one_pass
 
 __all__ = [
-    "DATASETS", "EXPERIMENT", "METHODS", "Float32Muon", "OptimizerComparisonConfig",
-    "build_method", "load_datasets", "project", "random_projection",
-    "run_optimizer_comparison",
+    "DATASETS", "EXPERIMENT", "EXPERIMENT_SPEC", "METHODS", "Float32Muon",
+    "OptimizerComparisonConfig", "ProjectedConfig", "build_method", "load_datasets",
+    "load_subsets", "project", "projected_tensors", "random_projection",
+    "run_optimizer_comparison", "seed_runs", "train_method",
 ]  # fmt: skip
 
 EXPERIMENT = "optimizers"
@@ -133,7 +124,6 @@ INITIAL_ENTRIES = 16  # the gws model's initial entries per layer (docs/referenc
 _PAPER_TEMPERATURE = {"gws": 6.0, "rbf": 10.0}  # docs/reference.md §6, at width 3072
 _CLASSIC = ("mlp-sgd", "mlp-adam", "mlp-rmsprop")  # the optimizers the growing models beat
 _METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}
-_DEVICES = ("auto", "cpu", "cuda")
 _NS_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -210,7 +200,22 @@ def _muon_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 
 @dataclass(frozen=True)
-class OptimizerComparisonConfig:
+class ProjectedConfig(ExperimentConfig):
+    """A config whose models see the images through the fixed random projection of
+    :func:`project` to ``width`` dimensions (``None``: the 3072 pixel values), drawn from
+    ``data_seed`` like the random subsets of ``train_size`` and ``test_size`` images
+    (``None``: the whole split), so every model and seed sees the same inputs. The base of
+    :class:`OptimizerComparisonConfig` and of
+    :class:`rcdl.app.experiments.deltanet_decay.DeltaNetDecayConfig`."""
+
+    @property
+    def input_width(self) -> int:
+        """``w``: the width every model's input has (3072 without a projection)."""
+        return self.width or PAPER_WIDTH
+
+
+@dataclass(frozen=True)
+class OptimizerComparisonConfig(ProjectedConfig):
     """Settings of the multi-epoch optimizer comparison (docs/reference.md §8).
 
     The defaults (5 000 train / 2 000 test images, width 256, a 4-block MLP, 10 epochs,
@@ -220,98 +225,72 @@ class OptimizerComparisonConfig:
     so far: 3.7–4.9 µs per entry and step at width 256, 50 000 entries per layer at the
     end) and by Muon (its Newton–Schulz iteration, about 18 ms per 256 × 256 matrix and
     step). Learning rates from a validation sweep at this size (docs). See
-    docs/optimizer_experiments.md for the measurements and :meth:`paper` for the paper's
-    sizes.
+    docs/optimizer_experiments.md for the measurements.
 
-    Attributes:
-        datasets: ``"cifar10"`` and/or ``"cifar100"`` (fine labels, 100 classes).
-        methods: keys of :data:`METHODS`, in the order of the tables.
-        train_size, test_size: random subsets of each data set (``None``: the whole split);
-            they depend on ``data_seed`` only, so every method and seed sees the same images.
-        epochs: passes over the training subset, each in a fresh order.
-        width: ``w``, the width of the fixed random input projection shared by all methods
-            (``None``: no projection, ``w = 3072``).
-        mlp_depth: residual blocks of the MLP (each one Linear ``w → w``).
-        growing_depth: blocks of the growing models (docs/reference.md §6: 2).
-        sgd_lr, adam_lr, rmsprop_lr, muon_lr, foof_lr: learning rates of the MLP's
-            optimizers (``muon_lr``: Muon's matrices; the biases get Adam 1e−3).
-        foof_damping: FOOF's λ added to the diagonal of the input second moment.
-        muon_ns_dtype: ``"auto"`` (:class:`Float32Muon` on a CPU, ``torch.optim.Muon`` on
-            CUDA), ``"float32"`` (:class:`Float32Muon`) or ``"bfloat16"``
-            (``torch.optim.Muon``).
-        gws_temperature, rbf_temperature: the growing models' T (``None``: the paper's
-            6 and 10 scaled by ``√(w / 3072)``).
-        seeds: the comparison runs once per seed (initialisation and orders of the images).
-        skip_missing: skip a data set that is not found (saying so) instead of stopping.
-        batch_size: samples per step (docs/reference.md §6: 16).
-        eval_batch_size: images per prediction batch when measuring.
-        data_dir: folder holding the data (see :func:`rcdl.app.cifar.load_cifar`; ``None``
-            searches ``$RCDL_DATA``, then the cache).
-        data_seed: seed of the subsets and of the input projection.
-        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+    ``quick()``: 300 train / 300 test images, width 64, 2 MLP blocks, 3 epochs (under a
+    minute per data set on two shared CPU cores, one thread); the numbers mean little at
+    this size.
+
+    ``paper()``: the paper's scale as far as docs/reference.md states it: the whole data
+    sets (50 000 train / 10 000 test, ``train_size = test_size = None``), no projection
+    (``w = 3072``), docs/reference.md §6's backbones (the ResNet-MLP's 8 blocks, the growing
+    models' 2) and docs/reference.md §6's tuned learning rates at batch 16 (SGD 1e−3, Adam
+    1e−4, RMSprop 1e−4, Muon 1e−3). docs/reference.md gives neither this figure's MLP sizes
+    nor its number of epochs: the 8-block MLP is docs/reference.md §6's one-epoch baseline
+    and the 10 epochs are this project's choice; FOOF keeps the default's swept settings. A
+    GPU job: the growing models end with 500 000 entries per layer (about 37 GB in float32
+    for the two of them, one at a time: about 18.5 GB each).
     """
 
-    datasets: tuple[str, ...] = ("cifar10", "cifar100")
-    methods: tuple[str, ...] = tuple(METHODS)
-    train_size: int | None = 5000
-    test_size: int | None = 2000
-    epochs: int = 10
-    width: int | None = 256
-    mlp_depth: int = 4
-    growing_depth: int = 2
-    sgd_lr: float = 3e-3
-    adam_lr: float = 3e-4
-    rmsprop_lr: float = 3e-4
-    muon_lr: float = 1e-3
-    foof_lr: float = 3e-2
-    foof_damping: float = 1.0
-    muon_ns_dtype: str = "auto"
-    gws_temperature: float | None = None
-    rbf_temperature: float | None = None
-    seeds: tuple[int, ...] = (0,)
-    skip_missing: bool = True
-    batch_size: int = 16
-    eval_batch_size: int = 500
-    data_dir: str | None = None
-    data_seed: int = 0
-    device: str = "auto"
+    QUICK = {"train_size": 300, "test_size": 300, "width": 64, "mlp_depth": 2, "epochs": 3}
+    PAPER = {"train_size": None, "test_size": None, "width": None, "mlp_depth": 8,
+             "epochs": 10, "sgd_lr": 1e-3, "adam_lr": 1e-4, "rmsprop_lr": 1e-4,
+             "muon_lr": 1e-3}  # fmt: skip
 
-    def __post_init__(self) -> None:
-        # lists (from JSON or argparse) become tuples, paths strings, so configs compare equal
-        for name in ("datasets", "methods", "seeds"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        if self.data_dir is not None:
-            object.__setattr__(self, "data_dir", str(self.data_dir))
-        _check_choices("datasets", self.datasets, DATASETS)
-        _check_choices("methods", self.methods, METHODS)
-        for name in ("train_size", "test_size", "width"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum=1)
-        for name in ("epochs", "mlp_depth", "growing_depth", "batch_size", "eval_batch_size"):
-            _check_int(name, getattr(self, name), minimum=1)
-        for name in ("sgd_lr", "adam_lr", "rmsprop_lr", "muon_lr", "foof_lr", "foof_damping"):
-            _check_positive(name, getattr(self, name))
-        for name in ("gws_temperature", "rbf_temperature"):
-            if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
-        if self.muon_ns_dtype not in _NS_DTYPES:
-            raise ValueError(f"OptimizerComparisonConfig: muon_ns_dtype must be one of "
-                             f"{list(_NS_DTYPES)}, got {self.muon_ns_dtype!r}")  # fmt: skip
-        _check_seeds(self.seeds, self.data_seed)
-        if not isinstance(self.skip_missing, bool):
-            raise ValueError(f"OptimizerComparisonConfig: skip_missing must be a bool, got "
-                             f"{self.skip_missing!r}")  # fmt: skip
-        if self.device not in _DEVICES:
-            raise ValueError(f"OptimizerComparisonConfig: device must be one of "
-                             f"{list(_DEVICES)}, got {self.device!r}")  # fmt: skip
-
-    @property
-    def input_width(self) -> int:
-        """``w``: the width every method's input has (3072 without a projection)."""
-        return self.width or PAPER_WIDTH
+    datasets: tuple[str, ...] = setting(tuple(DATASETS), "data sets; a missing one is "
+                                        "reported and skipped", choices=DATASETS)
+    methods: tuple[str, ...] = setting(tuple(METHODS), "methods", choices=METHODS,
+                                       default_text="all")
+    train_size: int | None = setting(5000, "training images", metavar="N")
+    test_size: int | None = setting(2000, "test images", metavar="N")
+    epochs: int = setting(10, "epochs", metavar="E")
+    width: int | None = setting(256, "projected input width", metavar="W")
+    mlp_depth: int = setting(4, "residual blocks of the MLP (each one Linear w → w)",
+                             metavar="L")
+    growing_depth: int = setting(2, "blocks of the growing models (docs/reference.md §6)",
+                                 metavar="L")
+    sgd_lr: float = setting(3e-3, "learning rate of mlp-sgd (momentum 0.85)", positive=True,
+                            metavar="LR")
+    adam_lr: float = setting(3e-4, "learning rate of mlp-adam", positive=True, metavar="LR")
+    rmsprop_lr: float = setting(3e-4, "learning rate of mlp-rmsprop", positive=True,
+                                metavar="LR")
+    muon_lr: float = setting(1e-3, "learning rate of mlp-muon's matrices (its biases get "
+                             "Adam 1e-3)", positive=True, metavar="LR")
+    foof_lr: float = setting(3e-2, "learning rate of mlp-foof", positive=True, metavar="LR")
+    foof_damping: float = setting(1.0, "FOOF's λ, added to the diagonal of the input second "
+                                  "moment", positive=True)
+    muon_ns_dtype: str = setting(
+        "auto", "precision of Muon's Newton–Schulz iteration: float32 (Float32Muon), "
+        "bfloat16 (torch.optim.Muon) or auto (float32 on a CPU, bfloat16 on CUDA)",
+        choices=_NS_DTYPES)
+    gws_temperature: float | None = setting(None, "T of the gws model", positive=True,
+                                            metavar="T", default_text="6 · √(w / 3072)")
+    rbf_temperature: float | None = setting(None, "T of the RBF model", positive=True,
+                                            metavar="T", default_text="10 · √(w / 3072)")
+    seeds: tuple[int, ...] = setting((0,), "seeds", minimum=0, metavar="K")
+    skip_missing: bool = setting(True, "skip a data set that is not found (saying so) "
+                                 "instead of stopping", flag_help="stop when a data set of "
+                                 "--datasets is not found")
+    batch_size: int = setting(16, "samples per step (docs/reference.md §6)", metavar="B")
+    eval_batch_size: int = setting(500, "images per prediction batch when measuring",
+                                   metavar="N")
+    data_dir: str | None = setting(None, "folder of the CIFAR files", cli=False)
+    data_seed: int = setting(0, "seed of the subsets and of the input projection", minimum=0)
+    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
 
     def temperature(self, method: str) -> float:
-        """T of the growing model ``method`` (``"gws"`` or ``"rbf"``)."""
+        """T of the growing model ``method`` (``"gws"`` or ``"rbf"``): the one given, else
+        the paper's scaled by ``√(w / 3072)``."""
         given = {"gws": self.gws_temperature, "rbf": self.rbf_temperature}[method]
         if given is not None:
             return given
@@ -320,68 +299,6 @@ class OptimizerComparisonConfig:
     def lr(self, method: str) -> float:
         """The learning rate of MLP method ``mlp-<optimizer>``."""
         return getattr(self, f"{method.removeprefix('mlp-')}_lr")
-
-    @classmethod
-    def quick(cls, **overrides: Any) -> OptimizerComparisonConfig:
-        """A smoke-test scale: 300 train / 300 test images, width 64, 2 MLP blocks,
-        3 epochs (under a minute per data set on two shared CPU cores, one thread); the
-        numbers mean little at this size."""
-        quick = {"train_size": 300, "test_size": 300, "width": 64, "mlp_depth": 2, "epochs": 3}
-        return cls(**{**quick, **overrides})
-
-    @classmethod
-    def paper(cls, **overrides: Any) -> OptimizerComparisonConfig:
-        """The paper's scale as far as docs/reference.md states it: the whole data sets (50 000
-        train / 10 000 test), no projection (``w = 3072``), docs/reference.md §6's backbones (the
-        ResNet-MLP's 8 blocks, the growing models' 2) and docs/reference.md §6's tuned learning
-        rates at batch 16 (SGD 1e−3, Adam 1e−4, RMSprop 1e−4, Muon 1e−3). docs/reference.md gives
-        neither this figure's MLP sizes nor its number of epochs: the 8-block MLP is
-        docs/reference.md §6's one-epoch baseline and the 10 epochs are this project's choice; FOOF
-        keeps the default's swept settings. A GPU job: the growing models end with 500 000 entries
-        per layer (about 37 GB in float32 for the two of them, one at a time: about 18.5 GB
-        each)."""
-        paper = {"train_size": None, "test_size": None, "width": None, "mlp_depth": 8,
-                 "epochs": 10, "sgd_lr": 1e-3, "adam_lr": 1e-4, "rmsprop_lr": 1e-4,
-                 "muon_lr": 1e-3}  # fmt: skip
-        return cls(**{**paper, **overrides})
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> OptimizerComparisonConfig:
-        """The config saved as ``config.json`` (unknown keys are an error)."""
-        return config_from_dict(cls, d)
-
-
-def _check_int(what: str, value: Any, *, minimum: int, owner: str = "OptimizerComparisonConfig"
-               ) -> None:  # fmt: skip
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}: {what} must be an int >= {minimum}, got {value!r}")
-
-
-def _check_positive(what: str, value: Any, owner: str = "OptimizerComparisonConfig") -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}: {what} must be a finite number > 0, got {value!r}")
-
-
-def _check_choices(what: str, values: tuple, known: Mapping[str, str]) -> None:
-    owner = "OptimizerComparisonConfig"
-    if not values:
-        raise ValueError(f"{owner}: give at least one of {what}: {', '.join(known)}")
-    unknown = [v for v in values if v not in known]
-    if unknown:
-        raise ValueError(f"{owner}: unknown {what} {unknown}; known: {', '.join(known)}")
-    if len(set(values)) != len(values):
-        raise ValueError(f"{owner}: {what} must not repeat, got {list(values)}")
-
-
-def _check_seeds(seeds: tuple, data_seed: Any, owner: str = "OptimizerComparisonConfig") -> None:
-    if not seeds:
-        raise ValueError(f"{owner}: give at least one seed")
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"{owner}: seeds must not repeat, got {list(seeds)}")
-    for seed in seeds:
-        _check_int("each seed", seed, minimum=0, owner=owner)
-    _check_int("data_seed", data_seed, minimum=0, owner=owner)
 
 
 # --------------------------------------------------------------------------- the data
@@ -403,9 +320,21 @@ def project(data: CifarData, width: int | None, seed: int) -> CifarData:
     return replace(data, x_train=data.x_train @ proj, x_test=data.x_test @ proj)
 
 
-def _load_one(name: str, cfg: Any, *, download: bool) -> CifarData:
-    """The subsets of data set ``name`` for a config with ``data_dir``, ``train_size``,
-    ``test_size`` and ``data_seed``."""
+def projected_tensors(data: CifarData, cfg: ProjectedConfig, device: torch.device) -> tuple:
+    """``(x_train (N, w), y_train (N,), x_test (M, w), y_test (M,))`` on ``device``: ``data``
+    seen through the projection of ``cfg`` (:func:`project`, seeded with ``cfg.data_seed``)."""
+    data = project(data, cfg.width, cfg.data_seed)
+    return tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test))
+
+
+def load_subsets(name: str, cfg: ProjectedConfig, *, download: bool = True) -> CifarData:
+    """The subsets of data set ``name`` that ``cfg`` asks for (``train_size``, ``test_size``,
+    ``None``: the whole split), drawn with ``cfg.data_seed``, before projection.
+
+    Raises:
+        rcdl.app.cifar.CifarNotFoundError, rcdl.app.cifar.CorruptDataError: from the loader.
+        ValueError: if a subset is larger than the split.
+    """
     data = load_cifar(name, cfg.data_dir, download=download)
     for what, size, available in (("train_size", cfg.train_size, len(data.y_train)),
                                   ("test_size", cfg.test_size, len(data.y_test))):  # fmt: skip
@@ -415,9 +344,11 @@ def _load_one(name: str, cfg: Any, *, download: bool) -> CifarData:
     return data.subset(cfg.train_size, cfg.test_size, seed=cfg.data_seed)
 
 
-def load_datasets(
-    cfg: OptimizerComparisonConfig, *, download: bool = True, verbose: bool = True
-) -> tuple[dict[str, CifarData], dict[str, dict[str, Any]]]:
+Datasets = tuple[dict[str, CifarData], dict[str, dict[str, Any]]]  # (loaded, missing)
+
+
+def load_datasets(cfg: OptimizerComparisonConfig, *, download: bool = True,
+                  verbose: bool = True) -> Datasets:  # fmt: skip
     """The subsets of every data set of ``cfg``, before projection, and the ones missing.
 
     Returns:
@@ -433,7 +364,7 @@ def load_datasets(
     loaded, missing, searched, briefs = {}, {}, [], []
     for name in cfg.datasets:
         try:
-            loaded[name] = _load_one(name, cfg, download=download)
+            loaded[name] = load_subsets(name, cfg, download=download)
         except CifarNotFoundError as e:
             searched += e.searched
             if not cfg.skip_missing:
@@ -451,6 +382,24 @@ def load_datasets(
             "none of this comparison's data sets was found:\n\n"
             + "\n\n".join(m["message"] for m in missing.values()), searched,
             brief="\n".join(briefs))  # fmt: skip
+    return loaded, missing
+
+
+def _given_datasets(cfg: OptimizerComparisonConfig, data: Mapping[str, CifarData]) -> Datasets:
+    """``data`` passed to :func:`run_optimizer_comparison` as :func:`load_datasets` would
+    give it: the data sets of ``cfg`` it holds (each of the config's sizes), and the others
+    as missing."""
+    loaded = {name: data[name] for name in cfg.datasets if name in data}
+    if not loaded:
+        raise ValueError(f"data holds none of the data sets {list(cfg.datasets)}")
+    for name, d in loaded.items():  # the runner's check_sizes knows one data set only
+        sizes, want = (len(d.y_train), len(d.y_test)), (cfg.train_size, cfg.test_size)
+        if any(w is not None and s != w for s, w in zip(sizes, want, strict=True)):
+            raise ValueError(f"the {name} data has {sizes[0]} train / {sizes[1]} test images, "
+                             f"the config asks for {want[0]} / {want[1]}; pass "
+                             "load_datasets(cfg) or no data")  # fmt: skip
+    missing = {name: {"message": "not in the data given to run_optimizer_comparison",
+                      "searched": []} for name in cfg.datasets if name not in data}  # fmt: skip
     return loaded, missing
 
 
@@ -516,30 +465,33 @@ def build_method(
 # --------------------------------------------------------------------------- running
 
 
-class _Recorder:
-    """Hands the trainer's records to ``metrics.jsonl``, tagged, and keeps them in memory."""
+class _Recorder(TaggedLog):
+    """A :class:`rcdl.app.runner.TaggedLog` that also keeps the records (the run's
+    ``history``) and drops the trainer's ``model`` label (the tags name the run)."""
 
     def __init__(self, run: RunDir, **tags: Any) -> None:
-        self.run, self.tags, self.records = run, tags, []
+        super().__init__(run, **tags)
+        self.records: list[dict[str, Any]] = []
 
     def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None:
         rest = {k: v for k, v in {**(record or {}), **fields}.items() if k != "model"}
-        record = {**self.tags, **rest}
-        self.run.log(record)
-        self.records.append(record)
+        super().log(rest)
+        self.records.append(rest)
 
 
 def _history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per evaluation: epoch (an int at an epoch's end), test metrics, the mean training loss
     since the previous evaluation, the training clock and the entries stored."""
     keys = ("step", "test_acc", "test_loss", "train_loss", "train_seconds", "entries")
-    epoch = [r["epoch"] for r in records]
-    return [{"epoch": int(e) if float(e).is_integer() else e, **{k: r[k] for k in keys}}
-            for e, r in zip(epoch, records, strict=True)]  # fmt: skip
+    return [{"epoch": int(r["epoch"]) if float(r["epoch"]).is_integer() else r["epoch"],
+             **{k: r[k] for k in keys}} for r in records]  # fmt: skip
 
 
-def train_method(name: str, seed: int, cfg: Any, build: Any, tensors: tuple, run: RunDir, *,
-                 device: torch.device, progress: bool, key: str = "method",
+Build = Callable[[str, int], tuple[nn.Module, Any, Grower | None]]
+
+
+def train_method(name: str, seed: int, cfg: Any, build: Build, tensors: tuple,
+                 session: Session, *, key: str = "method",
                  **tags: Any) -> dict[str, Any]:  # fmt: skip
     """Train ``build(name, seed)`` (``(model, optimizer, grower)``) for ``cfg.epochs`` epochs
     on ``tensors``, evaluating after every epoch (``cfg`` has ``batch_size``, ``epochs`` and
@@ -551,13 +503,14 @@ def train_method(name: str, seed: int, cfg: Any, build: Any, tensors: tuple, run
     """
     n = len(tensors[0])
     model, optimizer, grower = build(name, seed)
-    recorder = _Recorder(run, **tags, **{key: name}, seed=seed)
+    recorder = _Recorder(session.run, **tags, **{key: name}, seed=seed)
     label = "-".join(map(str, [*tags.values(), name, f"seed{seed}"]))
     result = train_one_pass(
         model, tensors, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer,
         grower=grower, loss_fn=F.cross_entropy, metrics=_METRICS,
         eval_every=math.ceil(n / cfg.batch_size), eval_batch_size=cfg.eval_batch_size,
-        device=device, run=recorder, name=label, progress=progress, epochs=cfg.epochs,
+        device=session.device, run=recorder, name=label, progress=session.progress,
+        epochs=cfg.epochs,
     )  # fmt: skip
     result.pop("history")
     parameters = sum(p.numel() for p in model.parameters())
@@ -565,115 +518,71 @@ def train_method(name: str, seed: int, cfg: Any, build: Any, tensors: tuple, run
             "history": _history(recorder.records)}  # fmt: skip
 
 
-def _train_dataset(name: str, data: CifarData, cfg: OptimizerComparisonConfig,
-                   summary: dict[str, Any], run: RunDir, device: torch.device, progress: bool,
-                   start: float) -> None:  # fmt: skip
-    """Train every (seed, method) on data set ``name`` (or read it back from an earlier
-    session), appending each result to ``summary["runs"]`` and saving the summary."""
-    data = project(data, cfg.width, cfg.data_seed)
-    tensors = tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test))
-    n = len(data.y_train)
-
-    def build(method: str, seed: int):  # noqa: ANN202
-        return build_method(method, seed, cfg, data.num_classes, reserve=cfg.epochs * n,
-                            device=device)  # fmt: skip
-
+def seed_runs(train: Callable[..., dict[str, Any]], names: tuple[str, ...], cfg: Any,
+              build: Build, tensors: tuple, session: Session, *, prefix: str = "",
+              key: str = "method", **tags: Any) -> Iterator:  # fmt: skip
+    """The sub-runs ``(prefix + "<name>-seed<seed>", train)`` of every seed of ``cfg``, and
+    within a seed every one of ``names``; each calls ``train(name, seed, cfg, build,
+    tensors, session, key=key, **tags)`` (:func:`train_method`, passed in so that each
+    experiment module's own name for it is the one called)."""
     for seed in cfg.seeds:
-        for method in cfg.methods:
-            train = partial(train_method, method, seed, cfg, build, tensors, run,
-                            device=device, progress=progress, dataset=name)  # fmt: skip
-            summary["runs"].append(run.sub_run(f"{name}-{method}-seed{seed}", train))
-            summary["seconds"] = time.perf_counter() - start
-            run.write_summary(summary)
-            release_memory(device)
+        for name in names:
+            yield f"{prefix}{name}-seed{seed}", partial(train, name, seed, cfg, build, tensors,
+                                                        session, key=key, **tags)  # fmt: skip
 
 
-def run_optimizer_comparison(
-    cfg: OptimizerComparisonConfig,
-    *,
-    out: str | Path | None = None,
-    resume: str | Path | None = None,
-    data: Mapping[str, CifarData] | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-    download: bool = True,
-) -> tuple[RunDir, dict[str, Any]]:
-    """Train every method on every data set found, for every seed, into a new run folder
-    or the one at ``resume``; write the report.
+def _sub_runs(cfg: OptimizerComparisonConfig, data: Datasets, session: Session) -> Iterator:
+    """For each data set found, in the order of ``cfg.datasets``: every (seed, method)."""
+    loaded, _ = data
+    for name, d in loaded.items():
+        build = partial(build_method, cfg=cfg, classes=d.num_classes,
+                        reserve=cfg.epochs * len(d.y_train), device=session.device)
+        tensors = projected_tensors(d, cfg, session.device)
+        yield from seed_runs(train_method, cfg.methods, cfg, build, tensors, session,
+                             prefix=f"{name}-", dataset=name)  # fmt: skip
+
+
+def _start(cfg: OptimizerComparisonConfig, data: Datasets) -> dict[str, Any]:
+    loaded, missing = data
+    return {"data": {name: cifar_summary(cfg, d)["data"] for name, d in loaded.items()},
+            "skipped": {name: missing[name] for name in cfg.datasets if name in missing},
+            "input_width": cfg.input_width}  # fmt: skip
+
+
+def _finish(cfg: OptimizerComparisonConfig, summary: dict[str, Any]) -> None:
+    summary["rows"] = epoch_rows(summary["runs"], cfg.methods, key="method")
+    summary["verdicts"] = {name: verdict(summary["rows"], name, cfg.epochs)
+                           for name in summary["data"]}  # fmt: skip
+
+
+def run_optimizer_comparison(cfg: OptimizerComparisonConfig, *,
+                             data: Mapping[str, CifarData] | None = None,
+                             **kw: Any) -> tuple[RunDir, dict[str, Any]]:  # fmt: skip
+    """Train every method on every data set found, for every seed
+    (:func:`rcdl.app.runner.run_experiment`, which takes ``out``, ``resume``, ``device``,
+    ``progress``, ``download``).
 
     Args:
-        cfg: the settings; to resume, the run's own (``rcdl.app.rundir.read_config``), where
-            only ``data_dir`` and ``device`` may differ.
-        out: the run folder (default ``runs/optimizers-<timestamp>``); it must not already
-            hold a run. Not with ``resume``.
-        resume: an interrupted run folder: its finished (dataset, method, seed) runs are
-            read back, the others trained from scratch.
         data: ``{dataset: subsets}`` already loaded by :func:`load_datasets` (before
             projection; sizes must be the config's); data sets of ``cfg.datasets`` absent
             from it count as missing. Default: load them here.
-        device: overrides ``cfg.device``.
-        progress: show progress bars.
-        download: download a data set when no copy is found.
 
-    Returns:
-        The run folder and its summary (the content of ``summary.json``): ``data`` and
-        ``skipped`` (per data set), ``runs`` (per (dataset, method, seed): parameters,
-        entries, seconds, ``history`` per epoch), ``rows`` (per (dataset, method, epoch),
-        mean and sd over seeds, accuracies in percent) and ``verdicts`` (per data set).
+    The summary adds ``data`` and ``skipped`` (per data set), ``input_width``, ``rows`` (per
+    (dataset, method, epoch), mean and sd over seeds, accuracies in percent) and
+    ``verdicts`` (per data set); each of ``runs`` (per (dataset, method, seed)) holds
+    parameters, entries, seconds and the ``history`` per epoch.
 
     Raises:
         rcdl.app.cifar.CifarNotFoundError: see :func:`load_datasets`.
     """
-    start = time.perf_counter()
-    device = resolve_device(cfg.device) if device is None else torch.device(device)
-    if data is None:
-        data, missing = load_datasets(cfg, download=download)
-    else:
-        data = {k: v for k, v in data.items() if k in cfg.datasets}
-        missing = {k: {"message": "not in the data given to run_optimizer_comparison",
-                       "searched": []} for k in cfg.datasets if k not in data}  # fmt: skip
-        if not data:
-            raise ValueError(f"data holds none of the data sets {list(cfg.datasets)}")
-    for name, d in data.items():
-        sizes, want = (len(d.y_train), len(d.y_test)), (cfg.train_size, cfg.test_size)
-        if any(w is not None and s != w for s, w in zip(sizes, want, strict=True)):
-            raise ValueError(f"the {name} data has {sizes[0]} train / {sizes[1]} test images, "
-                             f"the config asks for {want[0]} / {want[1]}; pass "
-                             "load_datasets(cfg) or no data")  # fmt: skip
-    run = open_run(EXPERIMENT, cfg, out=out, resume=resume, device=device)
-    summary: dict[str, Any] = {
-        "experiment": EXPERIMENT, "complete": False, "data": {},
-        "skipped": {name: missing[name] for name in cfg.datasets if name in missing},
-        "input_width": cfg.input_width, "runs": [],
-    }  # fmt: skip
-    with run.resumable(f"rcdl reproduce {EXPERIMENT}", cfg.data_dir):
-        for name in cfg.datasets:
-            if name not in data:
-                continue
-            d = data[name]
-            summary["data"][name] = {**d.describe(), "provenance": data_provenance(d.source),
-                                     "data_seed": cfg.data_seed}  # fmt: skip
-            _train_dataset(name, d, cfg, summary, run, device, progress, start)
-
-    summary["rows"] = epoch_rows(summary["runs"], cfg.methods, key="method")
-    summary["verdicts"] = {name: verdict(summary["rows"], name, cfg.epochs)
-                           for name in summary["data"]}  # fmt: skip
-    summary["complete"] = True
-    summary["seconds"] = time.perf_counter() - start
-    report = write_report(run, cfg, summary, device)
-    run.write_summary(summary)
-    print("\n" + report, end="")
-    print(f"Run time {summary['seconds']:.1f} s. Run folder: {run.path}")
-    return run, summary
+    spec = EXPERIMENT_SPEC
+    if data is not None:  # several data sets: checked here, not by the runner's check_sizes
+        given = _given_datasets(cfg, data)
+        spec = replace(spec, load_data=lambda cfg, download=True: given)
+    return run_experiment(spec, cfg, **kw)
 
 
 # --------------------------------------------------------------------------- reporting
-
-
-def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
 def epoch_rows(runs: list[dict[str, Any]], names: tuple[str, ...], *,
@@ -693,7 +602,7 @@ def epoch_rows(runs: list[dict[str, Any]], names: tuple[str, ...], *,
                 for field, scale, suffix in (("test_acc", 100, "_pct"), ("test_loss", 1, ""),
                                              ("train_loss", 1, "")):  # fmt: skip
                     values = [scale * h[field] for h in at if h[field] is not None]
-                    row[field + suffix], row[f"{field}{suffix}_sd"] = _mean_sd(values)
+                    row[field + suffix], row[f"{field}{suffix}_sd"] = mean_sd(values)
                 row["train_seconds"] = statistics.fmean(h["train_seconds"] for h in at)
                 row["entries"] = at[0]["entries"]
                 rows.append(row)
@@ -724,12 +633,6 @@ def verdict(rows: list[dict[str, Any]], dataset: str, epochs: int) -> dict[str, 
     return out
 
 
-def _pm(mean: float | None, sd: float | None, digits: int) -> str:
-    if mean is None:
-        return "—"
-    return f"{mean:.{digits}f}" if sd is None else f"{mean:.{digits}f} ± {sd:.{digits}f}"
-
-
 def final_table(rows: list[dict[str, Any]], dataset: str, epochs: int,
                 labels: Mapping[str, str], *, key: str = "method") -> str:  # fmt: skip
     """Markdown: per method, final and best test accuracy, test loss, training loss after
@@ -744,11 +647,11 @@ def final_table(rows: list[dict[str, Any]], dataset: str, epochs: int,
         best = max(rs, key=lambda r: r["test_acc_pct"])
         entries = "—" if last["entries"] is None else f"{last['entries']:,}"
         lines.append(
-            f"| {name} | {labels[name]} | {_pm(last['test_acc_pct'], last['test_acc_pct_sd'], 2)}"
+            f"| {name} | {labels[name]} | {pm(last['test_acc_pct'], last['test_acc_pct_sd'], 2)}"
             f" | {best['test_acc_pct']:.2f} ({best['epoch']:g}) "
-            f"| {_pm(last['test_loss'], last['test_loss_sd'], 3)} "
-            f"| {_pm(first['train_loss'], first['train_loss_sd'], 3)} "
-            f"| {_pm(last['train_loss'], last['train_loss_sd'], 3)} | {entries} "
+            f"| {pm(last['test_loss'], last['test_loss_sd'], 3)} "
+            f"| {pm(first['train_loss'], first['train_loss_sd'], 3)} "
+            f"| {pm(last['train_loss'], last['train_loss_sd'], 3)} | {entries} "
             f"| {last['train_seconds']:.1f} |"
         )
     return "\n".join(lines)
@@ -756,30 +659,16 @@ def final_table(rows: list[dict[str, Any]], dataset: str, epochs: int,
 
 def epoch_table(rows: list[dict[str, Any]], dataset: str, field: str, digits: int, *,
                 key: str = "method") -> str:  # fmt: skip
-    """Markdown: ``field`` (mean over seeds) per epoch (rows) and method (columns)."""
-    names = list(dict.fromkeys(r[key] for r in rows if r["dataset"] == dataset))
+    """Markdown: ``field`` (mean over seeds) per epoch (rows) and method (columns); epochs
+    without a value (the training loss at epoch 0) are left out."""
+    rows = [r for r in rows if r["dataset"] == dataset]
+    names = list(dict.fromkeys(r[key] for r in rows))
     lines = ["| epoch | " + " | ".join(names) + " |", "|---:" + "|---:" * len(names) + "|"]
-    epochs = sorted({r["epoch"] for r in rows if r["dataset"] == dataset})
-    for epoch in epochs:
-        cells = []
-        for name in names:
-            r = next(r for r in rows if r["dataset"] == dataset and r[key] == name
-                     and r["epoch"] == epoch)  # fmt: skip
-            cells.append(_pm(r[field], None, digits))
-        lines.append(f"| {epoch:g} | " + " | ".join(cells) + " |")
+    for epoch in sorted({r["epoch"] for r in rows if r[field] is not None}):
+        at = {r[key]: r[field] for r in rows if r["epoch"] == epoch}
+        lines.append(f"| {epoch:g} | " + " | ".join(pm(at[n], None, digits) for n in names)
+                     + " |")  # fmt: skip
     return "\n".join(lines)
-
-
-def results_csv(rows: list[dict[str, Any]]) -> str:
-    """The rows of :func:`epoch_rows` as CSV (empty cells where a value does not apply)."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    columns = list(rows[0]) if rows else []
-    writer.writerow(columns)
-    for r in rows:
-        cells = [" ".join(map(str, r[k])) if k == "seeds" else r[k] for k in columns]
-        writer.writerow(["" if v is None else v for v in cells])
-    return buf.getvalue()
 
 
 def plot_curves(rows: list[dict[str, Any]], path: Path, *, title: str,
@@ -812,7 +701,6 @@ def plot_curves(rows: list[dict[str, Any]], path: Path, *, title: str,
         ax.legend(fontsize="small")
         ax.xaxis.get_major_locator().set_params(integer=True)
     return save_figure(fig, path)
-
 
 
 def _where(missing: Mapping[str, Any]) -> str:
@@ -866,6 +754,7 @@ def write_report(run: RunDir, cfg: OptimizerComparisonConfig, summary: dict[str,
     ]  # fmt: skip
     for name, why in summary["skipped"].items():
         parts.append(f"**{DATASETS[name]} was skipped**: {_where(why)}")
+    figures = {}
     for name, d in summary["data"].items():
         title = DATASETS[name]
         steps = math.ceil(d["n_train"] / cfg.batch_size)
@@ -878,19 +767,33 @@ def write_report(run: RunDir, cfg: OptimizerComparisonConfig, summary: dict[str,
             "Test accuracy (%) by epoch (epoch 0: before training):",
             epoch_table(rows, name, "test_acc_pct", 2),
             "Training loss by epoch (mean batch loss over the epoch, before each update):",
-            epoch_table([r for r in rows if r["epoch"] >= 1], name, "train_loss", 3),
+            epoch_table(rows, name, "train_loss", 3),
             _verdict_text(summary["verdicts"][name], name),
         ]  # fmt: skip
-        plot_curves([r for r in rows if r["dataset"] == name], run.file(f"optimizers_{name}.png"),
-                    title=f"{title}, {d['n_train']:,} training images, w = {cfg.input_width}",
-                    labels={m: METHODS[m] for m in cfg.methods})  # fmt: skip
+        figures[f"optimizers_{name}.png"] = partial(
+            plot_curves, [r for r in rows if r["dataset"] == name],
+            title=f"{title}, {d['n_train']:,} training images, w = {cfg.input_width}",
+            labels={m: METHODS[m] for m in cfg.methods})  # fmt: skip
     parts += [
         "Paper (docs/reference.md §8): the weighted-softmax and RBF growing models clearly "
         "beat the SGD/Adam/RMSprop MLPs and drop the training loss fastest; Muon is the best "
         "parametric optimizer on CIFAR-10, Mesa/FOOF on CIFAR-100 (no numbers given).",
         f"Machine: {describe_machine(device)}.\n",
     ]
-    report = "\n\n".join(parts)
-    atomic_write_text(report, run.file("results.md"))
-    atomic_write_text(results_csv(rows), run.file("results.csv"))
-    return report
+    return write_outputs(run, "\n\n".join(parts), csv_text(rows), figures)
+
+
+EXPERIMENT_SPEC = Experiment(
+    name=EXPERIMENT, config=OptimizerComparisonConfig,
+    help="several epochs of MLPs trained by SGD, Adam, RMSprop, Muon and FOOF beside the "
+    "growing gws and RBF networks, CIFAR-10 and CIFAR-100 (docs/reference.md §7, §8)",
+    description="MLPs trained by SGD, Adam, RMSprop, Muon and FOOF beside the growing gws "
+    "and RBF networks (plain functional-gradient rules, writing every epoch), several "
+    "epochs on CIFAR-10 and, when its files are found, CIFAR-100; all see the same fixed "
+    "random projection of the pixels to --width dimensions. Writes results.md, "
+    "results.csv and the training-loss and test-accuracy figures. See "
+    "docs/optimizer_experiments.md.",
+    sub_runs=_sub_runs, report=write_report, load_data=load_datasets, start=_start,
+    finish=_finish,
+    switches={"no_projection": ("the raw 3 072 pixels (the paper's setting)", {"width": None})},
+)  # fmt: skip
