@@ -20,7 +20,6 @@ from rcdl.app.experiments.deltanet_decay import (
 from rcdl.app.experiments.deltanet_decay import load_data as load_decay_data
 from rcdl.app.experiments.optimizers import (
     METHODS,
-    Float32Muon,
     OptimizerComparisonConfig,
     build_method,
     load_datasets,
@@ -30,7 +29,7 @@ from rcdl.app.experiments.optimizers import (
 )
 from rcdl.dual_optim import FOOF, DeltaNetDecay
 from rcdl.networks import ResidualNet
-from rcdl.optim import OptimizerGroup
+from rcdl.optim import Float32Muon, OptimizerGroup
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
            "truck")  # fmt: skip

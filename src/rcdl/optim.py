@@ -32,12 +32,14 @@ layers (the ResNet-MLP); they raise ``ValueError`` naming any other parameter.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from rcdl.dual_optim import FOOF, DeltaNetDecay
 
-__all__ = ["OPTIMIZERS", "OptimizerGroup", "make_optimizer"]
+__all__ = ["OPTIMIZERS", "Float32Muon", "OptimizerGroup", "make_optimizer"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "muon", "foof", "deltanet")
 
@@ -93,3 +95,72 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None):  # noq
     if name == "deltanet":
         return DeltaNetDecay(model, lr=lr or 1e-3, decay=1e-4, momentum=0.85)
     raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
+
+
+# --------------------------------------------------------------------------- Muon in float32
+
+
+class Float32Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` with its Newton–Schulz iteration computed in float32.
+
+    The update is torch's (momentum ``μ``, learning rate ``γ``, weight decay ``λ``)::
+
+        B ← μ B + (1 − μ) G                  (the momentum buffer, a lerp)
+        U = (1 − μ) G + μ B  (Nesterov)  or  B
+        O = NS₅(U / ‖U‖_F)                   (quintic Newton–Schulz, coefficients a, b, c)
+        W ← (1 − γλ) W − γ · √max(1, rows/cols) · O
+
+    with ``X ← a X + (b A + c A²) X``, ``A = X Xᵀ`` iterated ``ns_steps`` times on the wide
+    orientation of ``U``. torch casts ``U`` to bfloat16 for the iteration; a CPU multiplies
+    bfloat16 matrices far more slowly than float32 ones, so this class keeps float32 (or the
+    parameter's dtype, if wider). Constructor arguments and state are torch's; only
+    ``adjust_lr_fn`` ``None``/``"original"`` and ``"match_rms_adamw"`` are accepted.
+
+    References: Jordan 2024 (Muon); docs/reference.md §6, §7.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+        """One Muon step of every matrix with a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            a, b, c = group["ns_coefficients"]
+            momentum, lr = group["momentum"], float(group["lr"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.ndim != 2:
+                    raise ValueError(f"Float32Muon: expected 2-D parameters, got shape "
+                                     f"{tuple(p.grad.shape)}")  # fmt: skip
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                x = update.to(torch.promote_types(update.dtype, torch.float32))
+                tall = x.shape[0] > x.shape[1]
+                if tall:
+                    x = x.T
+                x = x / x.norm().clamp(min=group["eps"])  # (rows, cols), rows <= cols
+                for _ in range(group["ns_steps"]):
+                    gram = x @ x.T  # (rows, rows)
+                    x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+                if tall:
+                    x = x.T
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(x.to(p.dtype), alpha=-lr * _muon_lr_ratio(group["adjust_lr_fn"], p.shape))
+        return loss
+
+
+def _muon_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"Float32Muon: unknown adjust_lr_fn {adjust_lr_fn!r}; known: None, "
+                     "'original', 'match_rms_adamw'")  # fmt: skip

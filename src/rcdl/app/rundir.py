@@ -55,7 +55,6 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
-    "config_from_dict",
     "cpu_flags",
     "cpu_model",
     "environment_info",
@@ -316,15 +315,6 @@ def resume_command(command: str, folder: str | os.PathLike,
     if data_dir is not None:
         words += ["--data-dir", shlex.quote(str(Path(data_dir).expanduser().resolve()))]
     return " ".join(words)
-
-
-def config_from_dict(config_cls: Any, saved: Mapping[str, Any]) -> Any:
-    """``config_cls(**saved)`` for a config dataclass read back from ``config.json``;
-    settings it does not know are an error naming the class."""
-    unknown = set(saved) - set(config_cls.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"{config_cls.__name__}: unknown settings {sorted(unknown)}")
-    return config_cls(**saved)
 
 
 def read_config(run_dir: str | os.PathLike, config_cls: Any) -> Any:
