@@ -47,18 +47,12 @@ Decisions:
   update). The verdict compares final test accuracies (one seed by default: run several
   seeds to see the spread).
 
-Run folder::
+Run folder, besides what every run writes (:mod:`rcdl.app.runner`)::
 
-    config.json, environment.json, metrics.jsonl (every evaluation, tagged with variant and seed)
-    finished.json    each finished (variant, seed)'s result, written as it finishes
+    metrics.jsonl    every evaluation, tagged with variant and seed
     summary.json     per-run histories, per-(variant, epoch) rows, the verdict
     results.md/.csv  final numbers and a per-epoch excerpt; every epoch in the CSV
     deltanet_decay.png   training loss and test accuracy against epochs, the three variants
-
-Resume: :func:`run_deltanet_decay` with ``resume=RUN_DIR`` skips the (variant, seed) runs
-that ``finished.json`` holds and trains the others from scratch; the tables are then those
-of an uninterrupted run. ``metrics.jsonl`` may repeat the evaluations of the run that was
-interrupted.
 """
 
 from __future__ import annotations

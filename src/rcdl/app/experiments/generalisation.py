@@ -38,20 +38,12 @@ Decisions:
   ``epochs · N`` (every step attends over all entries so far), the parametric model's with
   ``epochs · N²`` (its table has ``N + 16`` entries); see :class:`GeneralisationConfig`.
 
-Run folder::
+Run folder, besides what every run writes (:mod:`rcdl.app.runner`)::
 
-    config.json          the resolved GeneralisationConfig
-    environment.json     machine, torch, git revision
     metrics.jsonl        every evaluation of every (model, seed), tagged with both
-    finished.json        each finished (model, seed)'s result, written as it finishes
     summary.json         per-(model, seed) histories, per-(model, epoch) rows, the gaps
     results.md/.csv      train and test accuracy, gap, losses per epoch (mean ± sd over seeds)
     generalisation.png   train and test accuracy vs epoch for both models, and the gap
-
-Resume: :func:`run_generalisation` with ``resume=RUN_DIR`` skips the (model, seed) pairs
-that ``finished.json`` holds and trains the others from scratch; the tables are then those
-of an uninterrupted run. ``metrics.jsonl`` may repeat the evaluations of the pair that was
-interrupted.
 """
 
 from __future__ import annotations

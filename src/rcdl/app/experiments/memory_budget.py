@@ -14,23 +14,15 @@ in blocks; see :class:`~rcdl.memory.MemoryBudget`). Policies are
 :class:`~rcdl.memory.MemoryBudget` names: ``oldest`` (sliding window), ``newest`` (stop
 growing when full), ``contribution``, ``random``, each optionally with ``+merge``.
 
-Run folder::
+Run folder, besides what every run writes (:mod:`rcdl.app.runner`)::
 
-    config.json         the resolved MemoryBudgetConfig
-    environment.json    machine, torch, git revision
     metrics.jsonl       every evaluation of every run, tagged with policy and capacity
-    finished.json       each finished run's record, written as it finishes
     summary.json        one record per run (final metrics, entries kept and evicted per
                         layer, bytes, times, history), the data used; ``complete``
     results.md/.csv     the table: policy, capacity, entries kept, evicted, store bytes,
                         test accuracy, test loss, train / eval / wall seconds
     accuracy_vs_capacity.png   final test accuracy against capacity, one line per policy,
                         the unbounded run as a dashed line
-
-Resume: :func:`run_memory_budget` with ``resume=RUN_DIR`` skips the runs that
-``finished.json`` holds and trains the others from scratch; the tables are then those of an
-uninterrupted sweep. ``metrics.jsonl`` may repeat the evaluations of the run that was
-interrupted.
 """
 
 from __future__ import annotations

@@ -55,22 +55,14 @@ Decisions (measured numbers in docs/optimizer_experiments.md):
   ``summary.json`` and ``results.md``) unless ``skip_missing=False``; if none is found, the
   run stops with :class:`rcdl.app.cifar.CifarNotFoundError`.
 
-Run folder::
+Run folder, besides what every run writes (:mod:`rcdl.app.runner`)::
 
-    config.json           the resolved OptimizerComparisonConfig
-    environment.json      machine, torch, git revision
     metrics.jsonl         every evaluation of every (dataset, method, seed), tagged with them
-    finished.json         each finished (dataset, method, seed)'s result, as it finishes
     summary.json          per-run histories, per-(dataset, method, epoch) rows, verdicts,
                           the data used and the data sets skipped
     results.md/.csv       final and per-epoch numbers per data set (mean ± sd over seeds)
     optimizers_<dataset>.png   training loss and test accuracy against epochs, one line
                           per method
-
-Resume: :func:`run_optimizer_comparison` with ``resume=RUN_DIR`` skips the (dataset,
-method, seed) runs that ``finished.json`` holds and trains the others from scratch; the
-tables are then those of an uninterrupted run. ``metrics.jsonl`` may repeat the evaluations
-of the run that was interrupted.
 """
 
 from __future__ import annotations

@@ -44,22 +44,13 @@ Decisions (measured in docs/teacher_student.md):
   students' initialisation and the order of the samples: the spread over seeds is over
   tasks as well as over runs.
 
-Run folder::
+Run folder, besides what every run writes (:mod:`rcdl.app.runner`)::
 
-    config.json           the resolved TeacherStudentConfig
-    environment.json      machine, torch, git revision
     metrics.jsonl         every evaluation of every (model, seed), tagged with both
-    finished.json         each finished (model, seed)'s result, written as it finishes
     summary.json          per-(model, seed) results and histories, per-model rows, the
                           mean ± sd curves, the verdict; ``complete``
     results.md/.csv       final test MSE (mean ± sd), entries, parameters, store, times
     test_mse.png          test MSE against samples seen, mean ± sd band over seeds
-
-Resume: :func:`run_teacher_student` with ``resume=RUN_DIR`` skips the (model, seed) pairs
-that ``finished.json`` holds and trains the others from scratch (each seed's task is
-generated again: it is a pure function of the seed); the tables are then those of an
-uninterrupted run. ``metrics.jsonl`` may repeat the evaluations of the pair that was
-interrupted.
 """
 
 from __future__ import annotations

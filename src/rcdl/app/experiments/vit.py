@@ -22,20 +22,12 @@ Protocol: one pass over a random permutation of the training images (the same or
 both models: it depends on the seed only), batch 16, batch-mean cross-entropy, test accuracy
 and loss every ``eval_every`` steps and at the end (docs/reference.md §6's protocol on tokens).
 
-Run folder::
+Run folder, besides what every run writes (:mod:`rcdl.app.runner`)::
 
-    config.json          the resolved ViTConfig
-    environment.json     machine, torch, git revision
     metrics.jsonl        every evaluation of every (model, seed), with the store sizes
-    finished.json        each finished (model, seed)'s result, written as it finishes
     summary.json         per-(model, seed) results, histories and per-layer store statistics
     results.md/.csv      accuracy, loss, entries, store bytes, parameters, times
     vit.png              test accuracy and store size against training images seen
-
-Resume: :func:`run_vit` with ``resume=RUN_DIR`` skips the (model, seed) pairs that
-``finished.json`` holds and trains the others from scratch; the tables are then those of an
-uninterrupted run. ``metrics.jsonl`` may repeat the evaluations of the pair that was
-interrupted.
 """
 
 from __future__ import annotations
