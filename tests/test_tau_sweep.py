@@ -67,7 +67,7 @@ def test_bad_sweep_settings_exit_2(data_dir, tmp_path, argv, capsys):
 
 
 def test_config_rejects_bad_taus():
-    with pytest.raises(ValueError, match="taus"):
+    with pytest.raises(ValueError, match="each tau must be a finite number"):
         TauSweepConfig(taus=(float("nan"),))
     assert TauSweepConfig().comparison().models[0] == "hybrid-always"
 

@@ -13,9 +13,12 @@ all of them:
    ``data_dir`` and ``device`` (:func:`rcdl.app.rundir.open_run`); under ``torchrun`` rank 0
    writes it (:func:`rcdl.app.rundir.rank0_run`);
 3. train each sub-run through :meth:`rcdl.app.rundir.RunDir.sub_run`, which saves its
-   result in ``finished.json`` at once, so a resumed run skips it; the summary is rewritten
-   after each one, and an interrupt prints the command that continues the run;
-4. ``finish`` the summary (tables' rows, verdicts), write the report, print it.
+   result in ``finished.json`` at once, so a resumed run skips it (an experiment may keep
+   them in its summary instead: ``finished_in_summary``); the summary is rewritten after
+   each one (with what ``update`` adds), and an interrupt prints the command that
+   continues the run;
+4. ``finish`` the summary (tables' rows, verdicts), write the report, print it (under
+   ``torchrun``: rank 0 alone).
 
 The command line (:mod:`rcdl.app.cli`) builds each experiment's flags from its config and
 calls :func:`run_experiment`.
@@ -23,6 +26,7 @@ calls :func:`run_experiment`.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,11 +38,14 @@ import torch
 
 from rcdl.app.rundir import (
     RunDir,
+    environment_info,
     open_run,
     rank0_run,
     release_memory,
     resolve_device,
+    to_jsonable,
 )
+from rcdl.distributed import rank_and_world
 
 __all__ = ["Experiment", "Session", "TaggedLog", "check_sizes", "cifar_summary",
            "run_experiment"]  # fmt: skip
@@ -61,11 +68,13 @@ class TaggedLog:
 @dataclass(frozen=True)
 class Session:
     """What a sub-run needs from the runner: the run folder, the device, whether to show
-    progress bars."""
+    progress bars (under ``torchrun``: on rank 0 only), and the run's options (those of
+    :attr:`Experiment.options` given to :func:`run_experiment`)."""
 
     run: RunDir
     device: torch.device
     progress: bool
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     def log(self, **tags: Any) -> TaggedLog:
         """A log for the trainer that tags each record (e.g. ``log(model=name, seed=0)``)."""
@@ -94,6 +103,25 @@ class Experiment:
         switches: extra on/off flags, ``{flag name: (help, settings it sets)}``.
         shards: under ``torchrun`` the growing stores are sharded over the ranks (else a
             multi-process launch is refused).
+        options: on/off options of running it that are not settings (not saved in
+            ``config.json``, free to change on resume), ``{name: help}``; given to
+            :func:`run_experiment` as keywords, they reach the sub-runs as
+            :attr:`Session.options` (e.g. ``keep_checkpoints``).
+        update: ``update(cfg, summary)`` adds what the sub-runs finished so far give (e.g.
+            per-model rows) before every write of ``summary.json``, so an interrupted run's
+            summary has them too; the last call comes before ``finish``.
+        sessions: the summary lists every session that worked on the run, ``sessions``: its
+            environment (:func:`rcdl.app.rundir.environment_info`), ``world_size`` and
+            ``seconds``; a resumed run adds one to the saved list. ``seconds`` is then per
+            session only.
+        finished_in_summary: ``name(result)``, the name of a finished sub-run from its
+            result. When given, the finished sub-runs are kept in ``summary.json`` alone
+            (no ``finished.json``, the one-epoch comparison's layout since its first runs):
+            a resumed run reads them back from the saved summary's ``runs``.
+        saved_config: the class of the run folder's ``config.json`` when it is not
+            ``config``: a new run saves ``to_saved(cfg)`` and trains with it, and a resumed
+            run is given the saved one (the τ sweep saves the one-epoch comparison it runs).
+        to_saved: turns a ``config`` into a ``saved_config``.
     """
 
     name: str
@@ -107,6 +135,16 @@ class Experiment:
     finish: Callable[[Any, dict[str, Any]], None] | None = None
     switches: Mapping[str, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
     shards: bool = False
+    options: Mapping[str, str] = field(default_factory=dict)
+    update: Callable[[Any, dict[str, Any]], None] | None = None
+    sessions: bool = False
+    finished_in_summary: Callable[[Mapping[str, Any]], str] | None = None
+    saved_config: type | None = None
+    to_saved: Callable[[Any], Any] | None = None
+
+    def run(self, cfg: Any, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
+        """:func:`run_experiment` of this experiment with ``cfg``."""
+        return run_experiment(self, cfg, **kw)
 
 
 def check_sizes(cfg: Any, data: Any) -> None:
@@ -136,6 +174,7 @@ def run_experiment(
     device: str | torch.device | None = None,
     progress: bool = True,
     download: bool = True,
+    **options: Any,
 ) -> tuple[RunDir, dict[str, Any]]:
     """Run ``experiment`` with ``cfg`` into a new run folder, or continue the one at
     ``resume``; write and print the report.
@@ -152,37 +191,78 @@ def run_experiment(
         device: overrides ``cfg.device``.
         progress: show progress bars.
         download: download the data set when no copy is found.
+        options: the experiment's :attr:`Experiment.options` (e.g. ``keep_checkpoints``).
 
     Returns:
         The run folder and its summary (the content of ``summary.json``): ``experiment``,
         ``complete``, what ``start`` gave, ``runs`` (each sub-run's result, in order), what
-        ``finish`` added, and ``seconds``.
+        ``update`` and ``finish`` added, and ``seconds`` (or ``sessions``). Under
+        ``torchrun`` only rank 0 writes the report.
     """
     began = time.perf_counter()
+    unknown = sorted(set(options) - set(experiment.options))
+    if unknown:
+        raise TypeError(f"{experiment.name} has no option {', '.join(unknown)} (its options: "
+                        f"{', '.join(experiment.options) or 'none'})")
+    if experiment.to_saved is not None and isinstance(cfg, experiment.config):
+        cfg = experiment.to_saved(cfg)
     device = resolve_device(cfg.device) if device is None else torch.device(device)
     if experiment.load_data is not None:
         if data is None:
             data = experiment.load_data(cfg, download=download)
         else:
             check_sizes(cfg, data)
-    run = rank0_run(partial(open_run, experiment.name, cfg, out=out, resume=resume,
-                            device=device))  # fmt: skip
     start = experiment.start or cifar_summary
     summary: dict[str, Any] = {"experiment": experiment.name, "complete": False,
                                **start(cfg, data), "runs": []}  # fmt: skip
-    session = Session(run, device, progress)
+    run = rank0_run(partial(open_run, experiment.name, cfg, out=out, resume=resume,
+                            device=device))  # fmt: skip
+    rank, world = rank_and_world()
+    saved = _saved_summary(run) if resume is not None else {}
+    clock: dict[str, Any] = summary  # where this session's seconds go
+    if experiment.sessions:
+        clock = {**environment_info(device), "world_size": world, "seconds": None}
+        summary["sessions"] = [*saved.get("sessions", []), clock]
+    finished = None  # finished.json (RunDir.sub_run)
+    if experiment.finished_in_summary is not None:
+        finished = {experiment.finished_in_summary(r): r for r in saved.get("runs", [])}
+    session = Session(run, device, progress and rank == 0, dict(options))
     with run.resumable(f"rcdl reproduce {experiment.name}", getattr(cfg, "data_dir", None)):
         for name, train in experiment.sub_runs(cfg, data, session):
-            summary["runs"].append(run.sub_run(name, train))
-            summary["seconds"] = time.perf_counter() - began
+            summary["runs"].append(_sub_run(run, name, train, finished))
+            if experiment.update is not None:
+                experiment.update(cfg, summary)
+            clock["seconds"] = time.perf_counter() - began
             run.write_summary(summary)
             release_memory(device)
-    if experiment.finish is not None:
-        experiment.finish(cfg, summary)
+    for add in (experiment.update, experiment.finish):
+        if add is not None:
+            add(cfg, summary)
     summary["complete"] = True
-    summary["seconds"] = time.perf_counter() - began
+    clock["seconds"] = time.perf_counter() - began
+    if rank != 0:
+        return run, summary
     report = experiment.report(run, cfg, summary, device)
     run.write_summary(summary)
     print("\n" + report, end="")
-    print(f"Run time {summary['seconds']:.1f} s. Run folder: {run.path}")
+    print(f"{'Session' if experiment.sessions else 'Run'} time {clock['seconds']:.1f} s. "
+          f"Run folder: {run.path}")
     return run, summary
+
+
+def _saved_summary(run: RunDir) -> dict[str, Any]:
+    """The ``summary.json`` an earlier session of ``run`` wrote (``{}`` if none did)."""
+    path = run.file(RunDir.SUMMARY)
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _sub_run(run: RunDir, name: str, train: Callable[[], Mapping[str, Any]],
+             finished: Mapping[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """:meth:`RunDir.sub_run`, or, for an experiment that keeps its finished sub-runs in its
+    summary (``finished``, by name), the same with them: read back, or trained now."""
+    if finished is None:
+        return run.sub_run(name, train)
+    if name in finished:
+        print(f"{name}: finished in an earlier session, skipped")
+        return finished[name]
+    return json.loads(json.dumps(to_jsonable(train())))  # its JSON form, as when read back

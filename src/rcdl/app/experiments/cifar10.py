@@ -35,10 +35,9 @@ parameters, so :class:`rcdl.grower.Grower` plays the optimizer's part. The hybri
 only the samples its distance gate lets through (the table gives its entries as a fraction
 of the possible ones) and trains its entries by :class:`rcdl.hybrid.EntryAdam`.
 
-Run folder (one per invocation, every model and seed in it)::
+Run folder (one per invocation, every model and seed in it), besides what every run
+writes (:mod:`rcdl.app.runner`; ``environment.json`` is the first session's)::
 
-    config.json         the resolved Cifar10Config
-    environment.json    machine, torch, git revision of the first session
     metrics.jsonl       every evaluation of every (model, seed), tagged with both
     summary.json        per-(model, seed) results with their histories, per-model rows,
                         the data used, one record per session; ``complete`` says if done
@@ -47,8 +46,10 @@ Run folder (one per invocation, every model and seed in it)::
     test_accuracy.png   test accuracy against training samples seen (mean over seeds)
     checkpoints/<model>-seed<k>.pt   while that model trains (deleted when it finishes)
 
-Resume: :func:`run_cifar10` with ``resume=RUN_DIR`` skips the (model, seed) pairs that
-``summary.json`` lists as finished. It continues an interrupted pair from its checkpoint,
+There is no ``finished.json``: ``summary.json`` has held the finished pairs since the first
+runs, and still does, so older run folders resume too. Resume: :func:`run_cifar10` with
+``resume=RUN_DIR`` skips the (model, seed) pairs that ``summary.json`` lists as finished.
+It continues an interrupted pair from its checkpoint,
 and that pair ends with the same result as an uninterrupted run
 (:func:`rcdl.training.train_one_pass`). ``metrics.jsonl`` may repeat the evaluations made
 between the last checkpoint and the interruption. ``summary.json`` is authoritative.
@@ -57,16 +58,12 @@ between the last checkpoint and the interruption. ``summary.json`` is authoritat
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
 import json
 import math
 import re
 import statistics
-import sys
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from fnmatch import fnmatch
 from functools import partial
 from pathlib import Path
@@ -77,22 +74,12 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import nn
 
-from rcdl.app.cifar import CifarData, data_provenance, load_cifar
+from rcdl.app.cifar import CifarData, load_cifar
 from rcdl.app.classical import CLASSICAL_MODELS, fit_classical
-from rcdl.app.rundir import (
-    RunDir,
-    atomic_write_json,
-    atomic_write_text,
-    config_from_dict,
-    describe_machine,
-    environment_info,
-    rank0_run,
-    read_config,
-    release_memory,
-    resolve_device,
-    resume_command,
-    save_figure,
-)
+from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
+from rcdl.app.rundir import RunDir, describe_machine, read_config, save_figure
+from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
 from rcdl.distributed import rank_and_world, shard
 from rcdl.grower import Grower
 from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam
@@ -110,9 +97,9 @@ from rcdl.store import format_bytes
 from rcdl.training import accuracy, train_one_pass
 
 __all__ = [
-    "EXPERIMENT", "MODELS", "Cifar10Config", "ModelSpec", "Reference", "build_model",
-    "combine_runs", "hybrid_name",
-    "load_data", "load_run_config", "model_spec", "run_cifar10",
+    "EXPERIMENT", "EXPERIMENT_SPEC", "METRICS", "MODELS", "Cifar10Config", "ModelSpec",
+    "Reference", "build_model", "combine_runs", "hybrid_name", "load_data", "load_run_config",
+    "model_spec", "run_cifar10",
 ]  # fmt: skip
 
 EXPERIMENT = "cifar10-1epoch"
@@ -120,7 +107,6 @@ D_IN, CLASSES = 3072, 10
 METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}  # first: the progress bar's
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEVICES = ("auto", "cpu", "cuda")
 
 
 # --------------------------------------------------------------------------- the models
@@ -304,79 +290,55 @@ def build_model(name: str, seed: int, *, device: torch.device | str = "cpu",
 
 
 @dataclass(frozen=True)
-class Cifar10Config:
+class Cifar10Config(ExperimentConfig):
     """Settings of the one-epoch comparison; the defaults are the paper's full protocol.
 
-    Attributes:
-        models: names from :data:`MODELS` (or ``psoftmax-<N>``), trained in this order.
-        train_size, test_size: random subsets of that many images (``None``: all 50 000 /
-            10 000); the subsets depend on ``data_seed`` only, so every model and seed
-            sees the same images.
-        seeds: each model is trained once per seed. The seed fixes the initialisation and
-            the order of the training images.
-        batch_size: samples per step ``B`` (docs/reference.md §6: 16).
-        eval_every: steps between test evaluations (docs/reference.md §6: 250), and also at the end.
-        eval_batch_size: test images per prediction batch (docs/reference.md §6: 500).
-        data_dir: folder holding ``cifar10.npz`` or the official files (see
-            :func:`rcdl.app.cifar.load_cifar`; ``None`` searches ``$RCDL_DATA``, then the cache).
-        data_seed: seed of the subsets.
-        device: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
-        dtype: ``"float32"`` (the paper's) or ``"float64"``.
-        store_dtype: ``None`` (stores in ``dtype``, exact) or ``"bfloat16"`` / ``"float16"``:
-            growing layers keep keys and values in half precision (docs/precision.md).
-        incremental_eval: evaluate each growing layer whose test queries stay fixed (the
-            first) over the entries written since the last evaluation only, merged with the
-            cached partials (exact up to rounding; docs/training.md).
-        checkpoint: save each model's state under ``checkpoints/`` while it trains.
-        checkpoint_every: steps between checkpoints (``None``: ``eval_every``).
+    ``models`` are names :func:`model_spec` knows. The subsets (``train_size``,
+    ``test_size``) depend on ``data_seed`` only, so every model and seed sees the same
+    images; a seed fixes a model's initialisation and the order of the training images.
+    Test evaluations come every ``eval_every`` steps and at the end (docs/reference.md §6:
+    every 250 steps, in batches of 500). ``--quick``: 2 000 train / 1 000 test images,
+    evaluations every 50 steps, the three growing models and ``mlp-adam``. Each parametric
+    baseline updates 75–770 M parameters per step; on two shared CPU cores ``mlp-adam``
+    alone took 5.6 minutes here (``--models`` adds the others).
     """
 
-    models: tuple[str, ...] = tuple(MODELS)
-    train_size: int | None = None
-    test_size: int | None = None
-    seeds: tuple[int, ...] = (0,)
-    batch_size: int = 16
-    eval_every: int = 250
-    eval_batch_size: int = 500
-    data_dir: str | None = None
-    data_seed: int = 0
-    device: str = "auto"
-    dtype: str = "float32"
-    store_dtype: str | None = None
-    incremental_eval: bool = True
-    checkpoint: bool = True
-    checkpoint_every: int | None = None
+    QUICK = {"models": ("gws", "gauge", "rbf", "mlp-adam"), "train_size": 2000,
+             "test_size": 1000, "eval_every": 50}  # fmt: skip
 
-    def __post_init__(self) -> None:
-        # lists (from JSON or argparse) become tuples, paths strings, so configs compare equal
-        object.__setattr__(self, "models", tuple(self.models))
-        object.__setattr__(self, "seeds", tuple(self.seeds))
-        if self.data_dir is not None:
-            object.__setattr__(self, "data_dir", str(self.data_dir))
-        if not self.models:
-            raise ValueError("Cifar10Config: give at least one model")
+    models: tuple[str, ...] = setting(tuple(MODELS), "models to train, in order",
+                                      metavar="NAME", default_text="all")
+    train_size: int | None = setting(None, "random subset of N training images", metavar="N",
+                                     default_text="all 50000")
+    test_size: int | None = setting(None, "random subset of N test images", metavar="N",
+                                    default_text="all 10000")
+    seeds: tuple[int, ...] = setting((0,), "one run per seed, reported as mean ± sd",
+                                     minimum=0, metavar="K")
+    batch_size: int = setting(16, "samples per step B (docs/reference.md §6)", metavar="B")
+    eval_every: int = setting(250, "steps between test evaluations", metavar="STEPS")
+    eval_batch_size: int = setting(500, "test images per prediction batch", metavar="N")
+    data_dir: str | None = setting(None, "folder of the CIFAR-10 files", cli=False)
+    data_seed: int = setting(0, "seed of the subsets", minimum=0)
+    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+    dtype: str = setting("float32", "the models' dtype", choices=_DTYPES)
+    store_dtype: str | None = setting(
+        None, "keep the growing layers' keys and values in half precision: half the memory, "
+        "and several times the speed on CPUs with avx512_bf16 or AMX (docs/precision.md)",
+        choices=_STORE_DTYPES, default_text="the model's float32")
+    incremental_eval: bool = setting(
+        True, "the first layer folds only the entries written since the last evaluation "
+        "into cached partials (exact up to rounding; docs/training.md)",
+        flag_help="evaluate every layer over its whole store each time")
+    checkpoint: bool = setting(
+        True, "save each model's state under checkpoints/ while it trains",
+        flag_help="write no checkpoints (an interrupted model then restarts from scratch); "
+        "saves the disk writes of large stores and optimizer states")
+    checkpoint_every: int | None = setting(None, "steps between checkpoints", metavar="STEPS",
+                                           default_text="--eval-every")
+
+    def check(self) -> None:
         for name in self.models:
-            model_spec(name)
-        _unique("models", self.models)
-        if not self.seeds:
-            raise ValueError("Cifar10Config: give at least one seed")
-        _unique("seeds", self.seeds)
-        for seed in (*self.seeds, self.data_seed):
-            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-                raise ValueError(f"Cifar10Config: seeds must be ints >= 0, got {seed!r}")
-        for what in ("train_size", "test_size", "checkpoint_every"):
-            _positive(what, getattr(self, what), optional=True)
-        for what in ("batch_size", "eval_every", "eval_batch_size"):
-            _positive(what, getattr(self, what))
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"Cifar10Config: dtype must be one of {list(_DTYPES)}, "
-                             f"got {self.dtype!r}")
-        if self.store_dtype is not None and self.store_dtype not in _STORE_DTYPES:
-            raise ValueError(f"Cifar10Config: store_dtype must be None or one of "
-                             f"{list(_STORE_DTYPES)}, got {self.store_dtype!r}")
-        if self.device not in _DEVICES:
-            raise ValueError(f"Cifar10Config: device must be one of {list(_DEVICES)}, "
-                             f"got {self.device!r}")
+            model_spec(name)  # an unknown name: an error listing the known ones
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -385,37 +347,6 @@ class Cifar10Config:
     @property
     def torch_store_dtype(self) -> torch.dtype | None:
         return None if self.store_dtype is None else _STORE_DTYPES[self.store_dtype]
-
-    @classmethod
-    def quick(cls, **overrides: Any) -> Cifar10Config:
-        """A smoke-test scale: 2 000 train / 1 000 test images, evaluations every 50 steps.
-
-        By default it runs the three growing models and ``mlp-adam``. Each parametric
-        baseline updates 75–770 M parameters per step; on two shared CPU cores ``mlp-adam``
-        alone took 5.6 minutes here (``--models`` adds the others).
-        """
-        quick = {
-            "models": ("gws", "gauge", "rbf", "mlp-adam"),
-            "train_size": 2000, "test_size": 1000, "eval_every": 50,
-        }  # fmt: skip
-        return cls(**{**quick, **overrides})
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Cifar10Config:
-        """The config saved as ``config.json`` (unknown keys are an error)."""
-        return config_from_dict(cls, d)
-
-
-def _unique(what: str, items: tuple) -> None:
-    if len(set(items)) != len(items):
-        raise ValueError(f"Cifar10Config: {what} must not repeat, got {list(items)}")
-
-
-def _positive(what: str, value: Any, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Cifar10Config: {what} must be an int >= 1, got {value!r}")
 
 
 def load_run_config(run_dir: str | Path) -> Cifar10Config:
@@ -447,30 +378,25 @@ def load_data(cfg: Cifar10Config, *, download: bool = True) -> CifarData:
 # --------------------------------------------------------------------------- running
 
 
-class _ModelLog:
-    """Hands the trainer's records to the run's ``metrics.jsonl``, tagged with model and seed."""
-
-    def __init__(self, run: RunDir, model: str, seed: int) -> None:
-        self.run, self.model, self.seed = run, model, seed
-
-    def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None:
-        rest = {k: v for k, v in {**(record or {}), **fields}.items() if k != "model"}
-        self.run.log({"model": self.model, "seed": self.seed, **rest})
-
-
 def _run_name(model: str, seed: int) -> str:
     return f"{model}-seed{seed}"
 
 
-def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
-           device: torch.device, progress: bool) -> dict[str, Any]:
+def _result_name(result: Mapping[str, Any]) -> str:
+    """The sub-run a result in ``summary.json`` belongs to (what a resumed run skips)."""
+    return _run_name(result["model"], result["seed"])
+
+
+def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple,
+           session: Session) -> dict[str, Any]:  # fmt: skip
     """Train one (model, seed); returns its result (see ``train_one_pass``) plus identity."""
     if model_spec(name).classical:
-        return _fit_classical(name, seed, cfg, data, run)
-    rank, world = rank_and_world()
-    model, optimizer, grower = build_model(name, seed, device=device, dtype=cfg.torch_dtype,
+        return _fit_classical(name, seed, cfg, data, session)
+    world = rank_and_world()[1]
+    model, optimizer, grower = build_model(name, seed, device=session.device,
+                                           dtype=cfg.torch_dtype,
                                            reserve=math.ceil(len(data[0]) / world),
-                                           store_dtype=cfg.torch_store_dtype)
+                                           store_dtype=cfg.torch_store_dtype)  # fmt: skip
     if world > 1:  # under torchrun: every growing store is split over the ranks
         if grower is None:
             raise ValueError(f"{name} has no growing layers to shard over the {world} ranks; "
@@ -478,12 +404,13 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple, run: RunDir,
         shard(model)
     # every growing layer could write one entry per training sample
     possible = None if grower is None else grower.num_entries + len(grower.layers) * len(data[0])
-    checkpoint = _checkpoint_path(run, name, seed) if cfg.checkpoint else None
+    checkpoint = _checkpoint_path(session.run, name, seed) if cfg.checkpoint else None
     result = train_one_pass(
         model, data, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer, grower=grower,
         loss_fn=F.cross_entropy, metrics=METRICS, eval_every=cfg.eval_every,
-        eval_batch_size=cfg.eval_batch_size, device=device, run=_ModelLog(run, name, seed),
-        name=_run_name(name, seed), progress=progress, checkpoint_path=checkpoint,
+        eval_batch_size=cfg.eval_batch_size, device=session.device,
+        run=session.log(model=name, seed=seed), name=_run_name(name, seed),
+        progress=session.progress, checkpoint_path=checkpoint,
         checkpoint_every=cfg.checkpoint_every, incremental_eval=cfg.incremental_eval,
     )  # fmt: skip
     parameters = sum(p.numel() for p in model.parameters())
@@ -516,8 +443,16 @@ def _checkpoint_path(run: RunDir, name: str, seed: int) -> Path:
     return folder / mine
 
 
+def _remove_checkpoint(run: RunDir, name: str, seed: int) -> None:
+    """Delete the checkpoint of a finished (model, seed): this rank's file and, on rank 0,
+    the manifest."""
+    _checkpoint_path(run, name, seed).unlink(missing_ok=True)
+    if rank_and_world()[0] == 0:
+        run.file(f"checkpoints/{_run_name(name, seed)}.manifest.json").unlink(missing_ok=True)
+
+
 def _fit_classical(name: str, seed: int, cfg: Cifar10Config, data: tuple,
-                   run: RunDir) -> dict[str, Any]:
+                   session: Session) -> dict[str, Any]:  # fmt: skip
     """Fit a classical baseline on the whole training set; its one evaluation is logged at
     the step count of the one-epoch models, so it sits at the end of their curves."""
     x_train, y_train, x_test, y_test = (t.cpu() for t in data)
@@ -527,9 +462,9 @@ def _fit_classical(name: str, seed: int, cfg: Cifar10Config, data: tuple,
     steps, n = math.ceil(len(x_train) / cfg.batch_size), len(x_train)
     evaluation = {"step": steps, "samples": n, "test_acc": fitted.test_acc, "test_loss": None}
     nbytes = None if fitted.entries is None else x_train.nbytes + y_train.nbytes
-    _ModelLog(run, name, seed).log(evaluation, entries=fitted.entries, bytes=nbytes,
-                                   train_seconds=fitted.fit_seconds,
-                                   eval_seconds=fitted.predict_seconds)
+    session.log(model=name, seed=seed).log(evaluation, entries=fitted.entries, bytes=nbytes,
+                                           train_seconds=fitted.fit_seconds,
+                                           eval_seconds=fitted.predict_seconds)  # fmt: skip
     return {"model": name, "seed": seed, "parameters": 0, "possible_entries": None,
             "test_acc": fitted.test_acc, "test_loss": None, "train_loss": None,
             "entries": fitted.entries, "bytes": nbytes, "steps": steps, "samples": n,
@@ -537,128 +472,57 @@ def _fit_classical(name: str, seed: int, cfg: Cifar10Config, data: tuple,
             "history": [evaluation], "resumed": False, "settings": fitted.settings}
 
 
-def run_cifar10(
-    cfg: Cifar10Config,
-    *,
-    out: str | Path | None = None,
-    resume: str | Path | None = None,
-    data: CifarData | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-    keep_checkpoints: bool = False,
-    download: bool = True,
-    experiment: str = EXPERIMENT,
-) -> tuple[RunDir, dict[str, Any]]:
-    """Run the comparison into a new run folder, or continue the one at ``resume``.
-
-    Args:
-        cfg: the settings; to resume, the run's own (:func:`load_run_config`), where only
-            ``data_dir`` and ``device`` may differ.
-        out: the new run folder (default ``runs/cifar10-1epoch-<timestamp>``); not with
-            ``resume``.
-        resume: an interrupted run folder. Finished (model, seed) pairs are skipped and an
-            interrupted one continues from its checkpoint.
-        data: the data already loaded by :func:`load_data` (default: load it here).
-        device: overrides ``cfg.device``.
-        keep_checkpoints: keep each model's last checkpoint after it finishes.
-        experiment: the ``rcdl reproduce`` subcommand named in the resume command printed
-            on Ctrl-C (the τ sweep runs through here too).
-
-    Returns:
-        The run folder and its summary (the content of ``summary.json``).
-    """
-    start = time.perf_counter()
-    device = resolve_device(cfg.device) if device is None else torch.device(device)
-    if resume is not None and out is not None:
-        raise ValueError("give either out (a new run) or resume (an existing one), not both")
-    if data is None:
-        data = load_data(cfg, download=download)
-    rank, world = rank_and_world()  # under torchrun, rank 0 writes the run folder
-    if world > 1:
-        flat = [m for m in cfg.models if not _is_growing(m)]
-        if flat:
-            raise ValueError(f"under torchrun the growing models' stores are sharded over the "
-                             f"{world} ranks; {', '.join(flat)} have no growing stores: run "
-                             "them without torchrun")
-    if resume is None:
-        run = rank0_run(partial(RunDir.create, EXPERIMENT, path=out, config=cfg, device=device))
-        summary = {"experiment": EXPERIMENT, "complete": False, "runs": [], "sessions": []}
-    else:
-        run = rank0_run(partial(RunDir, resume))
-        summary = _resumable_summary(run, cfg)
-    progress = progress and rank == 0
-    session = {**environment_info(device), "world_size": world, "seconds": None}
-    summary["sessions"].append(session)
-    summary["data"] = {**data.describe(), "provenance": data_provenance(data.source),
-                       "data_seed": cfg.data_seed}
-    tensors = tuple(t.to(device) if device.type == "cuda" else t for t in
+def _sub_runs(cfg: Cifar10Config, data: CifarData, session: Session) -> Iterator:
+    """Every model for every seed (models outer), on the same tensors (moved to a CUDA
+    device once). A model's checkpoint is deleted once its result is saved (unless the
+    option ``keep_checkpoints``), and an emptied ``checkpoints/`` at the end."""
+    tensors = tuple(t.to(session.device) if session.device.type == "cuda" else t for t in
                     (data.x_train.to(cfg.torch_dtype), data.y_train,
                      data.x_test.to(cfg.torch_dtype), data.y_test))  # fmt: skip
-
-    finished = {(r["model"], r["seed"]) for r in summary["runs"]}
-    try:
-        for name in cfg.models:
-            for seed in cfg.seeds:
-                if (name, seed) in finished:
-                    print(f"{_run_name(name, seed)}: finished in an earlier session, skipped")
-                else:
-                    summary["runs"].append(
-                        _train(name, seed, cfg, tensors, run, device, progress)
-                    )
-                    summary["models"] = model_rows(summary["runs"], cfg.models)
-                    session["seconds"] = time.perf_counter() - start
-                    run.write_summary(summary)
-                    release_memory(device)
-                if not keep_checkpoints and not model_spec(name).classical:
-                    _checkpoint_path(run, name, seed).unlink(missing_ok=True)
-                    if rank == 0:
-                        run.file(f"checkpoints/{_run_name(name, seed)}.manifest.json").unlink(
-                            missing_ok=True)
-    except KeyboardInterrupt:
-        command = resume_command(f"rcdl reproduce {experiment}", run.path, cfg.data_dir)
-        print(f"\nInterrupted. Continue with: {command}", file=sys.stderr)
-        raise
-    checkpoints = run.file("checkpoints")
-    if checkpoints.is_dir() and not any(checkpoints.iterdir()):
+    keep = session.options.get("keep_checkpoints", False)
+    for name in cfg.models:
+        for seed in cfg.seeds:
+            yield _run_name(name, seed), partial(_train, name, seed, cfg, tensors, session)
+            if not keep and not model_spec(name).classical:  # its result is saved by now
+                _remove_checkpoint(session.run, name, seed)
+    folder = session.run.file("checkpoints")
+    if folder.is_dir() and not any(folder.iterdir()):
         with contextlib.suppress(OSError):  # under torchrun another rank may remove it first
-            checkpoints.rmdir()
+            folder.rmdir()
 
+
+def _start(cfg: Cifar10Config, data: CifarData) -> dict[str, Any]:
+    """The data's description; under ``torchrun``, models without growing stores (nothing
+    to shard) are refused before the run folder is made."""
+    world = rank_and_world()[1]
+    flat = [m for m in cfg.models if not _is_growing(m)]
+    if world > 1 and flat:
+        raise ValueError(f"under torchrun the growing models' stores are sharded over the "
+                         f"{world} ranks; {', '.join(flat)} have no growing stores: run "
+                         "them without torchrun")
+    return cifar_summary(cfg, data)
+
+
+def _add_rows(cfg: Cifar10Config, summary: dict[str, Any]) -> None:
     summary["models"] = model_rows(summary["runs"], cfg.models)
-    summary["complete"] = True
-    session["seconds"] = time.perf_counter() - start
-    if rank != 0:
-        return run, summary
-    report = write_report(run, cfg, summary, device)
-    run.write_summary(summary)
-    print("\n" + report, end="")
-    print(f"Session time {session['seconds']:.1f} s. Run folder: {run.path}")
-    return run, summary
 
 
-def _resumable_summary(run: RunDir, cfg: Cifar10Config) -> dict[str, Any]:
-    """The summary to continue, after checking ``cfg`` is the run's own."""
-    saved = load_run_config(run.path)
-    mine, theirs = asdict(replace(cfg, data_dir=None, device="auto")), asdict(
-        replace(saved, data_dir=None, device="auto"))
-    if mine != theirs:
-        diff = {k: (theirs[k], mine[k]) for k in mine if mine[k] != theirs[k]}
-        raise ValueError(f"{run.path}: the config differs from the saved one (saved, given): "
-                         f"{diff}")
-    path = run.file(RunDir.SUMMARY)
-    if not path.exists():  # interrupted during its first model
-        return {"experiment": EXPERIMENT, "complete": False, "runs": [], "sessions": []}
-    summary = json.loads(path.read_text(encoding="utf-8"))
-    summary["runs"] = [r for r in summary["runs"]
-                       if r["model"] in cfg.models and r["seed"] in cfg.seeds]
-    summary.setdefault("sessions", [])
-    return summary
+def run_cifar10(cfg: Cifar10Config, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
+    """Run the comparison into a new run folder, or continue the one at ``resume``
+    (:func:`rcdl.app.runner.run_experiment`, which takes ``out``, ``resume``, ``data``,
+    ``device``, ``progress``, ``download`` and the option ``keep_checkpoints``: keep each
+    model's last checkpoint after it finishes).
+
+    A resumed run skips the (model, seed) pairs its ``summary.json`` lists and continues an
+    interrupted one from its checkpoint. The summary holds ``runs`` (per (model, seed):
+    accuracy, loss, entries, bytes, parameters, seconds, the ``history`` of evaluations),
+    ``models`` (per model, :func:`model_rows`), ``data`` and ``sessions`` (per session:
+    machine, world size, seconds).
+    """
+    return run_experiment(EXPERIMENT_SPEC, cfg, **kw)
 
 
 # --------------------------------------------------------------------------- reporting
-
-
-def _mean_sd(values: list[float]) -> tuple[float, float | None]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
 def model_rows(runs: list[dict[str, Any]], models: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -668,9 +532,8 @@ def model_rows(runs: list[dict[str, Any]], models: tuple[str, ...]) -> list[dict
         rs = [r for r in runs if r["model"] == name]
         if not rs:
             continue
-        acc, acc_sd = _mean_sd([100 * r["test_acc"] for r in rs])
-        losses = [r["test_loss"] for r in rs if r["test_loss"] is not None]
-        loss, loss_sd = _mean_sd(losses) if losses else (None, None)
+        acc, acc_sd = mean_sd([100 * r["test_acc"] for r in rs])
+        loss, loss_sd = mean_sd([r["test_loss"] for r in rs if r["test_loss"] is not None])
         ref = model_spec(name).reference
         rows.append({
             "model": name, "seeds": [r["seed"] for r in rs],
@@ -688,46 +551,36 @@ def model_rows(runs: list[dict[str, Any]], models: tuple[str, ...]) -> list[dict
     return rows
 
 
-def _pm(mean: float, sd: float | None, digits: int) -> str:
-    return f"{mean:.{digits}f}" if sd is None else f"{mean:.{digits}f} ± {sd:.{digits}f}"
-
-
 def results_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of :func:`model_rows`."""
-    lines = [
-        "| model | seeds | test acc. % | test loss | entries | store | parameters | train s "
-        "| eval s | paper (docs/reference.md §6) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
+    header = ["model", "seeds", "test acc. %", "test loss", "entries", "store", "parameters",
+              "train s", "eval s", "paper (docs/reference.md §6)"]
+    cells = []
     for r in rows:
         entries = "—" if r["entries"] is None else f"{r['entries']:,}"
         possible = r.get("possible_entries")
         if possible and r["entries"] is not None and r["entries"] < possible:
             entries += f" ({100 * r['entries'] / possible:.1f} % of {possible:,})"
         store = "—" if r["store_bytes"] is None else format_bytes(r["store_bytes"])
-        lines.append(
-            f"| {r['model']} | {' '.join(map(str, r['seeds']))} "
-            f"| {_pm(r['test_acc_pct'], r['test_acc_pct_sd'], 2)} "
-            f"| {'—' if r['test_loss'] is None else _pm(r['test_loss'], r['test_loss_sd'], 3)} "
-            f"| {entries} | {store} "
-            f"| {r['parameters']:,} | {r['train_seconds']:.1f} | {r['eval_seconds']:.1f} "
-            f"| {model_spec(r['model']).reference.describe()} |"
-        )
-    return "\n".join(lines)
+        cells.append([
+            r["model"], " ".join(map(str, r["seeds"])),
+            pm(r["test_acc_pct"], r["test_acc_pct_sd"], 2),
+            pm(r["test_loss"], r["test_loss_sd"], 3), entries, store, f"{r['parameters']:,}",
+            f"{r['train_seconds']:.1f}", f"{r['eval_seconds']:.1f}",
+            model_spec(r["model"]).reference.describe(),
+        ])  # fmt: skip
+    return markdown_table(header, cells, align="ll" + "r" * 7 + "l")
 
 
 def results_csv(rows: list[dict[str, Any]]) -> str:
-    """The rows of :func:`model_rows` as CSV (empty cells where a value does not apply)."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    columns = [k for k in rows[0] if k != "paper_seeds_acc_pct"] if rows else []
-    writer.writerow([*columns, "paper_seeds_acc_pct_mean", "paper_seeds_acc_pct_sd"])
+    """The rows of :func:`model_rows` as CSV (empty cells where a value does not apply), the
+    paper's mean ± sd over seeds in two columns."""
+    flat = []
     for r in rows:
-        seeds_acc = r["paper_seeds_acc_pct"] or [None, None]
-        cells = [" ".join(map(str, r[k])) if k == "seeds" else r[k] for k in columns]
-        writer.writerow(["" if v is None else v for v in (*cells, *seeds_acc)])
-    return buf.getvalue()
-
+        mean, sd = r["paper_seeds_acc_pct"] or (None, None)
+        flat.append({**{k: v for k, v in r.items() if k != "paper_seeds_acc_pct"},
+                     "paper_seeds_acc_pct_mean": mean, "paper_seeds_acc_pct_sd": sd})
+    return csv_text(flat)
 
 def plot_accuracy(runs: list[dict[str, Any]], models: tuple[str, ...], path: Path, *,
                   title: str, full_data: bool) -> Path:
@@ -758,7 +611,6 @@ def plot_accuracy(runs: list[dict[str, Any]], models: tuple[str, ...], path: Pat
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", ncols=2)
     return save_figure(fig, path)
-
 
 
 _TABLE_NOTE = (
@@ -796,20 +648,33 @@ def write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
         f"Data: {d['source']}, {d['provenance']}.\n"
         f"Machine: {describe_machine(device)}.\n"
     )
-    _write_outputs(run.path, report, summary, cfg.models)
-    return report
+    return _write_outputs(run, report, summary, cfg.models)
 
 
-def _write_outputs(folder: Path, report: str, summary: dict[str, Any],
-                   models: tuple[str, ...]) -> None:
+def _write_outputs(run: RunDir, report: str, summary: dict[str, Any],
+                   models: tuple[str, ...]) -> str:
     """``results.md`` (the given report), ``results.csv`` and ``test_accuracy.png``."""
     d = summary["data"]
     full = d["n_train"] == 50_000 and d["n_test"] == 10_000
-    atomic_write_text(report, folder / "results.md")
-    atomic_write_text(results_csv(summary["models"]), folder / "results.csv")
     title = f"CIFAR-10, one epoch, {d['n_train']:,} training images"
-    plot_accuracy(summary["runs"], models, folder / "test_accuracy.png", title=title,
-                  full_data=full)
+    return write_outputs(run, report, results_csv(summary["models"]), {
+        "test_accuracy.png": partial(plot_accuracy, summary["runs"], models, title=title,
+                                     full_data=full)})
+
+
+EXPERIMENT_SPEC = Experiment(
+    name=EXPERIMENT, config=Cifar10Config,
+    help="the paper's Fig. 2: growing and parametric models, one epoch of CIFAR-10 "
+    "(docs/reference.md §6)",
+    description="One epoch of CIFAR-10, batch 16, for the growing models (gws, gauge, rbf, "
+    "hybrid; hybrid-tau<τ> and hybrid-always for other thresholds), the ResNet-MLP baselines "
+    "(mlp-sgd, mlp-adam, mlp-adamw, mlp-rmsprop, mlp-muon) and the parametric-softmax "
+    "baselines (psoftmax-5000, psoftmax-50016; any psoftmax-<N>). Writes a run folder with "
+    "results.md, results.csv and test_accuracy.png. See docs/cifar10.md.",
+    sub_runs=_sub_runs, report=write_report, load_data=load_data, start=_start,
+    update=_add_rows, shards=True, sessions=True, finished_in_summary=_result_name,
+    options={"keep_checkpoints": "keep each model's last checkpoint after it finishes"},
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- combining runs
@@ -935,9 +800,10 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
                 "models": model_rows(runs, models)}
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(combined, folder / RunDir.SUMMARY)
+    run = RunDir(folder)
+    run.write_summary(combined)
     report = _combined_report(first_cfg, combined, [r["seed"] for r in runs])
-    _write_outputs(folder, report, combined, models)
+    _write_outputs(run, report, combined, models)
     return folder, combined
 
 

@@ -18,6 +18,10 @@ outputs of its own in the run folder::
                                  test accuracy, test loss, wall time; then the references
     entries_vs_accuracy.png      test accuracy against final entries stored
 
+Its :data:`EXPERIMENT_SPEC` is the comparison's with a config, rows and report of its own;
+``config.json`` holds the comparison's config (:meth:`TauSweepConfig.comparison`), the one a
+resumed sweep continues with.
+
 On the scale: in the residual stream of docs/reference.md §6 every query is RMS-normalised, so its
 norm is √3072 ≈ 55.4 and distances lie in [0, 111]. On 2 000 CIFAR-10 training images the
 nearest earlier image (first layer, before any Adam step) is farther than 30 / 50 / 60 / 70
@@ -26,18 +30,18 @@ for about 94 / 39 / 7 / 0.3 % of the samples, hence the default thresholds.
 
 from __future__ import annotations
 
-import csv
-import datetime as _dt
-import io
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from matplotlib.figure import Figure
 
-from rcdl.app.cifar import CifarData
+from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.experiments import cifar10
 from rcdl.app.experiments.cifar10 import (
+    _DTYPES,
     _HYBRID,
     Cifar10Config,
     _finished_runs,
@@ -45,61 +49,64 @@ from rcdl.app.experiments.cifar10 import (
     hybrid_name,
     load_run_config,
     model_spec,
-    run_cifar10,
 )
+from rcdl.app.report import csv_text, markdown_table
 from rcdl.app.rundir import RunDir, atomic_write_text, save_figure
+from rcdl.app.runner import run_experiment
 from rcdl.store import format_bytes
 
-__all__ = ["TauSweepConfig", "combine_sweep", "run_tau_sweep", "sweep_rows",
-           "write_sweep_report"]
+__all__ = ["EXPERIMENT_SPEC", "TauSweepConfig", "combine_sweep", "run_tau_sweep",
+           "sweep_rows", "write_sweep_report"]  # fmt: skip
 
 EXPERIMENT = "hybrid-tau-sweep"
 
 
-@dataclass(frozen=True)
-class TauSweepConfig:
-    """Settings of the τ sweep.
+def parse_tau(text: str) -> float | None:
+    """A threshold on the command line: a number ``>= 0``, or ``always`` (``None``)."""
+    if text == "always":
+        return None
+    try:
+        tau = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or 'always': {text!r}") from None
+    if not (0 <= tau < float("inf")):
+        raise argparse.ArgumentTypeError(f"tau must be a finite number >= 0, got {text}")
+    return tau
 
-    Attributes:
-        taus: distance thresholds; ``None`` is "always grow". The paper's model is τ = 50.
-        references: other models of the one-epoch comparison trained on the same images
-            (any name :func:`rcdl.app.experiments.cifar10.model_spec` knows).
-        train_size, test_size: CIFAR-10 subsets (``None``: the full 50 000 / 10 000). The
-            default 2 000 / 1 000 took 14.5 minutes on one CPU thread here.
-        eval_every, seed, data_dir, device, dtype, checkpoint: as in
-            :class:`~rcdl.app.experiments.cifar10.Cifar10Config`.
+
+@dataclass(frozen=True)
+class TauSweepConfig(ExperimentConfig):
+    """Settings of the τ sweep: a one-epoch comparison (:meth:`comparison`) of the hybrid at
+    each threshold beside the reference models, one seed.
+
+    The default 2 000 / 1 000 images took 14.5 minutes on one CPU thread here; ``--full``
+    is the paper's scale (hours per threshold on a CPU). ``--quick``: 3 thresholds and gws
+    on 300 / 200 images, a smoke test (about a minute).
     """
 
-    taus: tuple[float | None, ...] = (None, 30.0, 40.0, 50.0, 55.0, 60.0, 65.0, 70.0)
-    references: tuple[str, ...] = ("gws", "psoftmax-5000")
-    train_size: int | None = 2000
-    test_size: int | None = 1000
-    eval_every: int = 25
-    seed: int = 0
-    data_dir: str | None = None
-    device: str = "auto"
-    dtype: str = "float32"
-    checkpoint: bool = True
+    QUICK = {"taus": (None, 50.0, 65.0), "references": ("gws",), "train_size": 300,
+             "test_size": 200, "eval_every": 5}  # fmt: skip
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "taus", tuple(self.taus))
-        object.__setattr__(self, "references", tuple(self.references))
-        if not self.taus:
-            raise ValueError("TauSweepConfig: give at least one tau")
-        for tau in self.taus:
-            if tau is not None and not (isinstance(tau, int | float) and 0 <= tau < float("inf")):
-                raise ValueError(f"TauSweepConfig: taus must be finite numbers >= 0 or None "
-                                 f"(always grow), got {tau!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"TauSweepConfig: seed must be an int >= 0, got {self.seed!r}")
-        self.comparison()  # validates the rest
+    # None is "always grow" (a tuple of floats may hold None); the paper's model is τ = 50
+    taus: tuple[float, ...] = setting(
+        (None, 30.0, 40.0, 50.0, 55.0, 60.0, 65.0, 70.0), "thresholds, 'always' for always grow",
+        metavar="TAU", parse=parse_tau, default_text="always 30 40 50 55 60 65 70")
+    references: tuple[str, ...] = setting(
+        ("gws", "psoftmax-5000"), "other models of cifar10-1epoch to train on the same images",
+        metavar="NAME")
+    train_size: int | None = setting(2000, "training images", metavar="N")
+    test_size: int | None = setting(1000, "test images", metavar="N")
+    eval_every: int = setting(25, "steps between test evaluations", metavar="STEPS")
+    seed: int = setting(0, "seed of the models and data order", minimum=0)
+    data_dir: str | None = setting(None, "folder of the CIFAR-10 files", cli=False)
+    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+    dtype: str = setting("float32", "the models' dtype", choices=_DTYPES)
+    checkpoint: bool = setting(
+        True, "save each model's state under checkpoints/ while it trains",
+        flag_help="write no checkpoints (an interrupted model restarts from scratch)")
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> TauSweepConfig:
-        """A smoke-test scale: 3 thresholds and gws on 300 / 200 images (about a minute)."""
-        quick = {"taus": (None, 50.0, 65.0), "references": ("gws",), "train_size": 300,
-                 "test_size": 200, "eval_every": 5}
-        return cls(**{**quick, **overrides})
+    def check(self) -> None:
+        self.comparison()  # the models must be known, and distinct
 
     def comparison(self) -> Cifar10Config:
         """The one-epoch comparison this sweep runs."""
@@ -111,39 +118,39 @@ class TauSweepConfig:
                              checkpoint=self.checkpoint)
 
 
-def run_tau_sweep(
-    cfg: TauSweepConfig | None = None,
-    *,
-    out: str | Path | None = None,
-    resume: str | Path | None = None,
-    data: CifarData | None = None,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-    download: bool = True,
-) -> tuple[RunDir, dict[str, Any]]:
+def run_tau_sweep(cfg: TauSweepConfig | Cifar10Config | None = None, *,
+                  resume: str | Path | None = None,
+                  **kw: Any) -> tuple[RunDir, dict[str, Any]]:  # fmt: skip
     """Run the sweep into a new run folder (default ``runs/hybrid-tau-sweep-<timestamp>``),
-    or continue the interrupted one at ``resume`` (finished models are kept).
+    or continue the interrupted one at ``resume`` (finished models are kept; ``cfg=None``:
+    its saved comparison) through :func:`rcdl.app.runner.run_experiment`, which takes
+    ``out``, ``data``, ``device``, ``progress``, ``download``.
 
     Returns:
-        The run folder and its summary (``summary.json``, plus the sweep's rows).
+        The run folder and its summary: the one-epoch comparison's
+        (:func:`~rcdl.app.experiments.cifar10.run_cifar10`), plus the sweep's rows
+        ``tau_sweep`` (:func:`sweep_rows`).
     """
-    if resume is not None:
-        comparison = load_run_config(resume)
-        if cfg is not None:
-            comparison = cfg.comparison()  # run_cifar10 checks it is the run's own
-    else:
-        comparison = (cfg or TauSweepConfig()).comparison()
-        if out is None:
-            stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-            out = Path("runs") / f"{EXPERIMENT}-{stamp}"
-    run, summary = run_cifar10(comparison, out=out, resume=resume, data=data, device=device,
-                               progress=progress, download=download, experiment=EXPERIMENT)
-    rows = sweep_rows(summary)
-    summary["tau_sweep"] = rows
-    run.write_summary(summary)
-    report = write_sweep_report(run, rows, summary)
-    print("\n" + report, end="")
-    return run, summary
+    if cfg is None:
+        cfg = TauSweepConfig() if resume is None else load_run_config(resume)
+    return run_experiment(EXPERIMENT_SPEC, cfg, resume=resume, **kw)
+
+
+def _start(cfg: Cifar10Config, data: Any) -> dict[str, Any]:
+    """The comparison's; the summary says the folder is one (``combine_runs`` reads it)."""
+    return {**cifar10.EXPERIMENT_SPEC.start(cfg, data), "experiment": cifar10.EXPERIMENT}
+
+
+def _finish(cfg: Cifar10Config, summary: dict[str, Any]) -> None:
+    summary["tau_sweep"] = sweep_rows(summary)
+
+
+def write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
+                 device: torch.device) -> str:  # fmt: skip
+    """The comparison's report (:func:`rcdl.app.experiments.cifar10.write_report`), then the
+    sweep's (:func:`write_sweep_report`)."""
+    comparison = cifar10.write_report(run, cfg, summary, device)
+    return comparison + "\n" + write_sweep_report(run, summary["tau_sweep"], summary)
 
 
 def combine_sweep(
@@ -221,37 +228,31 @@ def _cell(value: Any, fmt: str) -> str:
 
 def write_sweep_report(run: RunDir, rows: list[dict[str, Any]],
                        summary: dict[str, Any]) -> str:
-    """Write ``tau_sweep.md``, ``tau_sweep.csv`` and ``entries_vs_accuracy.png``."""
+    """Write ``tau_sweep.md``, ``tau_sweep.csv`` and ``entries_vs_accuracy.png``; return
+    the markdown."""
     d = summary["data"]
-    lines = [
-        "# Hybrid τ sweep (the paper's Fig. 5, docs/reference.md §4)\n",
-        f"{d['n_train']:,} train / {d['n_test']:,} test CIFAR-10 images, one pass, batch 16; "
-        "hybrid network of docs/reference.md §6 (3 blocks + readout, T = 5, η = 1, β = 30, "
-        "Adam 1e−3 on every entry) with the distance gate at τ.\n",
-        "| model | τ | entries stored | of possible | store | test acc. % | test loss "
-        "| train s | eval s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    header = ["model", "τ", "entries stored", "of possible", "store", "test acc. %",
+              "test loss", "train s", "eval s"]
+    cells = []
     for r in rows:
         tau = "always" if r["hybrid"] and r["tau"] is None else _cell(r["tau"], "g")
         fraction = ("—" if r["stored_fraction"] is None
                     else f"{100 * r['stored_fraction']:.1f} %")
         store = "—" if r["store_bytes"] is None else format_bytes(r["store_bytes"])
-        lines.append(
-            f"| {r['label']} | {tau} | {_cell(r['entries'], ',')} | {fraction} | {store} "
-            f"| {r['test_acc_pct']:.2f} | {r['test_loss']:.3f} | {r['train_seconds']:.1f} "
-            f"| {r['eval_seconds']:.1f} |"
-        )
-    lines.append(f"\nData: {d['source']}, {d['provenance']}.\n")
-    report = "\n".join(lines)
+        cells.append([r["label"], tau, _cell(r["entries"], ","), fraction, store,
+                      f"{r['test_acc_pct']:.2f}", _cell(r["test_loss"], ".3f"),
+                      f"{r['train_seconds']:.1f}", f"{r['eval_seconds']:.1f}"])
+    report = "\n".join([
+        "# Hybrid τ sweep (the paper's Fig. 5, docs/reference.md §4)\n",
+        f"{d['n_train']:,} train / {d['n_test']:,} test CIFAR-10 images, one pass, batch 16; "
+        "hybrid network of docs/reference.md §6 (3 blocks + readout, T = 5, η = 1, β = 30, "
+        "Adam 1e−3 on every entry) with the distance gate at τ.\n",
+        markdown_table(header, cells),
+        f"\nData: {d['source']}, {d['provenance']}.\n",
+    ])  # fmt: skip
     atomic_write_text(report, run.file("tau_sweep.md"))
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    columns = [k for k in rows[0] if k != "label"] if rows else []
-    writer.writerow(columns)
-    for r in rows:
-        writer.writerow(["" if r[k] is None else r[k] for k in columns])
-    atomic_write_text(buf.getvalue(), run.file("tau_sweep.csv"))
+    atomic_write_text(csv_text(rows, [k for k in rows[0] if k != "label"] if rows else []),
+                      run.file("tau_sweep.csv"))
     _plot(rows, run.file("entries_vs_accuracy.png"),
           title=f"Hybrid τ sweep, CIFAR-10, {d['n_train']:,} training images")
     return report
@@ -282,3 +283,18 @@ def _plot(rows: list[dict[str, Any]], path: Path, *, title: str) -> Path:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     return save_figure(fig, path)
+
+
+EXPERIMENT_SPEC = replace(
+    cifar10.EXPERIMENT_SPEC, name=EXPERIMENT, config=TauSweepConfig,
+    help="the paper's Fig. 5: the hybrid network over a range of distance thresholds τ, "
+    "entries stored against accuracy (docs/reference.md §4)",
+    description="The hybrid growing network (docs/reference.md §4, §6) trained for one epoch "
+    "with each distance threshold τ, beside the pure growing gws network and a "
+    "parametric-softmax network on the same images. Writes the one-epoch comparison's run "
+    "folder plus tau_sweep.md, tau_sweep.csv and entries_vs_accuracy.png. See docs/hybrid.md.",
+    saved_config=Cifar10Config, to_saved=TauSweepConfig.comparison, start=_start,
+    finish=_finish, report=write_report,
+    switches={"full": ("the paper's scale: all 50 000 / 10 000 images (hours per threshold "
+                       "on a CPU)", {"train_size": None, "test_size": None, "eval_every": 250})},
+)  # fmt: skip
