@@ -24,7 +24,7 @@ def snapshot(net):
 @pytest.mark.parametrize(
     ("x", "error", "match"),
     [
-        (torch.randn(3, 5), ValueError, r"'blocks.0': expected input \(\.\.\., 4\)"),
+        (torch.randn(3, 5), ValueError, r"GrowingRBFNet: expected input \(\.\.\., 4\)"),
         (torch.randn(3, 4, dtype=torch.float64), TypeError, "dtype torch.float64"),
         (torch.randn(3, 4, device="meta"), ValueError, "on meta"),
         (torch.tensor([[0.0, float("nan"), 0.0, 0.0]]), ValueError, "NaN or inf"),

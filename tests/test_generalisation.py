@@ -168,15 +168,14 @@ def test_data_of_another_size_is_refused(data_dir, tmp_path):
 
 def test_cli_quick_flags_reach_the_config(tmp_path, monkeypatch):
     """`rcdl reproduce generalisation` maps its flags onto GeneralisationConfig."""
-    from rcdl.app import cli
-    from rcdl.app.experiments import generalisation
+    from rcdl.app import cli, runner
 
     seen = {}
 
     def fake_run(cfg, **kw):
         seen["cfg"], seen["kw"] = cfg, kw
 
-    monkeypatch.setattr(generalisation, "run_generalisation", fake_run)
+    monkeypatch.setattr(runner, "run_experiment", lambda spec, cfg, **kw: fake_run(cfg, **kw))
     argv = ["reproduce", "generalisation", "--quick", "--epochs", "2", "--seeds", "0", "1",
             "--data-dir", str(tmp_path), "--device", "cpu", "--no-progress"]
     assert cli.main(argv) == 0

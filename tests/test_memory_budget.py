@@ -130,12 +130,11 @@ def test_unknown_saved_setting_is_an_error():
 
 def test_cli_flags_reach_the_config(tmp_path, monkeypatch):
     """`rcdl reproduce memory-budget` maps its flags onto MemoryBudgetConfig."""
-    from rcdl.app import cli
-    from rcdl.app.experiments import memory_budget
+    from rcdl.app import cli, runner
 
     seen = {}
-    monkeypatch.setattr(memory_budget, "run_memory_budget",
-                        lambda cfg, **kw: seen.update(cfg=cfg, kw=kw))
+    monkeypatch.setattr(runner, "run_experiment",
+                        lambda spec, cfg, **kw: seen.update(cfg=cfg, kw=kw))
     argv = ["reproduce", "memory-budget", "--quick", "--capacities", "30", "90", "--policies",
             "oldest", "contribution+merge", "--no-unbounded", "--slack", "0.25", "--data-dir",
             str(tmp_path), "--device", "cpu", "--no-progress"]

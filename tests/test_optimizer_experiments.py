@@ -417,14 +417,12 @@ def test_decay_data_of_another_size_is_refused(data_dir, tmp_path):
 
 def test_cli_flags_reach_the_configs(monkeypatch):
     """`rcdl reproduce optimizers` / `deltanet-decay` map their flags onto the configs."""
-    from rcdl.app import cli
-    from rcdl.app.experiments import deltanet_decay, optimizers
+    from rcdl.app import cli, runner
 
     seen = {}
-    monkeypatch.setattr(optimizers, "run_optimizer_comparison",
-                        lambda cfg, **kw: seen.update(opt=cfg))
-    monkeypatch.setattr(deltanet_decay, "run_deltanet_decay",
-                        lambda cfg, **kw: seen.update(dn=cfg))
+    key = {"optimizers": "opt", "deltanet-decay": "dn"}
+    monkeypatch.setattr(runner, "run_experiment",
+                        lambda spec, cfg, **kw: seen.update({key[spec.name]: cfg}))
     common = ["--device", "cpu", "--no-progress"]
     assert cli.main(["reproduce", "optimizers", "--quick", "--methods", "gws", "mlp-adam",
                      "--no-projection", *common]) == 0

@@ -149,12 +149,11 @@ def test_unknown_model_is_named():
 
 def test_cli_flags_reach_the_config(monkeypatch):
     """`rcdl reproduce teacher-student` maps its flags onto TeacherStudentConfig."""
-    from rcdl.app import cli
-    from rcdl.app.experiments import teacher_student
+    from rcdl.app import cli, runner
 
     seen = {}
-    monkeypatch.setattr(teacher_student, "run_teacher_student",
-                        lambda cfg, **kw: seen.update(cfg=cfg, kw=kw))
+    monkeypatch.setattr(runner, "run_experiment",
+                        lambda spec, cfg, **kw: seen.update(cfg=cfg, kw=kw))
     argv = ["reproduce", "teacher-student", "--quick", "--seeds", "3", "4", "--beta", "2",
             "--device", "cpu", "--no-progress"]
     assert cli.main(argv) == 0

@@ -264,11 +264,10 @@ def test_subset_larger_than_the_data_is_refused(data_dir, tmp_path):
 
 def test_cli_flags_reach_the_config(tmp_path, monkeypatch):
     """`rcdl reproduce vit` maps its flags onto ViTConfig; --quick and --paper exclude."""
-    from rcdl.app import cli
-    from rcdl.app.experiments import vit
+    from rcdl.app import cli, runner
 
     seen = {}
-    monkeypatch.setattr(vit, "run_vit", lambda cfg, **kw: seen.update(cfg=cfg))
+    monkeypatch.setattr(runner, "run_experiment", lambda spec, cfg, **kw: seen.update(cfg=cfg))
     base = ["reproduce", "vit", "--data-dir", str(tmp_path), "--device", "cpu",
             "--no-progress"]
     assert cli.main([*base, "--quick", "--tau-rel", "1.2", "--models", "rcdl"]) == 0

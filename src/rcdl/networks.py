@@ -81,6 +81,7 @@ class ResidualNet(nn.Module):
                  width: int | None = None, act: str = "identity", seed: int = 0) -> None:
         super().__init__()
         width = width or d_in
+        self.d_in = d_in
         self.norm = rms_norm(width)
         self.act = _activation(act)
         self.blocks = nn.ModuleList(make_block(width) for _ in range(depth))
@@ -92,6 +93,9 @@ class ResidualNet(nn.Module):
         self.register_buffer("lift", lift)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.ndim == 0 or x.shape[-1] != self.d_in:
+            raise ValueError(f"{type(self).__name__}: expected input (..., {self.d_in}), got "
+                             f"shape {tuple(x.shape)}")
         if self.lift is not None:
             x = F.linear(x, self.lift.to(x.dtype))
         for block in self.blocks:
