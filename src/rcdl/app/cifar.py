@@ -661,3 +661,25 @@ def _array_digest(source: Path) -> str | None:
     except (OSError, KeyError, ValueError):
         return None
     return digest.hexdigest()
+
+
+def load_subsets(name: str, cfg: Any, *, download: bool = True,
+                 whole_in_order: bool = False) -> CifarData:  # fmt: skip
+    """Data set ``name`` (``"cifar10"`` or ``"cifar100"``) from ``cfg.data_dir`` (or the
+    usual places, :func:`load_cifar`), cut to the random subsets ``cfg.train_size`` /
+    ``cfg.test_size`` drawn with ``cfg.data_seed`` (``None``: the whole split, shuffled, or
+    as stored when both are ``None`` and ``whole_in_order``, the one-epoch protocol's order).
+
+    Raises:
+        CifarNotFoundError, CorruptDataError: from the loader.
+        ValueError: if a subset is larger than the split.
+    """
+    data = load_cifar(name, cfg.data_dir, download=download)
+    if whole_in_order and cfg.train_size is None and cfg.test_size is None:
+        return data
+    for what, size, available in (("train_size", cfg.train_size, len(data.y_train)),
+                                  ("test_size", cfg.test_size, len(data.y_test))):  # fmt: skip
+        if size is not None and size > available:
+            raise ValueError(f"{what} {size} is larger than the {available} images of "
+                             f"{data.source}")
+    return data.subset(cfg.train_size, cfg.test_size, seed=cfg.data_seed)

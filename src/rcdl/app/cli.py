@@ -121,7 +121,8 @@ def _add_field(parser: argparse.ArgumentParser, config_cls: type, f: dataclasses
         parser.add_argument(_flag(f.name, negated=f.default is True), dest=f.name,
                             action="store_const", const=not f.default, help=_field_help(f))
         return
-    kw: dict[str, Any] = {"type": meta.get("parse") or kind, "metavar": meta.get("metavar"),
+    metavar = meta.get("metavar") or ("K" if f.name.endswith("seed") else None)
+    kw: dict[str, Any] = {"type": meta.get("parse") or kind, "metavar": metavar,
                           "help": _field_help(f)}  # fmt: skip
     if meta.get("choices") and kind is str:
         kw["choices"] = meta["choices"]

@@ -74,7 +74,7 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import nn
 
-from rcdl.app.cifar import CifarData, load_cifar
+from rcdl.app.cifar import CifarData, load_subsets
 from rcdl.app.classical import CLASSICAL_MODELS, fit_classical
 from rcdl.app.config import ExperimentConfig, setting
 from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
@@ -357,22 +357,7 @@ def load_run_config(run_dir: str | Path) -> Cifar10Config:
 # --------------------------------------------------------------------------- the data
 
 
-def load_data(cfg: Cifar10Config, *, download: bool = True) -> CifarData:
-    """CIFAR-10 from ``cfg.data_dir`` (or the usual places), subset as ``cfg`` asks.
-
-    Raises:
-        rcdl.app.cifar.CifarNotFoundError, rcdl.app.cifar.CorruptDataError: from the loader.
-        ValueError: if a subset is larger than the split.
-    """
-    data = load_cifar("cifar10", cfg.data_dir, download=download)
-    if cfg.train_size is None and cfg.test_size is None:
-        return data
-    for what, size, available in (("train_size", cfg.train_size, len(data.y_train)),
-                                  ("test_size", cfg.test_size, len(data.y_test))):
-        if size is not None and size > available:
-            raise ValueError(f"{what} {size} is larger than the {available} images of "
-                             f"{data.source}")
-    return data.subset(cfg.train_size, cfg.test_size, seed=cfg.data_seed)
+load_data = partial(load_subsets, "cifar10", whole_in_order=True)  # (see load_subsets)
 
 
 # --------------------------------------------------------------------------- running

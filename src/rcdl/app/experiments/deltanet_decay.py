@@ -66,14 +66,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from rcdl.app.cifar import CifarData
+from rcdl.app.cifar import CifarData, load_subsets
 from rcdl.app.config import setting
 from rcdl.app.experiments.optimizers import (
     ProjectedConfig,
     epoch_rows,
     epoch_table,
     final_table,
-    load_subsets,
     plot_curves,
     projected_tensors,
     seed_runs,
@@ -149,14 +148,7 @@ class DeltaNetDecayConfig(ProjectedConfig):
                              f"{self.momentum!r}")  # fmt: skip
 
 
-def load_data(cfg: DeltaNetDecayConfig, *, download: bool = True) -> CifarData:
-    """The CIFAR-10 subsets of ``cfg`` (before projection).
-
-    Raises:
-        rcdl.app.cifar.CifarNotFoundError, rcdl.app.cifar.CorruptDataError: from the loader.
-        ValueError: if a subset is larger than the split.
-    """
-    return load_subsets("cifar10", cfg, download=download)
+load_data = partial(load_subsets, "cifar10")  # the subsets of cfg (rcdl.app.cifar)
 
 
 def build_variant(name: str, seed: int, cfg: DeltaNetDecayConfig, *,

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import nn
 
-from rcdl.app.cifar import CifarData, load_cifar
+from rcdl.app.cifar import CifarData, load_subsets
 from rcdl.app.config import ExperimentConfig, setting
 from rcdl.app.report import csv_text, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, save_figure
@@ -137,21 +137,7 @@ class GeneralisationConfig(ExperimentConfig):
 # --------------------------------------------------------------------------- the data
 
 
-def load_data(cfg: GeneralisationConfig, *, download: bool = True) -> CifarData:
-    """The CIFAR-10 subsets of ``cfg`` from ``cfg.data_dir`` (or the usual places).
-
-    Raises:
-        rcdl.app.cifar.CifarNotFoundError, rcdl.app.cifar.CorruptDataError: from the loader.
-        ValueError: if a subset is larger than the split.
-    """
-    data = load_cifar("cifar10", cfg.data_dir, download=download)
-    for what, size, available in (("train_size", cfg.train_size, len(data.y_train)),
-                                  ("test_size", cfg.test_size, len(data.y_test))):  # fmt: skip
-        if size > available:
-            raise ValueError(
-                f"{what} {size} is larger than the {available} images of {data.source}"
-            )
-    return data.subset(cfg.train_size, cfg.test_size, seed=cfg.data_seed)
+load_data = partial(load_subsets, "cifar10")  # the subsets of cfg (rcdl.app.cifar)
 
 
 def _train_sample(n: int, size: int, seed: int) -> torch.Tensor:

@@ -81,7 +81,7 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from rcdl.app.cifar import CifarData, CifarNotFoundError, load_cifar
+from rcdl.app.cifar import CifarData, CifarNotFoundError, load_subsets
 from rcdl.app.config import ExperimentConfig, setting
 from rcdl.app.report import csv_text, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, save_figure
@@ -96,7 +96,7 @@ from rcdl.training import accuracy, train_one_pass
 __all__ = [
     "DATASETS", "EXPERIMENT", "EXPERIMENT_SPEC", "METHODS",
     "OptimizerComparisonConfig", "ProjectedConfig", "build_method", "load_datasets",
-    "load_subsets", "project", "projected_tensors", "random_projection",
+    "project", "projected_tensors", "random_projection",
     "run_optimizer_comparison", "seed_runs", "train_method",
 ]  # fmt: skip
 
@@ -248,23 +248,6 @@ def projected_tensors(data: CifarData, cfg: ProjectedConfig, device: torch.devic
     seen through the projection of ``cfg`` (:func:`project`, seeded with ``cfg.data_seed``)."""
     data = project(data, cfg.width, cfg.data_seed)
     return tuple(t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test))
-
-
-def load_subsets(name: str, cfg: ProjectedConfig, *, download: bool = True) -> CifarData:
-    """The subsets of data set ``name`` that ``cfg`` asks for (``train_size``, ``test_size``,
-    ``None``: the whole split), drawn with ``cfg.data_seed``, before projection.
-
-    Raises:
-        rcdl.app.cifar.CifarNotFoundError, rcdl.app.cifar.CorruptDataError: from the loader.
-        ValueError: if a subset is larger than the split.
-    """
-    data = load_cifar(name, cfg.data_dir, download=download)
-    for what, size, available in (("train_size", cfg.train_size, len(data.y_train)),
-                                  ("test_size", cfg.test_size, len(data.y_test))):  # fmt: skip
-        if size is not None and size > available:
-            raise ValueError(f"{what} {size} is larger than the {available} images of "
-                             f"{data.source}")  # fmt: skip
-    return data.subset(cfg.train_size, cfg.test_size, seed=cfg.data_seed)
 
 
 Datasets = tuple[dict[str, CifarData], dict[str, dict[str, Any]]]  # (loaded, missing)
