@@ -39,20 +39,19 @@ Run folder (one per invocation, every model and seed in it), besides what every 
 writes (:mod:`rcdl.app.runner`; ``environment.json`` is the first session's)::
 
     metrics.jsonl       every evaluation of every (model, seed), tagged with both
-    summary.json        per-(model, seed) results with their histories, per-model rows,
-                        the data used, one record per session; ``complete`` says if done
+    summary.json        ``runs``: per (model, seed) accuracy, loss, entries, bytes,
+                        parameters, seconds and the ``history`` of evaluations; ``models``:
+                        per-model rows (:func:`model_rows`); the data; the sessions
     results.md/.csv     the table: accuracy (mean ± sd over seeds), loss, entries, store,
                         parameters, train/eval seconds, the paper's reference
     test_accuracy.png   test accuracy against training samples seen (mean over seeds)
     checkpoints/<model>-seed<k>.pt   while that model trains (deleted when it finishes)
 
-There is no ``finished.json``: ``summary.json`` has held the finished pairs since the first
-runs, and still does, so older run folders resume too. Resume: :func:`run_cifar10` with
-``resume=RUN_DIR`` skips the (model, seed) pairs that ``summary.json`` lists as finished.
-It continues an interrupted pair from its checkpoint,
-and that pair ends with the same result as an uninterrupted run
-(:func:`rcdl.training.train_one_pass`). ``metrics.jsonl`` may repeat the evaluations made
-between the last checkpoint and the interruption. ``summary.json`` is authoritative.
+The finished pairs are kept in ``summary.json`` (no ``finished.json``:
+:attr:`rcdl.app.runner.Experiment.finished_in_summary`). A resumed run continues an
+interrupted pair from its checkpoint to the result of an uninterrupted run
+(:func:`rcdl.training.train_one_pass`); ``metrics.jsonl`` may repeat the evaluations made
+between the last checkpoint and the interruption.
 """
 
 from __future__ import annotations
@@ -71,14 +70,23 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from matplotlib.figure import Figure
 from torch import nn
 
 from rcdl.app.cifar import CifarData, load_subsets
 from rcdl.app.classical import CLASSICAL_MODELS, fit_classical
 from rcdl.app.config import ExperimentConfig, setting
-from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
-from rcdl.app.rundir import RunDir, describe_machine, read_config, save_figure
+from rcdl.app.report import (
+    Curve,
+    Panel,
+    csv_text,
+    group_runs,
+    markdown_table,
+    mean_sd,
+    plot_panels,
+    pm,
+    write_outputs,
+)
+from rcdl.app.rundir import RunDir, describe_machine, read_config
 from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
 from rcdl.distributed import rank_and_world, shard
 from rcdl.grower import Grower
@@ -98,7 +106,7 @@ from rcdl.training import accuracy, train_one_pass
 
 __all__ = [
     "EXPERIMENT", "EXPERIMENT_SPEC", "METRICS", "MODELS", "Cifar10Config", "ModelSpec",
-    "Reference", "build_model", "combine_runs", "hybrid_name", "load_data", "load_run_config",
+    "Reference", "build_model", "combine_runs", "hybrid_name", "hybrid_tau", "load_data",
     "model_spec", "run_cifar10",
 ]  # fmt: skip
 
@@ -154,26 +162,18 @@ class ModelSpec:
     classical: bool = False
 
 
-def _grown(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Learner:
-    model = model.to(device=device, dtype=dtype)
-    return model, None, Grower(model)
-
-
-def _gws(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
-    rule = ClippedSoftmaxRule(eta=0.003, beta=3.0)
-    net = GrowingSoftmaxNet(D_IN, CLASSES, 2, temperature=6.0, rule=rule, seed=seed)
-    return _grown(net, device, dtype)
-
-
-def _gauge(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
-    rule = GaugeSoftmaxRule(alpha=10.0, eta=0.03, beta=100.0)
-    net = GrowingSoftmaxNet(D_IN, CLASSES, 2, temperature=5.0, rule=rule, seed=seed)
-    return _grown(net, device, dtype)
+def _softmax(rule: Any, temperature: float, seed: int, device: torch.device,
+             dtype: torch.dtype) -> Learner:  # fmt: skip
+    """A growing weighted-softmax net, L = 2, with ``rule`` (gws or gauge)."""
+    net = GrowingSoftmaxNet(D_IN, CLASSES, 2, temperature=temperature, rule=rule, seed=seed)
+    net = net.to(device=device, dtype=dtype)
+    return net, None, Grower(net)
 
 
 def _rbf(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
-    return _grown(GrowingRBFNet(D_IN, CLASSES, 2, temperature=10.0, rule=FunctionalSGD(10.0)),
-                  device, dtype)
+    net = GrowingRBFNet(D_IN, CLASSES, 2, temperature=10.0, rule=FunctionalSGD(10.0))
+    net = net.to(device=device, dtype=dtype)
+    return net, None, Grower(net)
 
 
 def _hybrid(tau: float | None, seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
@@ -198,8 +198,12 @@ def _psoftmax(entries: int, seed: int, device: torch.device, dtype: torch.dtype)
 
 
 MODELS: dict[str, ModelSpec] = {
-    "gws": ModelSpec("growing weighted softmax (gws)", _gws, Reference(59.18, 1.163, 150_048)),
-    "gauge": ModelSpec("gauge-invariant WS", _gauge, Reference(58.33, 1.203, 150_048)),
+    "gws": ModelSpec("growing weighted softmax (gws)",
+                     partial(_softmax, ClippedSoftmaxRule(eta=0.003, beta=3.0), 6.0),
+                     Reference(59.18, 1.163, 150_048)),
+    "gauge": ModelSpec("gauge-invariant WS",
+                       partial(_softmax, GaugeSoftmaxRule(alpha=10.0, eta=0.03, beta=100.0), 5.0),
+                       Reference(58.33, 1.203, 150_048)),
     "rbf": ModelSpec("growing RBF", _rbf, Reference(58.42, 1.200, 150_000)),
     "hybrid": ModelSpec("hybrid growing WS (τ = 50)", partial(_hybrid, 50.0),
                         Reference(55.12, 1.330, 93_339)),
@@ -228,9 +232,18 @@ def hybrid_name(tau: float | None) -> str:
     return "hybrid-always" if tau is None else f"hybrid-tau{tau:g}"
 
 
+def hybrid_tau(name: str) -> tuple[bool, float | None]:
+    """``(is a hybrid, its τ)`` for model ``name``: ``hybrid`` has τ = 50, ``hybrid-always``
+    ``None`` (always grow); any other model is ``(False, None)``."""
+    match = _HYBRID.fullmatch(name)
+    if match is None:
+        return name == "hybrid", 50.0 if name == "hybrid" else None
+    return True, None if match.group(1) == "always" else float(match.group(2))
+
+
 def _is_growing(name: str) -> bool:
     """Whether model ``name`` has growing stores (which torchrun shards)."""
-    return name in ("gws", "gauge", "rbf", "hybrid") or bool(_HYBRID.fullmatch(name))
+    return name in ("gws", "gauge", "rbf") or hybrid_tau(name)[0]
 
 
 def model_spec(name: str) -> ModelSpec:
@@ -246,9 +259,8 @@ def model_spec(name: str) -> ModelSpec:
     if match:
         n = int(match.group(1))
         return ModelSpec(f"parametric softmax, N = {n}", partial(_psoftmax, n))
-    match = _HYBRID.fullmatch(name)
-    if match:
-        tau = None if match.group(1) == "always" else float(match.group(2))
+    is_hybrid, tau = hybrid_tau(name)
+    if is_hybrid:
         label = "hybrid growing WS, " + ("always grow" if tau is None else f"τ = {tau:g}")
         reference = MODELS["hybrid"].reference if tau == 50.0 else Reference()
         return ModelSpec(label, partial(_hybrid, tau), reference)
@@ -296,11 +308,8 @@ class Cifar10Config(ExperimentConfig):
     ``models`` are names :func:`model_spec` knows. The subsets (``train_size``,
     ``test_size``) depend on ``data_seed`` only, so every model and seed sees the same
     images; a seed fixes a model's initialisation and the order of the training images.
-    Test evaluations come every ``eval_every`` steps and at the end (docs/reference.md §6:
-    every 250 steps, in batches of 500). ``--quick``: 2 000 train / 1 000 test images,
-    evaluations every 50 steps, the three growing models and ``mlp-adam``. Each parametric
-    baseline updates 75–770 M parameters per step; on two shared CPU cores ``mlp-adam``
-    alone took 5.6 minutes here (``--models`` adds the others).
+    Each parametric baseline updates 75–770 M parameters per step; on two shared CPU cores
+    ``--quick``'s ``mlp-adam`` alone took 5.6 minutes here.
     """
 
     QUICK = {"models": ("gws", "gauge", "rbf", "mlp-adam"), "train_size": 2000,
@@ -349,11 +358,6 @@ class Cifar10Config(ExperimentConfig):
         return None if self.store_dtype is None else _STORE_DTYPES[self.store_dtype]
 
 
-def load_run_config(run_dir: str | Path) -> Cifar10Config:
-    """The config of the run in ``run_dir`` (its ``config.json``), for resuming it."""
-    return read_config(run_dir, Cifar10Config)
-
-
 # --------------------------------------------------------------------------- the data
 
 
@@ -382,10 +386,7 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple,
                                            dtype=cfg.torch_dtype,
                                            reserve=math.ceil(len(data[0]) / world),
                                            store_dtype=cfg.torch_store_dtype)  # fmt: skip
-    if world > 1:  # under torchrun: every growing store is split over the ranks
-        if grower is None:
-            raise ValueError(f"{name} has no growing layers to shard over the {world} ranks; "
-                             "run it without torchrun")
+    if world > 1:  # under torchrun every growing store is split over the ranks (_start)
         shard(model)
     # every growing layer could write one entry per training sample
     possible = None if grower is None else grower.num_entries + len(grower.layers) * len(data[0])
@@ -493,17 +494,8 @@ def _add_rows(cfg: Cifar10Config, summary: dict[str, Any]) -> None:
 
 
 def run_cifar10(cfg: Cifar10Config, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
-    """Run the comparison into a new run folder, or continue the one at ``resume``
-    (:func:`rcdl.app.runner.run_experiment`, which takes ``out``, ``resume``, ``data``,
-    ``device``, ``progress``, ``download`` and the option ``keep_checkpoints``: keep each
-    model's last checkpoint after it finishes).
-
-    A resumed run skips the (model, seed) pairs its ``summary.json`` lists and continues an
-    interrupted one from its checkpoint. The summary holds ``runs`` (per (model, seed):
-    accuracy, loss, entries, bytes, parameters, seconds, the ``history`` of evaluations),
-    ``models`` (per model, :func:`model_rows`), ``data`` and ``sessions`` (per session:
-    machine, world size, seconds).
-    """
+    """:func:`rcdl.app.runner.run_experiment` of the comparison; its option
+    ``keep_checkpoints`` keeps each model's last checkpoint after it finishes."""
     return run_experiment(EXPERIMENT_SPEC, cfg, **kw)
 
 
@@ -513,10 +505,7 @@ def run_cifar10(cfg: Cifar10Config, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
 def model_rows(runs: list[dict[str, Any]], models: tuple[str, ...]) -> list[dict[str, Any]]:
     """One row per model, its runs' numbers averaged over seeds (accuracy in percent)."""
     rows = []
-    for name in models:
-        rs = [r for r in runs if r["model"] == name]
-        if not rs:
-            continue
+    for name, rs in group_runs(runs, models).items():
         acc, acc_sd = mean_sd([100 * r["test_acc"] for r in rs])
         loss, loss_sd = mean_sd([r["test_loss"] for r in rs if r["test_loss"] is not None])
         ref = model_spec(name).reference
@@ -567,35 +556,25 @@ def results_csv(rows: list[dict[str, Any]]) -> str:
                      "paper_seeds_acc_pct_mean": mean, "paper_seeds_acc_pct_sd": sd})
     return csv_text(flat)
 
+
 def plot_accuracy(runs: list[dict[str, Any]], models: tuple[str, ...], path: Path, *,
                   title: str, full_data: bool) -> Path:
     """Test accuracy against training samples seen, one line per model (mean over seeds,
     a band of ± sd with several seeds); with the full data, the paper's final accuracies
     as stars at the end."""
-    fig = Figure(figsize=(7.2, 4.6), layout="constrained")
-    ax = fig.add_subplot()
-    for name in models:
-        histories = [r["history"] for r in runs if r["model"] == name]
-        if not histories:
-            continue
-        n = min(map(len, histories))
-        samples = [histories[0][i]["samples"] for i in range(n)]
-        accs = [[100 * h[i]["test_acc"] for h in histories] for i in range(n)]
-        mean = [statistics.fmean(a) for a in accs]
-        (line,) = ax.plot(samples, mean, marker=".", label=name)
-        if len(histories) > 1:
-            sd = [statistics.stdev(a) for a in accs]
-            ax.fill_between(samples, [m - s for m, s in zip(mean, sd, strict=True)],
-                            [m + s for m, s in zip(mean, sd, strict=True)],
-                            color=line.get_color(), alpha=0.2)
+    curves = []
+    for name, rs in group_runs(runs, models).items():
+        n = min(len(r["history"]) for r in rs)
+        samples = [rs[0]["history"][i]["samples"] for i in range(n)]
+        acc = [mean_sd([100 * r["history"][i]["test_acc"] for r in rs]) for i in range(n)]
+        curves.append(Curve(samples, [m for m, _ in acc], name, sd=[sd for _, sd in acc],
+                            group=name, style={"marker": "."}))
         ref = model_spec(name).reference.test_acc
         if full_data and ref is not None:
-            ax.plot([samples[-1]], [ref], marker="*", markersize=10, color=line.get_color(),
-                    linestyle="none")
-    ax.set(xlabel="training samples seen", ylabel="test accuracy (%)", title=title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small", ncols=2)
-    return save_figure(fig, path)
+            curves.append(Curve([samples[-1]], [ref], group=name, style={
+                "marker": "*", "markersize": 10, "linestyle": "none"}))
+    return plot_panels(path, [Panel(curves, "training samples seen", "test accuracy (%)", title,
+                                    legend={"fontsize": "small", "ncols": 2})], (7.2, 4.6))
 
 
 _TABLE_NOTE = (
@@ -605,46 +584,40 @@ _TABLE_NOTE = (
 )
 
 
-def _protocol_text(cfg: Cifar10Config, d: Mapping[str, Any], seeds: list[int]) -> str:
-    """The sentence on sizes, schedule and seeds above a results table."""
+def _write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
+                  models: tuple[str, ...], seeds: list[int], *, combined: bool,
+                  tail: str) -> str:  # fmt: skip
+    """``results.md`` (sizes, schedule and seeds; the table; ``tail``), ``results.csv`` and
+    ``test_accuracy.png`` of a run or of a combined table; returns the markdown."""
+    d = summary["data"]
     full = d["n_train"] == 50_000 and d["n_test"] == 10_000
     scale = ("the full splits" if full else
              f"random subsets (data seed {cfg.data_seed}); not comparable with the paper's "
              "full-data numbers")
     steps = math.ceil(d["n_train"] / cfg.batch_size)
     stores = "" if cfg.store_dtype is None else f" with {cfg.store_dtype} stores"
-    return (
+    report = (
+        f"# CIFAR-10, one epoch (the paper's Fig. 2, docs/reference.md §6)"
+        f"{', combined' if combined else ''}\n\n"
         f"{d['n_train']:,} train / {d['n_test']:,} test images ({scale}). One pass, batch "
         f"{cfg.batch_size} ({steps:,} steps), cross-entropy, {cfg.dtype}{stores}. Test accuracy "
         f"and loss on all {d['n_test']:,} test images every {cfg.eval_every} "
         f"step{'s' if cfg.eval_every > 1 else ''} and at the end. Seeds: "
-        f"{' '.join(map(str, seeds))}."
+        f"{' '.join(map(str, seeds))}.\n\n"
+        f"{results_table(summary['models'])}\n\n{_TABLE_NOTE}\n\n"
+        f"Data: {d['source']}, {d['provenance']}.\n{tail}"
     )
+    title = f"CIFAR-10, one epoch, {d['n_train']:,} training images"
+    return write_outputs(run, report, results_csv(summary["models"]), {
+        "test_accuracy.png": partial(plot_accuracy, summary["runs"], models, title=title,
+                                     full_data=full)})
 
 
 def write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
                  device: torch.device) -> str:
     """Write ``results.md``, ``results.csv`` and ``test_accuracy.png``; return the markdown."""
-    d = summary["data"]
-    report = (
-        f"# CIFAR-10, one epoch (the paper's Fig. 2, docs/reference.md §6)\n\n"
-        f"{_protocol_text(cfg, d, list(cfg.seeds))}\n\n"
-        f"{results_table(summary['models'])}\n\n{_TABLE_NOTE}\n\n"
-        f"Data: {d['source']}, {d['provenance']}.\n"
-        f"Machine: {describe_machine(device)}.\n"
-    )
-    return _write_outputs(run, report, summary, cfg.models)
-
-
-def _write_outputs(run: RunDir, report: str, summary: dict[str, Any],
-                   models: tuple[str, ...]) -> str:
-    """``results.md`` (the given report), ``results.csv`` and ``test_accuracy.png``."""
-    d = summary["data"]
-    full = d["n_train"] == 50_000 and d["n_test"] == 10_000
-    title = f"CIFAR-10, one epoch, {d['n_train']:,} training images"
-    return write_outputs(run, report, results_csv(summary["models"]), {
-        "test_accuracy.png": partial(plot_accuracy, summary["runs"], models, title=title,
-                                     full_data=full)})
+    return _write_report(run, cfg, summary, cfg.models, list(cfg.seeds), combined=False,
+                         tail=f"Machine: {describe_machine(device)}.\n")
 
 
 EXPERIMENT_SPEC = Experiment(
@@ -675,14 +648,12 @@ def _finished_runs(run_dir: Path) -> tuple[Cifar10Config | None, dict[str, Any]]
     A folder written by :func:`combine_runs` (a ``summary.json`` with ``combined_from`` and no
     ``config.json``, e.g. a committed table) has no config: ``(None, summary)``."""
     path = run_dir / RunDir.SUMMARY
-    if not (run_dir / RunDir.CONFIG).is_file() and path.is_file():
-        summary = json.loads(path.read_text(encoding="utf-8"))
-        if "combined_from" in summary:
-            return None, summary
-    cfg = load_run_config(run_dir)
-    if not path.is_file():
+    summary = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if summary and "combined_from" in summary and not (run_dir / RunDir.CONFIG).is_file():
+        return None, summary
+    cfg = read_config(run_dir, Cifar10Config)
+    if summary is None:
         raise FileNotFoundError(f"{run_dir}: no {RunDir.SUMMARY}, so no model finished there")
-    summary = json.loads(path.read_text(encoding="utf-8"))
     if not summary.get("runs"):
         raise ValueError(f"{run_dir}: no model finished there ({path} lists no runs)")
     return cfg, summary
@@ -701,7 +672,7 @@ def _table_position(model: str) -> tuple[int, int]:
     names = list(MODELS)
     if model in MODELS:
         return names.index(model), 0
-    if _HYBRID.fullmatch(model):
+    if hybrid_tau(model)[0]:
         return names.index("hybrid"), 1
     if model.startswith("psoftmax-"):
         return names.index("psoftmax-50016"), 1
@@ -714,29 +685,25 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
     """One table and figure from the finished (model, seed) pairs of several run folders.
 
     Full-scale models take an hour each on a CPU, so the comparison is made over several
-    invocations (and sessions, and machines). This merges their ``summary.json`` files
-    after checking that they share the protocol (sizes, batch, evaluation schedule, dtype,
-    data seed and data provenance); a (model, seed) pair finished in two folders is an
-    error. Unfinished pairs of an interrupted run are not in its summary and are ignored.
-    ``models`` keeps only those models (each must have finished in some folder). A folder
-    that is itself a combined table (one written here, e.g. a committed one) may be a source
-    too: its runs keep their own sources, so a new model can be added to a table whose
-    original run folders are gone.
+    invocations, sessions and machines. This merges their ``summary.json`` files after
+    checking that they share the protocol (:func:`_protocol`); a (model, seed) pair finished
+    in two folders is an error, an unfinished one is not in its summary. ``models`` keeps
+    only those models (each must have finished in some folder). A combined table written
+    here may be a source too: its runs keep their own sources, so a model can be added to a
+    table whose original run folders are gone.
 
-    Writes into ``out``: ``summary.json`` (the runs, per-model rows and, per source
-    folder, its path, models, sessions and environment), ``results.md``, ``results.csv``
-    and ``test_accuracy.png``. Models are ordered as in :data:`MODELS` (``hybrid-*`` and
-    other ``psoftmax-<N>`` beside their kin), then by first appearance.
+    Writes into ``out``: ``summary.json`` (the runs, per-model rows and, per source folder,
+    its path, models, sessions and environment), ``results.md``, ``results.csv`` and
+    ``test_accuracy.png``; models ordered by :func:`_table_position`, then as found.
     """
     if not run_dirs:
         raise ValueError("combine: give at least one run folder")
-    folders = [Path(p) for p in run_dirs]
-    loaded = [(folder, *_finished_runs(folder)) for folder in folders]
-    with_config = [entry for entry in loaded if entry[1] is not None]
-    if not with_config:
+    loaded = [(Path(p), *_finished_runs(Path(p))) for p in run_dirs]
+    first = next((entry for entry in loaded if entry[1] is not None), None)
+    if first is None:
         raise ValueError("combine: give at least one run folder (not only combined tables): "
                          "its config describes the protocol")
-    first_folder, first_cfg, first_summary = with_config[0]
+    first_folder, first_cfg, first_summary = first
     protocol = _protocol(first_cfg, first_summary["data"])
     runs: list[dict[str, Any]] = []
     origin: dict[tuple[str, int], Path] = {}
@@ -749,9 +716,8 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
             diff = {k: (protocol[k], theirs[k]) for k in protocol if protocol[k] != theirs[k]}
             raise ValueError(f"combine: {folder} used another protocol than {first_folder} "
                              f"(theirs first, then this one's): {diff}")
-        for r in summary["runs"]:
-            if models is not None and r["model"] not in models:
-                continue
+        kept = [r for r in summary["runs"] if models is None or r["model"] in models]
+        for r in kept:
             key = (r["model"], r["seed"])
             if key in origin:
                 raise ValueError(f"combine: {r['model']} seed {r['seed']} finished in both "
@@ -760,16 +726,15 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
             runs.append({**r, "source": r["source"] if cfg is None else str(folder)})
         if cfg is None:
             for src in summary["combined_from"]:
-                kept = [m for m in src["models"]
-                        if any(r["source"] == src["path"] and r["model"] == m for r in runs)]
-                if kept:
-                    sources.append({**src, "models": kept})
+                still = [m for m in src["models"]
+                         if any(r["source"] == src["path"] and r["model"] == m for r in runs)]
+                if still:
+                    sources.append({**src, "models": still})
             continue
         environment = folder / RunDir.ENVIRONMENT
         sources.append({
             "path": str(folder),
-            "models": list(dict.fromkeys(r["model"] for r in summary["runs"]
-                                         if models is None or r["model"] in models)),
+            "models": list(dict.fromkeys(r["model"] for r in kept)),
             "sessions": summary.get("sessions", []),
             "environment": (json.loads(environment.read_text(encoding="utf-8"))
                             if environment.is_file() else None),
@@ -778,22 +743,21 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
     missing = [m for m in models or () if m not in present]
     if missing:
         raise ValueError(f"combine: {', '.join(missing)} finished in none of "
-                         f"{', '.join(str(f) for f in folders)}")
+                         f"{', '.join(str(f) for f, _, _ in loaded)}")
     models = tuple(sorted(present, key=_table_position))
     combined = {"experiment": EXPERIMENT, "combined_from": sources,
                 "data": first_summary["data"], "protocol": protocol, "runs": runs,
                 "models": model_rows(runs, models)}
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    run = RunDir(folder)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    run = RunDir(out)
     run.write_summary(combined)
-    report = _combined_report(first_cfg, combined, [r["seed"] for r in runs])
-    _write_outputs(run, report, combined, models)
-    return folder, combined
+    _write_report(run, first_cfg, combined, models, sorted({r["seed"] for r in runs}),
+                  combined=True, tail=_sources_text(combined))
+    return run.path, combined
 
 
-def _combined_report(cfg: Cifar10Config, combined: dict[str, Any], seeds: list[int]) -> str:
-    d = combined["data"]
+def _sources_text(combined: dict[str, Any]) -> str:
+    """The combined table's list of its source folders: models, sessions, machines, code."""
     lines = []
     for source in combined["combined_from"]:
         sessions = source["sessions"]
@@ -804,11 +768,5 @@ def _combined_report(cfg: Cifar10Config, combined: dict[str, Any], seeds: list[i
         lines.append(f"- `{source['path']}`: {', '.join(source['models'])}; "
                      f"{len(sessions)} session(s), {minutes:.0f} min in all; "
                      f"{'; '.join(machines)}; git {', '.join(revisions)}")
-    return (
-        f"# CIFAR-10, one epoch (the paper's Fig. 2, docs/reference.md §6), combined\n\n"
-        f"{_protocol_text(cfg, d, sorted(set(seeds)))}\n\n"
-        f"{results_table(combined['models'])}\n\n{_TABLE_NOTE}\n\n"
-        f"Data: {d['source']}, {d['provenance']}.\n\n"
-        "Combined from these run folders (`rcdl reproduce cifar10-1epoch --combine`):\n"
-        + "\n".join(lines) + "\n"
-    )
+    return ("\nCombined from these run folders (`rcdl reproduce cifar10-1epoch --combine`):\n"
+            + "\n".join(lines) + "\n")

@@ -46,13 +46,6 @@ Decisions:
   after every epoch; the training loss is the mean batch loss of each epoch (before each
   update). The verdict compares final test accuracies (one seed by default: run several
   seeds to see the spread).
-
-Run folder, besides what every run writes (:mod:`rcdl.app.runner`)::
-
-    metrics.jsonl    every evaluation, tagged with variant and seed
-    summary.json     per-run histories, per-(variant, epoch) rows, the verdict
-    results.md/.csv  final numbers and a per-epoch excerpt; every epoch in the CSV
-    deltanet_decay.png   training loss and test accuracy against epochs, the three variants
 """
 
 from __future__ import annotations
@@ -104,19 +97,10 @@ PAPER = {"none": 67.0, "deltanet": 74.0}
 class DeltaNetDecayConfig(ProjectedConfig):
     """Settings of the DeltaNet-decay experiment (docs/reference.md §8).
 
-    Defaults: the reduced run (2 000 train / 2 000 test CIFAR-10 images, width 256,
-    150 epochs at batch 64, 4 800 steps); an estimated 10–15 minutes on this project's two
-    shared CPU cores, one thread (docs/optimizer_experiments.md). Rates from a validation
-    sweep (module docstring).
-
-    ``quick()``: 300 train / 300 test images, width 64, 10 blocks, 5 epochs (about 20 s on
-    two shared CPU cores, one thread); the numbers mean little.
-
-    ``paper()``: the paper's run (docs/reference.md §8): the whole of CIFAR-10 (50 000 /
-    10 000 images), the 3072 pixel values without projection, 10 residual blocks, 2000
-    epochs. docs/reference.md gives no batch size, learning rate, momentum or decay rates:
-    those stay this module's (batch 64, i.e. 1.56 M steps per variant; rates swept at width
-    256, not 3072). A GPU job of days.
+    The defaults are the reduced run and ``paper()`` the paper's (module docstring,
+    "Decisions"): 1.56 M steps per variant at batch 64 with rates swept at width 256, a GPU
+    job of days. ``quick()``: 300 train / 300 test images, width 64, 10 blocks, 5 epochs
+    (about 20 s on two shared CPU cores, one thread); the numbers mean little.
     """
 
     QUICK = {"train_size": 300, "test_size": 300, "width": 64, "epochs": 5}
@@ -163,16 +147,12 @@ def build_variant(name: str, seed: int, cfg: DeltaNetDecayConfig, *,
         raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
     torch.manual_seed(seed)
     model = ResNetMLP(cfg.input_width, CLASSES, depth=cfg.depth).to(device)
-    params = list(model.parameters())
-    if name == "none":
-        optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
-    elif name == "weight-decay":
-        optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                                    weight_decay=cfg.weight_decay)  # fmt: skip
-    else:
-        optimizer = DeltaNetDecay(model, lr=cfg.lr, decay=cfg.deltanet_decay,
-                                  momentum=cfg.momentum)  # fmt: skip
-    return model, optimizer, None
+    if name == "deltanet":
+        return model, DeltaNetDecay(model, lr=cfg.lr, decay=cfg.deltanet_decay,
+                                    momentum=cfg.momentum), None  # fmt: skip
+    decay = cfg.weight_decay if name == "weight-decay" else 0.0
+    return model, torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                  weight_decay=decay), None  # fmt: skip
 
 
 def _sub_runs(cfg: DeltaNetDecayConfig, data: CifarData, session: Session) -> Iterator:
@@ -189,14 +169,13 @@ def _start(cfg: DeltaNetDecayConfig, data: CifarData) -> dict[str, Any]:
 
 
 def _finish(cfg: DeltaNetDecayConfig, summary: dict[str, Any]) -> None:
-    summary["rows"] = epoch_rows(summary["runs"], cfg.variants, key="variant")
+    summary["rows"] = epoch_rows(summary["runs"], key="variant")
     summary["verdict"] = verdict(summary["rows"], cfg.epochs)
 
 
 def run_deltanet_decay(cfg: DeltaNetDecayConfig, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
-    """Train every variant for every seed (:func:`rcdl.app.runner.run_experiment`, which
-    takes ``out``, ``resume``, ``data`` (from :func:`load_data`, before projection),
-    ``device``, ``progress``, ``download``).
+    """Train every variant for every seed (:func:`rcdl.app.runner.run_experiment`, whose
+    keywords ``kw`` are; ``data`` comes from :func:`load_data`, before projection).
 
     The summary adds ``input_width``, ``rows`` (per (variant, epoch), mean and sd over
     seeds, accuracy in percent) and ``verdict``; each of ``runs`` (per (variant, seed))
@@ -219,20 +198,14 @@ def verdict(rows: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
     return out
 
 
-def shown_epochs(epochs: int, count: int = 10) -> list[int]:
-    """About ``count`` evenly spaced epochs from 0 to ``epochs`` (both included)."""
-    return sorted({round(epochs * k / count) for k in range(count + 1)})
-
-
 def write_report(run: RunDir, cfg: DeltaNetDecayConfig, summary: dict[str, Any],
                  device: torch.device) -> str:  # fmt: skip
     """Write ``results.md``, ``results.csv`` and ``deltanet_decay.png``; return the markdown."""
-    d, v = summary["data"], summary["verdict"]
-    rows = summary["rows"]
+    d, v, rows = summary["data"], summary["verdict"], summary["rows"]
     steps = math.ceil(d["n_train"] / cfg.batch_size)
     width = (f"a fixed random projection of the pixels to w = {cfg.width}"
              if cfg.width is not None else "the 3,072 pixel values")  # fmt: skip
-    shown = set(shown_epochs(cfg.epochs))
+    shown = {round(cfg.epochs * k / 10) for k in range(11)}  # about 10 evenly spaced epochs
     excerpt = [r for r in rows if r["epoch"] in shown]
     if v["deltanet_beats_both"] is None:
         conclusion = "Not all three variants ran: no verdict."
@@ -251,11 +224,11 @@ def write_report(run: RunDir, cfg: DeltaNetDecayConfig, summary: dict[str, Any],
         "docs/reference.md gives no batch size, learning rate, momentum or decay rate for "
         "this experiment: these are this project's, chosen on a validation split at width "
         "256.",
-        final_table(rows, "cifar10", cfg.epochs, VARIANTS, key="variant"),
+        final_table(rows, cfg.epochs, VARIANTS, key="variant"),
         "Test accuracy (%) at selected epochs (every epoch in results.csv):",
-        epoch_table(excerpt, "cifar10", "test_acc_pct", 2, key="variant"),
+        epoch_table(excerpt, "test_acc_pct", 2, key="variant"),
         "Training loss (mean batch loss of the epoch) at selected epochs:",
-        epoch_table(excerpt, "cifar10", "train_loss", 4, key="variant"),
+        epoch_table(excerpt, "train_loss", 4, key="variant"),
         conclusion,
         "Paper (docs/reference.md §8; whole CIFAR-10, 2000 epochs, width 3072): "
         f"{PAPER['none']:.0f} % without decay, {PAPER['deltanet']:.0f} % with DeltaNet "

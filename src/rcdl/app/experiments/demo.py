@@ -22,12 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from matplotlib.figure import Figure
 from torch import nn
 
 from rcdl.app.config import ExperimentConfig, setting
-from rcdl.app.report import markdown_table, write_outputs
-from rcdl.app.rundir import RunDir, environment_info, save_figure
+from rcdl.app.report import Curve, Panel, markdown_table, plot_panels, write_outputs
+from rcdl.app.rundir import RunDir, environment_info
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
 from rcdl.networks import MLP, GrowingRBFNet
@@ -103,19 +102,11 @@ def _students(cfg: DemoConfig, device: torch.device) -> dict[str, dict[str, Any]
     )  # fmt: skip
     mlp = (t.d_in, cfg.mlp_hidden, t.d_out, cfg.depth)
     mlp_sgd, mlp_adam = seeded(MLP, *mlp), seeded(MLP, *mlp)
-    return {
-        "growing RBF": {"model": rbf, "grower": Grower(rbf)},
-        "MLP + SGD": {
-            "model": mlp_sgd,
-            "optimizer": torch.optim.SGD(
-                mlp_sgd.parameters(), lr=cfg.sgd_lr, momentum=cfg.sgd_momentum
-            ),
-        },
-        "MLP + Adam": {
-            "model": mlp_adam,
-            "optimizer": torch.optim.Adam(mlp_adam.parameters(), lr=cfg.adam_lr),
-        },
-    }
+    sgd = torch.optim.SGD(mlp_sgd.parameters(), lr=cfg.sgd_lr, momentum=cfg.sgd_momentum)
+    return {"growing RBF": {"model": rbf, "grower": Grower(rbf)},
+            "MLP + SGD": {"model": mlp_sgd, "optimizer": sgd},
+            "MLP + Adam": {"model": mlp_adam,
+                           "optimizer": torch.optim.Adam(mlp_adam.parameters(), lr=cfg.adam_lr)}}
 
 
 def results_table(results: dict[str, dict[str, Any]]) -> str:
@@ -130,16 +121,11 @@ def results_table(results: dict[str, dict[str, Any]]) -> str:
 
 def plot_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
     """Plot test MSE against samples seen for every student (log scale) to ``path``."""
-    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
-    ax = fig.add_subplot()
-    for name, r in results.items():
-        samples = [h["samples"] for h in r["history"]]
-        mse = [h["test_mse"] for h in r["history"]]
-        ax.plot(samples, mse, marker=".", label=name)
-    ax.set(xlabel="training samples seen", ylabel="test MSE", yscale="log", title=title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    return save_figure(fig, path)
+    curves = [Curve([h["samples"] for h in r["history"]], [h["test_mse"] for h in r["history"]],
+                    name, style={"marker": "."}) for name, r in results.items()]  # fmt: skip
+    return plot_panels(path, [Panel(curves, "training samples seen", "test MSE", title,
+                                    yscale="log", grid="both", legend={})],
+                       figsize=(6.4, 4.2))  # fmt: skip
 
 
 def _machine(device: torch.device) -> str:

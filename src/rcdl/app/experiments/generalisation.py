@@ -58,13 +58,22 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from matplotlib.figure import Figure
 from torch import nn
 
 from rcdl.app.cifar import CifarData, load_subsets
 from rcdl.app.config import ExperimentConfig, setting
-from rcdl.app.report import csv_text, mean_sd, pm, write_outputs
-from rcdl.app.rundir import RunDir, describe_machine, save_figure
+from rcdl.app.report import (
+    Curve,
+    Panel,
+    csv_text,
+    group_runs,
+    markdown_table,
+    mean_sd,
+    plot_panels,
+    pm,
+    write_outputs,
+)
+from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
 from rcdl.grower import Grower
 from rcdl.networks import GrowingSoftmaxNet, ParametricSoftmaxNet
@@ -140,24 +149,16 @@ class GeneralisationConfig(ExperimentConfig):
 load_data = partial(load_subsets, "cifar10")  # the subsets of cfg (rcdl.app.cifar)
 
 
-def _train_sample(n: int, size: int, seed: int) -> torch.Tensor:
-    """Indices ``(min(size, n),)`` of the fixed training sample that train accuracy uses."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:size]
-
-
 # --------------------------------------------------------------------------- running
 
 
 def build_model(
     name: str, seed: int, cfg: GeneralisationConfig, *, device: torch.device | str = "cpu"
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, Grower | None]:
-    """Model ``name`` of :data:`MODELS` with its learner, reproducibly from ``seed``.
-
-    ``gws``: ``GrowingSoftmaxNet(3072, 10, 2, T = 6, ClippedSoftmaxRule(η = 0.003,
-    β = 3))`` with 16 initial entries per layer seeded from ``seed``, and a grower with room
-    for ``cfg.epochs · cfg.train_size`` more entries per layer. ``parametric``:
-    ``ParametricSoftmaxNet(3072, 10, 2, entries = cfg.entries, T = 3)``, initialised from
-    torch's global generator seeded with ``seed``, and Adam 1e−3 (docs/reference.md §5).
+    """Model ``name`` of :data:`MODELS` (the module docstring's table) with its learner,
+    reproducibly from ``seed``: the growing model's initial entries are seeded from ``seed``
+    and its grower has room for ``cfg.epochs · cfg.train_size`` more entries per layer; the
+    parametric one is initialised from torch's global generator seeded with ``seed``.
 
     Returns:
         ``(model, optimizer or None, grower or None)``, the model on ``device``.
@@ -166,14 +167,13 @@ def build_model(
     if name == "gws":
         rule = ClippedSoftmaxRule(eta=0.003, beta=3.0)
         model = GrowingSoftmaxNet(D_IN, CLASSES, DEPTH, temperature=6.0, rule=rule,
-                                    initial_entries=INITIAL_ENTRIES, seed=seed)  # fmt: skip
-        model = model.to(device)
+                                  initial_entries=INITIAL_ENTRIES, seed=seed).to(device)
         grower = Grower(model)
         grower.reserve(cfg.epochs * cfg.train_size)
         return model, None, grower
     if name == "parametric":
-        model = ParametricSoftmaxNet(D_IN, CLASSES, DEPTH, entries=cfg.entries, temperature=3.0)
-        model = model.to(device)
+        model = ParametricSoftmaxNet(D_IN, CLASSES, DEPTH, entries=cfg.entries,
+                                     temperature=3.0).to(device)
         return model, torch.optim.Adam(model.parameters(), lr=1e-3), None
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
@@ -204,7 +204,9 @@ def _sub_runs(cfg: GeneralisationConfig, data: CifarData, session: Session) -> I
     """Both models for every seed, on the same tensors and training sample."""
     tensors = tuple(t.to(session.device)
                     for t in (data.x_train, data.y_train, data.x_test, data.y_test))
-    idx = _train_sample(cfg.train_size, cfg.train_eval_size, cfg.data_seed).to(session.device)
+    sample = torch.Generator().manual_seed(cfg.data_seed)  # the fixed train-accuracy sample
+    idx = torch.randperm(cfg.train_size, generator=sample)[:cfg.train_eval_size]
+    idx = idx.to(session.device)
     fit = (tensors[0][idx], tensors[1][idx])  # (K, 3072), (K,)
     for seed in cfg.seeds:
         for name in MODELS:
@@ -223,8 +225,7 @@ def _finish(cfg: GeneralisationConfig, summary: dict[str, Any]) -> None:
 
 
 def run_generalisation(cfg: GeneralisationConfig, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
-    """Train both models for every seed (:func:`rcdl.app.runner.run_experiment`, which
-    takes ``out``, ``resume``, ``data``, ``device``, ``progress``, ``download``).
+    """Train both models for every seed (:func:`rcdl.app.runner.run_experiment`).
 
     The summary adds ``parametric_entries``, ``rows`` (per (model, epoch), averaged over
     seeds, accuracies in percent) and ``gaps`` (per model: the gap after the first and the
@@ -241,10 +242,7 @@ def epoch_rows(runs: list[dict[str, Any]], epochs: int) -> list[dict[str, Any]]:
     gap (train minus test accuracy) in percent, losses in nats (``train_set_loss``: the
     cross-entropy on the fixed training sample, in eval mode)."""
     rows = []
-    for name in MODELS:
-        rs = [r for r in runs if r["model"] == name]
-        if not rs:
-            continue
+    for name, rs in group_runs(runs, MODELS).items():
         for epoch in range(epochs + 1):
             at = [next(h for h in r["history"] if h["epoch"] == epoch) for r in rs]
             row: dict[str, Any] = {"model": name, "epoch": epoch,
@@ -266,63 +264,43 @@ def gap_change(rows: list[dict[str, Any]], epochs: int) -> dict[str, dict[str, f
     """Per model: the gap (percentage points) after the first and the last epoch, and its
     change between them."""
     gaps = {}
-    for name in MODELS:
-        by_epoch = {r["epoch"]: r["gap_pct"] for r in rows if r["model"] == name}
-        if by_epoch:
-            first, last = by_epoch[1], by_epoch[epochs]
-            gaps[name] = {"first": first, "last": last, "change": last - first}
+    for name, rs in group_runs(rows, MODELS).items():
+        first, last = (next(r["gap_pct"] for r in rs if r["epoch"] == e) for e in (1, epochs))
+        gaps[name] = {"first": first, "last": last, "change": last - first}
     return gaps
 
 
 def results_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of :func:`epoch_rows`: one line per epoch, both models side by
     side (train acc., test acc., gap, test loss)."""
-    names = [m for m in MODELS if any(r["model"] == m for r in rows)]
-    head = " | ".join(f"{m} train % | {m} test % | {m} gap | {m} test loss" for m in names)
-    lines = [f"| epoch | {head} |", "|---:" + "|---:|---:|---:|---:" * len(names) + "|"]
-    for epoch in sorted({r["epoch"] for r in rows}):
-        cells = []
-        for m in names:
-            r = next(r for r in rows if r["model"] == m and r["epoch"] == epoch)
-            cells += [pm(r["train_acc_pct"], r["train_acc_pct_sd"], 2),
-                      pm(r["test_acc_pct"], r["test_acc_pct_sd"], 2),
-                      pm(r["gap_pct"], r["gap_pct_sd"], 2),
-                      pm(r["test_loss"], r["test_loss_sd"], 3)]  # fmt: skip
-        lines.append(f"| {epoch} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    names = list(group_runs(rows, MODELS))
+    at = {(r["model"], r["epoch"]): r for r in rows}
+    columns = (("train %", "train_acc_pct", 2), ("test %", "test_acc_pct", 2),
+               ("gap", "gap_pct", 2), ("test loss", "test_loss", 3))  # fmt: skip
+    header = ["epoch", *(f"{m} {title}" for m in names for title, _, _ in columns)]
+    lines = [[epoch, *(pm(at[m, epoch][key], at[m, epoch][f"{key}_sd"], digits)
+                       for m in names for _, key, digits in columns)]
+             for epoch in sorted({r["epoch"] for r in rows})]  # fmt: skip
+    return markdown_table(header, lines, align="r" * len(header))
 
 
 def plot_generalisation(rows: list[dict[str, Any]], path: Path, *, title: str) -> Path:
     """Left: train (dashed) and test (solid) accuracy vs epoch, one colour per model. Right:
     the train–test gap vs epoch (a ± sd band with several seeds)."""
-    fig = Figure(figsize=(10, 4.2), layout="constrained")
-    acc_ax, gap_ax = fig.subplots(1, 2)
-    for name, label in MODELS.items():
-        rs = sorted((r for r in rows if r["model"] == name), key=lambda r: r["epoch"])
-        if not rs:
-            continue
-        epochs = [r["epoch"] for r in rs]
-        (line,) = acc_ax.plot(epochs, [r["test_acc_pct"] for r in rs], marker="o",
-                              label=f"{label}, test")  # fmt: skip
-        color = line.get_color()
-        acc_ax.plot(epochs, [r["train_acc_pct"] for r in rs], marker="o", linestyle="--",
-                    color=color, label=f"{label}, train")  # fmt: skip
-        gap = [r["gap_pct"] for r in rs]
-        gap_ax.plot(epochs, gap, marker="o", color=color, label=label)
-        if rs[0]["gap_pct_sd"] is not None:
-            sd = [r["gap_pct_sd"] for r in rs]
-            gap_ax.fill_between(epochs, [g - s for g, s in zip(gap, sd, strict=True)],
-                                [g + s for g, s in zip(gap, sd, strict=True)], color=color,
-                                alpha=0.2)  # fmt: skip
-    acc_ax.set(xlabel="epoch", ylabel="accuracy (%)", title=title)
-    gap_ax.axhline(0, color="grey", linewidth=0.8)
-    gap_ax.set(xlabel="epoch", ylabel="train − test accuracy (points)", title="generalisation gap")
-    for ax in (acc_ax, gap_ax):
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
-        ax.xaxis.get_major_locator().set_params(integer=True)
-    return save_figure(fig, path)
-
+    acc, gap = [], []
+    for name, rs in group_runs(sorted(rows, key=lambda r: r["epoch"]), MODELS).items():
+        label, epochs = MODELS[name], [r["epoch"] for r in rs]
+        acc += [Curve(epochs, [r["test_acc_pct"] for r in rs], f"{label}, test", group=name,
+                      style={"marker": "o"}),
+                Curve(epochs, [r["train_acc_pct"] for r in rs], f"{label}, train", group=name,
+                      style={"marker": "o", "linestyle": "--"})]  # fmt: skip
+        gap.append(Curve(epochs, [r["gap_pct"] for r in rs], label,
+                         sd=[r["gap_pct_sd"] for r in rs], group=name, style={"marker": "o"}))
+    return plot_panels(path, [
+        Panel(acc, "epoch", "accuracy (%)", title, integer_x=True),
+        Panel(gap, "epoch", "train − test accuracy (points)", "generalisation gap",
+              hlines=[{"y": 0, "color": "grey", "linewidth": 0.8}], integer_x=True),
+    ], figsize=(10, 4.2))  # fmt: skip
 
 
 def write_report(run: RunDir, cfg: GeneralisationConfig, summary: dict[str, Any],
@@ -339,18 +317,15 @@ def write_report(run: RunDir, cfg: GeneralisationConfig, summary: dict[str, Any]
         f"every epoch. Seeds: {' '.join(map(str, cfg.seeds))}."
     )
     models = []
-    for name, label in MODELS.items():
-        r = next((r for r in summary["runs"] if r["model"] == name), None)
-        if r is None:
-            continue
+    for name, rs in group_runs(summary["runs"], MODELS).items():
         size = (f"{INITIAL_ENTRIES} + {d['n_train']:,} entries per layer and epoch, "
-                f"{r['entries']:,} in all at the end, no parameters, no optimizer"
+                f"{rs[0]['entries']:,} in all at the end, no parameters, no optimizer"
                 if name == "gws" else
-                f"{cfg.entries:,} entries per layer, {r['parameters']:,} parameters, "
+                f"{cfg.entries:,} entries per layer, {rs[0]['parameters']:,} parameters, "
                 "Adam 1e−3")  # fmt: skip
-        seconds = statistics.fmean(x["train_seconds"] for x in summary["runs"]
-                                   if x["model"] == name)  # fmt: skip
-        models.append(f"- **{name}**: {label}; {size}; {seconds:.1f} s training per seed.")
+        seconds = statistics.fmean(x["train_seconds"] for x in rs)
+        models.append(f"- **{name}**: {MODELS[name]}; {size}; {seconds:.1f} s training per "
+                      "seed.")
     verdict = "\n".join(
         f"- {name}: gap {g['first']:+.2f} points after epoch 1, {g['last']:+.2f} after epoch "
         f"{cfg.epochs} (change {g['change']:+.2f})."

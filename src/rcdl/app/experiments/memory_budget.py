@@ -37,13 +37,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from matplotlib.figure import Figure
 
 from rcdl.app.cifar import CifarData
 from rcdl.app.config import ExperimentConfig, setting
 from rcdl.app.experiments import cifar10
-from rcdl.app.report import csv_text, markdown_table, write_outputs
-from rcdl.app.rundir import RunDir, describe_machine, save_figure
+from rcdl.app.report import Curve, Panel, csv_text, markdown_table, plot_panels, write_outputs
+from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
 from rcdl.grower import Grower
 from rcdl.memory import MemoryBudget
@@ -185,8 +184,7 @@ def _start(cfg: MemoryBudgetConfig, data: CifarData) -> dict[str, Any]:
 
 def run_memory_budget(cfg: MemoryBudgetConfig, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
     """Train the model under every (policy, capacity) of ``cfg``, and unbounded
-    (:func:`rcdl.app.runner.run_experiment`, which takes ``out``, ``resume``, ``data``,
-    ``device``, ``progress``, ``download``).
+    (:func:`rcdl.app.runner.run_experiment`).
 
     The summary adds ``model`` and the ``data`` used; each of ``runs`` holds the final
     metrics, entries kept and evicted per layer, bytes, times and the ``history``."""
@@ -228,28 +226,28 @@ def results_table(rows: list[dict[str, Any]]) -> str:
 def plot_accuracy_vs_capacity(rows: list[dict[str, Any]], path: Path, *, title: str) -> Path:
     """Final test accuracy against capacity (log scale), one line per policy; the unbounded
     run as a dashed line and a star at its final entries per layer."""
-    fig = Figure(figsize=(8.4, 4.6), layout="constrained")
-    ax = fig.add_subplot()
-    policies = list(dict.fromkeys(r["policy"] for r in rows if r["capacity"] is not None))
-    for policy in policies:
-        points = sorted((r["capacity"], r["test_acc_pct"]) for r in rows
-                        if r["policy"] == policy)
-        ax.plot(*zip(*points, strict=True), marker="o", label=policy)
-    ticks = {r["capacity"] for r in rows if r["capacity"] is not None}
-    for r in rows:
-        if r["capacity"] is None:
-            label = f"unbounded ({r['largest_layer']:,} entries per layer)"
-            ax.axhline(r["test_acc_pct"], color="black", linestyle="--", linewidth=1)
-            ax.plot([r["largest_layer"]], [r["test_acc_pct"]], marker="*", markersize=12,
-                    color="black", linestyle="none", label=label)
-            ticks.add(r["largest_layer"])
-    ax.set_xscale("log")
-    ax.set_xticks(sorted(ticks), [f"{t:,}" for t in sorted(ticks)])
-    ax.minorticks_off()
-    ax.set(xlabel="capacity (entries per layer)", ylabel="test accuracy (%)", title=title)
-    ax.grid(True, alpha=0.3)
-    fig.legend(fontsize="small", loc="outside right upper")
-    return save_figure(fig, path)
+    bounded = [r for r in rows if r["capacity"] is not None]
+    unbounded = [r for r in rows if r["capacity"] is None]
+    curves = []
+    for policy in dict.fromkeys(r["policy"] for r in bounded):
+        points = sorted((r["capacity"], r["test_acc_pct"]) for r in bounded
+                        if r["policy"] == policy)  # fmt: skip
+        curves.append(Curve(*zip(*points, strict=True), policy, style={"marker": "o"}))
+    curves += [Curve([r["largest_layer"]], [r["test_acc_pct"]],
+                     f"unbounded ({r['largest_layer']:,} entries per layer)",
+                     style={"marker": "*", "markersize": 12, "color": "black",
+                            "linestyle": "none"}) for r in unbounded]  # fmt: skip
+    ticks = sorted({r["capacity"] for r in bounded} | {r["largest_layer"] for r in unbounded})
+
+    def label_ticks(ax: Any) -> None:  # every capacity, written out
+        ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+        ax.minorticks_off()
+
+    return plot_panels(path, [Panel(
+        curves, "capacity (entries per layer)", "test accuracy (%)", title, xscale="log",
+        hlines=[{"y": r["test_acc_pct"], "color": "black", "linestyle": "--", "linewidth": 1}
+                for r in unbounded], legend=None, decorate=label_ticks,
+    )], figsize=(8.4, 4.6), figure_legend={"fontsize": "small", "loc": "outside right upper"})
 
 
 def write_report(run: RunDir, cfg: MemoryBudgetConfig, summary: dict[str, Any],

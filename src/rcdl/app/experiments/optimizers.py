@@ -40,9 +40,8 @@ Decisions (measured numbers in docs/optimizer_experiments.md):
   then the paper's; the random projection nearly preserves cosines. (Unscaled, the RBF net
   diverged at ``w = 256`` in a probe.)
 - **Learning rates** were chosen by a small sweep at the default width (docs);
-  docs/reference.md §6's tuned values are for the 3072-wide, 8-block ResNet-MLP and one epoch, and
-  FOOF has none. :meth:`OptimizerComparisonConfig.paper` uses docs/reference.md §6's values where
-  they exist.
+  docs/reference.md §6's tuned values are for the 3072-wide, 8-block ResNet-MLP and one epoch
+  (``paper()`` uses them), and FOOF has none.
 - **Muon's precision.** ``torch.optim.Muon`` runs Newton–Schulz in bfloat16, which a CPU
   computes about 25× slower than float32 (measured: 0.45 s against 0.018 s for one 256 × 256
   matrix). ``muon_ns_dtype="auto"`` uses :class:`Float32Muon` (the same update, float32
@@ -50,19 +49,9 @@ Decisions (measured numbers in docs/optimizer_experiments.md):
 - **Training loss** is the mean of the batch losses over the epoch, each computed before
   that batch's update (for a growing model: before its entries are written). Test accuracy
   and loss are measured on the whole test subset before training and after every epoch.
-- **Missing data.** Each data set of ``datasets`` is loaded before any training. One that is
-  not found is skipped with a message saying where it was looked for (recorded in
-  ``summary.json`` and ``results.md``) unless ``skip_missing=False``; if none is found, the
-  run stops with :class:`rcdl.app.cifar.CifarNotFoundError`.
-
-Run folder, besides what every run writes (:mod:`rcdl.app.runner`)::
-
-    metrics.jsonl         every evaluation of every (dataset, method, seed), tagged with them
-    summary.json          per-run histories, per-(dataset, method, epoch) rows, verdicts,
-                          the data used and the data sets skipped
-    results.md/.csv       final and per-epoch numbers per data set (mean ± sd over seeds)
-    optimizers_<dataset>.png   training loss and test accuracy against epochs, one line
-                          per method
+- **Missing data.** Each data set of ``datasets`` is loaded before any training; one that is
+  not found is skipped, saying where it was looked for, unless ``skip_missing=False``
+  (:func:`load_datasets`).
 """
 
 from __future__ import annotations
@@ -83,7 +72,7 @@ from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, CifarNotFoundError, load_subsets
 from rcdl.app.config import ExperimentConfig, setting
-from rcdl.app.report import csv_text, mean_sd, pm, write_outputs
+from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, save_figure
 from rcdl.app.runner import Experiment, Session, TaggedLog, cifar_summary, run_experiment
 from rcdl.dual_optim import FOOF
@@ -116,7 +105,7 @@ INITIAL_ENTRIES = 16  # the gws model's initial entries per layer (docs/referenc
 _PAPER_TEMPERATURE = {"gws": 6.0, "rbf": 10.0}  # docs/reference.md §6, at width 3072
 _CLASSIC = ("mlp-sgd", "mlp-adam", "mlp-rmsprop")  # the optimizers the growing models beat
 _METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}
-_NS_DTYPES = ("auto", "float32", "bfloat16")
+_HISTORY = ("step", "test_acc", "test_loss", "train_loss", "train_seconds", "entries")
 
 
 # --------------------------------------------------------------------------- the config
@@ -124,12 +113,10 @@ _NS_DTYPES = ("auto", "float32", "bfloat16")
 
 @dataclass(frozen=True)
 class ProjectedConfig(ExperimentConfig):
-    """A config whose models see the images through the fixed random projection of
-    :func:`project` to ``width`` dimensions (``None``: the 3072 pixel values), drawn from
-    ``data_seed`` like the random subsets of ``train_size`` and ``test_size`` images
-    (``None``: the whole split), so every model and seed sees the same inputs. The base of
-    :class:`OptimizerComparisonConfig` and of
-    :class:`rcdl.app.experiments.deltanet_decay.DeltaNetDecayConfig`."""
+    """The base of this module's config and of
+    :class:`rcdl.app.experiments.deltanet_decay.DeltaNetDecayConfig`: the models see the
+    images through the projection of :func:`project` to ``width`` (module docstring, "One
+    input for all")."""
 
     @property
     def input_width(self) -> int:
@@ -143,26 +130,17 @@ class OptimizerComparisonConfig(ProjectedConfig):
 
     The defaults (5 000 train / 2 000 test images, width 256, a 4-block MLP, 10 epochs,
     3 130 steps, one seed) were chosen from measured step costs on this project's two shared
-    CPU cores (one thread): an estimated 17–25 minutes per data set, so under an hour for
-    both, dominated by the two growing models (each step attends over every entry written
-    so far: 3.7–4.9 µs per entry and step at width 256, 50 000 entries per layer at the
-    end) and by Muon (its Newton–Schulz iteration, about 18 ms per 256 × 256 matrix and
-    step). Learning rates from a validation sweep at this size (docs). See
-    docs/optimizer_experiments.md for the measurements.
+    CPU cores (one thread; docs/optimizer_experiments.md): an estimated 17–25 minutes per
+    data set, dominated by the two growing models (each step attends over every entry
+    written so far, 50 000 per layer at the end) and by Muon's Newton–Schulz iteration.
 
-    ``quick()``: 300 train / 300 test images, width 64, 2 MLP blocks, 3 epochs (under a
-    minute per data set on two shared CPU cores, one thread); the numbers mean little at
-    this size.
+    ``quick()``: a smoke test, under a minute per data set; the numbers mean little.
 
     ``paper()``: the paper's scale as far as docs/reference.md states it: the whole data
-    sets (50 000 train / 10 000 test, ``train_size = test_size = None``), no projection
-    (``w = 3072``), docs/reference.md §6's backbones (the ResNet-MLP's 8 blocks, the growing
-    models' 2) and docs/reference.md §6's tuned learning rates at batch 16 (SGD 1e−3, Adam
-    1e−4, RMSprop 1e−4, Muon 1e−3). docs/reference.md gives neither this figure's MLP sizes
-    nor its number of epochs: the 8-block MLP is docs/reference.md §6's one-epoch baseline
-    and the 10 epochs are this project's choice; FOOF keeps the default's swept settings. A
-    GPU job: the growing models end with 500 000 entries per layer (about 37 GB in float32
-    for the two of them, one at a time: about 18.5 GB each).
+    sets, no projection, §6's backbones (the ResNet-MLP's 8 blocks, its one-epoch baseline;
+    the growing models' 2) and §6's tuned learning rates at batch 16. The 10 epochs are this
+    project's choice, and FOOF keeps the default's swept settings. A GPU job: the growing
+    models end with 500 000 entries per layer (about 18.5 GB each in float32, one at a time).
     """
 
     QUICK = {"train_size": 300, "test_size": 300, "width": 64, "mlp_depth": 2, "epochs": 3}
@@ -195,7 +173,7 @@ class OptimizerComparisonConfig(ProjectedConfig):
     muon_ns_dtype: str = setting(
         "auto", "precision of Muon's Newton–Schulz iteration: float32 (Float32Muon), "
         "bfloat16 (torch.optim.Muon) or auto (float32 on a CPU, bfloat16 on CUDA)",
-        choices=_NS_DTYPES)
+        choices=("auto", "float32", "bfloat16"))
     gws_temperature: float | None = setting(None, "T of the gws model", positive=True,
                                             metavar="T", default_text="6 · √(w / 3072)")
     rbf_temperature: float | None = setting(None, "T of the RBF model", positive=True,
@@ -218,10 +196,6 @@ class OptimizerComparisonConfig(ProjectedConfig):
         if given is not None:
             return given
         return _PAPER_TEMPERATURE[method] * math.sqrt(self.input_width / PAPER_WIDTH)
-
-    def lr(self, method: str) -> float:
-        """The learning rate of MLP method ``mlp-<optimizer>``."""
-        return getattr(self, f"{method.removeprefix('mlp-')}_lr")
 
 
 # --------------------------------------------------------------------------- the data
@@ -314,9 +288,7 @@ def _given_datasets(cfg: OptimizerComparisonConfig, data: Mapping[str, CifarData
 
 def _muon(model: nn.Module, cfg: OptimizerComparisonConfig, device: torch.device):  # noqa: ANN202
     dtype = cfg.muon_ns_dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    if dtype == "bfloat16":
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
         return make_optimizer("muon", model, lr=cfg.muon_lr)  # torch.optim.Muon itself
     params = [p for p in model.parameters() if p.requires_grad]
     matrices = [p for p in params if p.ndim == 2]
@@ -350,7 +322,7 @@ def build_method(
         if optimizer == "foof":
             return model, FOOF(model, lr=cfg.foof_lr, damping=cfg.foof_damping, ema=0.95,
                                refresh_every=10, momentum=0.85), None  # fmt: skip
-        return model, make_optimizer(optimizer, model, lr=cfg.lr(name)), None
+        return model, make_optimizer(optimizer, model, lr=getattr(cfg, f"{optimizer}_lr")), None
     if name == "gws":
         rule = ClippedSoftmaxRule(eta=0.003, beta=3.0)
         model = GrowingSoftmaxNet(width, classes, cfg.growing_depth, rule=rule,
@@ -372,25 +344,20 @@ def build_method(
 
 
 class _Recorder(TaggedLog):
-    """A :class:`rcdl.app.runner.TaggedLog` that also keeps the records (the run's
-    ``history``) and drops the trainer's ``model`` label (the tags name the run)."""
+    """A :class:`rcdl.app.runner.TaggedLog` that drops the trainer's ``model`` label (the
+    tags name the run) and keeps the run's ``history``, per evaluation: epoch (an int at an
+    epoch's end), test metrics, the mean training loss since the previous evaluation, the
+    training clock and the entries stored."""
 
     def __init__(self, run: RunDir, **tags: Any) -> None:
         super().__init__(run, **tags)
-        self.records: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = []
 
     def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None:
         rest = {k: v for k, v in {**(record or {}), **fields}.items() if k != "model"}
         super().log(rest)
-        self.records.append(rest)
-
-
-def _history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per evaluation: epoch (an int at an epoch's end), test metrics, the mean training loss
-    since the previous evaluation, the training clock and the entries stored."""
-    keys = ("step", "test_acc", "test_loss", "train_loss", "train_seconds", "entries")
-    return [{"epoch": int(r["epoch"]) if float(r["epoch"]).is_integer() else r["epoch"],
-             **{k: r[k] for k in keys}} for r in records]  # fmt: skip
+        epoch = int(rest["epoch"]) if float(rest["epoch"]).is_integer() else rest["epoch"]
+        self.history.append({"epoch": epoch, **{k: rest[k] for k in _HISTORY}})
 
 
 Build = Callable[[str, int], tuple[nn.Module, Any, Grower | None]]
@@ -405,23 +372,22 @@ def train_method(name: str, seed: int, cfg: Any, build: Build, tensors: tuple,
 
     Returns:
         ``{**tags, key: name, "seed", "parameters", <train_one_pass's result>}`` with
-        ``history`` one record per evaluation (:func:`_history`).
+        ``history`` one record per evaluation (:class:`_Recorder`).
     """
-    n = len(tensors[0])
     model, optimizer, grower = build(name, seed)
     recorder = _Recorder(session.run, **tags, **{key: name}, seed=seed)
     label = "-".join(map(str, [*tags.values(), name, f"seed{seed}"]))
     result = train_one_pass(
         model, tensors, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer,
         grower=grower, loss_fn=F.cross_entropy, metrics=_METRICS,
-        eval_every=math.ceil(n / cfg.batch_size), eval_batch_size=cfg.eval_batch_size,
-        device=session.device, run=recorder, name=label, progress=session.progress,
-        epochs=cfg.epochs,
+        eval_every=math.ceil(len(tensors[0]) / cfg.batch_size),
+        eval_batch_size=cfg.eval_batch_size, device=session.device, run=recorder, name=label,
+        progress=session.progress, epochs=cfg.epochs,
     )  # fmt: skip
-    result.pop("history")
+    result.pop("history")  # the trainer's; the recorder's has the training loss and clock
     parameters = sum(p.numel() for p in model.parameters())
     return {**tags, key: name, "seed": seed, "parameters": parameters, **result,
-            "history": _history(recorder.records)}  # fmt: skip
+            "history": recorder.history}  # fmt: skip
 
 
 def seed_runs(train: Callable[..., dict[str, Any]], names: tuple[str, ...], cfg: Any,
@@ -449,14 +415,13 @@ def _sub_runs(cfg: OptimizerComparisonConfig, data: Datasets, session: Session) 
 
 
 def _start(cfg: OptimizerComparisonConfig, data: Datasets) -> dict[str, Any]:
-    loaded, missing = data
+    loaded, missing = data  # both in the order of cfg.datasets
     return {"data": {name: cifar_summary(cfg, d)["data"] for name, d in loaded.items()},
-            "skipped": {name: missing[name] for name in cfg.datasets if name in missing},
-            "input_width": cfg.input_width}  # fmt: skip
+            "skipped": missing, "input_width": cfg.input_width}  # fmt: skip
 
 
 def _finish(cfg: OptimizerComparisonConfig, summary: dict[str, Any]) -> None:
-    summary["rows"] = epoch_rows(summary["runs"], cfg.methods, key="method")
+    summary["rows"] = epoch_rows(summary["runs"], key="method")
     summary["verdicts"] = {name: verdict(summary["rows"], name, cfg.epochs)
                            for name in summary["data"]}  # fmt: skip
 
@@ -465,8 +430,7 @@ def run_optimizer_comparison(cfg: OptimizerComparisonConfig, *,
                              data: Mapping[str, CifarData] | None = None,
                              **kw: Any) -> tuple[RunDir, dict[str, Any]]:  # fmt: skip
     """Train every method on every data set found, for every seed
-    (:func:`rcdl.app.runner.run_experiment`, which takes ``out``, ``resume``, ``device``,
-    ``progress``, ``download``).
+    (:func:`rcdl.app.runner.run_experiment`, whose keywords ``kw`` are).
 
     Args:
         data: ``{dataset: subsets}`` already loaded by :func:`load_datasets` (before
@@ -491,27 +455,26 @@ def run_optimizer_comparison(cfg: OptimizerComparisonConfig, *,
 # --------------------------------------------------------------------------- reporting
 
 
-def epoch_rows(runs: list[dict[str, Any]], names: tuple[str, ...], *,
-               key: str) -> list[dict[str, Any]]:  # fmt: skip
-    """One row per (dataset, ``run[key]`` in ``names``, epoch ``0..E``), mean and sd over
-    seeds: test accuracy in percent, test loss and the epoch's mean training loss in nats
-    (``None`` at epoch 0), training seconds so far, entries stored (growing models)."""
+def epoch_rows(runs: list[dict[str, Any]], *, key: str) -> list[dict[str, Any]]:
+    """One row per (dataset, ``run[key]``, epoch ``0..E``), mean and sd over seeds, in the
+    order of ``runs``: test accuracy in percent, test loss and the epoch's mean training
+    loss in nats (``None`` at epoch 0), training seconds so far, entries stored (growing
+    models)."""
+    over_seeds: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        over_seeds.setdefault((r["dataset"], r[key]), []).append(r)
     rows = []
-    for dataset in dict.fromkeys(r["dataset"] for r in runs):
-        for name in names:
-            rs = [r for r in runs if r["dataset"] == dataset and r[key] == name]
-            if not rs:
-                continue
-            for at in zip(*(r["history"] for r in rs), strict=True):  # one evaluation, all seeds
-                row: dict[str, Any] = {"dataset": dataset, key: name, "epoch": at[0]["epoch"],
-                                       "seeds": [r["seed"] for r in rs]}  # fmt: skip
-                for field, scale, suffix in (("test_acc", 100, "_pct"), ("test_loss", 1, ""),
-                                             ("train_loss", 1, "")):  # fmt: skip
-                    values = [scale * h[field] for h in at if h[field] is not None]
-                    row[field + suffix], row[f"{field}{suffix}_sd"] = mean_sd(values)
-                row["train_seconds"] = statistics.fmean(h["train_seconds"] for h in at)
-                row["entries"] = at[0]["entries"]
-                rows.append(row)
+    for (dataset, name), rs in over_seeds.items():
+        for at in zip(*(r["history"] for r in rs), strict=True):  # one evaluation, all seeds
+            row: dict[str, Any] = {"dataset": dataset, key: name, "epoch": at[0]["epoch"],
+                                   "seeds": [r["seed"] for r in rs]}  # fmt: skip
+            for field, scale, suffix in (("test_acc", 100, "_pct"), ("test_loss", 1, ""),
+                                         ("train_loss", 1, "")):  # fmt: skip
+                values = [scale * h[field] for h in at if h[field] is not None]
+                row[field + suffix], row[f"{field}{suffix}_sd"] = mean_sd(values)
+            row["train_seconds"] = statistics.fmean(h["train_seconds"] for h in at)
+            row["entries"] = at[0]["entries"]
+            rows.append(row)
     return rows
 
 
@@ -539,42 +502,40 @@ def verdict(rows: list[dict[str, Any]], dataset: str, epochs: int) -> dict[str, 
     return out
 
 
-def final_table(rows: list[dict[str, Any]], dataset: str, epochs: int,
-                labels: Mapping[str, str], *, key: str = "method") -> str:  # fmt: skip
-    """Markdown: per method, final and best test accuracy, test loss, training loss after
-    the first and the last epoch, entries and training seconds."""
+def final_table(rows: list[dict[str, Any]], epochs: int, labels: Mapping[str, str], *,
+                key: str = "method") -> str:  # fmt: skip
+    """Markdown of one data set's rows: per method, final and best test accuracy, test loss,
+    training loss after the first and the last epoch, entries and training seconds."""
+    # the label column has no header: "| |", which markdown_table would write "|  |"
     lines = ["| method | | test acc. % (final) | best (epoch) | test loss | train loss, "
              "epoch 1 | train loss, final | entries | train s |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for name in dict.fromkeys(r[key] for r in rows if r["dataset"] == dataset):
-        rs = [r for r in rows if r["dataset"] == dataset and r[key] == name]
+    for name in dict.fromkeys(r[key] for r in rows):
+        rs = [r for r in rows if r[key] == name]
         by_epoch = {r["epoch"]: r for r in rs}
-        last, first = by_epoch[epochs], by_epoch[1]
+        first, last = by_epoch[1], by_epoch[epochs]
         best = max(rs, key=lambda r: r["test_acc_pct"])
-        entries = "—" if last["entries"] is None else f"{last['entries']:,}"
-        lines.append(
-            f"| {name} | {labels[name]} | {pm(last['test_acc_pct'], last['test_acc_pct_sd'], 2)}"
-            f" | {best['test_acc_pct']:.2f} ({best['epoch']:g}) "
-            f"| {pm(last['test_loss'], last['test_loss_sd'], 3)} "
-            f"| {pm(first['train_loss'], first['train_loss_sd'], 3)} "
-            f"| {pm(last['train_loss'], last['train_loss_sd'], 3)} | {entries} "
-            f"| {last['train_seconds']:.1f} |"
-        )
+        cells = [name, labels[name], pm(last["test_acc_pct"], last["test_acc_pct_sd"]),
+                 f"{best['test_acc_pct']:.2f} ({best['epoch']:g})",
+                 pm(last["test_loss"], last["test_loss_sd"], 3),
+                 pm(first["train_loss"], first["train_loss_sd"], 3),
+                 pm(last["train_loss"], last["train_loss_sd"], 3),
+                 "—" if last["entries"] is None else f"{last['entries']:,}",
+                 f"{last['train_seconds']:.1f}"]  # fmt: skip
+        lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
-def epoch_table(rows: list[dict[str, Any]], dataset: str, field: str, digits: int, *,
+def epoch_table(rows: list[dict[str, Any]], field: str, digits: int, *,
                 key: str = "method") -> str:  # fmt: skip
-    """Markdown: ``field`` (mean over seeds) per epoch (rows) and method (columns); epochs
-    without a value (the training loss at epoch 0) are left out."""
-    rows = [r for r in rows if r["dataset"] == dataset]
+    """Markdown of one data set's rows: ``field`` (mean over seeds) per epoch (rows) and
+    method (columns); epochs without a value (the training loss at epoch 0) are left out."""
     names = list(dict.fromkeys(r[key] for r in rows))
-    lines = ["| epoch | " + " | ".join(names) + " |", "|---:" + "|---:" * len(names) + "|"]
+    table = []
     for epoch in sorted({r["epoch"] for r in rows if r[field] is not None}):
         at = {r[key]: r[field] for r in rows if r["epoch"] == epoch}
-        lines.append(f"| {epoch:g} | " + " | ".join(pm(at[n], None, digits) for n in names)
-                     + " |")  # fmt: skip
-    return "\n".join(lines)
+        table.append([f"{epoch:g}", *(pm(at[n], None, digits) for n in names)])
+    return markdown_table(["epoch", *names], table, "r" * (len(names) + 1))
 
 
 def plot_curves(rows: list[dict[str, Any]], path: Path, *, title: str,
@@ -622,7 +583,7 @@ def _where(missing: Mapping[str, Any]) -> str:
 
 def _verdict_text(v: dict[str, Any], dataset: str) -> str:
     lines = []
-    if "growing_beat_classic" in v and v["growing_beat_classic"]:
+    if v.get("growing_beat_classic"):
         best = v["best_classic_mlp"]
         for m, beat in v["growing_beat_classic"].items():
             lines.append(f"- {m} {'beats' if beat else 'does not beat'} the best of the "
@@ -663,21 +624,22 @@ def write_report(run: RunDir, cfg: OptimizerComparisonConfig, summary: dict[str,
     figures = {}
     for name, d in summary["data"].items():
         title = DATASETS[name]
+        dataset_rows = [r for r in rows if r["dataset"] == name]
         steps = math.ceil(d["n_train"] / cfg.batch_size)
         parts += [
             f"## {title}",
             f"{d['n_train']:,} train / {d['n_test']:,} test images (random subsets, data seed "
             f"{cfg.data_seed}), {d['num_classes']} classes, {steps:,} steps per epoch. "
             f"Data: {d['source']}, {d['provenance']}.",
-            final_table(rows, name, cfg.epochs, METHODS),
+            final_table(dataset_rows, cfg.epochs, METHODS),
             "Test accuracy (%) by epoch (epoch 0: before training):",
-            epoch_table(rows, name, "test_acc_pct", 2),
+            epoch_table(dataset_rows, "test_acc_pct", 2),
             "Training loss by epoch (mean batch loss over the epoch, before each update):",
-            epoch_table(rows, name, "train_loss", 3),
+            epoch_table(dataset_rows, "train_loss", 3),
             _verdict_text(summary["verdicts"][name], name),
         ]  # fmt: skip
         figures[f"optimizers_{name}.png"] = partial(
-            plot_curves, [r for r in rows if r["dataset"] == name],
+            plot_curves, dataset_rows,
             title=f"{title}, {d['n_train']:,} training images, w = {cfg.input_width}",
             labels={m: METHODS[m] for m in cfg.methods})  # fmt: skip
     parts += [

@@ -42,16 +42,15 @@ from rcdl.app.config import ExperimentConfig, setting
 from rcdl.app.experiments import cifar10
 from rcdl.app.experiments.cifar10 import (
     _DTYPES,
-    _HYBRID,
     Cifar10Config,
     _finished_runs,
     combine_runs,
     hybrid_name,
-    load_run_config,
+    hybrid_tau,
     model_spec,
 )
 from rcdl.app.report import csv_text, markdown_table
-from rcdl.app.rundir import RunDir, atomic_write_text, save_figure
+from rcdl.app.rundir import RunDir, atomic_write_text, read_config, save_figure
 from rcdl.app.runner import run_experiment
 from rcdl.store import format_bytes
 
@@ -62,16 +61,14 @@ EXPERIMENT = "hybrid-tau-sweep"
 
 
 def parse_tau(text: str) -> float | None:
-    """A threshold on the command line: a number ``>= 0``, or ``always`` (``None``)."""
+    """A threshold on the command line: a number (the config checks it), or ``always``
+    (``None``)."""
     if text == "always":
         return None
     try:
-        tau = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number or 'always': {text!r}") from None
-    if not (0 <= tau < float("inf")):
-        raise argparse.ArgumentTypeError(f"tau must be a finite number >= 0, got {text}")
-    return tau
 
 
 @dataclass(frozen=True)
@@ -79,9 +76,8 @@ class TauSweepConfig(ExperimentConfig):
     """Settings of the τ sweep: a one-epoch comparison (:meth:`comparison`) of the hybrid at
     each threshold beside the reference models, one seed.
 
-    The default 2 000 / 1 000 images took 14.5 minutes on one CPU thread here; ``--full``
-    is the paper's scale (hours per threshold on a CPU). ``--quick``: 3 thresholds and gws
-    on 300 / 200 images, a smoke test (about a minute).
+    The default 2 000 / 1 000 images took 14.5 minutes on one CPU thread here, ``--quick``
+    about a minute.
     """
 
     QUICK = {"taus": (None, 50.0, 65.0), "references": ("gws",), "train_size": 300,
@@ -121,18 +117,12 @@ class TauSweepConfig(ExperimentConfig):
 def run_tau_sweep(cfg: TauSweepConfig | Cifar10Config | None = None, *,
                   resume: str | Path | None = None,
                   **kw: Any) -> tuple[RunDir, dict[str, Any]]:  # fmt: skip
-    """Run the sweep into a new run folder (default ``runs/hybrid-tau-sweep-<timestamp>``),
-    or continue the interrupted one at ``resume`` (finished models are kept; ``cfg=None``:
-    its saved comparison) through :func:`rcdl.app.runner.run_experiment`, which takes
-    ``out``, ``data``, ``device``, ``progress``, ``download``.
-
-    Returns:
-        The run folder and its summary: the one-epoch comparison's
-        (:func:`~rcdl.app.experiments.cifar10.run_cifar10`), plus the sweep's rows
-        ``tau_sweep`` (:func:`sweep_rows`).
-    """
+    """:func:`rcdl.app.runner.run_experiment` of the sweep (``cfg=None``: the default, or
+    the saved comparison of the run at ``resume``). The summary is the one-epoch
+    comparison's (:func:`~rcdl.app.experiments.cifar10.run_cifar10`) plus the sweep's rows
+    ``tau_sweep`` (:func:`sweep_rows`)."""
     if cfg is None:
-        cfg = TauSweepConfig() if resume is None else load_run_config(resume)
+        cfg = TauSweepConfig() if resume is None else read_config(resume, Cifar10Config)
     return run_experiment(EXPERIMENT_SPEC, cfg, resume=resume, **kw)
 
 
@@ -168,14 +158,13 @@ def combine_sweep(
     combine_runs` checks it). ``taus`` keeps the hybrids of those thresholds and
     ``references`` those other models; ``None`` keeps every one found.
 
-    Writes the combined comparison (``summary.json``, ``results.md``, ``results.csv``,
-    ``test_accuracy.png``) plus ``tau_sweep.md``, ``tau_sweep.csv`` and
+    Writes what ``combine_runs`` writes plus ``tau_sweep.md``, ``tau_sweep.csv`` and
     ``entries_vs_accuracy.png`` into ``out``.
     """
     hybrids = None if taus is None else [hybrid_name(t) for t in taus]
 
     def wanted(name: str) -> bool:  # None: every model of that kind
-        names = hybrids if _tau_of(name)[0] else references
+        names = hybrids if hybrid_tau(name)[0] else references
         return names is None or name in names
 
     # the names found, filtered; named ones found nowhere stay, so combine_runs reports them
@@ -192,20 +181,12 @@ def combine_sweep(
     return folder, summary
 
 
-def _tau_of(model: str) -> tuple[bool, float | None]:
-    """(is a hybrid of the sweep, its τ or None for always grow)."""
-    match = _HYBRID.fullmatch(model)
-    if match is None:
-        return (model == "hybrid", 50.0 if model == "hybrid" else None)
-    return True, None if match.group(1) == "always" else float(match.group(2))
-
-
 def sweep_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per model of the summary: the hybrids sorted from "always grow" to the largest
     τ, then the references."""
     rows = []
     for r in summary["models"]:
-        is_hybrid, tau = _tau_of(r["model"])
+        is_hybrid, tau = hybrid_tau(r["model"])
         possible = r.get("possible_entries")
         rows.append({
             "model": r["model"], "label": model_spec(r["model"]).label,
@@ -213,9 +194,8 @@ def sweep_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
             "possible_entries": possible,
             "stored_fraction": (r["entries"] / possible if possible and r["entries"] is not None
                                 else None),
-            "store_bytes": r["store_bytes"], "test_acc_pct": r["test_acc_pct"],
-            "test_loss": r["test_loss"], "train_seconds": r["train_seconds"],
-            "eval_seconds": r["eval_seconds"],
+            **{k: r[k] for k in ("store_bytes", "test_acc_pct", "test_loss", "train_seconds",
+                                 "eval_seconds")},
         })  # fmt: skip
     hybrids = sorted((r for r in rows if r["hybrid"]),
                      key=lambda r: -1.0 if r["tau"] is None else r["tau"])

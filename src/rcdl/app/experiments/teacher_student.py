@@ -55,7 +55,6 @@ Run folder, besides what every run writes (:mod:`rcdl.app.runner`)::
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections.abc import Iterator
@@ -65,12 +64,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from matplotlib.figure import Figure
 from torch import nn
 
 from rcdl.app.config import ExperimentConfig, setting
-from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
-from rcdl.app.rundir import RunDir, describe_machine, save_figure
+from rcdl.app.report import (
+    Curve,
+    Panel,
+    csv_text,
+    group_runs,
+    markdown_table,
+    mean_sd,
+    plot_panels,
+    pm,
+    write_outputs,
+)
+from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, run_experiment
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.distributed import rank_and_world, shard
@@ -105,9 +113,6 @@ class TeacherStudentConfig(ExperimentConfig):
     92 + 12 s for the parametric one (1 000 Adam steps on three tables of 16 016 entries,
     2.6 M parameters); 5 s for the MLP. See docs/teacher_student.md. ``--quick``: 512 train
     / 256 test samples, three seeds (a few seconds); the numbers mean little at this size.
-
-    Seed ``s`` fixes the teacher (:meth:`teacher`), the data, the students' initialisation
-    and the sample order; the teacher's settings are those of :class:`rcdl.data.TeacherConfig`.
     """
 
     QUICK = {"n_train": 512, "n_test": 256, "eval_every": 4}
@@ -148,9 +153,9 @@ class TeacherStudentConfig(ExperimentConfig):
     def entries(self) -> int:
         """Entries ``P`` per layer of the parametric student: by default the growing
         student's final store per layer, ``initial_entries + n_train``."""
-        if self.parametric_entries is not None:
-            return self.parametric_entries
-        return self.initial_entries + self.n_train
+        if self.parametric_entries is None:
+            return self.initial_entries + self.n_train
+        return self.parametric_entries
 
     def teacher(self, seed: int) -> TeacherConfig:
         """The task of ``seed``: the teacher and data-set sizes of this config."""
@@ -229,10 +234,7 @@ def _train(name: str, seed: int, cfg: TeacherStudentConfig, data: tuple,
 
 
 def _sub_runs(cfg: TeacherStudentConfig, data: None, session: Session) -> Iterator:
-    """The three students for every seed, on that seed's task; under ``torchrun`` only
-    rank 0 shows progress bars."""
-    session = dataclasses.replace(session, progress=session.progress
-                                  and rank_and_world()[0] == 0)  # fmt: skip
+    """The three students for every seed, on that seed's task."""
     for seed in cfg.seeds:
         task = tuple(t.to(session.device) for t in make_data(cfg, seed))
         for name in MODELS:
@@ -252,9 +254,8 @@ def _finish(cfg: TeacherStudentConfig, summary: dict[str, Any]) -> None:
 
 
 def run_teacher_student(cfg: TeacherStudentConfig, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
-    """Train the three students for every seed (:func:`rcdl.app.runner.run_experiment`,
-    which takes ``out``, ``resume``, ``device``, ``progress``; the tasks are made here, so
-    ``data`` and ``download`` have no use).
+    """Train the three students for every seed (:func:`rcdl.app.runner.run_experiment`;
+    the tasks are made here, so ``data`` and ``download`` have no use).
 
     The summary adds ``parametric_entries``, ``zero_predictor_mse`` (per seed), ``rows``
     (per model, mean ± sd over seeds), ``curves`` (per model, mean ± sd test MSE at every
@@ -276,10 +277,7 @@ def model_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per model: final test MSE, training and evaluation seconds (mean and sd over
     seeds), entries (per layer and in all), parameters and store bytes."""
     rows = []
-    for name in MODELS:
-        rs = [r for r in runs if r["model"] == name]
-        if not rs:
-            continue
+    for name, rs in group_runs(runs, MODELS).items():
         row: dict[str, Any] = {"model": name, "label": MODELS[name],
                                "seeds": [r["seed"] for r in rs]}  # fmt: skip
         for key in ("test_mse", "train_seconds", "eval_seconds"):
@@ -294,10 +292,7 @@ def mean_curves(runs: list[dict[str, Any]]) -> dict[str, dict[str, list]]:
     """Per model: ``samples`` seen at each evaluation and the test MSE there, mean and sd
     over seeds (``sd`` is ``None`` with one seed)."""
     curves = {}
-    for name in MODELS:
-        rs = [r for r in runs if r["model"] == name]
-        if not rs:
-            continue
+    for name, rs in group_runs(runs, MODELS).items():
         samples = [h["samples"] for h in rs[0]["history"]]  # every seed evaluates alike
         points = [mean_sd([r["history"][i]["test_mse"] for r in rs]) for i in range(len(samples))]
         curves[name] = {"samples": samples, "mean": [m for m, _ in points],
@@ -341,20 +336,13 @@ def plot_curves(curves: dict[str, dict[str, list]], path: Path, *, title: str,
     """Test MSE against samples seen (log scale), one line per model with a ± sd band when
     there are several seeds (its lower edge clipped at half the mean, for the log axis), and
     the zero predictor's MSE as a dotted line."""
-    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
-    ax = fig.add_subplot()
-    for name, c in curves.items():
-        (line,) = ax.plot(c["samples"], c["mean"], marker=".", label=MODELS[name])
-        if all(s is not None for s in c["sd"]):
-            low = [max(m - s, 0.5 * m) for m, s in zip(c["mean"], c["sd"], strict=True)]
-            high = [m + s for m, s in zip(c["mean"], c["sd"], strict=True)]
-            ax.fill_between(c["samples"], low, high, color=line.get_color(), alpha=0.2)
-    if zero_mse is not None:
-        ax.axhline(zero_mse, color="grey", linestyle=":", linewidth=1, label="predict 0")
-    ax.set(xlabel="training samples seen", ylabel="test MSE", yscale="log", title=title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    return save_figure(fig, path)
+    lines = [Curve(c["samples"], c["mean"], MODELS[name], sd=c["sd"], floor=0.5,
+                   style={"marker": "."}) for name, c in curves.items()]  # fmt: skip
+    zero = [] if zero_mse is None else [{"y": zero_mse, "color": "grey", "linestyle": ":",
+                                         "linewidth": 1, "label": "predict 0"}]  # fmt: skip
+    return plot_panels(path, [Panel(lines, "training samples seen", "test MSE", title,
+                                    yscale="log", hlines=zero, grid="both")],
+                       figsize=(6.4, 4.2))  # fmt: skip
 
 
 def _outcome(v: dict[str, Any] | None) -> str:
@@ -372,10 +360,7 @@ def _outcome(v: dict[str, Any] | None) -> str:
 
 def write_report(run: RunDir, cfg: TeacherStudentConfig, summary: dict[str, Any],
                  device: torch.device) -> str:  # fmt: skip
-    """Write ``results.md``, ``results.csv`` and ``test_mse.png``; return the markdown.
-    Under ``torchrun`` only rank 0 writes (the others return ``""``)."""
-    if rank_and_world()[0] != 0:
-        return ""
+    """Write ``results.md``, ``results.csv`` and ``test_mse.png``; return the markdown."""
     steps = math.ceil(cfg.n_train / cfg.batch_size)
     zero = statistics.fmean(summary["zero_predictor_mse"].values())
     noise = f", training-target noise sd {cfg.noise:g}" if cfg.noise else ""

@@ -42,13 +42,22 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from matplotlib.figure import Figure
 from torch import nn
 
 from rcdl.app.cifar import CifarData, load_subsets
 from rcdl.app.config import ExperimentConfig, setting
-from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
-from rcdl.app.rundir import RunDir, describe_machine, save_figure
+from rcdl.app.report import (
+    Curve,
+    Panel,
+    csv_text,
+    group_runs,
+    markdown_table,
+    mean_sd,
+    plot_panels,
+    pm,
+    write_outputs,
+)
+from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, TaggedLog, cifar_summary, run_experiment
 from rcdl.grower import Grower
 from rcdl.hybrid import EntryAdam, hybrid_layers
@@ -248,8 +257,7 @@ def _finish(cfg: ViTConfig, summary: dict[str, Any]) -> None:
 
 
 def run_vit(cfg: ViTConfig, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
-    """Train every model of ``cfg`` for every seed (:func:`rcdl.app.runner.run_experiment`,
-    which takes ``out``, ``resume``, ``data``, ``device``, ``progress``, ``download``).
+    """Train every model of ``cfg`` for every seed (:func:`rcdl.app.runner.run_experiment`).
 
     The summary adds ``tau``, ``tokens_per_image`` and ``rows`` (per model, mean and sd over
     seeds); each of ``runs`` (per (model, seed)) holds accuracy, loss, parameters, entries,
@@ -266,15 +274,10 @@ def model_rows(runs: list[dict[str, Any]], models: tuple[str, ...]) -> list[dict
     """One row per model: test accuracy (%) and loss as mean and sd over seeds, the mean
     entries (all layers), store bytes, parameters and seconds, and the paper's accuracy."""
     rows = []
-    for name in models:
-        rs = [r for r in runs if r["model"] == name]
-        if not rs:
-            continue
+    for name, rs in group_runs(runs, models).items():
         row: dict[str, Any] = {"model": name, "seeds": [r["seed"] for r in rs]}
-        for key, scale in (("test_acc", 100), ("test_loss", 1)):
-            suffix = "_pct" if scale == 100 else ""
-            row[f"{key}{suffix}"], row[f"{key}{suffix}_sd"] = mean_sd([scale * r[key]
-                                                                       for r in rs])
+        row["test_acc_pct"], row["test_acc_pct_sd"] = mean_sd([100 * r["test_acc"] for r in rs])
+        row["test_loss"], row["test_loss_sd"] = mean_sd([r["test_loss"] for r in rs])
         for key in ("entries", "bytes"):
             row[key] = None if rs[0][key] is None else statistics.fmean(r[key] for r in rs)
         row["entries_per_layer"] = (
@@ -321,26 +324,16 @@ def results_csv(runs: list[dict[str, Any]]) -> str:
 def plot_vit(runs: list[dict[str, Any]], path: Path, *, title: str) -> Path:
     """Left: test accuracy against training images seen, one line per (model, seed). Right:
     entries per RCDL layer against training images seen."""
-    fig = Figure(figsize=(10, 4.2), layout="constrained")
-    acc_ax, size_ax = fig.subplots(1, 2)
-    for r in runs:
-        label = f"{r['model']}, seed {r['seed']}"
-        acc_ax.plot([h["samples"] for h in r["history"]],
-                    [100 * h["test_acc"] for h in r["history"]], marker="o", label=label)
-        if "sizes" in r:
-            xs = [s["samples"] for s in r["sizes"]]
-            for i in range(len(r["layers"])):
-                size_ax.plot(xs, [s["entries_per_layer"][i] for s in r["sizes"]], marker=".",
-                             label=f"seed {r['seed']}, block {i}")  # fmt: skip
-    acc_ax.set(xlabel="training images seen", ylabel="test accuracy (%)", title=title)
-    size_ax.set(xlabel="training images seen", ylabel="entries stored",
-                title="RCDL feed-forward stores")
-    for ax in (acc_ax, size_ax):
-        ax.grid(True, alpha=0.3)
-        if ax.has_data():
-            ax.legend(fontsize="small")
-    return save_figure(fig, path)
-
+    acc = [Curve([h["samples"] for h in r["history"]], [100 * h["test_acc"] for h in r["history"]],
+                 f"{r['model']}, seed {r['seed']}", style={"marker": "o"}) for r in runs]
+    sizes = [Curve([s["samples"] for s in r["sizes"]],
+                   [s["entries_per_layer"][i] for s in r["sizes"]],
+                   f"seed {r['seed']}, block {i}", style={"marker": "."})
+             for r in runs if "sizes" in r for i in range(len(r["layers"]))]  # fmt: skip
+    return plot_panels(path, [
+        Panel(acc, "training images seen", "test accuracy (%)", title),
+        Panel(sizes, "training images seen", "entries stored", "RCDL feed-forward stores"),
+    ], figsize=(10, 4.2))  # fmt: skip
 
 
 def write_report(run: RunDir, cfg: ViTConfig, summary: dict[str, Any],
