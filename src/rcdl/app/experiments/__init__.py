@@ -1,4 +1,5 @@
-"""Experiments: one module per experiment, each with one frozen config dataclass.
+"""Experiments: one module per experiment, each declaring its config and its
+``EXPERIMENT_SPEC`` (:class:`rcdl.app.runner.Experiment`); docs/adding_an_experiment.md.
 
 - :mod:`rcdl.app.experiments.demo` — teacher–student regression: a growing RBF network against
   MLPs trained by SGD and by Adam, one pass over the data (``rcdl demo``).
@@ -19,4 +20,6 @@
   students of a random teacher (docs/reference.md §8; ``rcdl reproduce teacher-student``).
 - :mod:`rcdl.app.experiments.vit` — a small ViT with MLP against hybrid RCDL feed-forward
   blocks, one epoch (docs/reference.md §8; ``rcdl reproduce vit``).
+- :mod:`rcdl.app.experiments.attention_bench` — the streaming attention's speed against the
+  matrix products it is made of (``rcdl reproduce attention-bench``).
 """
