@@ -20,6 +20,19 @@ all of them:
 4. ``finish`` the summary (tables' rows, verdicts), write the report, print it (under
    ``torchrun``: rank 0 alone).
 
+What every run folder holds, whatever the experiment::
+
+    config.json        the resolved config (the one ``--resume`` continues with)
+    environment.json   machine, torch, threads, git revision, command line
+    finished.json      each finished sub-run's result, written as it finishes
+    summary.json       ``experiment``, ``complete``, ``runs`` and what the experiment adds
+    metrics.jsonl      the trainer's evaluation records, tagged by the sub-run
+    results.md         the report (and, per experiment, results.csv and figures)
+
+A resumed run trains the unfinished sub-runs from scratch, so its tables are those of an
+uninterrupted run; ``metrics.jsonl`` may repeat the evaluations of the sub-run that was
+interrupted.
+
 The command line (:mod:`rcdl.app.cli`) builds each experiment's flags from its config and
 calls :func:`run_experiment`.
 """
