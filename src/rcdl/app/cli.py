@@ -267,9 +267,11 @@ def _warn_if_bfloat16_is_emulated(store_dtype: str | None, device: Any) -> None:
 
 
 def _combine(args: argparse.Namespace, spec: Any, keep: Sequence[str],
-             combine: Callable[..., tuple[Path, dict[str, Any]]], **kw: Any) -> int:
+             combine: Callable[..., tuple[Path, dict[str, Any]]], *, show: bool = False,
+             **kw: Any) -> int:  # fmt: skip
     """``--combine RUN_DIR ... --out DIR``: one table from finished runs; ``keep`` names
-    the flags that pick what to combine (any other flag that sets a run is refused)."""
+    the flags that pick what to combine (any other flag that sets a run is refused);
+    ``show`` prints the combined ``results.md``."""
     given = [flag for flag in _given(args, spec, also=("resume",))
              if flag not in {_flag(k) for k in keep}]
     if given:
@@ -280,7 +282,7 @@ def _combine(args: argparse.Namespace, spec: Any, keep: Sequence[str],
         folder, combined = combine(args.combine, args.out, **kw)
     except (OSError, ValueError) as e:  # missing folders, other protocols, duplicates
         raise CLIError(str(e)) from e
-    if (folder / "results.md").exists() and spec.name == "cifar10-1epoch":
+    if show:
         print((folder / "results.md").read_text(encoding="utf-8"), end="")
     print(f"Combined {len(combined['runs'])} runs into {folder}")
     return 0
@@ -289,7 +291,7 @@ def _combine(args: argparse.Namespace, spec: Any, keep: Sequence[str],
 def _combine_cifar10(args: argparse.Namespace, spec: Any) -> int:
     from rcdl.app.experiments.cifar10 import combine_runs
 
-    return _combine(args, spec, ("models",), combine_runs, models=args.models)
+    return _combine(args, spec, ("models",), combine_runs, show=True, models=args.models)
 
 
 def _combine_tau_sweep(args: argparse.Namespace, spec: Any) -> int:
