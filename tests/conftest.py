@@ -21,3 +21,28 @@ def data_dir(tmp_path_factory):
         class_names=np.array(CIFAR10_CLASSES),
     )
     return folder
+
+
+class TrainingInterrupted(Exception):
+    """Raised by a grower patched with the ``interrupt_after`` fixture."""
+
+
+@pytest.fixture
+def interrupt_after():
+    """``interrupt_after(grower, steps)``: the grower's ``step`` raises
+    :class:`TrainingInterrupted` at its call ``steps + 1``, as a kill between two steps would
+    stop a run; returns the exception class, for ``pytest.raises``."""
+
+    def patch(grower, steps: int) -> type[TrainingInterrupted]:
+        original, calls = grower.step, {"n": 0}
+
+        def step():
+            calls["n"] += 1
+            if calls["n"] > steps:
+                raise TrainingInterrupted
+            original()
+
+        grower.step = step
+        return TrainingInterrupted
+
+    return patch

@@ -358,11 +358,7 @@ def test_adam_and_growth_learn_a_small_task():
     assert all(s["written"] + s["refused"] == 256 for s in stats)
 
 
-class _Interrupt(Exception):
-    pass
-
-
-def test_hybrid_run_resumes_to_the_same_result(tmp_path):
+def test_hybrid_run_resumes_to_the_same_result(interrupt_after, tmp_path):
     gen = torch.Generator().manual_seed(1)
     data = (*_task(96, gen), *_task(32, gen))
     kw = {"batch_size": 8, "eval_every": 4, "progress": False, "seed": 3,
@@ -372,17 +368,8 @@ def test_hybrid_run_resumes_to_the_same_result(tmp_path):
 
     ckpt = tmp_path / "ckpt.pt"
     net, learner = _hybrid_net()
-    grower, calls = learner["grower"], {"n": 0}
-    original = grower.step
-
-    def step():
-        calls["n"] += 1
-        if calls["n"] > 7:
-            raise _Interrupt
-        original()
-
-    grower.step = step
-    with pytest.raises(_Interrupt):
+    stopped = interrupt_after(learner["grower"], 7)
+    with pytest.raises(stopped):
         train_one_pass(net, data, **learner, checkpoint_path=ckpt, checkpoint_every=3, **kw)
     net, learner = _hybrid_net()  # a fresh process: only the checkpoint survives
     resumed = train_one_pass(net, data, **learner, checkpoint_path=ckpt, **kw)

@@ -145,9 +145,9 @@ def _run(name: str, argv: list[str], data_dir: Path, out: Path) -> dict[str, Any
 
 def _same_structure(recorded: Any, now: Any, where: str = "") -> None:
     """Equal except for floats, which need only be floats (another machine class)."""
-    if isinstance(recorded, float) or isinstance(now, float):
-        assert isinstance(now, (float, int)) or now is None or (
-            isinstance(now, str) and _floatish(now)), f"{where}: {now!r}"
+    if isinstance(recorded, float) or isinstance(now, float):  # both numbers, not None
+        numbers = [isinstance(x, int | float) and not isinstance(x, bool) for x in (recorded, now)]
+        assert all(numbers), f"{where}: {recorded!r} became {now!r}"
         return
     if isinstance(recorded, str) and _floatish(recorded):
         return  # a CSV cell holding a float

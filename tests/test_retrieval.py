@@ -539,10 +539,6 @@ def test_a_model_without_top_k_saves_and_loads_as_before():
     assert all(mode.restores == 1 for mode in modes(fresh))
 
 
-class _Interrupt(Exception):
-    pass
-
-
 TEACHER = make_teacher_data(TeacherConfig(d_in=4, hidden=8, depth=1, n_train=50, n_test=20))
 INDEX_KW = {"exact": {}, "faiss-hnsw": {"hnsw_m": 4, "ef_search": 4}}
 
@@ -564,7 +560,8 @@ def build_run(kind, backend):
 
 @pytest.mark.parametrize("backend", ["exact", pytest.param("faiss-hnsw", marks=requires_faiss)])
 @pytest.mark.parametrize("kind", ["rbf", "hybrid"])
-def test_a_top_k_run_resumes_with_its_saved_index(tmp_path, kind, backend, request):
+def test_a_top_k_run_resumes_with_its_saved_index(interrupt_after, tmp_path, kind, backend,
+                                                  request):
     """train_one_pass saves each layer's index in its checkpoint and restores it: the resumed
     run ends with the uninterrupted run's history and the very same index."""
     if backend == "faiss-hnsw":
@@ -575,17 +572,8 @@ def test_a_top_k_run_resumes_with_its_saved_index(tmp_path, kind, backend, reque
 
     ckpt = tmp_path / "ckpt.pt"
     model, learner = build_run(kind, backend)
-    grower, calls = learner["grower"], {"n": 0}
-    original = grower.step
-
-    def step():
-        calls["n"] += 1
-        if calls["n"] > 7:
-            raise _Interrupt
-        original()
-
-    grower.step = step
-    with pytest.raises(_Interrupt):
+    stopped = interrupt_after(learner["grower"], 7)
+    with pytest.raises(stopped):
         train_one_pass(model, TEACHER, **learner, checkpoint_path=ckpt, checkpoint_every=2,
                        **kw)
     saved = torch.load(ckpt, weights_only=True)["retrieval"]

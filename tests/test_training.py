@@ -62,25 +62,8 @@ def test_divergence_names_the_step():
         train_one_pass(model, DATA, batch_size=8, optimizer=opt, progress=False)
 
 
-class _Interrupt(Exception):
-    pass
-
-
-def _stop_after(learner, steps):
-    """Make ``learner.step`` raise after ``steps`` calls (a simulated kill)."""
-    original, calls = learner.step, {"n": 0}
-
-    def step():
-        calls["n"] += 1
-        if calls["n"] > steps:
-            raise _Interrupt
-        original()
-
-    learner.step = step
-
-
 @pytest.mark.parametrize("kind", ["grower", "adam"])
-def test_interrupted_run_resumes_to_the_same_result(tmp_path, kind):
+def test_interrupted_run_resumes_to_the_same_result(interrupt_after, tmp_path, kind):
     def build():
         torch.manual_seed(0)
         if kind == "grower":
@@ -95,8 +78,8 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, kind):
 
     ckpt = tmp_path / "ckpt.pt"
     model, learner = build()
-    _stop_after(next(iter(learner.values())), 7)
-    with pytest.raises(_Interrupt):
+    stopped = interrupt_after(next(iter(learner.values())), 7)
+    with pytest.raises(stopped):
         train_one_pass(model, DATA, **learner, checkpoint_path=ckpt, checkpoint_every=2, **kw)
     assert ckpt.exists()
     model, learner = build()  # a fresh process: nothing but the checkpoint survives
@@ -107,12 +90,12 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, kind):
     assert resumed["entries"] == reference["entries"]
 
 
-def test_checkpoint_of_another_run_is_refused(tmp_path):
+def test_checkpoint_of_another_run_is_refused(interrupt_after, tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     model = _linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    _stop_after(opt, 4)
-    with pytest.raises(_Interrupt):
+    stopped = interrupt_after(opt, 4)
+    with pytest.raises(stopped):
         train_one_pass(model, DATA, batch_size=8, optimizer=opt, progress=False,
                        checkpoint_path=ckpt, checkpoint_every=2)  # fmt: skip
     model = _linear()
@@ -177,7 +160,8 @@ def test_on_epoch_end_adds_train_metrics_at_epoch_ends():
 
 @pytest.mark.parametrize("kind", ["grower", "adam"])
 @pytest.mark.parametrize("stop", [8, 16], ids=["checkpoint-in-epoch-1", "checkpoint-in-epoch-2"])
-def test_run_interrupted_in_a_later_epoch_resumes_to_the_same_result(tmp_path, kind, stop):
+def test_run_interrupted_in_a_later_epoch_resumes_to_the_same_result(interrupt_after, tmp_path,
+                                                                    kind, stop):
     """7 steps per epoch, checkpoints every 3 steps: stopping after 8 steps resumes from the
     step-6 checkpoint across the epoch boundary; after 16, from step 15 in epoch 3."""
 
@@ -199,8 +183,8 @@ def test_run_interrupted_in_a_later_epoch_resumes_to_the_same_result(tmp_path, k
     reference = fit(*build())
     ckpt = tmp_path / "ckpt.pt"
     model, learner = build()
-    _stop_after(next(iter(learner.values())), stop)
-    with pytest.raises(_Interrupt):
+    stopped = interrupt_after(next(iter(learner.values())), stop)
+    with pytest.raises(stopped):
         fit(model, learner, checkpoint_path=ckpt, checkpoint_every=3)
     resumed = fit(*build(), checkpoint_path=ckpt)
     assert resumed["resumed"]
@@ -208,12 +192,12 @@ def test_run_interrupted_in_a_later_epoch_resumes_to_the_same_result(tmp_path, k
     assert resumed["entries"] == reference["entries"]
 
 
-def test_checkpoint_past_the_last_epoch_is_refused(tmp_path):
+def test_checkpoint_past_the_last_epoch_is_refused(interrupt_after, tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     model = _linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    _stop_after(opt, 11)
-    with pytest.raises(_Interrupt):
+    stopped = interrupt_after(opt, 11)
+    with pytest.raises(stopped):
         train_one_pass(model, DATA, batch_size=8, optimizer=opt, epochs=3, progress=False,
                        checkpoint_path=ckpt, checkpoint_every=10)  # fmt: skip
     model = _linear()

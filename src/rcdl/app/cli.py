@@ -238,7 +238,6 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         device = resolve_device(args.device or cfg.device)
     except (OSError, CorruptDataError, ValueError) as e:  # bad settings or run folder
         raise CLIError(str(e)) from e
-    _warn_if_bfloat16_is_emulated(getattr(cfg, "store_dtype", None), device)
     options = {flag: getattr(args, flag) for flag in spec.options}
     if spec.load_data is not None:
         options["download"] = not args.no_download
@@ -254,16 +253,6 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
             dist.destroy_process_group()
     return 0
-
-
-def _warn_if_bfloat16_is_emulated(store_dtype: str | None, device: Any) -> None:
-    """Say so when bfloat16 stores will save memory but probably not time (docs/precision.md)."""
-    from rcdl.app.rundir import native_bfloat16
-
-    if store_dtype == "bfloat16" and device.type == "cpu" and not native_bfloat16():
-        print("note: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products are "
-              "converted, not native: the stores take half the memory, but steps may be slower "
-              "than float32 (docs/precision.md)", file=sys.stderr)
 
 
 def _combine(args: argparse.Namespace, spec: Any, keep: Sequence[str],

@@ -25,14 +25,17 @@ become tuples and paths strings, so configs compare equal. Checks across fields 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
 import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-__all__ = ["DEVICES", "ExperimentConfig", "check_fields", "field_type", "setting"]
+__all__ = ["DEVICES", "ExperimentConfig", "check_fields", "data_dir_setting", "device_setting",
+           "field_type", "setting"]
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -74,9 +77,27 @@ def setting(
     return dataclasses.field(default=default, metadata=meta)
 
 
+def device_setting() -> Any:
+    """The ``device`` field every experiment has: ``"auto"`` (CUDA when available),
+    ``"cpu"`` or ``"cuda"``; set by the common ``--device`` flag."""
+    return setting("auto", "auto (CUDA when available), cpu or cuda", choices=DEVICES, cli=False)
+
+
+def data_dir_setting() -> Any:
+    """The ``data_dir`` field of an experiment that reads a data set: the folder of its files
+    (``None``: ``$RCDL_DATA``, then the cache); set by the common ``--data-dir`` flag."""
+    return setting(None, "folder of the data set's files", cli=False)
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, evaluated once per config class."""
+    return typing.get_type_hints(cls)
+
+
 def field_type(cls: type, name: str) -> tuple[type, bool, bool]:
     """``(element type, is a tuple, may be None)`` of field ``name`` of ``cls``."""
-    hint = typing.get_type_hints(cls)[name]
+    hint = _type_hints(cls)[name]
     optional = False
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -140,15 +161,12 @@ def check_fields(config: Any) -> None:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         kind, is_tuple, optional = field_type(cls, f.name)
-        meta = dict(f.metadata)
-        if f.name == "device":
-            meta["choices"] = meta.get("choices") or DEVICES
+        meta = f.metadata
         if is_tuple and value is not None:
             value = tuple(value)
             object.__setattr__(config, f.name, value)
-        elif kind is str and value is not None and not isinstance(value, str) and (
-                f.name == "data_dir" or hasattr(value, "__fspath__")):
-            value = str(value)
+        elif kind is str and isinstance(value, os.PathLike):
+            value = os.fspath(value)
             object.__setattr__(config, f.name, value)
         if value is None:
             if optional:

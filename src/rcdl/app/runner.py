@@ -109,8 +109,8 @@ class Experiment:
             returns the markdown.
         load_data: ``load_data(cfg, download=)``; ``None`` for an experiment without data
             files (its data is made by ``sub_runs``).
-        start: ``start(cfg, data)``, the summary's keys known before training (default:
-            the data's description, :func:`cifar_summary`).
+        start: ``start(cfg, data)``, the summary's keys known before training (e.g. the
+            data's description, :func:`cifar_summary`; default: none).
         finish: ``finish(cfg, summary)`` adds what is computed from all sub-runs (rows,
             verdicts) to the summary.
         switches: extra on/off flags, ``{flag name: (help, settings it sets)}``.
@@ -122,7 +122,7 @@ class Experiment:
             :attr:`Session.options` (e.g. ``keep_checkpoints``).
         update: ``update(cfg, summary)`` adds what the sub-runs finished so far give (e.g.
             per-model rows) before every write of ``summary.json``, so an interrupted run's
-            summary has them too; the last call comes before ``finish``.
+            summary has them too; the call after the last sub-run comes before ``finish``.
         sessions: the summary lists every session that worked on the run, ``sessions``: its
             environment (:func:`rcdl.app.rundir.environment_info`), ``world_size`` and
             ``seconds``; a resumed run adds one to the saved list. ``seconds`` is then per
@@ -225,9 +225,9 @@ def run_experiment(
             data = experiment.load_data(cfg, download=download)
         else:
             check_sizes(cfg, data)
-    start = experiment.start or cifar_summary
-    summary: dict[str, Any] = {"experiment": experiment.name, "complete": False,
-                               **start(cfg, data), "runs": []}  # fmt: skip
+    given = {} if experiment.start is None else experiment.start(cfg, data)
+    summary: dict[str, Any] = {"experiment": experiment.name, "complete": False, **given,
+                               "runs": []}  # fmt: skip
     run = rank0_run(partial(open_run, experiment.name, cfg, out=out, resume=resume,
                             device=device))  # fmt: skip
     rank, world = rank_and_world()
@@ -248,9 +248,8 @@ def run_experiment(
             clock["seconds"] = time.perf_counter() - began
             run.write_summary(summary)
             release_memory(device)
-    for add in (experiment.update, experiment.finish):
-        if add is not None:
-            add(cfg, summary)
+    if experiment.finish is not None:  # (update ran after the last sub-run)
+        experiment.finish(cfg, summary)
     summary["complete"] = True
     clock["seconds"] = time.perf_counter() - began
     if rank != 0:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.config import ExperimentConfig, device_setting, setting
 from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
@@ -47,7 +47,7 @@ class AttentionBenchConfig(ExperimentConfig):
     temperature: float = setting(6.0, "kernel temperature T", positive=True, metavar="T")
     repeats: int = setting(5, "timed calls per measurement (the median is kept)")
     seed: int = setting(0, "seed of the random store and queries", minimum=0)
-    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+    device: str = device_setting()
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
@@ -116,5 +116,5 @@ EXPERIMENT_SPEC = Experiment(
     description="Times the streaming attention's forward + backward against the four plain "
     "matrix products it is made of, for each store dtype, query batch B and store size N, "
     "on a random store. Writes results.md and results.csv. See docs/adding_an_experiment.md.",
-    sub_runs=_sub_runs, report=write_report, start=lambda cfg, data: {},
+    sub_runs=_sub_runs, report=write_report,
 )  # fmt: skip

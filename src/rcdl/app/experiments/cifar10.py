@@ -61,6 +61,7 @@ import json
 import math
 import re
 import statistics
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from fnmatch import fnmatch
@@ -72,9 +73,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rcdl.app import rundir
 from rcdl.app.cifar import CifarData, load_subsets
 from rcdl.app.classical import CLASSICAL_MODELS, fit_classical
-from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.report import (
     Curve,
     Panel,
@@ -326,9 +328,9 @@ class Cifar10Config(ExperimentConfig):
     batch_size: int = setting(16, "samples per step B (docs/reference.md §6)", metavar="B")
     eval_every: int = setting(250, "steps between test evaluations", metavar="STEPS")
     eval_batch_size: int = setting(500, "test images per prediction batch", metavar="N")
-    data_dir: str | None = setting(None, "folder of the CIFAR-10 files", cli=False)
+    data_dir: str | None = data_dir_setting()
     data_seed: int = setting(0, "seed of the subsets", minimum=0)
-    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+    device: str = device_setting()
     dtype: str = setting("float32", "the models' dtype", choices=_DTYPES)
     store_dtype: str | None = setting(
         None, "keep the growing layers' keys and values in half precision: half the memory, "
@@ -458,6 +460,14 @@ def _fit_classical(name: str, seed: int, cfg: Cifar10Config, data: tuple,
             "history": [evaluation], "resumed": False, "settings": fitted.settings}
 
 
+def _note_if_bfloat16_is_emulated() -> None:
+    """Say so when bfloat16 stores will save memory but probably not time (docs/precision.md)."""
+    if not rundir.native_bfloat16():
+        print("note: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products are "
+              "converted, not native: the stores take half the memory, but steps may be slower "
+              "than float32 (docs/precision.md)", file=sys.stderr)
+
+
 def _sub_runs(cfg: Cifar10Config, data: CifarData, session: Session) -> Iterator:
     """Every model for every seed (models outer), on the same tensors (moved to a CUDA
     device once). A model's checkpoint is deleted once its result is saved (unless the
@@ -466,6 +476,8 @@ def _sub_runs(cfg: Cifar10Config, data: CifarData, session: Session) -> Iterator
                     (data.x_train.to(cfg.torch_dtype), data.y_train,
                      data.x_test.to(cfg.torch_dtype), data.y_test))  # fmt: skip
     keep = session.options.get("keep_checkpoints", False)
+    if cfg.store_dtype == "bfloat16" and session.device.type == "cpu" and rank_and_world()[0] == 0:
+        _note_if_bfloat16_is_emulated()
     for name in cfg.models:
         for seed in cfg.seeds:
             yield _run_name(name, seed), partial(_train, name, seed, cfg, tensors, session)

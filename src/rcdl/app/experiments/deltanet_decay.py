@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from rcdl.app.cifar import CifarData, load_subsets
-from rcdl.app.config import setting
+from rcdl.app.config import data_dir_setting, device_setting, setting
 from rcdl.app.experiments.optimizers import (
     ProjectedConfig,
     epoch_rows,
@@ -122,9 +122,9 @@ class DeltaNetDecayConfig(ProjectedConfig):
     seeds: tuple[int, ...] = setting((0,), "seeds", minimum=0, metavar="K")
     eval_batch_size: int = setting(500, "images per prediction batch when measuring",
                                    metavar="N")
-    data_dir: str | None = setting(None, "folder of the CIFAR-10 files", cli=False)
+    data_dir: str | None = data_dir_setting()
     data_seed: int = setting(0, "seed of the subsets and of the input projection", minimum=0)
-    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+    device: str = device_setting()
 
     def check(self) -> None:
         if self.momentum >= 1:

@@ -26,7 +26,7 @@ from torch import nn
 
 from rcdl.app.config import ExperimentConfig, setting
 from rcdl.app.report import Curve, Panel, markdown_table, plot_panels, write_outputs
-from rcdl.app.rundir import RunDir, environment_info
+from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.grower import Grower
 from rcdl.networks import MLP, GrowingRBFNet
@@ -128,15 +128,6 @@ def plot_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> P
                        figsize=(6.4, 4.2))  # fmt: skip
 
 
-def _machine(device: torch.device) -> str:
-    """The machine in one short line: platform, torch, device, threads (and the GPU)."""
-    env = environment_info(device)
-    machine = f"{env['platform']}, torch {env['torch']}, {device}, {env['num_threads']} threads"
-    if env["cuda_device"] and device.type == "cuda":
-        machine += f" ({env['cuda_device']})"
-    return machine
-
-
 def run_demo(
     cfg: DemoConfig,
     *,
@@ -174,7 +165,7 @@ def run_demo(
     report = write_outputs(run, (
         f"# rcdl demo: teacher–student regression\n\n{task}.\n"
         f"Predicting 0 everywhere scores test MSE {zero_mse:.4f}.\n\n{results_table(results)}"
-        f"\n\nMachine: {_machine(device)}.\n"
+        f"\n\nMachine: {describe_machine(device)}.\n"
     ), figures={"test_mse.png": partial(plot_curves, results,
                                         title=f"one pass, {t.n_train} samples")})
     total = time.perf_counter() - start

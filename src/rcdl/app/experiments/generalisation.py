@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rcdl.app.cifar import CifarData, load_subsets
-from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.report import (
     Curve,
     Panel,
@@ -132,10 +132,10 @@ class GeneralisationConfig(ExperimentConfig):
     batch_size: int = setting(16, "samples per step B (docs/reference.md §6)", metavar="B")
     eval_batch_size: int = setting(500, "images per prediction batch when measuring",
                                    metavar="N")
-    data_dir: str | None = setting(None, "folder of the CIFAR-10 files", cli=False)
+    data_dir: str | None = data_dir_setting()
     data_seed: int = setting(0, "seed of the subsets and of the train-accuracy sample",
                              minimum=0)
-    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+    device: str = device_setting()
 
     @property
     def entries(self) -> int:

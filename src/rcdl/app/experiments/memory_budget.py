@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from rcdl.app.cifar import CifarData
-from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.experiments import cifar10
 from rcdl.app.report import Curve, Panel, csv_text, markdown_table, plot_panels, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
@@ -95,9 +95,9 @@ class MemoryBudgetConfig(ExperimentConfig):
     batch_size: int = setting(16, "samples per step (docs/reference.md §6)", metavar="B")
     eval_every: int = setting(250, "steps between test evaluations", metavar="STEPS")
     eval_batch_size: int = setting(500, "test images per prediction batch", metavar="N")
-    data_dir: str | None = setting(None, "folder of the CIFAR-10 files", cli=False)
+    data_dir: str | None = data_dir_setting()
     data_seed: int = setting(0, "seed of the subsets", minimum=0)
-    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+    device: str = device_setting()
     dtype: str = setting("float32", "the model's and the data's dtype", choices=tuple(_DTYPES))
 
     def check(self) -> None:

@@ -71,7 +71,7 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, CifarNotFoundError, load_subsets
-from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, save_figure
 from rcdl.app.runner import Experiment, Session, TaggedLog, cifar_summary, run_experiment
@@ -185,9 +185,9 @@ class OptimizerComparisonConfig(ProjectedConfig):
     batch_size: int = setting(16, "samples per step (docs/reference.md §6)", metavar="B")
     eval_batch_size: int = setting(500, "images per prediction batch when measuring",
                                    metavar="N")
-    data_dir: str | None = setting(None, "folder of the CIFAR files", cli=False)
+    data_dir: str | None = data_dir_setting()
     data_seed: int = setting(0, "seed of the subsets and of the input projection", minimum=0)
-    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+    device: str = device_setting()
 
     def temperature(self, method: str) -> float:
         """T of the growing model ``method`` (``"gws"`` or ``"rbf"``): the one given, else

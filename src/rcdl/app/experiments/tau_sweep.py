@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
-from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.experiments import cifar10
 from rcdl.app.experiments.cifar10 import (
     _DTYPES,
@@ -94,8 +94,8 @@ class TauSweepConfig(ExperimentConfig):
     test_size: int | None = setting(1000, "test images", metavar="N")
     eval_every: int = setting(25, "steps between test evaluations", metavar="STEPS")
     seed: int = setting(0, "seed of the models and data order", minimum=0)
-    data_dir: str | None = setting(None, "folder of the CIFAR-10 files", cli=False)
-    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+    data_dir: str | None = data_dir_setting()
+    device: str = device_setting()
     dtype: str = setting("float32", "the models' dtype", choices=_DTYPES)
     checkpoint: bool = setting(
         True, "save each model's state under checkpoints/ while it trains",

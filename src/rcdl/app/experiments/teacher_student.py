@@ -66,7 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.config import ExperimentConfig, device_setting, setting
 from rcdl.app.report import (
     Curve,
     Panel,
@@ -147,7 +147,7 @@ class TeacherStudentConfig(ExperimentConfig):
     batch_size: int = setting(16, "samples per step B", metavar="B")
     eval_every: int = setting(50, "steps between test evaluations", metavar="STEPS")
     eval_batch_size: int = setting(1000, "test samples per prediction batch", metavar="N")
-    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+    device: str = device_setting()
 
     @property
     def entries(self) -> int:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rcdl.app.cifar import CifarData, load_subsets
-from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.report import (
     Curve,
     Panel,
@@ -140,9 +140,9 @@ class ViTConfig(ExperimentConfig):
     eval_every: int = setting(500, "steps between test evaluations (also at the start and "
                               "the end)", metavar="STEPS")
     eval_batch_size: int = setting(250, "test images per prediction batch", metavar="N")
-    data_dir: str | None = setting(None, "folder of the CIFAR-10 files", cli=False)
+    data_dir: str | None = data_dir_setting()
     data_seed: int = setting(0, "seed of the subsets", minimum=0)
-    device: str = setting("auto", "auto (CUDA when available), cpu or cuda", cli=False)
+    device: str = device_setting()
 
     def check(self) -> None:
         """The patches tile the 32-pixel image and the heads split the width."""
