@@ -6,13 +6,14 @@ PYTHON ?= python3
 # torch==2.13.0 is installed only when no torch is importable, so a user's own (CUDA) build is kept.
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==2.13.0"
-	$(PYTHON) -m pip install -e ".[dev,classical]"
+	$(PYTHON) -m pip install -e ".[dev,classical,faiss]"
 
 demo: setup
 	$(PYTHON) -m rcdl demo
 
+# RCDL_REQUIRE_FAISS: the retrieval tests fail, not skip, if the faiss extra did not install
 test: setup
-	$(PYTHON) -m pytest -q
+	RCDL_REQUIRE_FAISS=1 $(PYTHON) -m pytest -q
 
 bench:
 	$(PYTHON) benchmarks/bench_attention.py

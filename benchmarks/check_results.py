@@ -144,7 +144,8 @@ def _is_number(x: Any) -> bool:
 
 X86 = ("x86_64", "amd64", "i386", "i686", "x86")
 # The ISA levels told apart, widest first, with the CPU flags (/proc/cpuinfo) each needs.
-ISA_LEVELS = (("avx512_bf16", ("avx512f", "avx512_bf16")), ("avx512", ("avx512f",)),
+ISA_LEVELS = (("amx_bf16", ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")),
+              ("avx512_bf16", ("avx512f", "avx512_bf16")), ("avx512", ("avx512f",)),
               ("avx2", ("avx2", "fma")))
 
 
@@ -156,9 +157,11 @@ def _cpuinfo() -> str:
 
 
 def cpu_isa(cpuinfo: str | None = None, arch: str | None = None) -> str:
-    """This CPU's class for float results: on x86 the widest of ``avx512_bf16``,
-    ``avx512``, ``avx2`` its flags have (``x86-other`` below AVX2 or without
-    ``/proc/cpuinfo``); elsewhere the architecture (``aarch64``, ``arm64``, ...).
+    """This CPU's class for float results: on x86 the widest of ``amx_bf16``,
+    ``avx512_bf16``, ``avx512``, ``avx2`` its flags have (``x86-other`` below AVX2 or without
+    ``/proc/cpuinfo``); elsewhere the architecture (``aarch64``, ``arm64``, ...). AMX is a
+    class of its own: oneDNN multiplies bfloat16 and float32 on its tiles, rounding otherwise
+    than the AVX512 kernels of a CPU with avx512_bf16 alone.
 
     The BLAS and oneDNN kernels torch picks, and so the rounding of every matrix product,
     follow the vector ISA, so runs on CPUs of different classes round differently."""
@@ -187,7 +190,7 @@ def cpu_model(cpuinfo: str | None = None) -> str | None:
 
 def machine_key(isa: str | None, torch: str | None, threads: int | None) -> str | None:
     """The machine class a quick run's numbers are reproducible on, e.g.
-    ``avx512_bf16 / torch 2.13.0+cpu / 1 thread``; ``None`` if any part is unknown."""
+    ``amx_bf16 / torch 2.13.0+cpu / 1 thread``; ``None`` if any part is unknown."""
     if not (isa and torch and threads):
         return None
     return f"{isa} / torch {torch} / {threads} thread{'s' if threads != 1 else ''}"

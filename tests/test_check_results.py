@@ -134,7 +134,9 @@ def test_cpu_isa_from_the_flags():
         return f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n\n"
 
     spr = "fpu sse2 avx fma avx2 avx512f avx512bw avx512_bf16 amx_tile amx_bf16"
-    assert cr.cpu_isa(info(spr), "x86_64") == "avx512_bf16"
+    assert cr.cpu_isa(info(spr), "x86_64") == "amx_bf16"
+    genoa = "fpu sse2 avx fma avx2 avx512f avx512bw avx512_bf16"  # bfloat16 without AMX
+    assert cr.cpu_isa(info(genoa), "x86_64") == "avx512_bf16"
     assert cr.cpu_isa(info("sse2 avx fma avx2 avx512f avx512dq avx512bw"), "x86_64") == "avx512"
     assert cr.cpu_isa(info("sse2 avx fma avx2 bmi2"), "AMD64") == "avx2"
     assert cr.cpu_isa(info("sse2 avx"), "x86_64") == "x86-other"

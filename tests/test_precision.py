@@ -19,8 +19,9 @@ from rcdl import (
     set_store_dtype,
 )
 from rcdl.attention import attention, attention_partial, finalize, nearest_sq_distance
-from rcdl.hybrid import HybridSoftmax, round_stochastically
+from rcdl.hybrid import HybridSoftmax
 from rcdl.kernels import KERNELS, naive_attention
+from rcdl.rounding import round_stochastically, rounding_noise
 from rcdl.store import EntryStore
 
 HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
@@ -109,8 +110,9 @@ def test_store_keeps_half_keys_and_values_and_halves_their_bytes():
     assert half.keys.dtype == half.values.dtype == torch.bfloat16
     assert half.dtype == half.weights.dtype == torch.float32
     assert_close(half.keys, keys.bfloat16())
-    # (64 + 64) numbers of 2 bytes instead of 4, the float32 weight and the int64 step alike
-    assert half.nbytes == 10 * (128 * 2 + 4 + 8) and full.nbytes == 10 * (128 * 4 + 4 + 8)
+    # (64 + 64) numbers of 2 bytes instead of 4; the float32 weight and the int64 step and
+    # id alike
+    assert half.nbytes == 10 * (128 * 2 + 4 + 16) and full.nbytes == 10 * (128 * 4 + 4 + 16)
     half.double()  # the weights follow the module's dtype, the half rows stay half
     assert half.keys.dtype == torch.bfloat16 and half.weights.dtype == torch.float64
     assert "storage_dtype=torch.bfloat16" in repr(half)
@@ -204,6 +206,25 @@ def test_stochastic_rounding_is_unbiased_and_exact_on_representable_numbers(dtyp
         assert mean == pytest.approx(sign * (1.0 + step), abs=0.02 * step)
     exact = torch.randn(1000).to(dtype)
     assert torch.equal(round_stochastically(exact.float(), dtype), exact)
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", HALF)
+def test_counter_based_rounding_noise_is_unbiased_too(dtype, source):
+    """With the noise of :func:`rounding_noise` (keyed on entry ids, not drawn from torch's
+    generator) the rounding is unbiased as well, on both paths (the float32 → bfloat16 bit
+    trick and the general one)."""
+    step = 0.3 * torch.finfo(dtype).eps
+    x = torch.full((400, 500), 1.0 + step, dtype=source)
+    for sign in (1, -1):
+        noise = rounding_noise(seed=7, step=3 + sign, ids=torch.arange(400), width=500)
+        mean = round_stochastically(sign * x, dtype, noise).double().mean().item()
+        assert mean == pytest.approx(sign * (1.0 + step), abs=0.02 * step)
+    bits = rounding_noise(seed=7, step=0, ids=torch.arange(400), width=500)  # int32
+    assert bits.dtype == torch.int32
+    for shift in (0, 12, 28):  # low, middle and high bits are each uniform
+        counts = torch.bincount(((bits >> shift) & 0xF).flatten().long(), minlength=16)
+        assert (counts.double() / counts.double().mean() - 1).abs().max() < 0.03
 
 
 def test_hybrid_adam_moves_half_entries_by_small_steps_on_average():

@@ -24,10 +24,12 @@ the CIFAR-10 copy in ``DIR``), recorded in ``tests/data/quick_summaries_full.jso
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -92,17 +94,21 @@ NO_DATA = {"demo", "teacher-student"}
 CASES = FULL if FULL_DATA else TINY
 
 
+def _check_results():
+    """benchmarks/check_results.py, whose CPU classes this test shares."""
+    spec = importlib.util.spec_from_file_location(
+        "check_results", Path(__file__).parents[1] / "benchmarks" / "check_results.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("check_results", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 def machine_class() -> str:
-    """The machine class float results reproduce on (as ``benchmarks/check_results.py``)."""
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    isa = next((f for f in ("avx512_bf16", "avx512f", "avx2", "avx") if f in flags), "other")
+    """The machine class float results reproduce on: the CPU's class as
+    ``benchmarks/check_results.py`` tells it (AMX, avx512_bf16, AVX512, AVX2...), torch's
+    version and the thread count."""
+    isa = _check_results().cpu_isa()
     return f"{isa} / torch {torch.__version__} / {torch.get_num_threads()} threads"
 
 

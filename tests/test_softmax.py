@@ -100,7 +100,7 @@ def test_single_sample_gauge_descent_closed_form():
 def test_gauge_rule_keeps_old_entries_and_writes_positive_weights():
     layer = random_layer(RULES["gauge"])
     grower = Grower(layer)
-    before = {k: v.clone() for k, v in layer.store.state_dict().items()}
+    before = layer.store.rows()
     for seed in range(3):
         q, y = data(5, seed=seed)
         F.mse_loss(layer(q), y).backward()

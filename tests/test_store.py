@@ -21,7 +21,8 @@ def test_append_views_and_sizes():
     assert len(store) == 4
     assert store.keys.shape == (4, 3) and store.values.shape == (4, 2)
     assert store.written_at.tolist() == [7] * 4
-    assert store.nbytes == 4 * ((3 + 2 + 1) * 4 + 8)
+    assert store.ids.tolist() == [0, 1, 2, 3] and store.next_id == 4
+    assert store.nbytes == 4 * ((3 + 2 + 1) * 4 + 8 + 8)  # + written_at and id
     assert "N=4" in repr(store) and "used" in repr(store)
 
 
@@ -49,7 +50,8 @@ def test_reserve_avoids_reallocation():
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 7), st.lists(st.booleans(), max_size=40)), max_size=25))
 def test_matches_a_list_model(ops):
-    """Appends and masked removals behave like a Python list of rows."""
+    """Appends and masked removals behave like a Python list of rows; every row keeps the
+    id it was written with."""
     store, model, counter = EntryStore(3, 2, growth=1.3), [], 0
     for op in ops:
         if isinstance(op, int):
@@ -65,6 +67,7 @@ def test_matches_a_list_model(ops):
         assert store.keys[:, 0].tolist() == [float(k) for k, _ in model]
         assert store.values[:, 1].tolist() == [-float(k) for k, _ in model]
         assert store.written_at.tolist() == [t for _, t in model]
+        assert store.ids.tolist() == [k for k, _ in model]
 
 
 def test_compact_releases_capacity():
@@ -83,10 +86,24 @@ def test_state_dict_round_trip_holds_live_rows_only():
     assert state["keys"].shape == (6, 3)
     fresh = EntryStore(3, 2)
     fresh.load_state_dict(state)
-    for name in ("keys", "values", "weights", "written_at"):
+    for name in ("keys", "values", "weights", "written_at", "ids"):
         assert torch.equal(getattr(fresh, name), getattr(store, name))
+    fresh.append(*rows(1))
+    assert fresh.ids.tolist() == [0, 1, 2, 3, 4, 5, 6]  # numbering goes on after a load
     with pytest.raises(RuntimeError, match="expects"):
         EntryStore(4, 2).load_state_dict(state)
+
+
+def test_explicit_ids_and_taken_ids():
+    """A sharded layer takes the ids of a whole batch and appends its own rows with theirs."""
+    store = EntryStore(3, 2)
+    ids = store.new_ids(5)
+    store.append(*rows(2), ids=ids[1::3])
+    assert store.ids.tolist() == [1, 4] and store.next_id == 5
+    store.append(*rows(1))
+    assert store.ids.tolist() == [1, 4, 5]
+    with pytest.raises(ValueError, match="ids must be an int64 tensor of shape"):
+        store.append(*rows(2), ids=torch.tensor([1.0, 2.0]))
 
 
 def test_dtype_and_device_moves_keep_entries():

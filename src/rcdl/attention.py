@@ -217,9 +217,10 @@ def merge_partials(a: Partial, b: Partial) -> Partial:
 
 
 def finalize(part: Partial, *, kernel: Kernel, eps: float = 1e-6) -> Tensor:  # (B, d_out)
-    """Output of the attention from the partial over *all* entries."""
+    """Output of the attention from the partial over *all* entries: a new tensor, never one
+    of the partial's (a cached partial stays intact whatever is done to the output)."""
     if kernel != "softmax":
-        return part.num.contiguous()
+        return part.num.clone(memory_format=torch.contiguous_format)
     return (part.num / guard_denominator(part.den, part.mass, eps)[:, None]).contiguous()
 
 
@@ -246,14 +247,19 @@ class _StreamingAttention(torch.autograd.Function):
             den = guard_denominator(part.den, part.mass, eps)  # (B,)
             clamped = part.den.abs() < eps * part.mass  # (B,) bool
         ctx.eps = eps
-        ctx.save_for_backward(q, keys, values, weights, out, part.m, den, clamped)
+        # the output is recomputed from num backward, not saved: an in-place op on it (an
+        # nn.ReLU(inplace=True) after the layer) then leaves the backward what it needs
+        ctx.save_for_backward(q, keys, values, weights, part.num, part.m, den, clamped)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):  # grad_out (B, d_out)
+        q, keys, values, weights, num, m, den, clamped = ctx.saved_tensors
+        out = num / den[:, None] if ctx.kernel == "softmax" else num  # (B, d_out)
         grad_q, *entry_grads = attention_backward(
-            grad_out, *ctx.saved_tensors, kernel=ctx.kernel, tau=ctx.tau, chunk=ctx.chunk,
+            grad_out, q, keys, values, weights, out, m, den, clamped, kernel=ctx.kernel,
+            tau=ctx.tau, chunk=ctx.chunk,
             eps=ctx.eps, needs=ctx.needs_input_grad[:4], saved_blocks=ctx.saved_blocks)
         if grad_q is not None and ctx.shard is not None:  # each rank holds its shard's share
             grad_q = ctx.shard.all_reduce(grad_q.contiguous())

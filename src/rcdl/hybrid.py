@@ -13,6 +13,7 @@ One training step: :class:`HybridGrower` drives it, in the only valid order::
     loss = F.cross_entropy(model(x), y)     # the forward records q, s and (by a hook) ḡ
     loss.backward()                         # gradients w.r.t. every stored entry, too
     opt.step()                              # EntryAdam moves the entries, then gated writes
+    opt.zero_grad()                         # as for any optimizer: the parameters' gradients
 
 (The two halves also exist alone, :class:`EntryAdam` and :class:`rcdl.grower.Grower`. In the
 wrong order the growth step drops the entries' gradients, and the next ``EntryAdam.step()``
@@ -41,14 +42,15 @@ from rcdl.attention import nearest_sq_distance
 from rcdl.grower import Grower
 from rcdl.layers import GrowingSoftmax, _Record
 from rcdl.memory import MemoryBudget
+from rcdl.rounding import round_stochastically, rounding_noise
 from rcdl.rules import Entries, LearningRule
 from rcdl.store import EntryStore
 
 __all__ = [
     "AlwaysGrow", "CapacityGate", "DistanceGate", "EntryAdam", "ErrorScaledGate",
     "GrowthTrigger", "HybridGrower", "HybridSoftmax", "adam_block_elements", "hybrid_layers",
-    "round_stochastically",
 ]  # fmt: skip
+# round_stochastically lives in rcdl.rounding; importable from here as before
 
 
 class GrowthTrigger(Protocol):
@@ -56,10 +58,14 @@ class GrowthTrigger(Protocol):
 
     ``accept(sq_distance (B,) or None, size, errors (B,)) -> (B,) bool``, given each query's
     squared distance to the nearest stored key (computed only if ``needs_distance``), the
-    number of entries stored and each sample's error ``‖g_i‖``.
+    number of entries the layer stores (over every rank if the store is sharded: counted
+    only if ``needs_size``, as it costs a collective then; 0 otherwise) and each sample's
+    error ``‖g_i‖``. Every argument is the same on every rank, so the ranks of a sharded
+    store accept the same samples.
     """
 
     needs_distance: bool
+    needs_size: bool
 
     def accept(self, sq_distance: Tensor | None, size: int, errors: Tensor) -> Tensor: ...
 
@@ -72,6 +78,7 @@ class AlwaysGrow:
     """Every sample writes its entry (the pure growing network's behaviour)."""
 
     needs_distance = False
+    needs_size = False
 
     def accept(self, sq_distance: Tensor | None, size: int, errors: Tensor) -> Tensor:
         return torch.ones(errors.shape[0], dtype=torch.bool, device=errors.device)
@@ -93,6 +100,7 @@ class DistanceGate:
 
     tau: float
     needs_distance = True
+    needs_size = False
 
     def __post_init__(self) -> None:
         _check_tau(self.tau)
@@ -107,10 +115,12 @@ class DistanceGate:
 @dataclass(frozen=True)
 class CapacityGate(DistanceGate):
     """Distance gate whose threshold rises as the store fills (docs/reference.md §4):
-    ``τ_eff = τ · (1 + p · (N / capacity)²)`` with ``N`` entries stored."""
+    ``τ_eff = τ · (1 + p · (N / capacity)²)`` with ``N`` entries stored (by all ranks
+    together if the store is sharded)."""
 
     capacity: int = 1
     penalty: float = 1.0
+    needs_size = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -153,6 +163,10 @@ class HybridSoftmax(GrowingSoftmax):
         rule: the rule proposing entries
             (docs/reference.md §6: ``ClippedSoftmaxRule(eta=1, beta=30)``).
         trigger: which proposed entries are written (default ``DistanceGate(50.0)``).
+        seed: seeds the initial entries (default: torch's global generator) and the
+            stochastic rounding of a half-precision store (:mod:`rcdl.rounding`; default: a
+            number drawn from torch's global generator). Saved with the model as the buffer
+            ``rounding_seed``.
         Other arguments as :class:`~rcdl.layers.GrowingSoftmax` (docs/reference.md §6: T = 5).
 
     Statistics (buffers, saved with the model): ``entries_written``, ``entries_refused``.
@@ -182,6 +196,8 @@ class HybridSoftmax(GrowingSoftmax):
         for name in ("entries_written", "entries_refused"):
             self.register_buffer(name, torch.zeros((), dtype=torch.long,
                                                    device=self.store.device))
+        rounding_seed = int(torch.randint(1 << 62, ())) if seed is None else seed
+        self.register_buffer("rounding_seed", torch.tensor(rounding_seed, dtype=torch.long))
         self._zero_moments(len(self.store))
         self._leaves: tuple[Tensor, Tensor, Tensor] | None = None
         self._refused = 0  # refused by the trigger in the pending proposal
@@ -258,8 +274,10 @@ class HybridSoftmax(GrowingSoftmax):
 
         With a half-precision store (``store_dtype``) the moments stay in the layer's dtype
         and the moved keys and values are rounded to the store's dtype *stochastically*
-        (:func:`round_stochastically`): an Adam step is often smaller than half a bfloat16
-        ulp, and rounding to nearest would drop it every time.
+        (:func:`rcdl.rounding.round_stochastically`): an Adam step is often smaller than half
+        a bfloat16 ulp, and rounding to nearest would drop it every time. The random bits
+        are :func:`rcdl.rounding.rounding_noise` of ``(rounding_seed, Adam step, entry id)``,
+        so a resumed or sharded run rounds exactly as one uninterrupted process does.
         """
         leaves, self._leaves = self._leaves, None
         if leaves is None or all(t.grad is None for t in leaves):
@@ -277,7 +295,8 @@ class HybridSoftmax(GrowingSoftmax):
         groups = ((self.store.keys, self.adam_m.keys, self.adam_v.keys, leaves[0].grad),
                   (self.store.values, self.adam_m.values, self.adam_v.values, leaves[1].grad),
                   (self.store.weights, self.adam_m.weights, self.adam_v.weights, leaves[2].grad))
-        for param, m, v, grad in groups:
+        ids, seed = self.store.ids, self.rounding_seed
+        for stream, (param, m, v, grad) in enumerate(groups):
             if grad is None:  # a zero gradient: the moments still decay and θ still moves
                 grad = param.new_zeros(()).expand_as(param)
             block = chunk_elements or adam_block_elements(param.device, param.numel())
@@ -295,7 +314,9 @@ class HybridSoftmax(GrowingSoftmax):
                     param[rows].addcdiv_(m_c, denom, value=-1.0)
                 else:  # a half-precision store: round the moved entries without bias
                     moved = torch.addcdiv(param[rows].to(m.dtype), m_c, denom, value=-1.0)
-                    param[rows] = round_stochastically(moved, param.dtype)
+                    noise = rounding_noise(seed=seed, step=self.adam_steps, ids=ids[rows],
+                                           width=param.shape[1], stream=stream)
+                    param[rows] = round_stochastically(moved, param.dtype, noise)
         self.store.touch()  # every entry moved: cached partials over them are stale
         if self.retrieval is not None:  # a top-k index follows in-place moves lazily
             self.retrieval.entries_moved(self)
@@ -310,7 +331,8 @@ class HybridSoftmax(GrowingSoftmax):
                                               chunk_size=self.chunk_size)  # (B,) this shard
             if self.shard is not None:
                 sq_distance = self.shard.nearest_sq_distance(sq_distance)
-        accept = self.trigger.accept(sq_distance, len(self.store), errors)  # (B,) bool
+        size = self.num_entries() if getattr(self.trigger, "needs_size", True) else 0
+        accept = self.trigger.accept(sq_distance, size, errors)  # (B,) bool
         self._refused += int((~accept).sum())
         return keys[accept], values[accept], weights[accept]
 
@@ -356,29 +378,6 @@ class HybridSoftmax(GrowingSoftmax):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, trigger={self.trigger}"
-
-
-def round_stochastically(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x`` rounded to the narrower ``dtype``, to one of its two neighbours there at random:
-    to the farther one with probability ``|x − nearest| / |farther − nearest|``, so that the
-    result is unbiased, ``E[result] = x``. Small updates then move a half-precision value
-    on average, where rounding to nearest would drop every one below half an ulp.
-
-    float32 to bfloat16 (a bfloat16 is the top 16 bits of a float32) adds 16 random bits
-    below the kept ones and truncates: the magnitude rounds up exactly when the random
-    number exceeds what truncation drops, with that probability (5x faster than the general
-    path, which finds both neighbours with ``nextafter``)."""
-    if x.dtype == torch.float32 and dtype == torch.bfloat16:
-        bits = x.view(torch.int32)  # sign and magnitude: adding grows the magnitude
-        noise = torch.randint_like(bits, 0, 1 << 16)
-        return (bits + noise).bitwise_and_(-(1 << 16)).view(torch.float32).to(dtype)
-    nearest = x.to(dtype)
-    error = x - nearest.to(x.dtype)  # |error| <= half the gap
-    toward = torch.where(error > 0, torch.inf, -torch.inf).to(dtype)
-    farther = torch.nextafter(nearest, toward)
-    gap = farther.to(x.dtype) - nearest.to(x.dtype)  # 0 only where error is 0
-    p_farther = torch.where(gap != 0, error / gap, 0.0)  # in [0, 1/2]
-    return torch.where(torch.rand_like(x) < p_farther, farther, nearest)
 
 
 def adam_block_elements(device: torch.device | str, numel: int) -> int:
@@ -514,12 +513,17 @@ class HybridGrower(torch.optim.Optimizer):
     the rule's η), so a ``torch.optim.lr_scheduler`` scheduler drives both;
     :meth:`state_dict` holds both halves' state.
 
+    Like any optimizer it leaves the gradients of the model's ordinary parameters (an
+    ``nn.Linear`` in front, a ViT's embeddings) in place after ``step()``: call
+    ``zero_grad()`` before the next backward, as :func:`rcdl.training.train_step` does.
+
     Example::
 
         opt = HybridGrower(model, lr=1e-3)
         for x, y in batches:
             F.cross_entropy(model(x), y).backward()
             opt.step()
+            opt.zero_grad()
     """
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9,

@@ -22,6 +22,9 @@ Which records a step writes (the habits of an ordinary PyTorch loop must not bre
   never written, even if their backward comes later.
 - in eval mode nothing is recorded; if grad is enabled the output still requires grad, and a
   backward through it raises an error that names the layer and says to call ``model.train()``.
+- the output is the layer's own tensor, shared with nothing it keeps (its record, an
+  evaluation cache, the attention's saved tensors): an in-place op after the layer
+  (``nn.ReLU(inplace=True)``) trains as its out-of-place twin does.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class _EvalModeOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s: Tensor, where: str) -> Tensor:  # noqa: ANN001
         ctx.where = where
-        return s.view_as(s)
+        return s.clone()  # not a view of the leaf: in-place ops on it stay possible
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
@@ -155,13 +158,14 @@ class GrowingLayer(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def entry_weights(self) -> Tensor:  # (N,)
-        """The per-entry weights handed to the attention (age coefficients,
-        docs/reference.md §3)."""
+        """The per-entry weights handed to the attention: the stored weights ``w_j``, times
+        the age coefficients ``h(a_j)`` where the rule has weight decay or momentum
+        (docs/reference.md §3)."""
         ages = getattr(self.rule, "ages", None)
         if ages is None or ages.trivial:
             return self.store.weights
         age = self.steps - self.store.written_at  # (N,)
-        return ages.entry(age).to(self.store.dtype)
+        return self.store.weights * ages.entry(age).to(self.store.dtype)
 
     def attend(self, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
         """Attention from (already prepared) queries over the whole store (every rank's
@@ -254,6 +258,9 @@ class GrowingLayer(nn.Module):
             s.register_hook(record.set_grad)  # the graph holds the record until backward
             self._pending = [r for r in self._pending if r() is not None]
             self._pending.append(weakref.ref(record))
+            # hand out a copy: an in-place op after the layer (nn.ReLU(inplace=True)) then
+            # changes neither the record nor a leaf, and the hook still sees ∂L/∂s
+            s = s.clone()
         elif torch.is_grad_enabled() and not s.requires_grad:  # a backward would only fail
             s = _EvalModeOutput.apply(s.detach().requires_grad_(), self.where)
         return s.reshape(*x.shape[:-1], self.d_out)
@@ -353,6 +360,14 @@ class GrowingLayer(nn.Module):
     def make_entries(self, record: _Record) -> Entries:
         return self.rule.entries(record.q, record.s, record.grad, record.n_samples)
 
+    def num_entries(self) -> int:
+        """Entries the layer stores: over every rank if its store is sharded (then a
+        collective, to call on every rank), else ``len(self.store)``."""
+        if self.shard is None:
+            return len(self.store)
+        count = torch.tensor([len(self.store)], dtype=torch.long, device=self.store.device)
+        return int(self.shard.all_reduce(count)[0])
+
     @torch.no_grad()
     def commit(self, entries: Entries | None) -> None:
         """Append ``entries`` as :meth:`propose` returns them (checked finite there, so not
@@ -361,13 +376,14 @@ class GrowingLayer(nn.Module):
         if entries is None:
             return
         self.steps += 1
+        count = entries[0].shape[0]  # B, the same on every rank
+        ids = self.store.new_ids(count)  # (B,) the batch's ids, the same on every rank
         if self.shard is not None:  # this rank stores its rows of the batch
-            count = entries[0].shape[0]  # B, the same on every rank
             keep = self.shard.owned(count, entries[0].device,
                                     offset=int(self.steps) * count)  # (B,) bool
-            entries = tuple(t[keep] for t in entries)
+            entries, ids = tuple(t[keep] for t in entries), ids[keep]
         # checked finite by propose(); the write step as a tensor: no device sync
-        self.store.append(*entries, written_at=self.steps, check_finite=False)
+        self.store.append(*entries, written_at=self.steps, ids=ids, check_finite=False)
 
     def discard(self) -> None:
         """Forget this step's records without writing anything: records made so far are never
@@ -512,6 +528,11 @@ class GrowingSoftmax(GrowingLayer):
                          **kw)
         if initial_entries < 0:
             raise ValueError(f"initial_entries must be >= 0, got {initial_entries}")
+        if initial_entries == 0 and getattr(rule, "needs_log_normalizer", False):
+            raise ValueError(
+                f"{type(self).__name__}: the 1/Z-normalised rule {rule} divides every entry by "
+                "Z(q) = Σ_j w_j e^{⟨q, k_j⟩/τ} of the store, which is 0 for an empty store: "
+                "give initial_entries >= 1 (docs/reference.md §6 uses 16)")
         if initial_entries:
             gen = None if seed is None else torch.Generator().manual_seed(seed)
             keys = _rms_normalised(torch.randn(initial_entries, d_in, generator=gen))

@@ -379,12 +379,16 @@ def topk_attention(
     k: int,
     candidates: int | None = None,
     eps: float = 1e-6,
+    stale_index: bool = False,
 ) -> TopKOutput:
     """Kernel attention from ``q`` over each query's top-k entries, retrieved by ``index``.
 
-    ``index`` must hold exactly the rows of ``keys``, in order, under :func:`metric_for`'s
-    metric for ``kernel``. With ``κ_j`` the kernel value (``e^{z_j}``, ``z_j = ⟨q, k_j⟩/τ``,
-    for the softmax; ``exp(−‖q − k_j‖²/(2τ))`` for RBF) and ``τ = T √d_in``:
+    ``index`` must hold the rows of ``keys``, in order, under :func:`metric_for`'s metric for
+    ``kernel``; with ``stale_index=True`` it may hold older versions of them (a :class:`TopK`
+    index between two refreshes): it then only chooses the candidates, which are always
+    compared again with the ``keys`` given. With ``κ_j`` the kernel value (``e^{z_j}``,
+    ``z_j = ⟨q, k_j⟩/τ``, for the softmax; ``exp(−‖q − k_j‖²/(2τ))`` for RBF) and
+    ``τ = T √d_in``:
 
     1. the index returns ``c`` candidates ``S`` per query, the rows of largest ``κ`` if it
        is exact (``c = candidates``, default ``k``: no rescoring; docs/retrieval.md
@@ -392,9 +396,9 @@ def topk_attention(
     2. each candidate is rescored by ``t_j = log κ_j + log |w_j|``, the log of its term in
        the kernel mass ``M = Σ_j |w_j| κ_j``. ``κ_j`` comes from the index's own scores
        when they are in ``q``'s dtype and no gradient is needed (the index compared the
-       same vectors); otherwise the keys are gathered, cast to ``q``'s dtype and compared
-       again. Entries of negative weight (a trained hybrid store) rank by magnitude and
-       keep their sign below; zero weights rank last;
+       same vectors); otherwise (and always with ``stale_index``) the keys are gathered,
+       cast to ``q``'s dtype and compared again. Entries of negative weight (a trained
+       hybrid store) rank by magnitude and keep their sign below; zero weights rank last;
     3. the ``k`` best candidates ``K`` are kept, and the kernel's exact formula runs over them:
        RBF ``Σ_{j∈K} w_j κ_j v_j``; softmax ``Σ_{j∈K} e^{z_j} ṽ_j / Σ_{j∈K} w_j e^{z_j}``
        (guarded as :func:`rcdl.kernels.guard_denominator`). With ``k ≥ N`` this is the exact
@@ -439,7 +443,8 @@ def topk_attention(
     scores, found = scores.to(q.device), found.to(keys.device)
     w_max = weights.detach().abs().max()  # () for the bound on rows never retrieved
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad)
-    gather_keys = needs_grad or scores.dtype != q.dtype  # else the index's scores serve
+    # else the index's scores serve: it compared these very vectors
+    gather_keys = needs_grad or stale_index or scores.dtype != q.dtype
     per_query = c * (1 + 2 * keys.shape[1] * gather_keys)  # elements of the blocks formed
     if values.dtype != q.dtype:
         per_query += k * values.shape[1]  # a half-precision store's values are gathered
@@ -692,7 +697,7 @@ class TopK:
                                             layer.entry_weights())
         result = topk_attention(q, keys, values, weights, kernel=layer.kernel,
                                 temperature=layer.temperature, index=index, k=self.k,
-                                candidates=self.candidates)
+                                candidates=self.candidates, stale_index=self._stale > 0)
         self.calls += 1
         self._last_left_out = result.left_out.mean()  # kept as a tensor: no device sync
         return result.out

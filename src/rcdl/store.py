@@ -1,8 +1,10 @@
 """The entry store: the growing database a layer answers from (docs/reference.md §2).
 
 One store per layer holds N entries, each a key ``k_j (d_in,)``, a value ``v_j (d_out,)``
-(the *weighted* value ``ṽ_j = w_j v_j`` for the weighted softmax), a scalar weight ``w_j``
-and the step at which the entry was written (for the age coefficients of docs/reference.md §3).
+(the *weighted* value ``ṽ_j = w_j v_j`` for the weighted softmax), a scalar weight ``w_j``,
+the step at which the entry was written (for the age coefficients of docs/reference.md §3)
+and its id: the entry's number in the order the layer wrote its entries, the same whichever
+process holds it (a sharded store, :mod:`rcdl.distributed`) and after any removal or resume.
 
 Storage is a set of capacity-sized buffers of which the first ``N`` rows are live.
 Appending B entries is amortised O(B): when the capacity runs out it grows geometrically
@@ -39,7 +41,7 @@ def format_bytes(n: int) -> str:
 
 
 class EntryStore(nn.Module):
-    """A growable table of (key, value, weight, written_at) entries.
+    """A growable table of (key, value, weight, written_at, id) entries.
 
     Args:
         d_in: key width.
@@ -47,7 +49,7 @@ class EntryStore(nn.Module):
         capacity: rows allocated up front (grow later as needed).
         growth: factor by which the capacity grows when an append does not fit (> 1).
         dtype, device: of the weights, and of what :meth:`append` takes and the attention
-            computes in (``written_at`` is always int64).
+            computes in (``written_at`` and ``ids`` are always int64).
         storage_dtype: what keys and values are stored as (default ``dtype``). A half
             precision (``torch.bfloat16``, ``torch.float16``) halves the store's bytes: appended
             rows are rounded to it, the attention multiplies in it and accumulates in
@@ -57,8 +59,14 @@ class EntryStore(nn.Module):
             ``state_dict()`` (and ignored by ``load_state_dict``): for per-entry state that an
             optimizer saves in its own state dict (the hybrid's Adam moments).
 
-    Views ``keys (N, d_in)``, ``values (N, d_out)``, ``weights (N,)``, ``written_at (N,)``
-    are slices of the buffers: they are invalidated by the next append that reallocates.
+    Views ``keys (N, d_in)``, ``values (N, d_out)``, ``weights (N,)``, ``written_at (N,)``,
+    ``ids (N,)`` are slices of the buffers: they are invalidated by the next append that
+    reallocates.
+
+    Ids: :meth:`new_ids` hands out the next ``count`` numbers (``next_id`` counts them, and is
+    saved in the state dict); :meth:`append` numbers its rows so unless given ``ids``. A
+    sharded layer takes the ids of the whole batch on every rank and appends its own rows
+    with theirs, so that an entry's id does not depend on the process holding it.
 
     ``version`` counts the changes other than appends (removals, clears, loads and in-place
     edits, which must call :meth:`touch`): a cache of partial results over the first ``n``
@@ -96,13 +104,17 @@ class EntryStore(nn.Module):
         self._values = torch.empty(capacity, d_out, dtype=storage_dtype or dtype, device=device)
         self._weights = torch.empty(capacity, dtype=dtype, device=device)
         self._written_at = torch.empty(capacity, dtype=torch.long, device=device)
+        self._ids = torch.empty(capacity, dtype=torch.long, device=device)
+        self.next_id = 0  # the id the next new entry gets
+
+    _BUFFERS = ("_keys", "_values", "_weights", "_written_at", "_ids")
 
     # Buffers are kept as plain attributes of capacity size; ``_apply`` and the state-dict
     # hooks below make them behave like module buffers, trimmed to the live rows.
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch signature
         super()._apply(fn, recurse)
-        for name in ("_keys", "_values", "_weights", "_written_at"):
+        for name in self._BUFFERS:
             setattr(self, name, fn(getattr(self, name)))
         if self._storage_dtype is not None:  # a half-precision store stays half (exact)
             self._keys = self._keys.to(self._storage_dtype)
@@ -136,6 +148,10 @@ class EntryStore(nn.Module):
         return self._written_at[: self.size]
 
     @property
+    def ids(self) -> Tensor:  # (N,)
+        return self._ids[: self.size]
+
+    @property
     def capacity(self) -> int:
         return self._keys.shape[0]
 
@@ -158,7 +174,8 @@ class EntryStore(nn.Module):
 
     def _row_bytes(self) -> int:
         row_bytes = (self.d_in + self.d_out) * self._keys.element_size()
-        return row_bytes + self._weights.element_size() + self._written_at.element_size()
+        return (row_bytes + self._weights.element_size() + self._written_at.element_size()
+                + self._ids.element_size())
 
     @property
     def nbytes(self) -> int:
@@ -183,7 +200,7 @@ class EntryStore(nn.Module):
         if capacity <= self.capacity:
             return
         n = self.size
-        for name in ("_keys", "_values", "_weights", "_written_at"):
+        for name in self._BUFFERS:
             old = getattr(self, name)
             new = old.new_empty((capacity, *old.shape[1:]))
             new[:n] = old[:n]
@@ -196,12 +213,14 @@ class EntryStore(nn.Module):
         weights: Tensor | None = None,
         written_at: int | Tensor = 0,
         *,
+        ids: Tensor | None = None,
         check_finite: bool = True,
     ) -> None:
         """Append B entries: ``keys (B, d_in)``, ``values (B, d_out)``, ``weights (B,)``.
 
-        ``weights`` defaults to ones. All three are in the store's ``dtype``; keys and values
-        are rounded to ``storage_dtype`` as they are written. Everything is validated before
+        ``weights`` defaults to ones, ``ids (B,)`` (int64) to the next B of :meth:`new_ids`.
+        The three floating tensors are in the store's ``dtype``; keys and values are rounded
+        to ``storage_dtype`` as they are written. Everything is validated before
         anything is written, so a refused append leaves the store unchanged. Non-finite
         entries are refused, and so are entries that overflow the storage dtype (float16).
         ``check_finite=False`` skips the finiteness test (one device sync) where the storage
@@ -214,9 +233,13 @@ class EntryStore(nn.Module):
         written_at = torch.as_tensor(written_at, dtype=torch.long, device=self.device)
         written_at = written_at.expand(max(b, 0)) if written_at.dim() == 0 else written_at
         self._check_entries(keys, values, weights, written_at)
+        if ids is not None and (ids.shape != (max(b, 0),) or ids.dtype != torch.long):
+            raise ValueError(f"EntryStore.append: ids must be an int64 tensor of shape ({b},), "
+                             f"got {ids.dtype} {tuple(ids.shape)}")
         if b == 0:
             return
         keys, values = self._finite_rows(keys, values, weights, check_finite)
+        ids = self.new_ids(b) if ids is None else ids.to(self.device)
         if self.size + b > self.capacity:
             self.reserve(max(self.size + b, int(self.capacity * self.growth) + 1))
         rows = slice(self.size, self.size + b)
@@ -224,7 +247,15 @@ class EntryStore(nn.Module):
         self._values[rows] = values
         self._weights[rows] = weights
         self._written_at[rows] = written_at
+        self._ids[rows] = ids
         self.size += b
+
+    def new_ids(self, count: int) -> Tensor:  # (count,) int64
+        """The ids of the next ``count`` entries written (``next_id`` onwards), taken: the
+        next call continues after them."""
+        ids = torch.arange(self.next_id, self.next_id + count, device=self.device)
+        self.next_id += count
+        return ids
 
     def _finite_rows(self, keys: Tensor, values: Tensor, weights: Tensor,
                      check_finite: bool) -> tuple[Tensor, Tensor]:
@@ -286,7 +317,7 @@ class EntryStore(nn.Module):
             )
         keep = (~mask).nonzero().squeeze(1).to(self.device)  # (N_keep,)
         n_keep = keep.numel()
-        for name in ("_keys", "_values", "_weights", "_written_at"):
+        for name in self._BUFFERS:
             buf = getattr(self, name)
             buf[:n_keep] = buf[: self.size].index_select(0, keep)
         removed = self.size - n_keep
@@ -301,7 +332,7 @@ class EntryStore(nn.Module):
 
     def compact(self) -> None:
         """Release the unused capacity (capacity becomes N)."""
-        for name in ("_keys", "_values", "_weights", "_written_at"):
+        for name in self._BUFFERS:
             setattr(self, name, getattr(self, name)[: self.size].clone())
 
     def clear(self) -> None:
@@ -315,66 +346,79 @@ class EntryStore(nn.Module):
             return
         for name, tensor in self.rows().items():
             destination[prefix + name] = tensor
+        destination[prefix + "next_id"] = torch.tensor(self.next_id)
 
-    _ROWS = ("keys", "values", "weights", "written_at")
+    _ROWS = ("keys", "values", "weights", "written_at", "ids")
 
     def rows(self) -> dict[str, Tensor]:
-        """The live rows as ``{keys, values, weights, written_at}`` (copies): what the state
-        dict holds, and what :meth:`load_rows` takes back."""
+        """The live rows as ``{keys, values, weights, written_at, ids}`` (copies): what the
+        state dict holds besides ``next_id``, and what :meth:`load_rows` takes back."""
         return {name: getattr(self, name).clone() for name in self._ROWS}
 
     def load_rows(self, rows: dict[str, Tensor]) -> None:
         """Replace the entries by ``rows`` (as :meth:`rows` gives them), checked first: a
-        refused load (``ValueError``) leaves the store as it was."""
+        refused load (``ValueError``) leaves the store as it was. ``next_id`` moves past the
+        largest id loaded."""
+        missing = [name for name in self._ROWS if name not in rows]
+        if missing:
+            raise ValueError(f"EntryStore.load_rows: rows lack {', '.join(missing)}")
         problem = self._checkpoint_problem(*(rows[name] for name in self._ROWS))
         if problem is not None:
             raise ValueError(f"EntryStore.load_rows: {problem}")
-        self._replace(*(rows[name] for name in self._ROWS))
+        ids = rows["ids"]
+        next_id = max(self.next_id, int(ids.max()) + 1 if ids.numel() else 0)
+        self._replace(*(rows[name] for name in self._ROWS), next_id=next_id)
 
-    def _replace(self, keys: Tensor, values: Tensor, weights: Tensor,
-                 written_at: Tensor) -> None:
+    def _replace(self, keys: Tensor, values: Tensor, weights: Tensor, written_at: Tensor,
+                 ids: Tensor, *, next_id: int) -> None:
         """Replace the rows by checked ones (copies cast to the store's dtypes and device)."""
         n = keys.shape[0]
         self.clear()
         self.reserve(n)
         for buf, rows in ((self._keys, keys), (self._values, values), (self._weights, weights),
-                          (self._written_at, written_at)):
+                          (self._written_at, written_at), (self._ids, ids)):
             buf[:n] = rows  # copy_ casts (rounds to a half storage dtype) and moves
-        self.size = n
+        self.size, self.next_id = n, next_id
 
     def _load_from_state_dict(  # noqa: ANN001, PLR0913
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
         if not self.persistent:
             return
-        names = self._ROWS
+        names = (*self._ROWS, "next_id")
         present = [prefix + n in state_dict for n in names]
         if not all(present):
             missing_keys.extend(prefix + n for n, p in zip(names, present, strict=True) if not p)
             return
-        keys, values, weights, written_at = (state_dict[prefix + n] for n in names)
-        problem = self._checkpoint_problem(keys, values, weights, written_at)
+        rows = [state_dict[prefix + n] for n in self._ROWS]
+        problem = self._checkpoint_problem(*rows)
+        next_id = state_dict[prefix + "next_id"]
+        if problem is None and (next_id.dim() != 0 or next_id.is_floating_point()):
+            problem = f"checkpoint next_id is {next_id.dtype} {tuple(next_id.shape)}, expected " \
+                      "an integer scalar"
         if problem is not None:  # refused before anything changes: the store stays as it was
             errors.append(f"EntryStore {prefix!r}: {problem}")
             return
-        self._replace(keys, values, weights, written_at)
+        self._replace(*rows, next_id=int(next_id))
 
     def _checkpoint_problem(self, keys: Tensor, values: Tensor, weights: Tensor,
-                            written_at: Tensor) -> str | None:
+                            written_at: Tensor, ids: Tensor) -> str | None:
         """What is wrong with a checkpoint's entries, or ``None`` if they can be loaded."""
         n = keys.shape[0] if keys.dim() == 2 else -1
         if keys.shape[1:] != (self.d_in,) or values.shape[1:] != (self.d_out,) or n < 0:
             return (f"checkpoint has keys {tuple(keys.shape)} and values {tuple(values.shape)}, "
                     f"this store expects (N, {self.d_in}) and (N, {self.d_out})")
-        if values.shape[0] != n or weights.shape != (n,) or written_at.shape != (n,):
+        if (values.shape[0] != n or weights.shape != (n,) or written_at.shape != (n,)
+                or ids.shape != (n,)):
             return (f"checkpoint rows disagree: keys {tuple(keys.shape)}, values "
                     f"{tuple(values.shape)}, weights {tuple(weights.shape)}, written_at "
-                    f"{tuple(written_at.shape)}")
+                    f"{tuple(written_at.shape)}, ids {tuple(ids.shape)}")
         for name, t in (("keys", keys), ("values", values), ("weights", weights)):
             if not t.is_floating_point():
                 return f"checkpoint {name} have dtype {t.dtype}, expected a floating dtype"
             if not torch.isfinite(t).all():
                 return f"checkpoint {name} contain NaN or inf"
-        if written_at.is_floating_point() or written_at.is_complex():
-            return f"checkpoint written_at has dtype {written_at.dtype}, expected integers"
+        for name, t in (("written_at", written_at), ("ids", ids)):
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                return f"checkpoint {name} has dtype {t.dtype}, expected integers"
         return None

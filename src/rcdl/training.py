@@ -37,7 +37,8 @@ from rcdl.retrieval import load_retrieval_state, retrieval_state
 from rcdl.store import format_bytes
 
 __all__ = ["Checkpointer", "Evaluator", "GrowerLike", "MetricLog", "Schedule", "accuracy",
-           "epoch_permutation", "evaluate", "train_one_pass"]
+           "epoch_permutation", "evaluate", "rank_checkpoint_path", "train_one_pass",
+           "train_step"]
 
 Metric = Callable[[Tensor, Tensor], Tensor]  # (predictions, targets) -> scalar
 # the keys of an evaluation record besides the metrics (see ``train_one_pass``)
@@ -52,12 +53,15 @@ class MetricLog(Protocol):
 
 
 class GrowerLike(Protocol):
-    """What the loop needs from :class:`rcdl.grower.Grower`."""
+    """What the loop needs from a grower (:class:`rcdl.grower.Grower`,
+    :class:`rcdl.hybrid.HybridGrower`)."""
 
     num_entries: int
     nbytes: int
 
     def step(self) -> None: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
 def _sync(device: torch.device) -> None:
@@ -169,17 +173,55 @@ def _new_loop() -> dict[str, Any]:
             "loss_sum": 0.0, "loss_count": 0, "last_loss": None}  # fmt: skip
 
 
+def rank_checkpoint_path(path: str | Path, rank: int, world: int) -> Path:
+    """Rank ``rank``'s file of a checkpoint sharded over ``world`` processes:
+    ``<stem>.rank<r>of<W><suffix>`` beside ``path`` (``ckpt.pt`` → ``ckpt.rank0of2.pt``)."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.rank{rank}of{world}{path.suffix}")
+
+
 class Checkpointer:
     """Saves the loop's whole state (model, optimizer, grower, top-k indices, the loop's
     counters) to ``path`` atomically every ``every`` steps, and restores it at the start of
     a run that finds the file; a checkpoint written by another run (``identity``: name,
-    seed, batch size, training samples) is refused. With a sharded store every rank writes
-    its own file and rank 0 lists them in ``<name>.manifest.json``."""
+    seed, batch size, training samples) is refused.
+
+    With a sharded store every rank writes its own file and rank 0 lists them in
+    ``<name>.manifest.json``. The ranks may pass their own paths (all different), or one
+    path for all, from which each rank's file is derived (:func:`rank_checkpoint_path`);
+    paths shared by some ranks only are refused, as one file would hold one shard and lose
+    the others."""
 
     def __init__(self, path: str | Path, every: int, identity: dict[str, Any], model: nn.Module,
                  optimizer: torch.optim.Optimizer | None, grower: Any) -> None:  # fmt: skip
-        self.path, self.every, self.identity = Path(path), every, identity
+        self.given, self.every, self.identity = Path(path), every, identity
         self.model, self.optimizer, self.grower = model, optimizer, grower
+        self._path: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        """This rank's file (a collective the first time, if the model is sharded: every
+        rank's path is compared)."""
+        if self._path is None:
+            self._path = self._rank_path()
+        return self._path
+
+    def _rank_path(self) -> Path:
+        if not is_sharded(self.model):
+            return self.given
+        rank, world = rank_and_world()
+        paths = [None] * world
+        dist.all_gather_object(paths, str(self.given.resolve()))
+        if len(set(paths)) == world:
+            return self.given
+        if len(set(paths)) == 1:
+            return rank_checkpoint_path(self.given, rank, world)
+        shared = sorted({p for p in paths if paths.count(p) > 1})
+        raise ValueError(
+            f"Checkpointer: ranks {[r for r, p in enumerate(paths) if p in shared]} of {world} "
+            f"were given the same checkpoint path ({', '.join(shared)}) and the others not: "
+            "give every rank its own path, or all ranks one path (each rank's file is then "
+            "derived from it)")
 
     def restore(self) -> dict[str, Any] | None:
         """The saved loop state after loading the rest into the model and learners; None if
@@ -296,20 +338,27 @@ def _store_size(grower: Any) -> tuple[int | None, int | None]:
     return int(grower.num_entries), int(grower.nbytes)
 
 
-def _train_step(model: nn.Module, xb: Tensor, yb: Tensor, loss_fn: Metric,
-                optimizer: torch.optim.Optimizer | None, grower: Any) -> float:  # fmt: skip
-    """One step: ``loss_fn(model(xb), yb)``, backward, then the optimizer's step and/or the
-    grower's writes; returns the loss (a float: syncs the device, so clocks are honest)."""
+def train_step(model: nn.Module, xb: Tensor, yb: Tensor, loss_fn: Metric,
+               optimizer: torch.optim.Optimizer | None = None,
+               grower: GrowerLike | None = None) -> float:  # fmt: skip
+    """One training step, the learner protocol of :func:`train_one_pass`:
+    ``loss = loss_fn(model(xb), yb)``, ``loss.backward()``, then each learner in turn —
+    ``optimizer`` first, then ``grower`` — ``step()`` and ``zero_grad()``. Whichever learner
+    holds a parameter (an :class:`rcdl.hybrid.HybridGrower` holds the model's ordinary
+    parameters too), its gradient is zeroed after the step that used it, so
+    ``grower=HybridGrower(m)`` and ``optimizer=EntryAdam(m), grower=Grower(m)`` train alike.
+
+    Returns the loss as a float (a device sync, so clocks are honest). A non-finite loss is
+    returned before any backward or step (the caller names the step)."""
     loss = loss_fn(model(xb), yb)
     loss_value = loss.item()
     if not math.isfinite(loss_value):
-        return loss_value  # the caller names the step
+        return loss_value
     loss.backward()
-    if optimizer is not None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    if grower is not None:
-        grower.step()
+    for learner in (optimizer, grower):
+        if learner is not None:
+            learner.step()
+            learner.zero_grad(set_to_none=True)
     return loss_value
 
 
@@ -360,8 +409,9 @@ def train_one_pass(
     """Train ``model`` for one pass (or ``epochs`` passes) over the training set; evaluate as
     it goes.
 
-    Each step: ``loss = loss_fn(model(x_b), y_b)`` (a batch mean), ``loss.backward()``, then
-    ``optimizer.step()`` and/or ``grower.step()`` (at least one must be given; a model
+    Each step is :func:`train_step`: ``loss = loss_fn(model(x_b), y_b)`` (a batch mean),
+    ``loss.backward()``, then ``optimizer.step()`` and ``optimizer.zero_grad()``, and/or
+    ``grower.step()`` and ``grower.zero_grad()`` (at least one must be given; a model
     without parameters is given only a grower).
 
     Args:
@@ -439,7 +489,7 @@ def train_one_pass(
         for step, idx in schedule.batches(loop["step"]):
             t0 = time.perf_counter()
             xb, yb = x_train[idx].to(device), y_train[idx].to(device)
-            loss_value = _train_step(model, xb, yb, loss_fn, optimizer, grower)
+            loss_value = train_step(model, xb, yb, loss_fn, optimizer, grower)
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"{name}: training loss is {loss_value} at step {step}")
             loop["loss_sum"] += loss_value

@@ -104,7 +104,7 @@ from rcdl.networks import (
 from rcdl.optim import make_optimizer
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
 from rcdl.store import format_bytes
-from rcdl.training import accuracy, train_one_pass
+from rcdl.training import accuracy, rank_checkpoint_path, train_one_pass
 
 __all__ = [
     "EXPERIMENT", "EXPERIMENT_SPEC", "METRICS", "MODELS", "Cifar10Config", "ModelSpec",
@@ -416,7 +416,7 @@ def _checkpoint_path(run: RunDir, name: str, seed: int) -> Path:
     rank, world = rank_and_world()
     stem = _run_name(name, seed)
     folder = run.file("checkpoints")
-    mine = f"{stem}.pt" if world == 1 else f"{stem}.rank{rank}of{world}.pt"
+    mine = f"{stem}.pt" if world == 1 else rank_checkpoint_path(f"{stem}.pt", rank, world).name
     allowed = mine if world == 1 else f"{stem}.rank*of{world}.pt"
     left = [p.name for p in (folder / f"{stem}.pt", *folder.glob(f"{stem}.rank*of*.pt"))
             if p.exists() and not fnmatch(p.name, allowed)]
