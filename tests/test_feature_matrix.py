@@ -1,0 +1,581 @@
+"""Every feature composes with every other: random combinations against the single-process
+float64 reference.
+
+A *case* draws one value of every switch (:class:`Case`): the kind of growing layer and its
+learning rule (linear dual form, RBF, gws, normalised gws, gauge, hybrid; with weight decay
+and momentum for two of them), the hybrid's gate (none, distance, capacity, error-scaled) and
+learner (``HybridGrower`` or ``EntryAdam`` + ``Grower``), the store's dtype (float64, bfloat16,
+float16), the world size (1–3, spawned gloo processes), top-k retrieval with ``k ≥ N``
+(exact, FAISS flat or HNSW; in training or not; the index refreshed every step or every
+third), the evaluation cache, a save through :class:`rcdl.training.Checkpointer` and a resume
+into freshly built objects at a random step, evaluation passes between steps (whose outputs
+are then changed in place, as a user's post-processing may), an ``nn.Linear`` in front, an
+in-place ReLU between the two growing layers, a memory budget, the initial entries, and the
+stored weights split as ``w = 1/2``, ``v = 2(−ηg)`` (the same function; not with float16
+stores, where doubling a subnormal value rounds otherwise).
+
+It trains a two-layer network ``[Linear] → layer → ReLU → layer`` for six steps (batch sizes
+1, 7, 7, 5, 7, 6: the first leaves most shards empty) with
+:func:`rcdl.training.train_step`, and compares with the *reference* of the same model —
+one process, exact attention, no cache, no resume, out-of-place ReLU, ``EntryAdam`` +
+``Grower``, unit weights, evaluated after every step:
+
+- the stores, gathered from every rank and ordered by entry id, to 1e-10;
+- the outputs on held-out inputs after the last step, to 1e-10;
+- the outputs of every evaluation pass, to 1e-10.
+
+**Half-precision stores** are compared with the reference over the same rounded numbers
+(the one-process run with the same half store). Where nothing changes how the products are
+formed (one process, exact attention in training) the stores and final outputs must agree
+to 1e-10 too: rounding at append, stochastic rounding keyed on entry ids
+(:mod:`rcdl.rounding`) and resumes are exact. Where the products are formed otherwise —
+shards or top-k in training change how the store is split into blocks, and bfloat16
+products round per block (docs/precision.md) — the stores must hold the same entry ids and
+the outputs must agree within ``HALF_FACTOR`` times what the half store itself costs
+against the float64 store in the reference, plus ``HALF_FLOOR`` of the output scale; such
+cases are drawn without the switches whose decisions are discontinuous in the entries (gates,
+evicting by contribution, merging). Evaluation passes through a cache or top-k over a half
+store are compared within the same tolerance.
+
+Some combinations are refused with a clear error, and the test checks that they are: top-k
+over a sharded store, a normalised gws layer without initial entries, merging budgets on
+linear or age-weighted layers. A memory budget is per shard under sharding (docs/memory.md),
+not what one process does, so budgets are drawn at world size 1 only.
+
+The CI run takes the fixed cases of :data:`FIXED` (at least one per defect of the seams it
+guards) and ``RCDL_MATRIX_DRAWS`` random draws (default 48) from ``RCDL_MATRIX_SEED``
+(default 0). A longer run: ``RCDL_MATRIX_DRAWS=2000 RCDL_MATRIX_SEED=1 pytest
+tests/test_feature_matrix.py``. A failing case prints its configuration and the command that
+reruns it alone (``RCDL_MATRIX_CASE='<json>' pytest tests/test_feature_matrix.py -k
+replay``). Hypothesis is not used: one spawn per world size serves all its cases, which
+shrinking one failing example at a time would not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import tempfile
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from rcdl import (
+    AlwaysGrow,
+    CapacityGate,
+    ClippedSoftmaxRule,
+    DistanceGate,
+    EntryAdam,
+    ErrorScaledGate,
+    FunctionalSGD,
+    GaugeSoftmaxRule,
+    Grower,
+    GrowingLinear,
+    GrowingRBF,
+    GrowingSoftmax,
+    HybridGrower,
+    HybridSoftmax,
+    MemoryBudget,
+    growing_layers,
+    use_exact,
+    use_topk,
+)
+from rcdl.training import Checkpointer, train_step
+
+try:
+    import faiss  # noqa: F401
+except ImportError:
+    faiss = None
+
+D_IN, WIDTH, D_OUT = 5, 6, 3
+BATCHES = (1, 7, 7, 5, 7, 6)
+STEPS = len(BATCHES)
+TOLERANCE = 1e-10
+HALF_FACTOR, HALF_FLOOR = 3.0, 1e-3
+TIMEOUT = timedelta(seconds=60)
+
+KINDS = ("linear", "linear-momentum", "rbf", "rbf-decay", "gws", "gws-normalized", "gauge",
+         "hybrid")
+SOFTMAX_KINDS = ("gws", "gws-normalized", "gauge", "hybrid")
+AGED_KINDS = ("linear-momentum", "rbf-decay")
+GATES = ("none", "distance", "capacity", "error-scaled")
+STORES = {"float64": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("exact", "faiss-flat", "faiss-hnsw")
+POLICIES = ("oldest", "newest", "contribution", "random")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One combination of switches (see the module docstring)."""
+
+    kind: str
+    gate: str = "none"  # hybrid only
+    store: str = "float64"
+    world: int = 1
+    topk: tuple | None = None  # (backend, in training, refresh_every)
+    cache: bool = False
+    resume_at: int | None = None  # save and resume after this many steps
+    evals: tuple[int, ...] = ()  # evaluate after these many steps (0: before training)
+    front: bool = False  # an nn.Linear in front
+    inplace: bool = False  # the ReLU between the layers in place
+    learner: str = "adam+grower"  # hybrid only: or "hybrid-grower"
+    budget: tuple | None = None  # (capacity, policy, merge, slack); world size 1 only
+    split: bool = False  # linear and RBF kinds: weights 1/2, values doubled
+    initial: int = 4  # softmax kinds: initial entries per layer
+    guards: str = ""  # the defect a fixed case is there for
+
+    def to_json(self) -> str:
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "guards"}
+        return json.dumps(fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> Case:
+        fields = json.loads(text)
+        for name in ("topk", "budget", "evals"):
+            if fields.get(name) is not None:
+                fields[name] = tuple(fields[name])
+        return cls(**fields)
+
+
+# --------------------------------------------------------------------------- the fixed cases
+
+FIXED = (
+    Case("hybrid", gate="capacity", world=2, guards="1: CapacityGate under sharding"),
+    Case("hybrid", gate="capacity", world=3, resume_at=2, evals=(1, 4),
+         guards="1: CapacityGate under sharding, resumed"),
+    Case("hybrid", gate="error-scaled", world=2, front=True,
+         guards="1: ErrorScaledGate under sharding"),
+    Case("hybrid", gate="distance", store="bfloat16", resume_at=3,
+         guards="2: bfloat16 hybrid resumed bit-identically"),
+    Case("hybrid", store="bfloat16", world=2, resume_at=2,
+         guards="2: bfloat16 hybrid sharded, same rounding noise per entry"),
+    Case("hybrid", gate="distance", store="float16", resume_at=4, learner="hybrid-grower",
+         guards="2: float16 hybrid resumed, general rounding path"),
+    Case("hybrid", gate="distance", front=True, learner="hybrid-grower",
+         guards="3: HybridGrower zeroes the parameters' gradients"),
+    Case("hybrid", gate="distance", front=True, learner="hybrid-grower", world=2,
+         resume_at=3, guards="3: HybridGrower with parameters, sharded and resumed"),
+    Case("hybrid", gate="distance", topk=("exact", False, 3), evals=(1, 2, 3, 4, 5),
+         guards="4: evaluation through a stale index"),
+    Case("hybrid", topk=("exact", True, 3), evals=(2, 3, 5), resume_at=4,
+         guards="4: training and evaluation through a stale index, resumed"),
+    Case("rbf", cache=True, evals=(0, 1, 2, 3, 4, 5), guards="5: the cache's own partials"),
+    Case("linear", cache=True, evals=(1, 2, 4), guards="5: the cache, linear kernel"),
+    Case("gws", cache=True, evals=(1, 2, 3), budget=(12, "contribution", True, 2),
+         guards="5: the cache after evictions and merges"),
+    Case("gws", world=2, resume_at=3, guards="6: a sharded checkpoint given one path"),
+    Case("rbf", world=3, resume_at=1, cache=True, evals=(2,),
+         guards="6: a sharded checkpoint given one path, three ranks"),
+    Case("rbf-decay", split=True, evals=(2, 4), guards="7: stored weights with age coefficients"),
+    Case("linear-momentum", split=True, world=2, guards="7: split weights, sharded"),
+    Case("gws-normalized", initial=0, guards="8: refused at construction"),
+    Case("rbf", inplace=True, front=True, guards="9: in-place activation, RBF"),
+    Case("gws", inplace=True, evals=(3,), guards="9: in-place activation, gws"),
+    Case("hybrid", gate="distance", inplace=True, learner="hybrid-grower",
+         guards="9: in-place activation, hybrid"),
+    Case("rbf", topk=("faiss-hnsw", False, 1), evals=(2, 5), guards="10: FAISS HNSW"),
+    Case("hybrid", gate="distance", topk=("faiss-hnsw", True, 1), resume_at=3,
+         guards="10: FAISS HNSW in training, its graph replayed after a resume"),
+    Case("gauge", topk=("faiss-flat", True, 1), evals=(4,), guards="10: FAISS flat"),
+    Case("rbf", topk=("exact", False, 1), world=2, guards="refused: top-k over shards"),
+    Case("linear", budget=(10, "oldest", True, 0), guards="refused: merging a linear layer"),
+)
+
+
+# --------------------------------------------------------------------------- random cases
+
+
+def draw(rng: random.Random) -> Case:
+    """A random case; half stores whose products are formed otherwise than in the reference
+    are drawn without the switches whose decisions are discontinuous in the entries."""
+    kind = rng.choice(KINDS)
+    hybrid, softmax = kind == "hybrid", kind in SOFTMAX_KINDS
+    world = rng.choice((1, 1, 2, 3))
+    store = rng.choice(("float64", "float64", "bfloat16", "float16"))
+    topk = None
+    if kind not in ("linear", "linear-momentum") and rng.random() < 0.35:
+        backends = BACKENDS if faiss is not None else ("exact",)
+        topk = (rng.choice(backends), rng.random() < 0.5, rng.choice((1, 1, 3)))
+        if world > 1 and rng.random() < 0.7:
+            world = 1  # top-k over shards is refused: draw that sometimes, not mostly
+    budget = None
+    if world == 1 and rng.random() < 0.3:
+        budget = (rng.choice((10, 14)), rng.choice(POLICIES), rng.random() < 0.3,
+                  rng.choice((0, 3)))
+    gate = rng.choice(GATES) if hybrid else "none"
+    layout_changes = world > 1 or (topk is not None and topk[1])
+    if store != "float64" and layout_changes:
+        gate = "none"
+        if budget is not None:
+            budget = (budget[0], rng.choice(("oldest", "newest", "random")), False, budget[3])
+    evals = tuple(sorted(rng.sample(range(STEPS + 1), rng.randint(0, 3))))
+    return Case(
+        kind=kind, gate=gate, store=store, world=world, topk=topk, cache=rng.random() < 0.4,
+        resume_at=rng.randint(1, STEPS - 1) if rng.random() < 0.5 else None, evals=evals,
+        front=rng.random() < 0.3, inplace=rng.random() < 0.3,
+        learner=rng.choice(("adam+grower", "hybrid-grower")) if hybrid else "adam+grower",
+        budget=budget,
+        # doubling a value rounds exactly in bfloat16, not among float16's subnormals (< 6e-5)
+        split=(kind in ("linear", "linear-momentum", "rbf", "rbf-decay") and store != "float16"
+               and rng.random() < 0.3),
+        initial=rng.choice((0, 4, 4)) if softmax else 4)
+
+
+def drawn_cases() -> list[Case]:
+    count = int(os.environ.get("RCDL_MATRIX_DRAWS", "48"))
+    rng = random.Random(int(os.environ.get("RCDL_MATRIX_SEED", "0")))
+    return [draw(rng) for _ in range(count)]
+
+
+def expected_refusal(case: Case) -> str | None:
+    """The error (a regex) a refused combination must raise, or None."""
+    if case.kind == "gws-normalized" and case.initial == 0:
+        return "initial_entries"
+    if case.topk is not None and case.world > 1:
+        return "sharded over ranks"
+    if case.budget is not None and case.budget[2] and (
+            case.kind.startswith("linear") or case.kind in AGED_KINDS):
+        return "merg"
+    return None
+
+
+def layouts_differ(case: Case) -> bool:
+    """Whether training forms the products otherwise than the reference does."""
+    return case.world > 1 or (case.topk is not None and case.topk[1])
+
+
+def reference_of(case: Case, store: str | None = None) -> Case:
+    return Case(kind=case.kind, gate=case.gate, store=store or case.store, front=case.front,
+                budget=case.budget, initial=case.initial, evals=tuple(range(STEPS + 1)))
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class SplitSGD(FunctionalSGD):
+    """FunctionalSGD writing ``w = 1/2`` and ``v = 2 (−ηg)``: the same ``w·v`` exactly."""
+
+    def entries(self, q, s, grad_mean, n_samples, log_z=None):  # noqa: ANN001, ANN201
+        keys, values, weights = super().entries(q, s, grad_mean, n_samples, log_z)
+        return keys, 2 * values, weights / 2
+
+
+def _gate(name: str):  # noqa: ANN202
+    return {"none": AlwaysGrow(), "distance": DistanceGate(1.5),
+            "capacity": CapacityGate(1.2, capacity=20, penalty=2.0),
+            "error-scaled": ErrorScaledGate(1.5)}[name]
+
+
+def _layer(case: Case, d_in: int, d_out: int, index: int) -> nn.Module:
+    store = STORES[case.store]
+    sgd = SplitSGD if case.split else FunctionalSGD
+    if case.kind == "linear":
+        return GrowingLinear(d_in, d_out, rule=sgd(0.1, per_sample=False), store_dtype=store)
+    if case.kind == "linear-momentum":
+        rule = sgd(0.1, weight_decay=0.01, momentum=0.5, per_sample=False)
+        return GrowingLinear(d_in, d_out, rule=rule, store_dtype=store)
+    if case.kind == "rbf":
+        return GrowingRBF(d_in, d_out, temperature=1.0, rule=sgd(0.3), store_dtype=store)
+    if case.kind == "rbf-decay":
+        rule = sgd(0.2, weight_decay=0.05, momentum=0.3)
+        return GrowingRBF(d_in, d_out, temperature=1.0, rule=rule, store_dtype=store)
+    kw = {"temperature": 1.0, "initial_entries": case.initial, "seed": 10 + index,
+          "store_dtype": store}
+    if case.kind == "hybrid":
+        return HybridSoftmax(d_in, d_out, rule=ClippedSoftmaxRule(1.0, 2.0),
+                             trigger=_gate(case.gate), **kw)
+    rule = {"gws": ClippedSoftmaxRule(0.3, 2.0),
+            "gws-normalized": ClippedSoftmaxRule(0.3, 2.0, normalize=True),
+            "gauge": GaugeSoftmaxRule(2.0, 0.3, 5.0)}[case.kind]
+    return GrowingSoftmax(d_in, d_out, rule=rule, **kw)
+
+
+def build(case: Case):  # noqa: ANN201
+    """The model, its learners and the checkpointable pieces, as a fresh process makes them."""
+    torch.manual_seed(0)
+    parts = [nn.Linear(D_IN, D_IN)] if case.front else []
+    parts += [_layer(case, D_IN, WIDTH, 0), nn.ReLU(inplace=case.inplace),
+              _layer(case, WIDTH, D_OUT, 1)]
+    model = nn.Sequential(*parts).double()
+    if case.world > 1:
+        from rcdl.distributed import shard
+
+        shard(model)
+    if case.topk is not None:
+        backend, train, refresh = case.topk
+        index_kw = {"dtype": torch.float64} if backend == "exact" else {}
+        use_topk(model, 10_000, backend=backend, train=train, refresh_every=refresh,
+                 **index_kw)
+    budget = None
+    if case.budget is not None:
+        capacity, policy, merge, slack = case.budget
+        budget = MemoryBudget(capacity, policy, merge=merge, slack=slack)
+    optimizer, grower = None, None
+    if case.kind == "hybrid" and case.learner == "hybrid-grower":
+        grower = HybridGrower(model, lr=0.05, budget=budget)
+    elif case.kind == "hybrid":
+        optimizer, grower = EntryAdam(model, lr=0.05), Grower(model, budget=budget)
+    else:
+        grower = Grower(model, budget=budget)
+        if case.front:
+            optimizer = torch.optim.SGD(model[0].parameters(), lr=0.05)
+    if case.cache:
+        for _, layer in growing_layers(model):
+            layer.enable_eval_cache()
+    return model, optimizer, grower
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(BATCHES[step], D_IN, generator=gen, dtype=torch.float64)
+    return x, torch.tanh(2 * x[:, :D_OUT])
+
+
+def held_out() -> torch.Tensor:
+    return torch.randn(9, D_IN, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+
+
+def evaluate(model: nn.Module) -> torch.Tensor:
+    """One evaluation pass; the output handed out is then changed in place."""
+    for _, layer in growing_layers(model):
+        layer.start_evaluation()
+    model.eval()
+    with torch.no_grad():
+        out = model(held_out())
+        seen = out.clone()
+        out.mul_(-3.0).add_(1e3)  # a user's in-place post-processing
+    model.train()
+    return seen
+
+
+def stores(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every layer's rows ``[id, written_at, key, value, weight]`` in float64, by id, over
+    every rank. A linear or RBF layer's function depends on ``w_j v_j`` alone: its rows hold
+    ``[id, written_at, key, w v, 1]``, so that split weights compare equal."""
+    local = {}
+    for name, layer in growing_layers(model):
+        s = layer.store
+        values, weights = s.values.double(), s.weights.double()
+        if layer.kernel != "softmax":
+            values, weights = values * weights[:, None], torch.ones_like(weights)
+        local[name] = torch.cat([s.ids[:, None].double(), s.written_at[:, None].double(),
+                                 s.keys.double(), values, weights[:, None]], 1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        local = {name: torch.cat([g[name] for g in gathered]) for name in local}
+    return {name: t[t[:, 0].argsort()] for name, t in local.items()}
+
+
+def run(case: Case, folder: Path) -> dict:
+    """Train ``case``; ``{"refused": message}`` if a switch refused the combination."""
+    try:
+        model, optimizer, grower = build(case)
+    except ValueError as err:
+        return {"refused": str(err)}
+    evals = {}
+    for step in range(STEPS + 1):
+        if step in case.evals:
+            evals[step] = evaluate(model)
+        if step == STEPS:
+            break
+        if step == case.resume_at:
+            model, optimizer, grower = _save_and_resume(case, folder, step, model, optimizer,
+                                                        grower)
+        x, y = batch(step)
+        train_step(model.train(), x, y, F.mse_loss, optimizer, grower)
+    use_exact(model)
+    for _, layer in growing_layers(model):
+        layer.disable_eval_cache()
+    with torch.no_grad():
+        final = model.eval()(held_out())
+    return {"stores": stores(model), "final": final, "evals": evals}
+
+
+def _save_and_resume(case, folder, step, model, optimizer, grower):  # noqa: ANN001, ANN202
+    """Save through a Checkpointer (every rank given the same path), then build everything
+    anew, as a fresh process would, with torch's global generator somewhere else."""
+    identity = {"name": "matrix", "seed": 0}
+    Checkpointer(folder / "ckpt.pt", 1, identity, model, optimizer, grower).save({"step": step})
+    del model, optimizer, grower
+    model, optimizer, grower = build(case)
+    loop = Checkpointer(folder / "ckpt.pt", 1, identity, model, optimizer, grower).restore()
+    assert loop == {"step": step}
+    torch.manual_seed(1000 + step)  # the global generator is not where the first run left it
+    return model, optimizer, grower
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def compare(case: Case, got: dict, ref: dict, ref64: dict | None) -> list[str]:
+    """What differs between ``got`` and the reference (an empty list when nothing does)."""
+    refusal = expected_refusal(case)
+    if refusal is not None:
+        if "refused" not in got:
+            return [f"expected a refusal matching {refusal!r}, but the case ran"]
+        import re
+
+        ok = re.search(refusal, got["refused"])
+        return [] if ok else [f"refused with {got['refused']!r}, expected {refusal!r}"]
+    if "refused" in got:
+        return [f"refused unexpectedly: {got['refused']}"]
+    if "error" in got:
+        return [f"raised: {got['error']}"]
+    problems = []
+    half = case.store != "float64"
+
+    def tolerance(step: int | None) -> float:
+        if not half:
+            return TOLERANCE
+        out = ref["final"] if step is None else ref["evals"][step]
+        out64 = ref64["final"] if step is None else ref64["evals"][step]
+        return HALF_FACTOR * _max_diff(out, out64) + HALF_FLOOR * float(out.abs().max())
+
+    approximate = half and layouts_differ(case)
+    for name, want in ref["stores"].items():
+        have = got["stores"][name]
+        if have.shape[0] != want.shape[0] or not torch.equal(have[:, :2], want[:, :2]):
+            problems.append(f"{name}: entries (id, step) {have[:, :2].tolist()} != "
+                            f"{want[:, :2].tolist()}")
+        elif not approximate and _max_diff(have, want) > TOLERANCE:
+            problems.append(f"{name}: stores differ by {_max_diff(have, want):.3g}")
+    final_tol = tolerance(None) if approximate else TOLERANCE
+    if _max_diff(got["final"], ref["final"]) > final_tol:
+        problems.append(f"final outputs differ by {_max_diff(got['final'], ref['final']):.3g} "
+                        f"(tolerance {final_tol:.3g})")
+    eval_approximate = half and (approximate or case.cache or case.topk is not None)
+    for step, out in got["evals"].items():
+        tol = tolerance(step) if eval_approximate else TOLERANCE
+        if _max_diff(out, ref["evals"][step]) > tol:
+            problems.append(f"evaluation after step {step} differs by "
+                            f"{_max_diff(out, ref['evals'][step]):.3g} (tolerance {tol:.3g})")
+    return problems
+
+
+def references(cases: list[Case]) -> dict[Case, tuple[dict, dict | None]]:
+    out = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for case in cases:
+            if expected_refusal(case) is not None:
+                out[case] = ({}, None)
+                continue
+            ref = run(reference_of(case), Path(folder))
+            ref64 = run(reference_of(case, "float64"), Path(folder)) \
+                if case.store != "float64" else None
+            out[case] = (ref, ref64)
+    return out
+
+
+def _run_all(cases: list[Case], folder: Path) -> list[dict]:
+    results = []
+    for i, case in enumerate(cases):
+        case_folder = folder / f"case{i}"
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            case_folder.mkdir(parents=True, exist_ok=True)
+        if dist.is_initialized():
+            try:
+                dist.barrier()
+            except RuntimeError as err:  # a rank left the previous case early, or hung in it
+                raise RuntimeError(f"rank {dist.get_rank()}: the ranks fell out of step in the "
+                                   f"case before case {i}: {cases[i - 1].to_json()}") from err
+        try:
+            results.append(run(case, case_folder))
+        except Exception:  # noqa: BLE001 - reported with the case
+            results.append({"error": traceback.format_exc(limit=4)})
+    return results
+
+
+def _worker(rank: int, world: int, init_file: Path, folder: Path, cases_json: list[str],
+            result_file: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=TIMEOUT)
+    try:
+        torch.set_num_threads(1)
+        results = _run_all([Case.from_json(c) for c in cases_json], folder)
+        if rank == 0:
+            torch.save(results, result_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cases(cases: list[Case], world: int, folder: Path) -> list[dict]:
+    """Every case (all of world size ``world``), in this process or in spawned ranks."""
+    if world == 1:
+        return _run_all(cases, folder)
+    result_file = folder / "results.pt"
+    mp.start_processes(_worker, nprocs=world, join=True, start_method="spawn",
+                       args=(world, folder / "init", folder, [c.to_json() for c in cases],
+                             result_file))
+    return torch.load(result_file, weights_only=False)
+
+
+def check(cases: list[Case], world: int, folder: Path) -> None:
+    refs = references(cases)
+    failures = []
+    for case, got in zip(cases, run_cases(cases, world, folder), strict=True):
+        problems = compare(case, got, *refs[case])
+        if problems:
+            failures.append(
+                f"{case.guards or 'drawn case'}: {'; '.join(problems)}\n  rerun it alone: "
+                f"RCDL_MATRIX_CASE='{case.to_json()}' python -m pytest "
+                "tests/test_feature_matrix.py -k replay")
+    assert not failures, f"{len(failures)} of {len(cases)} cases differ:\n" + "\n".join(failures)
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_combination_equals_the_one_process_reference(world, tmp_path):
+    cases = [c for c in (*FIXED, *drawn_cases()) if c.world == world]
+    assert cases
+    check(cases, world, tmp_path)
+
+
+def test_the_fixed_cases_guard_every_seam_defect():
+    guarded = {case.guards.split(":")[0] for case in FIXED}
+    assert {str(n) for n in range(1, 11)} <= guarded
+    assert all(case.world == 1 or case.budget is None for case in (*FIXED, *drawn_cases()))
+
+
+def test_the_draws_cover_every_switch():
+    cases = [*FIXED, *drawn_cases()]
+    assert {c.kind for c in cases} == set(KINDS)
+    assert {c.gate for c in cases if c.kind == "hybrid"} == set(GATES)
+    assert {c.store for c in cases} == set(STORES)
+    assert {c.world for c in cases} == {1, 2, 3}
+    assert {c.topk[0] for c in cases if c.topk} >= {"exact"}
+    for switch in ("cache", "front", "inplace", "split"):
+        assert {getattr(c, switch) for c in cases} == {False, True}, switch
+    assert any(c.resume_at for c in cases) and any(c.evals for c in cases)
+    assert any(c.budget for c in cases) and any(expected_refusal(c) for c in cases)
+
+
+@pytest.mark.skipif("RCDL_MATRIX_CASE" not in os.environ,
+                    reason="set RCDL_MATRIX_CASE to the JSON of a case to rerun it")
+def test_replay_one_case(tmp_path):
+    case = Case.from_json(os.environ["RCDL_MATRIX_CASE"])
+    print(case)
+    check([case], case.world, tmp_path)
+
+
+def test_a_case_survives_json():
+    for case in FIXED:
+        assert dataclasses.replace(case, guards="") == Case.from_json(case.to_json())
+    assert math.isfinite(HALF_FACTOR)
