@@ -134,7 +134,7 @@ def test_interrupted_run_resumes_to_the_same_result(data_dir, tmp_path, monkeypa
     run = tmp_path / "run"
     monkeypatch.setattr(cifar10, "train_one_pass", interrupted)
     assert _reproduce(data_dir, "--out", str(run), "--models", *models) == 130
-    assert (run / "checkpoints" / "psoftmax-8-seed0.pt").is_file()
+    assert (run / "checkpoints" / "psoftmax-8-seed0.manifest.json").is_file()
     assert [r["model"] for r in _summary(run)["runs"]] == ["gws"]
 
     trained = []
@@ -158,7 +158,9 @@ def test_interrupted_run_resumes_to_the_same_result(data_dir, tmp_path, monkeypa
 def test_keep_checkpoints(data_dir, tmp_path):
     out = tmp_path / "run"
     assert _reproduce(data_dir, "--out", str(out), "--models", "rbf", "--keep-checkpoints") == 0
-    assert (out / "checkpoints" / "rbf-seed0.pt").is_file()
+    manifest = json.loads((out / "checkpoints" / "rbf-seed0.manifest.json").read_text())
+    assert [e["step"] for e in manifest["checkpoints"]] == [2]  # 3 steps, every 2
+    assert all((out / "checkpoints" / f).is_file() for f in manifest["files"])
 
 
 def test_resume_refuses_a_changed_config(data_dir, tmp_path, capsys):

@@ -4,6 +4,7 @@ with a bfloat16 store rounded stochastically), world sizes 1–3 (uneven shards,
 and a save/resume in the middle, compared in float64 to 1e-10."""
 
 import io
+import json
 from datetime import timedelta
 
 import pytest
@@ -291,7 +292,8 @@ def test_the_cifar10_experiment_sharded_over_two_ranks_equals_one_process(data_d
     assert sharded["sessions"][-1]["world_size"] == 2
     manifest = json.loads((out / "checkpoints" / "gws-seed0.manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["step"] == 2
-    assert manifest["files"] == ["gws-seed0.rank0of2.pt", "gws-seed0.rank1of2.pt"]
+    assert manifest["files"] == ["gws-seed0.rank0of2.step00000002.pt",
+                                 "gws-seed0.rank1of2.step00000002.pt"]
     assert all((out / "checkpoints" / f).is_file() for f in manifest["files"])
     for mine, theirs in zip(sharded["runs"], single["runs"], strict=True):
         assert mine["entries"] == theirs["entries"] and mine["bytes"] == theirs["bytes"]
@@ -300,25 +302,15 @@ def test_the_cifar10_experiment_sharded_over_two_ranks_equals_one_process(data_d
             assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-10, abs=1e-10)
 
 
-def test_a_checkpoint_of_another_world_size_is_refused(tmp_path, monkeypatch):
-    from rcdl.app.experiments import cifar10
-    from rcdl.app.rundir import RunDir
+def test_a_checkpoint_of_another_world_size_is_refused(tmp_path):
+    """Read off the manifest before any file: resume with the same number of processes."""
+    from rcdl.training import Checkpointer
 
-    run = RunDir(tmp_path)
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "gws-seed0.rank0of2.pt").write_bytes(b"")
-    monkeypatch.setattr(cifar10, "rank_and_world", lambda: (0, 3))
-    with pytest.raises(ValueError, match="another number of processes than this run's 3"):
-        cifar10._checkpoint_path(run, "gws", 0)
-    monkeypatch.setattr(cifar10, "rank_and_world", lambda: (1, 2))
-    assert cifar10._checkpoint_path(run, "gws", 0).name == "gws-seed0.rank1of2.pt"
-    monkeypatch.setattr(cifar10, "rank_and_world", lambda: (0, 1))
-    with pytest.raises(ValueError, match="another number of processes"):
-        cifar10._checkpoint_path(run, "gws", 0)
-    (tmp_path / "checkpoints" / "gws-seed0.rank0of2.pt").unlink()
-    (tmp_path / "checkpoints" / "gws-seed0.manifest.json").write_text('{"world_size": 4}')
-    with pytest.raises(ValueError, match="manifest.json was written by another number"):
-        cifar10._checkpoint_path(run, "gws", 0)
+    net, grower = build("rbf")
+    (tmp_path / "ckpt.manifest.json").write_text(json.dumps(
+        {"world_size": 2, "checkpoints": [{"step": 2, "files": ["a", "b"], "sha256": []}]}))
+    with pytest.raises(ValueError, match=r"another number of processes \(2\) than this run's 1"):
+        Checkpointer(tmp_path / "ckpt.pt", 1, {"name": "m"}, net, None, grower).restore()
 
 
 def _mismatch_worker(rank, world, init_file, what):
@@ -419,26 +411,27 @@ def test_a_sharded_checkpointer_given_one_path_writes_one_file_per_rank(tmp_path
     folder.mkdir()
     mp.start_processes(_one_path_worker, args=(2, tmp_path / "init", folder, result_file),
                        nprocs=2, join=True, start_method="spawn")
-    manifest = json.loads((folder / "model.manifest.json").read_text())
-    assert manifest["files"] == ["ckpt.rank0of2.pt", "ckpt.rank1of2.pt"]
-    assert all((folder / f).is_file() for f in manifest["files"])
-    assert not (folder / "ckpt.pt").exists()
+    manifest = json.loads((folder / "ckpt.manifest.json").read_text())
+    assert manifest["files"] == ["ckpt.rank0of2.step00000004.pt", "ckpt.rank1of2.step00000004.pt"]
+    assert [e["step"] for e in manifest["checkpoints"]] == [2, 4]
+    kept = {f for e in manifest["checkpoints"] for f in e["files"]}
+    assert {p.name for p in folder.glob("ckpt.*.pt")} == kept
     (first_resumed, first), (resumed, second) = torch.load(result_file)
     assert not first_resumed and resumed
     assert second == pytest.approx(first, rel=1e-12)
 
 
-def test_checkpoint_paths_shared_by_some_ranks_only_are_refused(monkeypatch, tmp_path):
-    from rcdl import training
+def test_different_checkpoint_paths_on_the_ranks_are_refused(monkeypatch, tmp_path):
+    from rcdl import checkpoint
     from rcdl.distributed import Shard
 
     net, grower = build("rbf")
     for _, layer in growing_layers(net):
         layer.shard = Shard(None, 0, 3)
     given = ["a.pt", "a.pt", "b.pt"]
-    monkeypatch.setattr(training, "rank_and_world", lambda: (0, 3))
-    monkeypatch.setattr(training.dist, "all_gather_object",
+    monkeypatch.setattr(checkpoint, "rank_and_world", lambda: (0, 3))
+    monkeypatch.setattr(checkpoint.dist, "all_gather_object",
                         lambda out, obj: out.__setitem__(slice(None), given))
-    ckpt = training.Checkpointer(tmp_path / "a.pt", 1, {"name": "m"}, net, None, grower)
-    with pytest.raises(ValueError, match=r"ranks \[0, 1\] of 3 were given the same"):
-        _ = ckpt.path
+    ckpt = checkpoint.Checkpointer(tmp_path / "a.pt", 1, {"name": "m"}, net, None, grower)
+    with pytest.raises(ValueError, match="the ranks were given different paths"):
+        ckpt.restore()

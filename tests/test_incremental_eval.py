@@ -1,7 +1,7 @@
-"""Incremental evaluation: each growing layer reuses its partial results over the entries it
-held at the previous evaluation of the same inputs and attends only over the new ones. Over
-a run it equals full evaluation (float64 to 1e-12, float32 to rounding), and it falls back to
-full evaluation wherever a cache would be stale."""
+"""Incremental evaluation: each growing layer keeps the state of its streaming attention after
+the last full chunk of the previous evaluation of the same inputs and folds only the chunks
+from there on. Over a run it equals full evaluation bit for bit (float32 too, and after a
+resume), and it falls back to full evaluation wherever a cache would be stale."""
 
 import pytest
 import torch
@@ -78,10 +78,36 @@ def test_incremental_evaluation_equals_full_evaluation(kind):
         assert set(hits.values()) == {0}
 
 
-def test_float32_incremental_evaluation_agrees_to_rounding():
+@pytest.mark.parametrize("chunk", [None, 7], ids=["one-chunk", "chunks-of-7"])
+def test_float32_incremental_evaluation_is_bit_identical(chunk, monkeypatch):
+    """The cache keeps the streaming fold's state after the last full chunk and folds the
+    same chunks a full pass folds: bit for bit the same, in float32 too, with chunk
+    boundaries that the store crosses between evaluations."""
+    if chunk is not None:
+        from rcdl import attention
+
+        monkeypatch.setattr(attention, "default_chunk_size", lambda batch, device=None: chunk)
     full = run("gws", incremental=False, dtype=torch.float32)
     incremental = run("gws", incremental=True, dtype=torch.float32)
-    assert_close(torch.tensor(incremental), torch.tensor(full), rtol=1e-5, atol=1e-6)
+    assert incremental == full
+
+
+def test_a_resumed_run_evaluates_bit_identically_with_the_cache_on(interrupt_after, tmp_path):
+    """A resumed run's cache starts empty; its first evaluation is one full pass, which is
+    what the uninterrupted run's cached evaluations are too (float32)."""
+    kw = {"batch_size": 8, "eval_every": 3, "progress": False, "loss_fn": F.mse_loss,
+          "incremental_eval": True}
+    net, grower = build("gws", torch.float32)
+    reference = train_one_pass(net, data("float32"), grower=grower, **kw)
+    net, grower = build("gws", torch.float32)
+    stopped = interrupt_after(grower, 8)
+    with pytest.raises(stopped):
+        train_one_pass(net, data("float32"), grower=grower, checkpoint_path=tmp_path / "c.pt",
+                       checkpoint_every=4, **kw)
+    net, grower = build("gws", torch.float32)
+    resumed = train_one_pass(net, data("float32"), grower=grower,
+                             checkpoint_path=tmp_path / "c.pt", **kw)
+    assert resumed["resumed"] and resumed["history"] == reference["history"]
 
 
 def test_other_inputs_are_not_served_from_the_cache():

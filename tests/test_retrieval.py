@@ -584,7 +584,9 @@ def test_a_top_k_run_resumes_with_its_saved_index(interrupt_after, tmp_path, kin
     with pytest.raises(stopped):
         train_one_pass(model, TEACHER, **learner, checkpoint_path=ckpt, checkpoint_every=2,
                        **kw)
-    saved = torch.load(ckpt, weights_only=True)["retrieval"]
+    from rcdl.checkpoint import checkpoint_files, load_checkpoint
+
+    saved = load_checkpoint(checkpoint_files(ckpt, 6))["retrieval"]  # the newest: step 6
     assert set(saved) == {"blocks.0", "readout"}
     assert all(s["index"] is not None for s in saved.values())
     model, learner = build_run(kind, backend)  # a fresh process: only the checkpoint survives

@@ -81,7 +81,9 @@ def test_interrupted_run_resumes_to_the_same_result(interrupt_after, tmp_path, k
     stopped = interrupt_after(next(iter(learner.values())), 7)
     with pytest.raises(stopped):
         train_one_pass(model, DATA, **learner, checkpoint_path=ckpt, checkpoint_every=2, **kw)
-    assert ckpt.exists()
+    assert ckpt.with_name("ckpt.manifest.json").exists()  # steps 4 and 6 kept, 2 deleted
+    assert sorted(p.name for p in tmp_path.glob("ckpt.step*")) == ["ckpt.step00000004.pt",
+                                                                   "ckpt.step00000006.pt"]
     model, learner = build()  # a fresh process: nothing but the checkpoint survives
     resumed = train_one_pass(model, DATA, **learner, checkpoint_path=ckpt, **kw)
     assert resumed["resumed"] and not reference["resumed"]

@@ -45,6 +45,7 @@ __all__ = [
     "finalize",
     "merge_partials",
     "nearest_sq_distance",
+    "resume_partial",
 ]
 
 _NEG_INF = float("-inf")
@@ -197,6 +198,48 @@ def _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep):
         if keep:
             saved.append((block, m_used))
     return part, saved
+
+
+@torch.no_grad()
+def resume_partial(
+    q: Tensor,  # (B, d_in)
+    keys: Tensor,  # (N, d_in)
+    values: Tensor,  # (N, d_out)
+    weights: Tensor,  # (N,)
+    *,
+    kernel: Kernel,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    start: tuple[int, Partial] | None = None,
+) -> tuple[Partial, tuple[int, Partial]]:
+    """The partial over all ``N`` rows, folded chunk by chunk exactly as
+    :func:`attention_partial` folds them, but starting from ``start = (row, partial)``: the
+    fold's state after its first ``row`` rows (a multiple of the chunk size), as an earlier
+    call returned it. Returns the partial over all rows and the state to start from next
+    time, ``(r, partial over rows [0, r))`` with ``r`` the last multiple of the chunk size
+    ``≤ N``. Every chunk is the same rows, folded in the same order, as in one pass over
+    the store: the result is bit for bit :func:`attention_partial`'s, and a store that only
+    grew is re-attended from its last full chunk on (incremental evaluation)."""
+    check_kernel(kernel)
+    _check_inputs(q, keys, values, weights)
+    tau = softmax_scale(temperature, q.shape[1])
+    chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
+    q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel)
+    n = keys.shape[0]
+    row, given = (0, _empty_partial(q, values.shape[1], kernel)) if start is None else start
+    if row % chunk or row > n:
+        raise ValueError(f"resume_partial: the start row {row} is not a chunk boundary "
+                         f"(chunk {chunk}) within the {n} rows")
+    boundary = (n // chunk) * chunk
+    state = (row, given)  # what to start from next time, if no full chunk follows
+    part = Partial(*(t.clone() for t in given))  # folded in place; the state given stays
+    for begin in range(row, n, chunk):
+        rows = slice(begin, begin + chunk)
+        block = _chunk_kernel_values(kernel, q_keys, q_sqnorm, keys[rows], tau, q.dtype)
+        part, _ = _fold_chunk(kernel, part, block, values[rows], weights[rows])
+        if begin + chunk == boundary:  # the last full chunk: keep a copy of the state
+            state = (boundary, Partial(*(t.clone() for t in part)))
+    return part, state
 
 
 def _queries_as_keys(q: Tensor, keys: Tensor, kernel: str) -> tuple[Tensor, Tensor | None]:

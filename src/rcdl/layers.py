@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.attention import Partial, attention, attention_partial, finalize, merge_partials
+from rcdl.attention import Partial, attention, attention_partial, finalize, resume_partial
 from rcdl.kernels import Kernel, check_kernel, softmax_scale
 from rcdl.rules import Entries, FunctionalSGD, LearningRule
 from rcdl.store import EntryStore
@@ -69,7 +69,8 @@ class _Record:
 
 
 class _CachedPartial(NamedTuple):
-    """A layer's partial over its first ``rows`` entries for one evaluation batch."""
+    """A layer's partial over its first ``rows`` entries (a multiple of the chunk size) for
+    one evaluation batch: the state of the streaming fold there."""
 
     q: Tensor  # (B, key_dim) the queries, to check the next evaluation asks the same
     rows: int
@@ -182,11 +183,14 @@ class GrowingLayer(nn.Module):
 
         Evaluation repeats the same test queries between training steps, and a step only
         appends entries. With the cache on, the ``k``-th no-grad forward call after
-        :meth:`start_evaluation` keeps its queries and its partial ``(m, num, den, mass)``
-        over the store's ``n`` rows; the ``k``-th call of the next evaluation, if its queries
-        are the same and the store only grew since (same ``store.version``), attends over the
-        new rows alone and merges the two partials (:func:`rcdl.attention.merge_partials`,
-        exact up to rounding). Otherwise it attends over everything and caches anew; a layer
+        :meth:`start_evaluation` keeps its queries and the state ``(m, num, den, mass)`` of
+        the streaming attention after the store's last full chunk; the ``k``-th call of the
+        next evaluation, if its queries are the same and the store only grew since (same
+        ``store.version``), folds only the chunks from there on
+        (:func:`rcdl.attention.resume_partial`). The chunks are the ones a full pass folds,
+        in the same order, so the result is bit for bit a full evaluation's: a resumed run,
+        whose cache starts empty, evaluates exactly as the uninterrupted one. Otherwise it
+        attends over everything and caches anew; a layer
         whose queries changed between evaluations (a layer after a growing one) stops
         caching. Not cached: sharded stores, age coefficients (weight decay, momentum:
         every entry's weight changes each step) and layers whose entries are trained
@@ -223,15 +227,13 @@ class GrowingLayer(nn.Module):
         if cached is not None and not torch.equal(cached.q, q):  # queries move: stop caching
             self._eval_cache = None
             return self._attention(q, store.keys, store.values, self.entry_weights())
+        start = None
         if cached is not None and cached.version == store.version and cached.rows <= n:
-            rows = slice(cached.rows, n)  # only the rows appended since: merge
-            new = attention_partial(q, store.keys[rows], store.values[rows],
-                                    store.weights[rows], **kw)
-            part = merge_partials(cached.part, new)
+            start = (cached.rows, cached.part)  # fold the chunks from its last full one on
             self._eval_hits += 1
-        else:  # first evaluation, or the store changed otherwise: one full pass
-            part = attention_partial(q, store.keys, store.values, store.weights, **kw)
-        self._eval_cache[slot] = _CachedPartial(q.clone(), n, store.version, part)
+        part, (rows, state) = resume_partial(q, store.keys, store.values, store.weights,
+                                             start=start, **kw)
+        self._eval_cache[slot] = _CachedPartial(q.clone(), rows, store.version, state)
         return finalize(part, kernel=self.kernel)
 
     def _attention(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor) -> Tensor:

@@ -25,20 +25,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from rcdl.distributed import is_sharded, rank_and_world
-from rcdl.io import atomic_save_torch, atomic_write_json
+from rcdl.checkpoint import Checkpointer
 from rcdl.layers import growing_layers
-from rcdl.retrieval import load_retrieval_state, retrieval_state
 from rcdl.store import format_bytes
 
 __all__ = ["Checkpointer", "Evaluator", "GrowerLike", "MetricLog", "Schedule", "accuracy",
-           "epoch_permutation", "evaluate", "rank_checkpoint_path", "train_one_pass",
-           "train_step"]
+           "epoch_permutation", "evaluate", "train_one_pass", "train_step"]
 
 Metric = Callable[[Tensor, Tensor], Tensor]  # (predictions, targets) -> scalar
 # the keys of an evaluation record besides the metrics (see ``train_one_pass``)
@@ -171,104 +167,6 @@ def _new_loop() -> dict[str, Any]:
     """The loop's whole state besides the model and optimizer: what a checkpoint holds."""
     return {"step": 0, "history": [], "clock": {"train": 0.0, "eval": 0.0},
             "loss_sum": 0.0, "loss_count": 0, "last_loss": None}  # fmt: skip
-
-
-def rank_checkpoint_path(path: str | Path, rank: int, world: int) -> Path:
-    """Rank ``rank``'s file of a checkpoint sharded over ``world`` processes:
-    ``<stem>.rank<r>of<W><suffix>`` beside ``path`` (``ckpt.pt`` → ``ckpt.rank0of2.pt``)."""
-    path = Path(path)
-    return path.with_name(f"{path.stem}.rank{rank}of{world}{path.suffix}")
-
-
-class Checkpointer:
-    """Saves the loop's whole state (model, optimizer, grower, top-k indices, the loop's
-    counters) to ``path`` atomically every ``every`` steps, and restores it at the start of
-    a run that finds the file; a checkpoint written by another run (``identity``: name,
-    seed, batch size, training samples) is refused.
-
-    With a sharded store every rank writes its own file and rank 0 lists them in
-    ``<name>.manifest.json``. The ranks may pass their own paths (all different), or one
-    path for all, from which each rank's file is derived (:func:`rank_checkpoint_path`);
-    paths shared by some ranks only are refused, as one file would hold one shard and lose
-    the others."""
-
-    def __init__(self, path: str | Path, every: int, identity: dict[str, Any], model: nn.Module,
-                 optimizer: torch.optim.Optimizer | None, grower: Any) -> None:  # fmt: skip
-        self.given, self.every, self.identity = Path(path), every, identity
-        self.model, self.optimizer, self.grower = model, optimizer, grower
-        self._path: Path | None = None
-
-    @property
-    def path(self) -> Path:
-        """This rank's file (a collective the first time, if the model is sharded: every
-        rank's path is compared)."""
-        if self._path is None:
-            self._path = self._rank_path()
-        return self._path
-
-    def _rank_path(self) -> Path:
-        if not is_sharded(self.model):
-            return self.given
-        rank, world = rank_and_world()
-        paths = [None] * world
-        dist.all_gather_object(paths, str(self.given.resolve()))
-        if len(set(paths)) == world:
-            return self.given
-        if len(set(paths)) == 1:
-            return rank_checkpoint_path(self.given, rank, world)
-        shared = sorted({p for p in paths if paths.count(p) > 1})
-        raise ValueError(
-            f"Checkpointer: ranks {[r for r, p in enumerate(paths) if p in shared]} of {world} "
-            f"were given the same checkpoint path ({', '.join(shared)}) and the others not: "
-            "give every rank its own path, or all ranks one path (each rank's file is then "
-            "derived from it)")
-
-    def restore(self) -> dict[str, Any] | None:
-        """The saved loop state after loading the rest into the model and learners; None if
-        there is no checkpoint."""
-        if not self.path.exists():
-            return None
-        state = torch.load(self.path, map_location="cpu", weights_only=False)
-        for key, value in self.identity.items():
-            if state["run"].get(key) != value:
-                raise ValueError(
-                    f"checkpoint {self.path} was written by a different run: "
-                    f"{key}={state['run'].get(key)!r}, this run has {value!r}; delete it or "
-                    "use another checkpoint path"
-                )
-        self.model.load_state_dict(state["model"])
-        load_retrieval_state(self.model, state.get("retrieval"))  # top-k (docs/retrieval.md)
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if (self.grower is not None and state.get("grower") is not None
-                and hasattr(self.grower, "state_dict")):  # fmt: skip
-            self.grower.load_state_dict(state["grower"])
-        return state["loop"]
-
-    def due(self, step: int, steps: int) -> bool:
-        """Whether to save after ``step`` steps (never after the last: the result is saved)."""
-        return step % self.every == 0 and step < steps
-
-    def save(self, loop: dict[str, Any]) -> None:
-        grower = self.grower
-        state = {
-            "run": self.identity,
-            "loop": loop,
-            "model": self.model.state_dict(),
-            "retrieval": retrieval_state(self.model),  # None unless top-k retrieval is on
-            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
-            "grower": grower.state_dict() if hasattr(grower, "state_dict") else None,
-        }
-        atomic_save_torch(state, self.path)
-        if is_sharded(self.model):  # one file per rank, and rank 0 lists them in a manifest
-            rank, world = rank_and_world()
-            files = [None] * world
-            dist.all_gather_object(files, self.path.name)
-            if rank == 0:
-                manifest = {"name": self.identity["name"], "step": loop["step"],
-                            "world_size": world, "files": files}  # fmt: skip
-                atomic_write_json(manifest, self.path.with_name(
-                    f"{self.identity['name']}.manifest.json"))
 
 
 class Evaluator:
@@ -427,12 +325,16 @@ def train_one_pass(
             first step and after the last step of every epoch).
         run: if given, every evaluation is appended to its ``metrics.jsonl``.
         name: the model's name in logs and the progress bar.
-        checkpoint_path: if given, the loop saves its whole state there (atomically) every
-            ``checkpoint_every`` steps (default ``eval_every``); if the file exists at the
-            start, training resumes from it and ends with the same result as an
+        checkpoint_path: if given, the loop saves its whole state as a checkpoint there
+            every ``checkpoint_every`` steps (default ``eval_every``): checksummed files
+            tagged with the step and a manifest ``<stem>.manifest.json`` that commits them,
+            the last two kept (:class:`rcdl.checkpoint.Checkpointer`). If a checkpoint is
+            there at the start, training resumes from the newest one that reads back whole
+            (saying on stderr which it skipped) and ends with the same result as an
             uninterrupted run (batches are a pure function of ``seed`` and the step). The
             state at a step does not depend on ``epochs``, so a run may also be continued
-            for more epochs than it was started with.
+            for more epochs than it was started with. Under ``torchrun`` every rank passes
+            the same path.
         epochs: passes over the training set, each in a fresh order (docs/reference.md §8); 1 is the
             one-pass protocol of docs/reference.md §6, unchanged.
         on_epoch_end: called as ``on_epoch_end(e)`` right after the evaluation before the
@@ -440,15 +342,15 @@ def train_one_pass(
             epochs done), e.g. to measure accuracy on the training data; the values it returns
             join that evaluation's record (under names the record does not already use). It
             must not train the model; its time counts as evaluation time.
-        incremental_eval: reuse each growing layer's partial results over the entries it held
-            at the previous evaluation of the same test inputs, attending only over the
-            entries written since (exact up to rounding; see
-            :meth:`rcdl.layers.GrowingLayer.enable_eval_cache`). The first growing layer's
-            queries are the test inputs themselves, so its evaluation cost stops growing
-            with the store. Off by default: the merged partials round differently from one
-            pass over the store (float32: about 1e−7 relative), and the cache is not saved in
-            checkpoints, so a resumed run's evaluations would not be bit-identical to an
-            uninterrupted run's. Training itself is unaffected either way.
+        incremental_eval: evaluate each growing layer incrementally: it keeps the state of
+            its streaming attention over the test inputs after the last full chunk and folds
+            only the chunks from there on at the next evaluation (see
+            :meth:`rcdl.layers.GrowingLayer.enable_eval_cache`). The chunks are a full
+            pass's, so the evaluations are bit for bit those of a full pass, also after a
+            resume. The first growing layer's queries are the test inputs themselves, so
+            its evaluation cost stops growing with the store. Off by default: it costs the
+            queries and partials of one evaluation in memory. Training is unaffected either
+            way.
 
     Returns:
         ``{<metric names>, "train_loss", "entries", "bytes", "steps", "samples", "epochs",

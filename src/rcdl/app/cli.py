@@ -437,3 +437,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rcdl: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # failures of a run once its folder exists: no usage text
+        from rcdl.app.rundir import RunFailed, RunFolderBusy
+
+        if isinstance(e, RunFailed):  # what failed, where and how to go on are printed
+            return 1
+        if isinstance(e, RunFolderBusy):
+            print(f"rcdl: {e}", file=sys.stderr)
+            return 1
+        raise

@@ -4,7 +4,8 @@ A run folder holds everything needed to read a run back without its author:
 
     runs/<name>-<YYYYmmdd-HHMMSS>/
         config.json       the resolved config (a dataclass, via dataclasses.asdict)
-        environment.json  python, torch, device, threads, host, git revision, command line
+        environment.json  the experiment; python, torch, device, threads, host, git revision,
+                          command line
         metrics.jsonl     one JSON object per line, appended and flushed as the run goes
         summary.json      the final results
         finished.json     the results of the sub-runs finished so far, by name (for resume)
@@ -51,6 +52,9 @@ __all__ = [
     "rank0_run",
     "FollowerRunDir",
     "RunDir",
+    "RunFailed",
+    "RunFolderBusy",
+    "describe_failure",
     "atomic_save_torch",
     "atomic_write_bytes",
     "atomic_write_json",
@@ -169,10 +173,83 @@ class RunDir:
     )
     FINISHED = "finished.json"
 
+    LOCK = ".lock"
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.path.is_dir():
             raise FileNotFoundError(f"run folder {self.path} does not exist")
+        self._lock_fd: int | None = None
+
+    # ------------------------------------------------------------------ one process at a time
+    def lock(self) -> None:
+        """Hold an exclusive OS lock on this folder while this process runs in it
+        (``flock`` on the folder itself: the OS drops it when the process ends, so a SIGKILL
+        leaves no stale lock). ``.lock`` names the holder meanwhile.
+
+        Raises:
+            RunFolderBusy: another process holds the folder; the message names it.
+        """
+        try:
+            import fcntl
+        except ImportError:  # no flock on this platform: unguarded
+            return
+        if self._lock_fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            try:
+                holder = self.file(self.LOCK).read_text(encoding="utf-8").strip()
+            except OSError:
+                holder = "another process"
+            raise RunFolderBusy(
+                f"{self.path} is in use by {holder}: one process at a time runs in a run "
+                "folder. Wait for it to finish (or stop it), then resume") from None
+        self._lock_fd = fd
+        atomic_write_text(f"process {os.getpid()} on {socket.gethostname()}, started "
+                          f"{_dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n",
+                          self.file(self.LOCK))
+
+    def unlock(self) -> None:
+        """Release :meth:`lock` (and remove ``.lock``)."""
+        if self._lock_fd is None:
+            return
+        self.file(self.LOCK).unlink(missing_ok=True)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    # ------------------------------------------------------------------ what a kill leaves
+    def remove_temporaries(self) -> list[str]:
+        """Delete the temporary files of interrupted atomic writes in this folder
+        (``.<name>.<random>.tmp``; the checkpoints clean their own); returns their names.
+        Only while :meth:`lock` is held may this run: a live writer's file would go too."""
+        removed = []
+        for tmp in self.path.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp.name)
+        return removed
+
+    def repair_metrics(self) -> bool:
+        """Cut a torn last line off ``metrics.jsonl`` (a kill mid-append leaves a record
+        without its newline, which the next append would run into); returns whether it
+        did, and says so on stderr."""
+        path = self.file(self.METRICS)
+        if not path.is_file():
+            return False
+        data = path.read_bytes()
+        if not data or data.endswith(b"\n"):
+            return False
+        keep = data.rfind(b"\n") + 1
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        print(f"{path}: removed its torn last line ({len(data) - keep} bytes of a record "
+              "whose write was interrupted)", file=sys.stderr)
+        return True
 
     @classmethod
     def create(
@@ -200,6 +277,12 @@ class RunDir:
                 raise FileExistsError(
                     f"{folder} already holds a run ({cls.CONFIG} exists); choose another folder"
                 )
+            if folder.is_dir() and any(folder.iterdir()):
+                held = sorted(p.name for p in folder.iterdir())
+                listed = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+                raise FileExistsError(
+                    f"{folder} is not empty ({listed}) and holds no run: a run's files would "
+                    "be mixed with them; choose a new or empty folder")
             folder.mkdir(parents=True, exist_ok=True)
         else:
             if not name or os.sep in name:
@@ -217,7 +300,7 @@ class RunDir:
         run = cls(folder)
         if config is not None:
             run.write_json(cls.CONFIG, config)
-        run.write_json(cls.ENVIRONMENT, environment_info(device))
+        run.write_json(cls.ENVIRONMENT, {"experiment": name, **environment_info(device)})
         return run
 
     def file(self, name: str) -> Path:
@@ -244,12 +327,25 @@ class RunDir:
             os.fsync(f.fileno())
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        """All records of ``metrics.jsonl`` (an empty list before the first :meth:`log`)."""
+        """All records of ``metrics.jsonl`` (an empty list before the first :meth:`log`).
+
+        Raises:
+            ValueError: a line is not a JSON record; the message names the file and line.
+        """
         path = self.file(self.METRICS)
         if not path.exists():
             return []
-        with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        records = []
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except ValueError as e:
+                    raise ValueError(f"{path}: line {number} is damaged, not a JSON record "
+                                     f"({e})") from e
+        return records
 
     def finished(self) -> dict[str, dict[str, Any]]:
         """The results of the sub-runs finished so far, by name (``finished.json``; empty
@@ -286,18 +382,67 @@ class RunDir:
     @contextlib.contextmanager
     def resumable(self, command: str,
                   data_dir: str | os.PathLike | None = None) -> Iterator[None]:
-        """On ``KeyboardInterrupt`` inside the block, print the command that continues this
-        run to stderr (:func:`resume_command`: ``<command> --resume <folder>``, plus
-        ``--data-dir <data_dir>`` when given), then re-raise."""
+        """A failure inside the block says what failed and how to go on, on stderr.
+
+        On ``KeyboardInterrupt`` (also one that torch's writer turned into another error)
+        it prints the command that continues this run (:func:`resume_command`:
+        ``<command> --resume <folder>``, plus ``--data-dir <data_dir>`` when given) and
+        re-raises ``KeyboardInterrupt``. On any other error it prints what failed and
+        where (the file and errno of an ``OSError`` anywhere in the error's chain: a full
+        disk inside ``torch.save``, say), that what was saved is kept, and the same
+        command, then raises :class:`RunFailed` from it."""
+        resume = resume_command(command, self.path, data_dir)
         try:
             yield
         except KeyboardInterrupt:
-            print(f"\nInterrupted. Continue with: {resume_command(command, self.path, data_dir)}",
-                  file=sys.stderr)
+            print(f"\nInterrupted. Continue with: {resume}", file=sys.stderr)
             raise
+        except Exception as e:
+            if _in_chain(e, KeyboardInterrupt) is not None:
+                print(f"\nInterrupted. Continue with: {resume}", file=sys.stderr)
+                raise KeyboardInterrupt from e
+            what = describe_failure(e)
+            print(f"\n{what}\nWhat was saved is kept in {self.path}. Once that is fixed, "
+                  f"continue with: {resume}", file=sys.stderr)
+            raise RunFailed(what) from e
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
+
+
+class RunFailed(RuntimeError):
+    """A run failed after its folder was made; what failed, where, and the command that
+    continues it were printed on stderr (:meth:`RunDir.resumable`)."""
+
+
+class RunFolderBusy(RuntimeError):
+    """Another process runs in the run folder (:meth:`RunDir.lock`)."""
+
+
+def _in_chain(error: BaseException, kind: type) -> BaseException | None:
+    """The first exception of type ``kind`` among ``error`` and its causes and contexts."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line for a failed run: an ``OSError`` in the chain as what, file and errno
+    (``No space left on device (errno 28, ENOSPC) writing /runs/x/ckpt.pt``), else the
+    error's type and message."""
+    import errno as errnos
+
+    os_error = _in_chain(error, OSError)
+    if os_error is not None and os_error.errno is not None:
+        name = errnos.errorcode.get(os_error.errno, "?")
+        where = f" at {os_error.filename}" if os_error.filename else ""
+        reason = os_error.strerror or str(os_error)
+        return f"The run failed: {reason} (errno {os_error.errno}, {name}){where}."
+    return f"The run failed: {type(error).__name__}: {error}"
 
 
 def resume_command(command: str, folder: str | os.PathLike,
@@ -336,9 +481,19 @@ def read_config(run_dir: str | os.PathLike, config_cls: Any) -> Any:
         raise ValueError(f"cannot read the saved config {path}: expected a JSON object, "
                          f"got {type(saved).__name__}")
     try:
-        return config_cls.from_dict(saved)
+        config = config_cls.from_dict(saved)
     except (TypeError, ValueError) as e:
         raise ValueError(f"cannot use the saved config {path}: {e}") from e
+    import dataclasses
+
+    if dataclasses.is_dataclass(config_cls):
+        missing = sorted({f.name for f in dataclasses.fields(config_cls)} - set(saved))
+        if missing:
+            raise ValueError(f"{path} is not a complete config of this experiment: it lacks "
+                             f"{', '.join(missing)}; a resume continues a run with every "
+                             "setting it was started with (is this the folder of another "
+                             "experiment?)")
+    return config
 
 
 class FollowerRunDir(RunDir):
@@ -386,6 +541,14 @@ def open_run(
     if diff:
         raise ValueError(f"{resume}: the config differs from the saved one (saved, given): "
                          f"{diff}")
+    environment = Path(resume) / RunDir.ENVIRONMENT
+    try:
+        recorded = json.loads(environment.read_text(encoding="utf-8")).get("experiment")
+    except (OSError, ValueError, AttributeError):
+        recorded = None  # an older run folder, or no record: nothing to compare
+    if recorded is not None and recorded != name:
+        raise ValueError(f"{resume} is a run of {recorded}, not of {name}: resume it with "
+                         f"rcdl reproduce {recorded} --resume {resume}")
     return RunDir(resume)
 
 

@@ -23,7 +23,7 @@ all of them:
 What every run folder holds, whatever the experiment::
 
     config.json        the resolved config (the one ``--resume`` continues with)
-    environment.json   machine, torch, threads, git revision, command line
+    environment.json   the experiment, machine, torch, threads, git revision, command line
     finished.json      each finished sub-run's result, written as it finishes
     summary.json       ``experiment``, ``complete``, ``runs`` and what the experiment adds
     metrics.jsonl      the trainer's evaluation records, tagged by the sub-run
@@ -230,7 +230,25 @@ def run_experiment(
                                "runs": []}  # fmt: skip
     run = rank0_run(partial(open_run, experiment.name, cfg, out=out, resume=resume,
                             device=device))  # fmt: skip
+    if rank_and_world()[0] == 0:
+        run.lock()  # one process at a time in a run folder (released when this one ends)
+    try:  # from here on a failure says what failed and prints the command that continues
+        with run.resumable(f"rcdl reproduce {experiment.name}", getattr(cfg, "data_dir", None)):
+            return _run_in(experiment, cfg, run, summary, resume, data, device, progress,
+                           began, options)
+    finally:
+        if rank_and_world()[0] == 0:
+            run.unlock()
+
+
+def _run_in(experiment: Experiment, cfg: Any, run: RunDir, summary: dict[str, Any],
+            resume: str | Path | None, data: Any, device: torch.device, progress: bool,
+            began: float, options: Mapping[str, Any]) -> tuple[RunDir, dict[str, Any]]:
+    """:func:`run_experiment` once the run folder is open (and locked)."""
     rank, world = rank_and_world()
+    if resume is not None and rank == 0:  # what an interrupted session may have left
+        run.remove_temporaries()
+        run.repair_metrics()
     saved = _saved_summary(run) if resume is not None else {}
     clock: dict[str, Any] = summary  # where this session's seconds go
     if experiment.sessions:
@@ -240,14 +258,16 @@ def run_experiment(
     if experiment.finished_in_summary is not None:
         finished = {experiment.finished_in_summary(r): r for r in saved.get("runs", [])}
     session = Session(run, device, progress and rank == 0, dict(options))
-    with run.resumable(f"rcdl reproduce {experiment.name}", getattr(cfg, "data_dir", None)):
-        for name, train in experiment.sub_runs(cfg, data, session):
-            summary["runs"].append(_sub_run(run, name, train, finished))
-            if experiment.update is not None:
-                experiment.update(cfg, summary)
-            clock["seconds"] = time.perf_counter() - began
-            run.write_summary(summary)
-            release_memory(device)
+    # the session is recorded as it starts: a kill before the first sub-run finishes leaves
+    # it listed (and a finished sub-run kept in the summary stays there meanwhile)
+    run.write_summary({**summary, "runs": saved.get("runs", []) if finished is not None else []})
+    for name, train in experiment.sub_runs(cfg, data, session):
+        summary["runs"].append(_sub_run(run, name, train, finished))
+        if experiment.update is not None:
+            experiment.update(cfg, summary)
+        clock["seconds"] = time.perf_counter() - began
+        run.write_summary(summary)
+        release_memory(device)
     if experiment.finish is not None:  # (update ran after the last sub-run)
         experiment.finish(cfg, summary)
     summary["complete"] = True
@@ -256,6 +276,7 @@ def run_experiment(
         return run, summary
     report = experiment.report(run, cfg, summary, device)
     run.write_summary(summary)
+    run.remove_temporaries()
     print("\n" + report, end="")
     print(f"{'Session' if experiment.sessions else 'Run'} time {clock['seconds']:.1f} s. "
           f"Run folder: {run.path}")
@@ -263,9 +284,22 @@ def run_experiment(
 
 
 def _saved_summary(run: RunDir) -> dict[str, Any]:
-    """The ``summary.json`` an earlier session of ``run`` wrote (``{}`` if none did)."""
+    """The ``summary.json`` an earlier session of ``run`` wrote (``{}`` if none did).
+
+    Raises:
+        ValueError: the file is damaged; the message names it and what to do.
+    """
     path = run.file(RunDir.SUMMARY)
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path} is damaged ({e}): it lists the sub-runs finished so far; "
+                         "restore it, or move it away to train them again") from e
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} is damaged: expected a JSON object")
+    return saved
 
 
 def _sub_run(run: RunDir, name: str, train: Callable[[], Mapping[str, Any]],

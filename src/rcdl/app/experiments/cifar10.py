@@ -45,7 +45,9 @@ writes (:mod:`rcdl.app.runner`; ``environment.json`` is the first session's)::
     results.md/.csv     the table: accuracy (mean ± sd over seeds), loss, entries, store,
                         parameters, train/eval seconds, the paper's reference
     test_accuracy.png   test accuracy against training samples seen (mean over seeds)
-    checkpoints/<model>-seed<k>.pt   while that model trains (deleted when it finishes)
+    checkpoints/<model>-seed<k>.*    while that model trains (deleted when it finishes): the
+                        checksummed ``.step<N>.pt`` files of the last two checkpoints and the
+                        ``.manifest.json`` that commits them (:mod:`rcdl.checkpoint`)
 
 The finished pairs are kept in ``summary.json`` (no ``finished.json``:
 :attr:`rcdl.app.runner.Experiment.finished_in_summary`). A resumed run continues an
@@ -64,7 +66,6 @@ import statistics
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from fnmatch import fnmatch
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,7 @@ from rcdl.app.report import (
 )
 from rcdl.app.rundir import RunDir, describe_machine, read_config
 from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
+from rcdl.checkpoint import remove_checkpoint
 from rcdl.distributed import rank_and_world, shard
 from rcdl.grower import Grower
 from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam
@@ -104,7 +106,7 @@ from rcdl.networks import (
 from rcdl.optim import make_optimizer
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
 from rcdl.store import format_bytes
-from rcdl.training import accuracy, rank_checkpoint_path, train_one_pass
+from rcdl.training import accuracy, train_one_pass
 
 __all__ = [
     "EXPERIMENT", "EXPERIMENT_SPEC", "METRICS", "MODELS", "Cifar10Config", "ModelSpec",
@@ -410,33 +412,17 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple,
 
 
 def _checkpoint_path(run: RunDir, name: str, seed: int) -> Path:
-    """``checkpoints/<model>-seed<s>.pt``; under torchrun one file per rank,
-    ``...rank<r>of<W>.pt``, listed by rank 0 in ``<model>-seed<s>.manifest.json``. A
-    checkpoint left by another number of ranks is refused."""
-    rank, world = rank_and_world()
-    stem = _run_name(name, seed)
-    folder = run.file("checkpoints")
-    mine = f"{stem}.pt" if world == 1 else rank_checkpoint_path(f"{stem}.pt", rank, world).name
-    allowed = mine if world == 1 else f"{stem}.rank*of{world}.pt"
-    left = [p.name for p in (folder / f"{stem}.pt", *folder.glob(f"{stem}.rank*of*.pt"))
-            if p.exists() and not fnmatch(p.name, allowed)]
-    manifest = folder / f"{stem}.manifest.json"
-    with contextlib.suppress(FileNotFoundError):  # rank 0 may be removing it
-        if json.loads(manifest.read_text(encoding="utf-8"))["world_size"] != world:
-            left.insert(0, manifest.name)
-    if left:
-        raise ValueError(f"{stem}: its checkpoint {left[0]} was written by another number of "
-                         f"processes than this run's {world}; resume with the same torchrun "
-                         "--nproc-per-node (a plain .pt file: without torchrun)")
-    return folder / mine
+    """``checkpoints/<model>-seed<s>.pt``, the checkpoint's path: its files are
+    ``<model>-seed<s>.step<N>.pt`` (under torchrun ``...rank<r>of<W>.step<N>.pt``) and the
+    manifest ``<model>-seed<s>.manifest.json`` that commits them
+    (:class:`rcdl.checkpoint.Checkpointer`, which refuses another number of ranks)."""
+    return run.file("checkpoints") / f"{_run_name(name, seed)}.pt"
 
 
 def _remove_checkpoint(run: RunDir, name: str, seed: int) -> None:
-    """Delete the checkpoint of a finished (model, seed): this rank's file and, on rank 0,
+    """Delete the checkpoint of a finished (model, seed): this rank's files and, on rank 0,
     the manifest."""
-    _checkpoint_path(run, name, seed).unlink(missing_ok=True)
-    if rank_and_world()[0] == 0:
-        run.file(f"checkpoints/{_run_name(name, seed)}.manifest.json").unlink(missing_ok=True)
+    remove_checkpoint(_checkpoint_path(run, name, seed))
 
 
 def _fit_classical(name: str, seed: int, cfg: Cifar10Config, data: tuple,
