@@ -222,3 +222,58 @@ def test_a_rank_killed_at_each_phase_of_a_sharded_checkpoint_resumes(fault, tmp_
         _spawn(tmp_path, "killed", folder, fault)
     resumed, history = _spawn(tmp_path, "resumed", folder, None)
     assert resumed and history == expected
+
+
+# --------------------------------------------------------------------------- bad steps, bad states
+
+
+def test_a_refused_load_leaves_the_whole_model_as_it_was():
+    """NaN in the second layer's keys: load_model_state refuses before loading anything, so
+    the first layer keeps its entries too (model.load_state_dict would have loaded it)."""
+    from rcdl.checkpoint import load_model_state
+
+    net, grower = build()
+    x, y = DATA[0][:8], DATA[1][:8]
+    F.mse_loss(net.train()(x), y).backward()
+    grower.step()
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    fresh, _ = build()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    state["readout.store.keys"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="readout.store.*NaN or inf; .*nothing was|nothing was"):
+        load_model_state(fresh, state)
+    after = fresh.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    state["readout.store.keys"][0, 0] = 0.0
+    load_model_state(fresh, state)  # a clean state loads
+    assert torch.equal(fresh.state_dict()["blocks.0.store.keys"], state["blocks.0.store.keys"])
+
+
+def test_one_step_at_a_huge_learning_rate_can_be_undone():
+    """A scheduler sets η = 1e6 for one step: its entries are accepted, and every later step
+    is refused as diverging. Grower.drop_last_step() removes that step's entries: the model
+    computes what it did before it, and training goes on."""
+    net, grower = build()
+    batches = [(DATA[0][i : i + 8], DATA[1][i : i + 8]) for i in range(0, 64, 8)]
+
+    def step(x, y):
+        F.mse_loss(net.train()(x), y).backward()
+        grower.step()
+
+    for x, y in batches[:3]:
+        step(x, y)
+    with torch.no_grad():
+        good = net.eval()(DATA[2])
+    grower.param_groups[0]["lr"] = grower.param_groups[1]["lr"] = 1e6
+    step(*batches[3])  # accepted: the outputs it is judged on are the pre-step store's
+    for group in grower.param_groups:
+        group["lr"] = 0.3
+    with pytest.raises(ValueError, match="diverging"):
+        step(*batches[4])
+    assert grower.drop_last_step() == 16  # 8 entries in each of the two layers
+    with torch.no_grad():
+        assert torch.equal(net.eval()(DATA[2]), good)
+    for x, y in batches[4:]:
+        step(x, y)  # accepted again
+    assert all(int(layer.steps) == 7 for layer in grower.layers)

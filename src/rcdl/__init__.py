@@ -20,6 +20,8 @@ Optimizers from dual forms (docs/reference.md §7)
     FOOF, DeltaNetDecay
 Training
     train_one_pass, evaluate
+Checkpoints (checksummed, all-or-nothing; docs/faults.md)
+    save_checkpoint, load_checkpoint, load_model_state, DamagedCheckpoint
 
 Internals stay importable from their modules and are not listed here: the streaming
 attention and its partials (:mod:`rcdl.attention`), kernels and the dense reference
@@ -29,6 +31,7 @@ attention and its partials (:mod:`rcdl.attention`), kernels and the dense refere
 """
 
 from rcdl._version import __version__
+from rcdl.checkpoint import DamagedCheckpoint, load_checkpoint, load_model_state, save_checkpoint
 from rcdl.dual_optim import FOOF, DeltaNetDecay
 from rcdl.grower import Grower
 from rcdl.hybrid import (
@@ -90,4 +93,6 @@ __all__ = [
     "DeltaNetDecay", "FOOF",
     # training
     "evaluate", "train_one_pass",
+    # checkpoints
+    "DamagedCheckpoint", "load_checkpoint", "load_model_state", "save_checkpoint",
 ]  # fmt: skip

@@ -48,7 +48,7 @@ from rcdl.io import _atomic_write, atomic_write_json
 from rcdl.retrieval import load_retrieval_state, retrieval_state
 
 __all__ = ["Checkpointer", "DamagedCheckpoint", "checkpoint_files", "load_checkpoint",
-           "remove_checkpoint", "save_checkpoint"]
+           "load_model_state", "model_state_problems", "remove_checkpoint", "save_checkpoint"]
 
 MAGIC = b"RCDLCKP1"
 _HEADER = len(MAGIC) + 32  # magic, SHA-256 of the payload
@@ -154,6 +154,46 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu",
                               weights_only=False)
         except Exception as err:  # a verified file that torch cannot read: say which
             raise DamagedCheckpoint(path, f"torch cannot read it ({err})") from err
+
+
+def model_state_problems(model: nn.Module, state: dict[str, Any]) -> list[str]:
+    """Everything that would make ``model.load_state_dict(state)`` refuse a part of
+    ``state``, found before anything is loaded: a growing store's rows (shapes, dtypes, NaN
+    or inf), a parameter or buffer of another shape, a missing one. Empty if it loads."""
+    from rcdl.store import EntryStore
+
+    problems = []
+    for name, module in model.named_modules():
+        if isinstance(module, EntryStore):
+            problem = module.state_problem(state, f"{name}." if name else "")
+            if problem is not None:
+                problems.append(f"{type(module).__name__} {name!r}: {problem}")
+    persistent = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and key not in module._non_persistent_buffers_set:
+                persistent[f"{prefix}.{key}" if prefix else key] = buffer
+    for key, tensor in persistent.items():
+        if key not in state:
+            problems.append(f"{key}: missing")
+        elif isinstance(state[key], torch.Tensor) and state[key].shape != tensor.shape:
+            problems.append(f"{key}: shape {tuple(state[key].shape)}, the model has "
+                            f"{tuple(tensor.shape)}")
+    return problems
+
+
+def load_model_state(model: nn.Module, state: dict[str, Any]) -> None:
+    """``model.load_state_dict(state)``, all of it or none: every part is checked first
+    (:func:`model_state_problems`), so a refused load leaves the whole model as it was.
+
+    Raises:
+        ValueError: listing every part that would be refused; nothing is loaded then.
+    """
+    problems = model_state_problems(model, state)
+    if problems:
+        raise ValueError(f"{type(model).__name__}: the state cannot be loaded, nothing was: "
+                         + "; ".join(problems))
+    model.load_state_dict(state)
 
 
 # --------------------------------------------------------------------------- a run's checkpoints
@@ -319,7 +359,7 @@ class Checkpointer:
                     "use another checkpoint path")
 
     def _load(self, state: dict[str, Any]) -> dict[str, Any]:
-        self.model.load_state_dict(state["model"])
+        load_model_state(self.model, state["model"])  # all of it or none
         load_retrieval_state(self.model, state.get("retrieval"))  # top-k (docs/retrieval.md)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])

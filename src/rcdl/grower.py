@@ -164,6 +164,14 @@ class Grower(torch.optim.Optimizer):
         """Same as :meth:`zero_grad`: drop this step's records without writing."""
         self.zero_grad()
 
+    def drop_last_step(self) -> int:
+        """Undo the last step in every layer (:meth:`rcdl.layers.GrowingLayer.drop_last_step`):
+        after a step that was accepted but should not have been (a learning rate that was
+        far too high for one step: the next steps are then refused as diverging), the model
+        computes again what it did before it. Returns the entries removed, all layers."""
+        self.zero_grad()
+        return sum(layer.drop_last_step() for layer in self.layers)
+
     def reserve(self, entries_per_layer: int) -> None:
         """Preallocate room for this many more entries in every layer's store."""
         for layer in self.layers:

@@ -400,6 +400,19 @@ class GrowingLayer(nn.Module):
         subclasses keep beside them); returns how many were removed."""
         return self.store.remove(mask)
 
+    @torch.no_grad()
+    def drop_last_step(self) -> int:
+        """Undo the last growth step: remove the entries it wrote (``written_at`` is the
+        current step) and step the counter back, so the layer computes what it did before
+        that step (weight decay and momentum included). Returns how many entries went. Not
+        undone: evictions by a memory budget, and the hybrid's Adam moves of the other
+        entries."""
+        if int(self.steps) == 0:
+            return 0
+        removed = self.remove_entries(self.store.written_at == self.steps)
+        self.steps -= 1
+        return removed
+
     def extra_repr(self) -> str:
         return (
             f"{self.d_in} -> {self.d_out}, kernel={self.kernel}, T={self.temperature}, "

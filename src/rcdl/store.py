@@ -401,6 +401,18 @@ class EntryStore(nn.Module):
             return
         self._replace(*rows, next_id=int(next_id))
 
+    def state_problem(self, state_dict: dict[str, Tensor], prefix: str = "") -> str | None:
+        """What would make :meth:`load_state_dict` refuse the rows of ``state_dict`` under
+        ``prefix`` (``None`` if nothing): the check a whole model runs on every store before
+        it loads any (:func:`rcdl.checkpoint.load_model_state`)."""
+        if not self.persistent:
+            return None
+        names = (*self._ROWS, "next_id")
+        missing = [prefix + n for n in names if prefix + n not in state_dict]
+        if missing:
+            return f"missing {', '.join(missing)}"
+        return self._checkpoint_problem(*(state_dict[prefix + n] for n in self._ROWS))
+
     def _checkpoint_problem(self, keys: Tensor, values: Tensor, weights: Tensor,
                             written_at: Tensor, ids: Tensor) -> str | None:
         """What is wrong with a checkpoint's entries, or ``None`` if they can be loaded."""
