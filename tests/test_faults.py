@@ -250,30 +250,101 @@ def test_a_refused_load_leaves_the_whole_model_as_it_was():
     assert torch.equal(fresh.state_dict()["blocks.0.store.keys"], state["blocks.0.store.keys"])
 
 
-def test_one_step_at_a_huge_learning_rate_can_be_undone():
-    """A scheduler sets η = 1e6 for one step: its entries are accepted, and every later step
-    is refused as diverging. Grower.drop_last_step() removes that step's entries: the model
-    computes what it did before it, and training goes on."""
-    net, grower = build()
+def test_a_single_step_at_a_huge_learning_rate_writes_nothing():
+    """A scheduler sets η = 1e6 for one step: the outputs that step would leave on its batch
+    are checked before it writes, so it is refused and writes nothing; the next steps, at
+    η = 0.3 again, train as if that batch had been skipped."""
     batches = [(DATA[0][i : i + 8], DATA[1][i : i + 8]) for i in range(0, 64, 8)]
 
-    def step(x, y):
+    def step(net, grower, x, y):
         F.mse_loss(net.train()(x), y).backward()
         grower.step()
 
+    net, grower = build()
     for x, y in batches[:3]:
-        step(x, y)
-    with torch.no_grad():
-        good = net.eval()(DATA[2])
-    grower.param_groups[0]["lr"] = grower.param_groups[1]["lr"] = 1e6
-    step(*batches[3])  # accepted: the outputs it is judged on are the pre-step store's
+        step(net, grower, x, y)
+    for group in grower.param_groups:
+        group["lr"] = 1e6
+    with pytest.raises(ValueError, match=r"this step would raise the output RMS .* no entry "
+                                         r"written"):
+        step(net, grower, *batches[3])
     for group in grower.param_groups:
         group["lr"] = 0.3
-    with pytest.raises(ValueError, match="diverging"):
-        step(*batches[4])
-    assert grower.drop_last_step() == 16  # 8 entries in each of the two layers
-    with torch.no_grad():
-        assert torch.equal(net.eval()(DATA[2]), good)
     for x, y in batches[4:]:
-        step(x, y)  # accepted again
-    assert all(int(layer.steps) == 7 for layer in grower.layers)
+        step(net, grower, x, y)
+    skipped, skipping = build()
+    for x, y in batches[:3] + batches[4:]:
+        step(skipped, skipping, x, y)
+    with torch.no_grad():
+        assert torch.equal(net.eval()(DATA[2]), skipped.eval()(DATA[2]))
+
+
+def test_the_last_step_can_be_undone():
+    """Grower.drop_last_step(): the last step's entries go and the step counters step back;
+    the model computes exactly what it did before that step (gws, whose steps the look-ahead
+    check does not cover, and RBF with momentum, whose entries' weights depend on the count)."""
+    for kind in ("gws", "rbf-momentum"):
+        torch.manual_seed(0)
+        if kind == "gws":
+            net = GrowingSoftmaxNet(5, 2, 1, temperature=1.0, rule=ClippedSoftmaxRule(0.3, 2.0),
+                                    initial_entries=4).double()
+        else:
+            net = GrowingRBFNet(5, 2, 1, temperature=1.0,
+                                rule=FunctionalSGD(0.2, momentum=0.5)).double()
+        grower = Grower(net)
+        for i in range(0, 32, 8):
+            F.mse_loss(net.train()(DATA[0][i : i + 8]), DATA[1][i : i + 8]).backward()
+            grower.step()
+            if i == 16:
+                with torch.no_grad():
+                    before = net.eval()(DATA[2])
+        assert grower.drop_last_step() == 16  # 8 entries in each of the two layers
+        with torch.no_grad():
+            assert torch.equal(net.eval()(DATA[2]), before), kind
+        assert all(int(layer.steps) == 3 for layer in grower.layers)
+
+
+@pytest.mark.parametrize("kind", ["rbf", "linear", "gws", "gauge"])
+def test_the_look_ahead_predicts_the_outputs_the_step_leaves(kind):
+    """Dense twin of the look-ahead check: the outputs it predicts on a batch equal the
+    layer's outputs on that batch after the step (float64)."""
+    from rcdl import GaugeSoftmaxRule, GrowingLinear, GrowingRBF, GrowingSoftmax
+
+    torch.manual_seed(0)
+    if kind == "rbf":
+        layer = GrowingRBF(5, 2, temperature=1.0, rule=FunctionalSGD(0.3))
+    elif kind == "linear":
+        layer = GrowingLinear(5, 2, rule=FunctionalSGD(0.3, per_sample=False))
+    elif kind == "gws":
+        layer = GrowingSoftmax(5, 2, temperature=1.0, rule=ClippedSoftmaxRule(0.3, 2.0))
+    else:
+        layer = GrowingSoftmax(5, 2, temperature=1.0, rule=GaugeSoftmaxRule(2.0, 0.3, 5.0))
+    layer = layer.double()
+    grower = Grower(layer)
+    for i in (0, 8):
+        x, y = DATA[0][i : i + 8], DATA[1][i : i + 8]
+        F.mse_loss(layer.train()(x), y).backward()
+        records = layer.ready_records()
+        predicted = layer.outputs_after(records, *layer.propose())
+        grower.step()
+        with torch.no_grad():
+            torch.testing.assert_close(layer.eval()(x), predicted, rtol=1e-12, atol=1e-12)
+
+
+def test_a_step_with_huge_values_writes_nothing_in_a_softmax_layer():
+    """The softmax normalises by the weights, so it is the values' step β that can blow the
+    outputs up (gws: ṽ = −βg): a step at β = 1e8 is refused before it writes, judged from
+    the normaliser the forward recorded; the same layer at β = 2 steps."""
+    for beta, refused in ((1e8, True), (2.0, False)):
+        torch.manual_seed(0)
+        net = GrowingSoftmaxNet(5, 2, 1, temperature=1.0, rule=ClippedSoftmaxRule(0.3, beta),
+                                initial_entries=4).double()
+        grower = Grower(net)
+        F.mse_loss(net.train()(DATA[0][:8]), DATA[1][:8]).backward()
+        if refused:
+            with pytest.raises(ValueError, match="this step would raise the output RMS"):
+                grower.step()
+            assert [len(layer.store) for layer in grower.layers] == [4, 4]
+        else:
+            grower.step()
+            assert [len(layer.store) for layer in grower.layers] == [12, 12]

@@ -270,7 +270,7 @@ def finalize(part: Partial, *, kernel: Kernel, eps: float = 1e-6) -> Tensor:  # 
 class _StreamingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, keys, values, weights, kernel, temperature, chunk_size, eps,  # noqa: ANN001
-                save_fraction, shard):
+                save_fraction, shard, stats):
         b, n = q.shape[0], keys.shape[0]
         store_bytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
         needs_grad = any(ctx.needs_input_grad[:4])
@@ -289,6 +289,9 @@ class _StreamingAttention(torch.autograd.Function):
         if kernel == "softmax":
             den = guard_denominator(part.den, part.mass, eps)  # (B,)
             clamped = part.den.abs() < eps * part.mass  # (B,) bool
+            if stats is not None:  # the normaliser over all entries, for the caller
+                stats.append(Partial(part.m.clone(), part.num.clone(), part.den.clone(),
+                                     part.mass.clone()))
         ctx.eps = eps
         # the output is recomputed from num backward, not saved: an in-place op on it (an
         # nn.ReLU(inplace=True) after the layer) then leaves the backward what it needs
@@ -306,7 +309,7 @@ class _StreamingAttention(torch.autograd.Function):
             eps=ctx.eps, needs=ctx.needs_input_grad[:4], saved_blocks=ctx.saved_blocks)
         if grad_q is not None and ctx.shard is not None:  # each rank holds its shard's share
             grad_q = ctx.shard.all_reduce(grad_q.contiguous())
-        return (grad_q, *entry_grads, None, None, None, None, None, None)
+        return (grad_q, *entry_grads, None, None, None, None, None, None, None)
 
 
 def attention_backward(
@@ -412,6 +415,7 @@ def attention(
     eps: float = 1e-6,
     save_fraction: float = 0.05,
     shard: Shard | None = None,
+    stats: list[Partial] | None = None,
 ) -> Tensor:  # (B, d_out)
     """Kernel attention from queries ``q`` over the entries ``(keys, values, weights)``.
 
@@ -427,6 +431,8 @@ def attention(
         shard: if given (a :class:`rcdl.distributed.Shard`), the entries are this rank's
             shard of a store split over ranks: the partials of all ranks are merged before
             the output, and the query gradient's shares are summed over the ranks.
+        stats: if given (a list), the softmax kernel appends the partial over all entries
+            (merged over the ranks), from which ``log Σ_j w_j e^{z_j} = m + log den``.
 
     Example:
         >>> q, k, v = torch.randn(4, 8), torch.randn(100, 8), torch.randn(100, 3)
@@ -436,8 +442,8 @@ def attention(
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _StreamingAttention.apply(
-        q, keys, values, weights, kernel, temperature, chunk_size, eps, save_fraction, shard
-    )
+        q, keys, values, weights, kernel, temperature, chunk_size, eps, save_fraction, shard,
+        stats)
 
 
 @torch.no_grad()

@@ -89,10 +89,10 @@ class Shard:
     # ------------------------------------------------------------ what layers call
     def attention(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, *,
                   kernel: Kernel, temperature: float = 1.0, chunk_size: int | None = None,
-                  eps: float = 1e-6) -> Tensor:  # (B, d_out)
+                  eps: float = 1e-6, stats: list | None = None) -> Tensor:  # (B, d_out)
         """:func:`rcdl.attention.attention` over the union of every rank's entries."""
         return attention(q, keys, values, weights, kernel=kernel, temperature=temperature,
-                         chunk_size=chunk_size, eps=eps, shard=self)
+                         chunk_size=chunk_size, eps=eps, shard=self, stats=stats)
 
     @torch.no_grad()
     def partial(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, *,

@@ -58,6 +58,7 @@ class _Record:
     n_samples: int  # samples the batch-mean loss averages over (leading dim of the input)
     generation: int  # the layer's record generation at the forward (see GrowingLayer.discard)
     grad: Tensor | None = None  # (B, d_out) ∂(mean loss)/∂s, set by the hook
+    log_z: Tensor | None = None  # (B,) log Σ_j w_j e^{z_j} of the pre-step store (softmax)
     ready: list[_Record] = field(default_factory=list, repr=False)  # the layer's ready list
 
     def set_grad(self, grad: Tensor) -> None:
@@ -108,8 +109,11 @@ class GrowingLayer(nn.Module):
         max_output_growth: a step is refused, with an error naming the layer, when the RMS of
             the layer's outputs exceeds this multiple of their RMS at the first step where
             they were non-zero (a diverging layer: learning rate too high or temperature too
-            low for the inputs' scale); non-finite outputs are always refused. ``None``
-            turns the scale check off.
+            low for the inputs' scale); non-finite outputs are always refused. For linear,
+            RBF and growing softmax layers the outputs the step *would leave* on its batch
+            are checked too, before it writes (against the inputs' RMS while the store
+            answered only zeros), so a single step at a far too high learning rate writes
+            nothing. ``None`` turns the scale checks off.
         store_dtype: what the store keeps keys and values as (default: the layer's dtype);
             ``torch.bfloat16`` or ``torch.float16`` halve its bytes, and where the CPU
             multiplies bf16 natively also the attention's time (docs/precision.md).
@@ -239,7 +243,10 @@ class GrowingLayer(nn.Module):
     def _attention(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor) -> Tensor:
         attend = attention if self.shard is None else self.shard.attention
         return attend(q, keys, values, weights, kernel=self.kernel,
-                      temperature=self.temperature, chunk_size=self.chunk_size)
+                      temperature=self.temperature, chunk_size=self.chunk_size,
+                      stats=self._stats)
+
+    _stats: list | None = None  # set during a recording forward of a softmax layer
 
     def output(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, d_out)
         """The layer's function ``s(q)`` (subclasses add their parametric part)."""
@@ -251,12 +258,19 @@ class GrowingLayer(nn.Module):
         recording = self.training and torch.is_grad_enabled()
         if recording:
             self._drop_unstepped()
-        s = self.output(q)  # (B, d_out)
+            if self.kernel == "softmax" and not self.trains_entries:
+                self._stats = []  # the store's normaliser, for the look-ahead check
+        try:
+            s = self.output(q)  # (B, d_out)
+        finally:
+            stats, self._stats = self._stats, None
         if recording:
             if not s.requires_grad:  # nothing upstream is trainable: make s the leaf
                 s = s.detach().requires_grad_()
             record = _Record(q.detach(), s.detach(), x.shape[0], self._generation,
                              ready=self._ready)
+            if stats is not None and len(stats) == 1 and bool((stats[0].den > 0).all()):
+                record.log_z = stats[0].m + torch.log(stats[0].den)  # (B,)
             s.register_hook(record.set_grad)  # the graph holds the record until backward
             self._pending = [r for r in self._pending if r() is not None]
             self._pending.append(weakref.ref(record))
@@ -324,7 +338,64 @@ class GrowingLayer(nn.Module):
             if not ok:  # one device sync for the three checks
                 raise ValueError(
                     f"{self.where}: the rule produced non-finite {name}; no entry written")
+        self._check_step_ahead(records, keys, values, weights)
         return keys, values, weights
+
+    def _check_step_ahead(self, records: list[_Record], keys: Tensor, values: Tensor,
+                          weights: Tensor) -> None:
+        """Refuse a step that would make this batch's outputs diverge, before it writes.
+
+        For the linear and RBF kernels the new entries add ``Δs(q) = Σ_new w κ(q, k) v`` to
+        the output: attention over the ``B`` new entries alone, ``O(B²d)``. For the
+        weighted softmax, ``s' = (Z s + N_new) / (Z + Z_new)`` with the pre-step normaliser
+        ``Z = Σ_j w_j e^{z_j}`` that the forward pass recorded and ``(N_new, Z_new)`` the
+        new entries' numerator and normaliser (the same ``O(B²d)``); not checked where the
+        forward recorded no normaliser (a hybrid layer, whose entries Adam moves too, a
+        top-k training forward, a guarded denominator). The outputs the step would leave
+        on its own batch must stay within ``max_output_growth`` times the reference scale:
+        the RMS of the first non-zero outputs, or, while the store has answered only zeros
+        (an empty store), the RMS of the batch's inputs."""
+        limit = self.max_output_growth
+        if limit is None or keys.shape[0] == 0:
+            return
+        after_s = self.outputs_after(records, keys, values, weights)
+        if after_s is None:
+            return
+        q = torch.cat([r.q for r in records])  # (B, d_in)
+        after = float(after_s.double().square().mean().sqrt())
+        reference = self.output_scale or float(q.double().square().mean().sqrt())
+        if not math.isfinite(after) or (reference > 0 and after > limit * reference):
+            raise ValueError(
+                f"{self.where}: this step would raise the output RMS on its own batch to "
+                f"{after:.3g}, over {limit:g} times the layer's reference scale "
+                f"{reference:.3g}; the layer is diverging: lower the learning rate (rule "
+                f"{self.rule}) or raise the temperature (T = {self.temperature}), or "
+                "normalise its inputs; no entry written (or raise max_output_growth)")
+
+    @torch.no_grad()
+    def outputs_after(self, records: list[_Record], keys: Tensor, values: Tensor,
+                      weights: Tensor) -> Tensor | None:  # (B, d_out)
+        """The outputs on the records' queries once ``(keys, values, weights)`` are appended
+        (see :meth:`_check_step_ahead`; ``None`` where they cannot be had cheaply). The
+        age coefficients of the existing entries' next step are not applied."""
+        q = torch.cat([r.q for r in records])  # (B, d_in)
+        s = torch.cat([r.s for r in records])  # (B, d_out)
+        if self.kernel != "softmax":
+            return s + attention(self._query_keys(q), keys, values, weights,
+                                 kernel=self.kernel, temperature=self.temperature)
+        if any(r.log_z is None for r in records):  # no normaliser recorded
+            return None
+        log_z = torch.cat([r.log_z for r in records])  # (B,) of the pre-step store
+        new = attention_partial(q, keys, values, weights, kernel="softmax",
+                                temperature=self.temperature)  # the new entries alone
+        top = torch.maximum(log_z, new.m)  # (B,)
+        old_w, new_w = torch.exp(log_z - top), torch.exp(new.m - top)  # (B,)
+        return (s * old_w[:, None] + new.num * new_w[:, None]) / (
+            old_w + new.den * new_w)[:, None]
+
+    def _query_keys(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, key_dim)
+        """Queries as the store's keys see them (the linear dual form appends a 1)."""
+        return q
 
     @torch.no_grad()
     def check_records(self) -> None:
@@ -469,6 +540,8 @@ class GrowingLinear(GrowingLayer):
 
     def _augment(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, d_in + bias)
         return F.pad(q, (0, 1), value=1.0) if self.has_bias else q
+
+    _query_keys = _augment
 
     def output(self, q: Tensor) -> Tensor:
         r = self.rule.ages.initial(int(self.steps))
