@@ -209,13 +209,21 @@ def _spawn(tmp_path, tag, folder, fault):
     return torch.load(result, weights_only=False)
 
 
+@pytest.fixture(scope="module")
+def sharded_reference(tmp_path_factory):
+    """The uninterrupted sharded run's history (spawned once for the three faults)."""
+    folder = tmp_path_factory.mktemp("sharded-reference")
+    return _spawn(folder, "reference", folder / "run", None)[1]
+
+
 @pytest.mark.parametrize("fault", FAULTS)
-def test_a_rank_killed_at_each_phase_of_a_sharded_checkpoint_resumes(fault, tmp_path):
+def test_a_rank_killed_at_each_phase_of_a_sharded_checkpoint_resumes(fault, tmp_path,
+                                                                     sharded_reference):
     """Rank files tagged with their step, the manifest written last by rank 0 after every
     rank's file, older files deleted only after a barrier: a kill at any phase leaves a
     committed checkpoint that every rank holds, and the resumed run ends as the
     uninterrupted one."""
-    _, expected = _spawn(tmp_path, "reference", tmp_path / "reference", None)
+    expected = sharded_reference
     folder = tmp_path / "run"
     folder.mkdir()
     with pytest.raises(mp.ProcessExitedException):

@@ -31,11 +31,17 @@ to 1e-10 too: rounding at append, stochastic rounding keyed on entry ids
 (:mod:`rcdl.rounding`) and resumes are exact. Where the products are formed otherwise —
 shards or top-k in training change how the store is split into blocks, and bfloat16
 products round per block (docs/precision.md) — the stores must hold the same entry ids and
-the outputs must agree within ``HALF_FACTOR`` times what the half store itself costs
-against the float64 store in the reference, plus ``HALF_FLOOR`` of the output scale; such
+the outputs must agree within ``HALF_FACTOR`` (10) times the largest gap between the half
+and the float64 store in the reference up to that step, plus ``HALF_ULPS`` (2) ulps of the
+half dtype at the output's scale (a run of 300 draws found layout effects up to 5.6 times
+that gap: the two are different draws of the same rounding noise); such
 cases are drawn without the switches whose decisions are discontinuous in the entries (gates,
 evicting by contribution, merging). Evaluation passes through a cache or top-k over a half
 store are compared within the same tolerance.
+
+A reference that refuses a step as diverging (some draws are numerically extreme) must be
+matched by the same refusal, except where the case trains through top-k, which the
+look-ahead divergence check does not cover (docs/faults.md).
 
 Some combinations are refused with a clear error, and the test checks that they are: top-k
 over a sharded store, a normalised gws layer without initial entries, merging budgets on
@@ -102,7 +108,7 @@ D_IN, WIDTH, D_OUT = 5, 6, 3
 BATCHES = (1, 7, 7, 5, 7, 6)
 STEPS = len(BATCHES)
 TOLERANCE = 1e-10
-HALF_FACTOR, HALF_FLOOR = 3.0, 1e-3
+HALF_FACTOR, HALF_ULPS = 10.0, 2.0
 TIMEOUT = timedelta(seconds=60)
 
 KINDS = ("linear", "linear-momentum", "rbf", "rbf-decay", "gws", "gws-normalized", "gauge",
@@ -188,6 +194,8 @@ FIXED = (
     Case("hybrid", gate="distance", topk=("faiss-hnsw", True, 1), resume_at=3,
          guards="10: FAISS HNSW in training, its graph replayed after a resume"),
     Case("gauge", topk=("faiss-flat", True, 1), evals=(4,), guards="10: FAISS flat"),
+    Case("rbf", store="bfloat16", budget=(12, "oldest", True, 0), cache=True, evals=(3,),
+         guards="merging into a half-precision RBF store (found by a long run)"),
     Case("rbf", topk=("exact", False, 1), world=2, guards="refused: top-k over shards"),
     Case("linear", budget=(10, "oldest", True, 0), guards="refused: merging a linear layer"),
 )
@@ -435,17 +443,29 @@ def compare(case: Case, got: dict, ref: dict, ref64: dict | None) -> list[str]:
         return [] if ok else [f"refused with {got['refused']!r}, expected {refusal!r}"]
     if "refused" in got:
         return [f"refused unexpectedly: {got['refused']}"]
+    if "diverged" in ref:  # the reference refused a step: so must the case
+        if ref["diverged"] in got.get("error", ""):
+            return []
+        if case.topk is not None and case.topk[1]:  # no look-ahead check through top-k
+            return []
+        return [f"the reference refused a step ({ref['diverged']}), the case did not"]
     if "error" in got:
         return [f"raised: {got['error']}"]
     problems = []
     half = case.store != "float64"
 
     def tolerance(step: int | None) -> float:
+        """HALF_FACTOR times the largest half-vs-float64 gap of the reference up to this
+        step, plus HALF_ULPS ulps of the half dtype at the output's scale."""
         if not half:
             return TOLERANCE
+        last = STEPS if step is None else step
+        gap = max(_max_diff(ref["evals"][t], ref64["evals"][t]) for t in range(last + 1))
+        if step is None:
+            gap = max(gap, _max_diff(ref["final"], ref64["final"]))
         out = ref["final"] if step is None else ref["evals"][step]
-        out64 = ref64["final"] if step is None else ref64["evals"][step]
-        return HALF_FACTOR * _max_diff(out, out64) + HALF_FLOOR * float(out.abs().max())
+        ulp = torch.finfo(STORES[case.store]).eps
+        return HALF_FACTOR * gap + HALF_ULPS * ulp * float(out.abs().max())
 
     approximate = half and layouts_differ(case)
     for name, want in ref["stores"].items():
@@ -475,9 +495,12 @@ def references(cases: list[Case]) -> dict[Case, tuple[dict, dict | None]]:
             if expected_refusal(case) is not None:
                 out[case] = ({}, None)
                 continue
-            ref = run(reference_of(case), Path(folder))
-            ref64 = run(reference_of(case, "float64"), Path(folder)) \
-                if case.store != "float64" else None
+            try:
+                ref = run(reference_of(case), Path(folder))
+                ref64 = run(reference_of(case, "float64"), Path(folder)) \
+                    if case.store != "float64" else None
+            except ValueError as err:  # a refused step: the model itself diverges
+                ref, ref64 = {"diverged": str(err).split(";")[0]}, None
             out[case] = (ref, ref64)
     return out
 
@@ -578,4 +601,4 @@ def test_replay_one_case(tmp_path):
 def test_a_case_survives_json():
     for case in FIXED:
         assert dataclasses.replace(case, guards="") == Case.from_json(case.to_json())
-    assert math.isfinite(HALF_FACTOR)
+    assert math.isfinite(HALF_FACTOR) and HALF_ULPS > 0

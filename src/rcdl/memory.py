@@ -169,7 +169,8 @@ def merge_into_nearest(layer: GrowingLayer, mask: Tensor) -> Tensor:  # (E,) tar
         hit[targets] = True
         values[hit] *= weights[hit][:, None]
         weights[hit] = 1.0
-        values.index_add_(0, targets, ev_weights[:, None] * ev_values)
+        # in the weights' dtype, rounded once to a half-precision store's
+        values.index_add_(0, targets, (ev_weights[:, None] * ev_values).to(values.dtype))
     store.touch()
     return targets
 
