@@ -72,30 +72,27 @@ def test_a_damaged_checkpoint_file_is_refused_naming_it(damage, tmp_path):
     assert str(path) in str(err.value)
 
 
-def interrupted(tmp_path, steps):
-    """A run stopped after ``steps`` growth steps, checkpointing every 2."""
-    ckpt = tmp_path / "ckpt.pt"
-    net, grower = build()
-    original, calls = grower.step, {"n": 0}
+@pytest.fixture
+def interrupted(tmp_path, interrupt_after):
+    """``interrupted(steps)``: a run stopped after ``steps`` growth steps, checkpointing
+    every 2; returns its checkpoint path."""
 
-    def step():
-        calls["n"] += 1
-        if calls["n"] > steps:
-            raise KeyboardInterrupt
-        original()
+    def run(steps):
+        ckpt = tmp_path / "ckpt.pt"
+        net, grower = build()
+        with pytest.raises(interrupt_after(grower, steps)):
+            train_one_pass(net, DATA, grower=grower, checkpoint_path=ckpt,
+                           checkpoint_every=2, **KW)
+        return ckpt
 
-    grower.step = step
-    with pytest.raises(KeyboardInterrupt):
-        train_one_pass(net, DATA, grower=grower, checkpoint_path=ckpt, checkpoint_every=2,
-                       **KW)
-    return ckpt
+    return run
 
 
-def test_a_flipped_checkpoint_falls_back_to_the_previous_one_and_says_so(tmp_path, capsys):
+def test_a_flipped_checkpoint_falls_back_to_the_previous_one_and_says_so(interrupted, capsys):
     """200 bytes flipped in the newest checkpoint: the run resumes from the one before (the
     last two are kept), says which and why, and ends as the uninterrupted run."""
     expected = reference()
-    ckpt = interrupted(tmp_path, 7)  # checkpoints at steps 4 and 6
+    ckpt = interrupted(7)  # checkpoints at steps 4 and 6
     flip(checkpoint_files(ckpt, 6))
     net, grower = build()
     resumed = train_one_pass(net, DATA, grower=grower, checkpoint_path=ckpt, **KW)
@@ -105,9 +102,9 @@ def test_a_flipped_checkpoint_falls_back_to_the_previous_one_and_says_so(tmp_pat
     assert resumed["resumed"] and resumed["history"] == expected["history"]
 
 
-def test_with_every_checkpoint_damaged_the_run_starts_afresh_and_says_so(tmp_path, capsys):
+def test_with_every_checkpoint_damaged_the_run_starts_afresh_and_says_so(interrupted, capsys):
     expected = reference()
-    ckpt = interrupted(tmp_path, 7)
+    ckpt = interrupted(7)
     checkpoint_files(ckpt, 6).write_bytes(b"")  # emptied
     checkpoint_files(ckpt, 4).unlink()  # lost
     net, grower = build()
@@ -118,9 +115,9 @@ def test_with_every_checkpoint_damaged_the_run_starts_afresh_and_says_so(tmp_pat
     assert not resumed["resumed"] and resumed["history"] == expected["history"]
 
 
-def test_a_damaged_manifest_starts_afresh_and_says_so(tmp_path, capsys):
+def test_a_damaged_manifest_starts_afresh_and_says_so(interrupted, capsys):
     expected = reference()
-    ckpt = interrupted(tmp_path, 5)
+    ckpt = interrupted(5)
     manifest = ckpt.with_name("ckpt.manifest.json")
     manifest.write_text(manifest.read_text()[:40])  # cut mid-way
     net, grower = build()
@@ -129,8 +126,8 @@ def test_a_damaged_manifest_starts_afresh_and_says_so(tmp_path, capsys):
     assert not resumed["resumed"] and resumed["history"] == expected["history"]
 
 
-def test_temporaries_of_interrupted_writes_are_removed(tmp_path):
-    ckpt = interrupted(tmp_path, 5)
+def test_temporaries_of_interrupted_writes_are_removed(interrupted, tmp_path):
+    ckpt = interrupted(5)
     stale = [tmp_path / ".ckpt.step00000006.pt.k3j2.tmp", tmp_path / ".ckpt.manifest.json.x.tmp"]
     for path in stale:
         path.write_bytes(b"half a file")

@@ -183,18 +183,35 @@ def attention_partial(
     return part
 
 
-def _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep):
+def _folds(q, keys, values, weights, kernel, temperature, chunk, part, first_row):
+    """The streaming fold from row ``first_row`` on, one chunk at a time: checks the inputs
+    now, then yields ``(end row, part, block, m used)`` after each chunk (``part`` is folded
+    in place)."""
     check_kernel(kernel)
     _check_inputs(q, keys, values, weights)
     tau = softmax_scale(temperature, q.shape[1])
-    chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
     q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel)
+
+    def chunks():  # noqa: ANN202 - a generator of tuples
+        folded = part
+        for begin in range(first_row, keys.shape[0], chunk):
+            rows = slice(begin, begin + chunk)
+            block = _chunk_kernel_values(kernel, q_keys, q_sqnorm, keys[rows], tau, q.dtype)
+            folded, m_used = _fold_chunk(kernel, folded, block, values[rows], weights[rows])
+            yield begin + chunk, folded, block, m_used
+
+    return chunks()
+
+
+def _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep):
+    check_kernel(kernel)
+    _check_inputs(q, keys, values, weights)  # before the shapes are read below
+    chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
     part = _empty_partial(q, values.shape[1], kernel)
     saved = []  # per chunk: (block, m used for it) when keep
-    for start in range(0, keys.shape[0], chunk):
-        rows = slice(start, start + chunk)
-        block = _chunk_kernel_values(kernel, q_keys, q_sqnorm, keys[rows], tau, q.dtype)
-        part, m_used = _fold_chunk(kernel, part, block, values[rows], weights[rows])
+    for _, folded, block, m_used in _folds(q, keys, values, weights, kernel, temperature,
+                                           chunk, part, 0):
+        part = folded
         if keep:
             saved.append((block, m_used))
     return part, saved
@@ -221,10 +238,8 @@ def resume_partial(
     the store: the result is bit for bit :func:`attention_partial`'s, and a store that only
     grew is re-attended from its last full chunk on (incremental evaluation)."""
     check_kernel(kernel)
-    _check_inputs(q, keys, values, weights)
-    tau = softmax_scale(temperature, q.shape[1])
+    _check_inputs(q, keys, values, weights)  # before the shapes are read below
     chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
-    q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel)
     n = keys.shape[0]
     row, given = (0, _empty_partial(q, values.shape[1], kernel)) if start is None else start
     if row % chunk or row > n:
@@ -233,11 +248,10 @@ def resume_partial(
     boundary = (n // chunk) * chunk
     state = (row, given)  # what to start from next time, if no full chunk follows
     part = Partial(*(t.clone() for t in given))  # folded in place; the state given stays
-    for begin in range(row, n, chunk):
-        rows = slice(begin, begin + chunk)
-        block = _chunk_kernel_values(kernel, q_keys, q_sqnorm, keys[rows], tau, q.dtype)
-        part, _ = _fold_chunk(kernel, part, block, values[rows], weights[rows])
-        if begin + chunk == boundary:  # the last full chunk: keep a copy of the state
+    for end, folded, _, _ in _folds(q, keys, values, weights, kernel, temperature, chunk,
+                                    part, row):
+        part = folded
+        if end == boundary:  # the last full chunk: keep a copy of the state
             state = (boundary, Partial(*(t.clone() for t in part)))
     return part, state
 
