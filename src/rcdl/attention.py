@@ -304,8 +304,7 @@ class _StreamingAttention(torch.autograd.Function):
             den = guard_denominator(part.den, part.mass, eps)  # (B,)
             clamped = part.den.abs() < eps * part.mass  # (B,) bool
             if stats is not None:  # the normaliser over all entries, for the caller
-                stats.append(Partial(part.m.clone(), part.num.clone(), part.den.clone(),
-                                     part.mass.clone()))
+                stats.append((part.m.clone(), part.den.clone()))
         ctx.eps = eps
         # the output is recomputed from num backward, not saved: an in-place op on it (an
         # nn.ReLU(inplace=True) after the layer) then leaves the backward what it needs
@@ -429,7 +428,7 @@ def attention(
     eps: float = 1e-6,
     save_fraction: float = 0.05,
     shard: Shard | None = None,
-    stats: list[Partial] | None = None,
+    stats: list[tuple[Tensor, Tensor]] | None = None,
 ) -> Tensor:  # (B, d_out)
     """Kernel attention from queries ``q`` over the entries ``(keys, values, weights)``.
 
@@ -445,8 +444,8 @@ def attention(
         shard: if given (a :class:`rcdl.distributed.Shard`), the entries are this rank's
             shard of a store split over ranks: the partials of all ranks are merged before
             the output, and the query gradient's shares are summed over the ranks.
-        stats: if given (a list), the softmax kernel appends the partial over all entries
-            (merged over the ranks), from which ``log Σ_j w_j e^{z_j} = m + log den``.
+        stats: if given (a list), the softmax kernel appends ``(m, den)`` over all entries
+            (merged over the ranks): ``log Σ_j w_j e^{z_j} = m + log den``.
 
     Example:
         >>> q, k, v = torch.randn(4, 8), torch.randn(100, 8), torch.randn(100, 3)

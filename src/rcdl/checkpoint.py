@@ -394,7 +394,7 @@ class Checkpointer:
             written = [None] * world
             dist.all_gather_object(written, (file.name, digest))
         if rank == 0:  # the commit: the manifest lists the new checkpoint
-            old = self._read_manifest(world) if self.manifest.exists() else None
+            old = self._read_manifest(world)
             entries = [] if old is None else [e for e in old["checkpoints"] if e["step"] != step]
             entries.append({"step": step, "files": [n for n, _ in written],
                             "sha256": [d for _, d in written]})

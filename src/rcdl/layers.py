@@ -269,8 +269,10 @@ class GrowingLayer(nn.Module):
                 s = s.detach().requires_grad_()
             record = _Record(q.detach(), s.detach(), x.shape[0], self._generation,
                              ready=self._ready)
-            if stats is not None and len(stats) == 1 and bool((stats[0].den > 0).all()):
-                record.log_z = stats[0].m + torch.log(stats[0].den)  # (B,)
+            if stats is not None and len(stats) == 1:
+                m, den = stats[0]  # (B,) each
+                if bool((den > 0).all()):
+                    record.log_z = m + torch.log(den)  # (B,)
             s.register_hook(record.set_grad)  # the graph holds the record until backward
             self._pending = [r for r in self._pending if r() is not None]
             self._pending.append(weakref.ref(record))

@@ -23,6 +23,7 @@ training it again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -484,8 +485,6 @@ def read_config(run_dir: str | os.PathLike, config_cls: Any) -> Any:
         config = config_cls.from_dict(saved)
     except (TypeError, ValueError) as e:
         raise ValueError(f"cannot use the saved config {path}: {e}") from e
-    import dataclasses
-
     if dataclasses.is_dataclass(config_cls):
         missing = sorted({f.name for f in dataclasses.fields(config_cls)} - set(saved))
         if missing:
