@@ -57,8 +57,8 @@ def check(device: torch.device, dtype: torch.dtype, tol: float) -> bool:
         a = sharded.eval()(held_out.to(device=device, dtype=dtype))
         b = single.eval()(held_out.to(device=device, dtype=dtype))
     diff = float((a - b).abs().max())
-    entries = growers[0].num_entries
-    ok = diff <= tol and entries == growers[1].num_entries  # the sharded count is a total
+    entries = growers[0].num_entries_all_ranks()  # a total: a collective
+    ok = diff <= tol and entries == growers[1].num_entries_all_ranks()
     if dist.get_rank() == 0:
         print(f"{'OK  ' if ok else 'FAIL'} {device.type} {str(dtype):14s} max |sharded − one "
               f"process| = {diff:.2e} (tolerance {tol:g}); entries {entries} over "

@@ -407,6 +407,15 @@ def test_corrupted_npz_names_the_file(tmp_path, damage):
         load_cifar("cifar10", tmp_path, download=False)
 
 
+def test_a_text_file_named_npz_is_not_blamed_on_pickles(tmp_path):
+    """numpy's own message for it advises allow_pickle=True, which would be wrong advice."""
+    _, path = _write_c10(tmp_path, "npz")
+    path.write_text("x_train,y_train\n1,2\n")
+    with pytest.raises(CorruptDataError, match="not an .npz archive") as caught:
+        load_cifar("cifar10", tmp_path, download=False)
+    assert "pickle" not in str(caught.value) and str(path) in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [

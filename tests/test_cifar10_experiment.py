@@ -107,7 +107,7 @@ def test_bad_settings_exit_2(data_dir, tmp_path, argv, capsys):
         argv = ["--quick", "--resume", str(tmp_path)]
     with pytest.raises(SystemExit) as exc:
         _reproduce(data_dir, *argv)
-    assert exc.value.code == 2 and "usage: rcdl" in capsys.readouterr().err
+    assert exc.value.code == 2 and "--help' for its usage" in capsys.readouterr().err
 
 
 def test_interrupted_run_resumes_to_the_same_result(data_dir, tmp_path, monkeypatch):

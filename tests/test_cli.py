@@ -51,8 +51,9 @@ def _usage_error(argv, capsys) -> str:
 
 
 def _error_message(err: str, command: str) -> str:
-    """The message after ``<command>: error: `` (all its lines)."""
-    return err.split(f"{command}: error: ", 1)[1].rstrip("\n")
+    """The message after ``<command>: error: `` (all its lines but the pointer to --help)."""
+    message = err.split(f"{command}: error: ", 1)[1].rstrip("\n")
+    return message.removesuffix(f"\nRun '{command} --help' for its usage and flags.")
 
 
 # --------------------------------------------------------------------------- resume anywhere
@@ -138,7 +139,7 @@ def test_resume_of_a_run_started_without_data_dir_says_no_data_dir(tmp_path, mon
 def test_missing_data_dir_is_an_error_at_once(experiment, tmp_path, capsys):
     missing = tmp_path / "no-such-folder"
     err = _usage_error(["reproduce", experiment, "--data-dir", str(missing)], capsys)
-    assert f"usage: rcdl reproduce {experiment} " in err
+    assert err.startswith(f"rcdl reproduce {experiment}: error: ") and "usage:" not in err
     message = _error_message(err, f"rcdl reproduce {experiment}")
     assert message == f"argument --data-dir: no such folder: {missing}"
     assert not (tmp_path / "xdg-cache").exists()  # no download was prepared
@@ -205,12 +206,12 @@ def test_data_dir_help_gives_the_search_order(experiment, capsys):
     ("vit", ["--train-size", "0"], "--train-size must be an int >= 1, got 0"),
     ("vit", ["--heads", "3"], "--heads (3) must divide width (64)"),
 ])  # fmt: skip
-def test_errors_name_the_flag_and_show_the_subcommands_usage(experiment, argv, message,
+def test_errors_name_the_flag_and_point_to_the_subcommands_help(experiment, argv, message,
                                                              tmp_path, capsys):  # fmt: skip
     data = [] if experiment == "teacher-student" else ["--data-dir", str(tmp_path),
                                                        "--no-download"]
     err = _usage_error(["reproduce", experiment, *argv, *data], capsys)
-    assert err.startswith(f"usage: rcdl reproduce {experiment} ")
+    assert_message_first(err, f"rcdl reproduce {experiment}")
     assert _error_message(err, f"rcdl reproduce {experiment}").startswith(message)
     assert "Config" not in err
     assert not (tmp_path / "runs").exists()
@@ -223,15 +224,23 @@ def test_a_too_large_subset_names_the_flag(data_dir, tmp_path, capsys):
     assert "rcdl reproduce vit: error: --train-size 100 is larger than the 64 images" in err
 
 
-def test_demo_error_shows_the_demo_usage(capsys):
+def assert_message_first(err: str, prog: str) -> None:
+    """A usage error is the message, then one line pointing to the command's --help (not
+    argparse's usage block, which would push the message out of sight)."""
+    lines = err.strip().splitlines()
+    assert lines[0].startswith(f"{prog}: error: ") and "usage:" not in err, err
+    assert lines[-1] == f"Run '{prog} --help' for its usage and flags.", err
+
+
+def test_demo_error_points_to_the_demo_help(capsys):
     err = _usage_error(["demo", "--seed", "-1"], capsys)
-    assert err.startswith("usage: rcdl demo ")
+    assert_message_first(err, "rcdl demo")
     assert "rcdl demo: error: --seed must be >= 0, got -1" in err
 
 
-def test_an_unknown_flag_shows_the_subcommands_usage(capsys):
+def test_an_unknown_flag_points_to_the_subcommands_help(capsys):
     err = _usage_error(["reproduce", "teacher-student", "--data-dir", "."], capsys)
-    assert err.startswith("usage: rcdl reproduce teacher-student ")
+    assert_message_first(err, "rcdl reproduce teacher-student")
     assert "rcdl reproduce teacher-student: error: unrecognized arguments: --data-dir ." in err
 
 

@@ -208,9 +208,9 @@ def test_the_capacity_case_depends_on_the_store_size():
     full, _ = build("hybrid-capacity")
     train(full, _, range(len(BATCHES)))
     halved, opt = build("hybrid-capacity")
-    original = HybridSoftmax.num_entries
+    original = HybridSoftmax.num_entries_all_ranks
     for _, layer in growing_layers(halved):
-        layer.num_entries = (lambda layer=layer: original(layer) // 2)
+        layer.num_entries_all_ranks = (lambda layer=layer: original(layer) // 2)
     train(halved, opt, range(len(BATCHES)))
     assert stores(full).keys() == stores(halved).keys()
     assert any(len(a) != len(b) for a, b in zip(stores(full).values(), stores(halved).values(),
@@ -231,10 +231,19 @@ def _budget_worker(rank, world, init_file, result_file):
         for step in range(len(BATCHES)):
             train(net, grower, [step])
             sizes.append([len(layer.store) for layer in grower.layers])
-        totals = grower.entries_per_layer()
+        totals = grower.entries_per_layer_all_ranks()
+        counts = {"local": grower.local_num_entries, "all": grower.num_entries_all_ranks(),
+                  "bytes": (grower.local_nbytes, grower.nbytes_all_ranks())}
+        refused = []  # the plain counts name both kinds instead of guessing (and hanging)
+        for read in (lambda: grower.num_entries, lambda: grower.nbytes,
+                     grower.entries_per_layer):
+            try:
+                read()
+            except RuntimeError as error:
+                refused.append(str(error))
         gathered = [None] * world
-        dist.all_gather_object(gathered, {"sizes": sizes, "totals": totals,
-                                          "evicted": grower.num_evicted})
+        dist.all_gather_object(gathered, {"sizes": sizes, "totals": totals, "counts": counts,
+                                          "refused": refused, "evicted": grower.num_evicted})
         if rank == 0:
             torch.save(gathered, result_file)
     finally:
@@ -250,6 +259,10 @@ def test_memory_budgets_are_per_shard(tmp_path):
     for r in ranks:
         assert all(size <= 6 for sizes in r["sizes"] for size in sizes)
         assert r["totals"] == [12, 12]  # 6 per shard, both shards full by the end
+        assert r["counts"]["local"] == 12 and r["counts"]["all"] == 24
+        assert 2 * r["counts"]["bytes"][0] == r["counts"]["bytes"][1]
+        assert len(r["refused"]) == 3 and all("ambiguous once the stores are sharded" in e
+                                              and "_all_ranks()" in e for e in r["refused"])
     written = 2 * (5 + sum(BATCHES))  # initial entries and one per sample, both layers
     assert sum(r["evicted"] for r in ranks) == written - 24
 

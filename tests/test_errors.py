@@ -81,3 +81,25 @@ def test_eval_mode_records_nothing():
         net.train()(torch.randn(3, 4))
     grower.step()  # nothing recorded: nothing written, no error
     assert grower.num_entries == 3 * 3
+
+
+@pytest.mark.parametrize("where", ["network", "layer"])
+def test_integer_inputs_say_floating_point_is_needed(where):
+    net, _ = net_and_grower()
+    model = net if where == "network" else GrowingRBF(4, 2, temperature=1.0,
+                                                      rule=FunctionalSGD(1.0))
+    with pytest.raises(TypeError, match="floating-point inputs, got torch.int64"):
+        model(torch.ones(3, 4, dtype=torch.long))
+
+
+def test_two_backwards_before_one_step_warn_that_the_first_batch_is_dropped():
+    from rcdl import UnsteppedBatchWarning
+
+    net, grower = net_and_grower()  # one step taken: the layers are being stepped
+    before = grower.num_entries
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    F.mse_loss(net(x), y).backward()
+    with pytest.warns(UnsteppedBatchWarning, match="backward\\(\\) ran but no step\\(\\)"):
+        F.mse_loss(net(x[:2]), y[:2]).backward()  # gradient accumulation, as for parameters
+    grower.step()
+    assert grower.num_entries == before + 2 * 2  # only the last batch was written, per layer

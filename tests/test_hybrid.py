@@ -404,3 +404,35 @@ def test_adam_block_is_cache_sized_on_cpu_and_whole_on_gpus():
     assert adam_block_elements("cpu", 10**7) == adam_block_elements(cpu, 5) == 1 << 18
     assert adam_block_elements("cuda", 10**7) == 10**7
     assert adam_block_elements("cuda:0", 0) == 1
+
+
+def test_the_default_gate_follows_the_query_width():
+    from rcdl import ClippedSoftmaxRule, HybridSoftmaxNet, default_tau
+
+    assert default_tau(3072) == 50.0  # the paper's τ at its width, exactly
+    assert default_tau(32) == pytest.approx(50 * (32 / 3072) ** 0.5)
+    net = HybridSoftmaxNet(32, 1, 2, temperature=5.0, rule=ClippedSoftmaxRule(3.0, 30.0))
+    assert {layer.trigger for layer in (net.blocks[0], net.blocks[1], net.readout)} == {
+        DistanceGate(default_tau(32))}
+    layer = HybridSoftmax(64, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 30.0))
+    assert layer.trigger == DistanceGate(default_tau(64))
+    with pytest.raises(ValueError, match="query width must be >= 1"):
+        default_tau(0)
+
+
+def test_a_gate_that_never_opens_warns_with_the_distances_it_saw():
+    from rcdl import ClippedSoftmaxRule, GrowthStalledWarning, HybridGrower, HybridSoftmaxNet
+
+    torch.manual_seed(0)
+    net = HybridSoftmaxNet(8, 1, 1, temperature=5.0, rule=ClippedSoftmaxRule(1.0, 30.0),
+                           trigger=DistanceGate(50.0))  # far above any distance at d = 8
+    opt = HybridGrower(net, lr=1e-3)
+    with pytest.warns(GrowthStalledWarning) as caught:
+        for _ in range(HybridSoftmax.STALL_STEPS):
+            opt.zero_grad()
+            F.mse_loss(net(torch.randn(4, 8)), torch.zeros(4, 1)).backward()
+            opt.step()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2  # one per layer, once
+    assert all("has written no entry in 100 steps" in m and "DistanceGate(tau=50.0)" in m
+               and "median" in m and "DistanceGate(2.55)" in m for m in messages), messages

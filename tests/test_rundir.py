@@ -31,8 +31,8 @@ def test_create_writes_config_and_environment(tmp_path):
     assert run.path.parent == tmp_path and run.path.name.startswith("exp-")
     assert json.loads(run.file("config.json").read_text()) == {"lr": 0.1, "sizes": [2, 3]}
     env = json.loads(run.file("environment.json").read_text())
-    for key in ("python", "torch", "device", "cuda_available", "num_threads", "platform",
-                "hostname", "git_revision", "git_dirty", "command"):  # fmt: skip
+    for key in ("python", "torch", "device", "cuda_available", "num_threads", "cpu_model",
+                "platform", "hostname", "git_revision", "git_dirty", "command"):  # fmt: skip
         assert key in env
     assert env["torch"] == torch.__version__ and env["device"] == "cpu"
 
@@ -137,3 +137,15 @@ def test_resumable_prints_the_resume_command_on_interrupt(tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert (f"Interrupted. Continue with: rcdl reproduce exp --resume {tmp_path / 'run'} "
             f"--data-dir {tmp_path}") in err  # fmt: skip
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_machine_line_names_the_cpu_its_threads_and_the_world_size(threads, monkeypatch):
+    from rcdl.app import rundir
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    line = rundir.describe_machine("cpu")
+    assert rundir.cpu_model() in line and line.endswith(f"{threads} thread{'s' * (threads > 1)}")
+    monkeypatch.setattr(rundir, "rank_and_world", lambda: (0, 3))
+    assert rundir.describe_machine("cpu").endswith(
+        "; 3 processes (torch.distributed, growing stores sharded over them)")

@@ -40,8 +40,10 @@ from rcdl.hybrid import (
     DistanceGate,
     EntryAdam,
     ErrorScaledGate,
+    GrowthStalledWarning,
     HybridGrower,
     HybridSoftmax,
+    default_tau,
 )
 from rcdl.layers import (
     GrowingLayer,
@@ -49,6 +51,7 @@ from rcdl.layers import (
     GrowingRBF,
     GrowingSoftmax,
     ParametricSoftmax,
+    UnsteppedBatchWarning,
     growing_layers,
     set_store_dtype,
 )
@@ -76,15 +79,15 @@ __all__ = [
     "__version__",
     # layers
     "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "HybridSoftmax",
-    "ParametricSoftmax", "growing_layers",
+    "ParametricSoftmax", "UnsteppedBatchWarning", "growing_layers",
     # networks
     "GrowingRBFNet", "GrowingSoftmaxNet", "HybridSoftmaxNet", "MLP", "ParametricSoftmaxNet",
     "ResNetMLP", "ResidualNet", "ViT", "from_dual_form", "growing_softmax_net",
     "hybrid_softmax_net", "mlp_vit", "rcdl_vit", "to_dual_form",
     # learning rules and growth
     "AlwaysGrow", "CapacityGate", "ClippedSoftmaxRule", "DistanceGate", "EntryAdam",
-    "ErrorScaledGate", "FunctionalSGD", "GaugeSoftmaxRule", "Grower", "HybridGrower",
-    "LearningRule",
+    "ErrorScaledGate", "FunctionalSGD", "GaugeSoftmaxRule", "Grower", "GrowthStalledWarning",
+    "HybridGrower", "LearningRule", "default_tau",
     # memory and precision
     "EVICTION_POLICIES", "EntryStore", "MemoryBudget", "set_store_dtype",
     # retrieval

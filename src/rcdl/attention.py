@@ -24,7 +24,7 @@ gradients).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, overload
 
 import torch
 from torch import Tensor
@@ -101,6 +101,7 @@ def _chunk_kernel_values(
     if kernel == "linear":
         return scores
     if kernel == "rbf":
+        assert q_sqnorm is not None  # computed for the RBF kernel (_queries_as_keys)
         k_sqnorm = (keys * keys).sum(1, dtype=dtype)  # (c,)
         # exp(-(|q|^2 - 2 q.k + |k|^2) / (2 tau)), built in place on the score block
         scores = scores.mul_(2).sub_(q_sqnorm).sub_(k_sqnorm[:, None])
@@ -256,6 +257,10 @@ def resume_partial(
     return part, state
 
 
+@overload
+def _queries_as_keys(q: Tensor, keys: Tensor, kernel: Literal["rbf"]) -> tuple[Tensor, Tensor]: ...
+@overload
+def _queries_as_keys(q: Tensor, keys: Tensor, kernel: str) -> tuple[Tensor, Tensor | None]: ...
 def _queries_as_keys(q: Tensor, keys: Tensor, kernel: str) -> tuple[Tensor, Tensor | None]:
     """The queries in the keys' dtype, and for RBF their squared norms (of those rounded
     queries, so that ``|q|² − 2⟨q, k⟩ + |k|²`` is the distance of the vectors multiplied)."""
@@ -360,6 +365,7 @@ def attention_backward(
     scale = 1.0 if kernel == "linear" else 1.0 / tau  # d(score)/dq = k * scale
     rbf_q_coef = q.new_zeros(q.shape[0])  # Σ_j ∂L/∂φ_j φ_j per query (RBF only)
     if kernel == "softmax":
+        assert den is not None and clamped is not None  # given for the softmax kernel
         # s = num / D' with ∂D'/∂z_j = u_j e^{z_j − m}: u_j = w_j where D' = D, and
         # u_j = ±eps |w_j| where the guard acted (D' = ±eps · mass). ⟨g, s⟩ is split into
         # the part multiplying w_j and the part multiplying |w_j|.
@@ -389,29 +395,29 @@ def attention_backward(
             if any_clamped:
                 u_gs += w_c.abs()[:, None] * gs_abs
             grad_scores = attn * g_dot_v.sub_(u_gs)  # (c, B) wrt z
-            if need_v:  # written in place: no (c, d_out) temporary to copy
+            if grad_v is not None:  # written in place: no (c, d_out) temporary to copy
                 _mm_into(grad_v[rows], attn, grad_out)
-            if need_w:
+            if grad_w is not None:
                 grad_w[rows] = -(attn @ gs_w)
                 if any_clamped:
                     grad_w[rows] -= torch.sign(w_c) * (attn @ gs_abs)
         else:
-            if need_v:
+            if grad_v is not None:
                 _mm_into(grad_v[rows], block * w_c[:, None], grad_out)
-            if need_w:
+            if grad_w is not None:
                 grad_w[rows] = (block * g_dot_v).sum(1)
             grad_scores = g_dot_v.mul_(w_c[:, None])  # (c, B) wrt the kernel values
             if kernel == "rbf":  # φ = exp(−|q−k|²/2τ): dφ/dq = φ (k − q)/τ
                 grad_scores.mul_(block)
-        if need_q:
+        if grad_q is not None:
             _sum_over_entries_(grad_q, grad_scores, k_c, alpha=scale)
             if kernel == "rbf":
                 rbf_q_coef += grad_scores.sum(0)
-        if need_k:
+        if grad_k is not None:
             _mm_into(grad_k[rows], grad_scores, q).mul_(scale)
             if kernel == "rbf":
                 grad_k[rows] -= k_c * (grad_scores.sum(1) * scale)[:, None]
-    if need_q and kernel == "rbf":  # the −q part of φ (k − q)/τ
+    if grad_q is not None and kernel == "rbf":  # the −q part of φ (k − q)/τ
         grad_q -= q * (rbf_q_coef * scale)[:, None]
     return grad_q, grad_k, grad_v, grad_w
 

@@ -82,7 +82,7 @@ class _Window(io.RawIOBase):
     """The file ``f`` from byte ``start`` on, as a file of its own (what ``torch.load``
     reads: the payload behind the header)."""
 
-    def __init__(self, f: IO[bytes], start: int) -> None:
+    def __init__(self, f: io.BufferedIOBase, start: int) -> None:
         super().__init__()
         self.f, self.start = f, start
         f.seek(start)
@@ -113,7 +113,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike) -> str:
     def write(f: IO[bytes]) -> None:
         f.write(MAGIC + bytes(32))
         writer = _HashingWriter(f)
-        torch.save(obj, writer)
+        torch.save(obj, writer)  # type: ignore[arg-type]  # stubs: IO[bytes]; any writer works
         f.seek(len(MAGIC))
         f.write(writer.digest.digest())
         f.seek(0, io.SEEK_END)
@@ -150,8 +150,8 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu",
             raise DamagedCheckpoint(path, "it is not the file its manifest lists (another "
                                     "digest): it was replaced after the manifest was written")
         try:
-            return torch.load(_Window(f, _HEADER), map_location=map_location,
-                              weights_only=False)
+            return torch.load(_Window(f, _HEADER),  # type: ignore[arg-type]  # any reader works
+                              map_location=map_location, weights_only=False)
         except Exception as err:  # a verified file that torch cannot read: say which
             raise DamagedCheckpoint(path, f"torch cannot read it ({err})") from err
 
@@ -281,7 +281,7 @@ class Checkpointer:
             return 0, 1
         rank, world = rank_and_world()
         if not self._checked:
-            paths = [None] * world
+            paths: list[Any] = [None] * world  # filled by all_gather_object
             dist.all_gather_object(paths, str(self.path.resolve()))
             if len(set(paths)) != 1:
                 raise ValueError(
@@ -389,7 +389,7 @@ class Checkpointer:
         step = int(loop["step"])
         file = checkpoint_files(self.path, step, rank, world)
         digest = save_checkpoint(state, file)  # phase 1: every rank writes its file
-        written = [(file.name, digest)]
+        written: list[Any] = [(file.name, digest)]  # (name, digest) per rank
         if world > 1:
             written = [None] * world
             dist.all_gather_object(written, (file.name, digest))

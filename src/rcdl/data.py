@@ -102,7 +102,7 @@ def make_teacher(cfg: TeacherConfig) -> nn.Sequential:
     mean, std = y.mean(0), y.std(0)  # (D_out,)
     if not torch.all(std > 0):
         raise RuntimeError(f"teacher output has zero variance in some dimension: std={std}")
-    last = layers[-1]
+    last = linear  # the readout: the loop's last layer
     last.weight.div_(std[:, None])
     last.bias.sub_(mean).div_(std)
     return teacher

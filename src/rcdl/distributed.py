@@ -40,6 +40,7 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ class Shard:
     world_size: int
 
     # ------------------------------------------------------------ collectives
-    def all_reduce(self, t: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+    def all_reduce(self, t: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
         dist.all_reduce(t, op=op, group=self.group)
         return t
 
@@ -145,7 +146,7 @@ def _differences(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
 
 def _update(digest: hashlib._Hash, t: Tensor) -> None:
     data = t.detach().contiguous().cpu()
-    digest.update(data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b"")
+    digest.update(data.reshape(-1).view(torch.uint8).numpy().data if data.numel() else b"")
 
 
 def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
@@ -165,7 +166,7 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
     if not layers:
         raise ValueError(f"shard: {type(model).__name__} has no growing layers")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    described = [None] * world
+    described: list[Any] = [None] * world  # filled by all_gather_object
     dist.all_gather_object(described, _describe(model), group=group)
     differing = {r: _differences(described[0], d) for r, d in enumerate(described)}
     differing = {r: diff for r, diff in differing.items() if diff}

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["FOOF", "DeltaNetDecay"]
+
+_Loss = TypeVar("_Loss")  # what a step's closure returns (a loss tensor, usually)
 
 
 class _LinearLayerOptimizer(torch.optim.Optimizer):
@@ -47,14 +50,15 @@ class _LinearLayerOptimizer(torch.optim.Optimizer):
         _check_range(self._name, "lr", defaults["lr"], low=0.0)
         _check_range(self._name, "momentum", defaults["momentum"], low=0.0, high=1.0,
                      high_open=True)
-        owner = {}  # id(param) -> "name.param (ModuleType)", for error messages
+        owner: dict[int, str] = {}  # id(param) -> "name.param (ModuleType)", for errors
         for mod_name, module in model.named_modules():
             for p_name, p in module.named_parameters(recurse=False):
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
                 owner.setdefault(id(p), f"{full!r} ({type(module).__name__})")
 
         self._layers: list[tuple[str, nn.Linear, bool]] = []  # (name, module, has_bias)
-        groups, handled = [], {}
+        groups: list[dict[str, Any]] = []
+        handled: dict[int, str] = {}  # id(param) -> the nn.Linear's module path
         for mod_name, module in model.named_modules():
             if not isinstance(module, nn.Linear) or not module.weight.requires_grad:
                 continue
@@ -122,8 +126,13 @@ class _LinearLayerOptimizer(torch.optim.Optimizer):
         self._hooks = []
 
     # -- stepping -----------------------------------------------------------------------
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], _Loss]) -> _Loss: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+    def step(self, closure: Callable[[], _Loss] | None = None) -> _Loss | None:
         """One update of every layer from its gradient and the inputs captured since the
         last step; ``closure`` (re-evaluating the loss) is run first when given."""
         loss = None

@@ -40,7 +40,7 @@ gradients; :class:`rcdl.hybrid.EntryAdam` then refuses its step with an error.)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn, overload
 
 import torch
 from torch import nn
@@ -87,8 +87,13 @@ class Grower(torch.optim.Optimizer):
         super().__init__(groups, {})
 
     # ---------------------------------------------------------------- the step
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...  # refused
+
     @torch.no_grad()
-    def step(self, closure=None) -> None:  # noqa: ANN001
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         """Commit the entries recorded since the last step (all layers or none), then evict
         down to the budget, if any.
 
@@ -225,28 +230,66 @@ class Grower(torch.optim.Optimizer):
         """Entries evicted by the budget so far, all layers."""
         return sum(self.evicted.values())
 
+    # Counts come in two kinds with distinct names. ``local_*`` never communicate: what
+    # this process stores. ``*_all_ranks()`` are totals over every rank of sharded stores,
+    # so they are collectives (every rank must call them at the same point, or the job
+    # hangs). ``num_entries``, ``nbytes`` and ``entries_per_layer()`` are the plain counts of
+    # an unsharded model and refuse to guess which kind is meant once stores are sharded.
+    @property
+    def local_num_entries(self) -> int:
+        """Entries this process stores, all layers (never communicates)."""
+        return sum(len(layer.store) for layer in self.layers)
+
+    @property
+    def local_nbytes(self) -> int:
+        """Bytes of the live entries this process stores, all layers (never communicates)."""
+        return sum(layer.store.nbytes for layer in self.layers)
+
+    def num_entries_all_ranks(self) -> int:
+        """Entries stored by all ranks together, all layers: a collective (an ``all_reduce``)
+        if the stores are sharded, to call on every rank; else :attr:`local_num_entries`."""
+        return self._over_ranks([self.local_num_entries])[0]
+
+    def nbytes_all_ranks(self) -> int:
+        """Bytes of the live entries of all ranks together (a collective, as
+        :meth:`num_entries_all_ranks`)."""
+        return self._over_ranks([self.local_nbytes])[0]
+
+    def entries_per_layer_all_ranks(self) -> list[int]:
+        """Entries stored per layer by all ranks together (a collective if sharded)."""
+        return self._over_ranks([len(layer.store) for layer in self.layers])
+
     @property
     def num_entries(self) -> int:
-        """Entries stored, all layers (over every rank if the stores are sharded: then this
-        is a collective, to read on every rank)."""
-        return self._total(sum(len(layer.store) for layer in self.layers))
+        """Entries stored, all layers, of a model whose stores are not sharded (under
+        sharding: an error naming :attr:`local_num_entries` and :meth:`num_entries_all_ranks`)."""
+        self._refuse_if_sharded("num_entries", "local_num_entries", "num_entries_all_ranks()")
+        return self.local_num_entries
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the live entries, all layers (over every rank, as :attr:`num_entries`)."""
-        return self._total(sum(layer.store.nbytes for layer in self.layers))
+        """Bytes of the live entries, all layers, unsharded (as :attr:`num_entries`)."""
+        self._refuse_if_sharded("nbytes", "local_nbytes", "nbytes_all_ranks()")
+        return self.local_nbytes
 
     def entries_per_layer(self) -> list[int]:
-        """Entries stored per layer (over every rank if sharded: a collective)."""
-        return self._over_ranks([len(layer.store) for layer in self.layers])
+        """Entries stored per layer, unsharded (as :attr:`num_entries`)."""
+        self._refuse_if_sharded("entries_per_layer()", "[len(layer.store) for layer in "
+                                "grower.layers]", "entries_per_layer_all_ranks()")
+        return [len(layer.store) for layer in self.layers]
+
+    def _refuse_if_sharded(self, name: str, local: str, total: str) -> None:
+        if any(layer.shard is not None for layer in self.layers):
+            raise RuntimeError(
+                f"Grower.{name} is ambiguous once the stores are sharded over processes: use "
+                f"grower.{local} for this rank's count (no communication) or grower.{total} "
+                f"for the total over all ranks (a collective: call it on every rank at the "
+                f"same point, or the job hangs)")
 
     def _over_ranks(self, counts: list[int]) -> list[int]:
         """Per-layer ``counts`` of this rank, summed over the ranks if the stores are sharded."""
         sharded = next((layer for layer in self.layers if layer.shard is not None), None)
-        if sharded is None:
+        if sharded is None or sharded.shard is None:
             return counts
         local = torch.tensor(counts, dtype=torch.long, device=sharded.store.device)
         return sharded.shard.all_reduce(local).tolist()
-
-    def _total(self, local: int) -> int:
-        return self._over_ranks([local])[0]

@@ -32,8 +32,10 @@ a parameter created when it was written.
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NoReturn, Protocol, overload
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +50,8 @@ from rcdl.store import EntryStore
 
 __all__ = [
     "AlwaysGrow", "CapacityGate", "DistanceGate", "EntryAdam", "ErrorScaledGate",
-    "GrowthTrigger", "HybridGrower", "HybridSoftmax", "adam_block_elements", "hybrid_layers",
+    "GrowthStalledWarning", "GrowthTrigger", "HybridGrower", "HybridSoftmax",
+    "adam_block_elements", "default_tau", "hybrid_layers",
 ]  # fmt: skip
 # round_stochastically lives in rcdl.rounding; importable from here as before
 
@@ -84,9 +87,37 @@ class AlwaysGrow:
         return torch.ones(errors.shape[0], dtype=torch.bool, device=errors.device)
 
 
+PAPER_TAU, PAPER_WIDTH = 50.0, 3072  # docs/reference.md §6: τ = 50 on CIFAR-10's 3 072 pixels
+
+
+def default_tau(d: int) -> float:
+    """The default distance threshold for queries of width ``d``: ``τ = 50 · √(d / 3072)``.
+
+    The layers of the residual networks see RMS-normalised queries, ``‖q‖ = √d``, so this is
+    the paper's τ = 50 at d = 3 072 (docs/reference.md §6) kept at the same fraction, 0.90, of
+    the query norm at any width: 5.1 at d = 32, 7.2 at d = 64. A threshold fixed at 50 would
+    refuse every sample of a narrow layer (two unit-RMS queries of width 32 are at most
+    2·√32 ≈ 11.3 apart) and the layer would never grow.
+    """
+    if d < 1:
+        raise ValueError(f"default_tau: the query width must be >= 1, got {d}")
+    return PAPER_TAU * math.sqrt(d / PAPER_WIDTH)
+
+
+class GrowthStalledWarning(UserWarning):
+    """A hybrid layer's trigger has refused every sample for many steps (the layer is not
+    learning from its data): usually a distance threshold too large for its queries."""
+
+
 def _check_tau(tau: float) -> None:
     if not (tau >= 0 and math.isfinite(tau)):
         raise ValueError(f"the distance threshold tau must be a finite number >= 0, got {tau}")
+
+
+def _needed_distance(gate: GrowthTrigger, sq_distance: Tensor | None) -> Tensor:
+    if sq_distance is None:
+        raise ValueError(f"{gate} gates on distances (needs_distance): sq_distance is None")
+    return sq_distance
 
 
 @dataclass(frozen=True)
@@ -108,8 +139,9 @@ class DistanceGate:
     def threshold(self, size: int) -> float:
         return self.tau
 
-    def accept(self, sq_distance: Tensor, size: int, errors: Tensor) -> Tensor:  # (B,) bool
-        return sq_distance > self.threshold(size) ** 2
+    def accept(self, sq_distance: Tensor | None, size: int,
+               errors: Tensor) -> Tensor:  # (B,) bool
+        return _needed_distance(self, sq_distance) > self.threshold(size) ** 2
 
 
 @dataclass(frozen=True)
@@ -143,9 +175,9 @@ class ErrorScaledGate(DistanceGate):
     well-served one only from farther.
     """
 
-    def accept(self, sq_distance: Tensor, size: int, errors: Tensor) -> Tensor:
+    def accept(self, sq_distance: Tensor | None, size: int, errors: Tensor) -> Tensor:
         relative = errors / errors.mean().clamp_min(torch.finfo(errors.dtype).tiny)  # (B,)
-        return sq_distance * relative.square() > self.tau**2
+        return _needed_distance(self, sq_distance) * relative.square() > self.tau**2
 
 
 # --------------------------------------------------------------------------- the layer
@@ -162,17 +194,28 @@ class HybridSoftmax(GrowingSoftmax):
     Args:
         rule: the rule proposing entries
             (docs/reference.md §6: ``ClippedSoftmaxRule(eta=1, beta=30)``).
-        trigger: which proposed entries are written (default ``DistanceGate(50.0)``).
+        trigger: which proposed entries are written (default
+            ``DistanceGate(default_tau(d_in))``, τ = 50 · √(d_in / 3072): the paper's τ = 50 at
+            its width, the same fraction of ``‖q‖ = √d_in`` at any other). If it refuses every
+            sample of the first ``STALL_STEPS`` (100) steps, a :class:`GrowthStalledWarning`
+            says so, with the distances it saw.
         seed: seeds the initial entries (default: torch's global generator) and the
             stochastic rounding of a half-precision store (:mod:`rcdl.rounding`; default: a
             number drawn from torch's global generator). Saved with the model as the buffer
             ``rounding_seed``.
-        Other arguments as :class:`~rcdl.layers.GrowingSoftmax` (docs/reference.md §6: T = 5).
+
+    Other arguments as :class:`~rcdl.layers.GrowingSoftmax` (docs/reference.md §6: T = 5).
 
     Statistics (buffers, saved with the model): ``entries_written``, ``entries_refused``.
     """
 
     trains_entries = True  # EntryAdam moves every entry: no cached evaluation partials
+    STALL_STEPS = 100  # growth steps without a single write before GrowthStalledWarning
+    # buffers (): Adam steps taken, entries written and refused, the rounding seed
+    adam_steps: Tensor
+    entries_written: Tensor
+    entries_refused: Tensor
+    rounding_seed: Tensor
 
     def __init__(self, d_in: int, d_out: int, *, temperature: float, rule: LearningRule,
                  trigger: GrowthTrigger | None = None, initial_entries: int = 16,
@@ -184,13 +227,16 @@ class HybridSoftmax(GrowingSoftmax):
                 "HybridSoftmax: the 1/Z-normalised rule needs Z(q) > 0, but Adam may drive "
                 "stored weights negative (Z ≤ 0, log Z undefined); use the clipped gws rule "
                 "(ClippedSoftmaxRule(normalize=False)) as the paper does (docs/reference.md §4)")
-        self.trigger = DistanceGate(50.0) if trigger is None else trigger
-        factory = {"dtype": self.store.dtype, "device": self.store.device}
+        self.trigger: GrowthTrigger = (
+            DistanceGate(default_tau(d_in)) if trigger is None else trigger)
+        dtype, device = self.store.dtype, self.store.device
         # Adam's first and second moments of (keys, weighted values, weights), row-aligned
         # with the store; their ``written_at`` is the layer's Adam step count at the write.
         # They are optimizer state: EntryAdam.state_dict() saves them, the model's does not.
-        self.adam_m = EntryStore(self.store.d_in, d_out, persistent=False, **factory)
-        self.adam_v = EntryStore(self.store.d_in, d_out, persistent=False, **factory)
+        self.adam_m = EntryStore(self.store.d_in, d_out, persistent=False, dtype=dtype,
+                                 device=device)
+        self.adam_v = EntryStore(self.store.d_in, d_out, persistent=False, dtype=dtype,
+                                 device=device)
         self.register_buffer("adam_steps", torch.zeros((), dtype=torch.long,
                                                        device=self.store.device), persistent=False)
         for name in ("entries_written", "entries_refused"):
@@ -201,6 +247,8 @@ class HybridSoftmax(GrowingSoftmax):
         self._zero_moments(len(self.store))
         self._leaves: tuple[Tensor, Tensor, Tensor] | None = None
         self._refused = 0  # refused by the trigger in the pending proposal
+        self._dry_steps = 0  # growth steps in a row that wrote nothing (host-side count)
+        self._last_sq_distance: Tensor | None = None  # (B,) of the last gated batch
         self._adam_skipped = False  # a growth step dropped entry gradients Adam never used
 
     # ---------------------------------------------------------------- forward
@@ -222,8 +270,10 @@ class HybridSoftmax(GrowingSoftmax):
         gradients (made once per step, reused if the layer runs twice in a step)."""
         n = len(self.store)
         if self._leaves is None or self._leaves[0].shape[0] != n:
-            self._leaves = tuple(t.detach().requires_grad_() for t in
-                                 (self.store.keys, self.store.values, self.store.weights))
+            store = self.store
+            self._leaves = (store.keys.detach().requires_grad_(),
+                            store.values.detach().requires_grad_(),
+                            store.weights.detach().requires_grad_())
         return self._leaves
 
     def _drop_unstepped(self) -> None:
@@ -324,14 +374,15 @@ class HybridSoftmax(GrowingSoftmax):
     # ---------------------------------------------------------------- growth
     def make_entries(self, record: _Record) -> Entries:
         keys, values, weights = super().make_entries(record)
-        errors = (record.grad * record.n_samples).norm(dim=1)  # (B,) per-sample ‖g‖
+        errors = (record.grad_mean * record.n_samples).norm(dim=1)  # (B,) per-sample ‖g‖
         sq_distance = None
         if self.trigger.needs_distance:
             sq_distance = nearest_sq_distance(record.q, self.store.keys,
                                               chunk_size=self.chunk_size)  # (B,) this shard
             if self.shard is not None:
                 sq_distance = self.shard.nearest_sq_distance(sq_distance)
-        size = self.num_entries() if getattr(self.trigger, "needs_size", True) else 0
+            self._last_sq_distance = sq_distance
+        size = self.num_entries_all_ranks() if getattr(self.trigger, "needs_size", True) else 0
         accept = self.trigger.accept(sq_distance, size, errors)  # (B,) bool
         self._refused += int((~accept).sum())
         return keys[accept], values[accept], weights[accept]
@@ -356,13 +407,31 @@ class HybridSoftmax(GrowingSoftmax):
         self.entries_written += written
         self.entries_refused += self._refused
         self._refused = 0
+        self._dry_steps = 0 if written else self._dry_steps + 1
+        if self._dry_steps == self.STALL_STEPS and int(self.entries_written) == 0:
+            self._warn_stalled()
+
+    def _warn_stalled(self) -> None:
+        seen = ""
+        if self._last_sq_distance is not None and self._last_sq_distance.numel():
+            d = self._last_sq_distance.float().clamp_min(0).sqrt().median()
+            seen = (f" (the last batch's queries were a median {float(d):.3g} from their "
+                    "nearest key)")
+        warnings.warn(
+            f"{self.where} has written no entry in {self.STALL_STEPS} steps: its trigger "
+            f"{self.trigger} refused every sample{seen}. A distance threshold is in the units "
+            f"of the layer's queries (‖q‖ = √d = {math.sqrt(self.store.d_in):.3g} after the "
+            f"networks' RMS norm); the default for this width is "
+            f"DistanceGate({default_tau(self.store.d_in):.3g}) (rcdl.hybrid.default_tau)",
+            GrowthStalledWarning, stacklevel=2)
 
     def _zero_moments(self, count: int) -> None:
-        factory = {"dtype": self.store.dtype, "device": self.store.device}
+        dtype, device = self.store.dtype, self.store.device
         for moments in (self.adam_m, self.adam_v):
-            moments.append(torch.zeros(count, self.store.d_in, **factory),
-                           torch.zeros(count, self.d_out, **factory),
-                           torch.zeros(count, **factory), written_at=int(self.adam_steps))
+            moments.append(torch.zeros(count, self.store.d_in, dtype=dtype, device=device),
+                           torch.zeros(count, self.d_out, dtype=dtype, device=device),
+                           torch.zeros(count, dtype=dtype, device=device),
+                           written_at=int(self.adam_steps))
 
     @torch.no_grad()
     def remove_entries(self, mask: Tensor) -> int:
@@ -425,8 +494,13 @@ class EntryAdam(torch.optim.Optimizer):
     def lr(self) -> float:
         return self.param_groups[0]["lr"]
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...  # refused
+
     @torch.no_grad()
-    def step(self, closure=None) -> None:  # noqa: ANN001
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         """One Adam step on every entry with a gradient, then on the ordinary parameters.
 
         Refused (``ValueError`` naming the layer; every entry gradient dropped, nothing
@@ -534,8 +608,13 @@ class HybridGrower(torch.optim.Optimizer):
         groups = [*self.adam.param_groups, *self.grower.param_groups]
         super().__init__(groups, {})
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...  # refused
+
     @torch.no_grad()
-    def step(self, closure=None) -> None:  # noqa: ANN001
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         if closure is not None:
             raise TypeError("HybridGrower.step() takes no closure")
         if not self.grower.validate():  # a refused step drops the records
@@ -559,6 +638,25 @@ class HybridGrower(torch.optim.Optimizer):
         self.adam.load_state_dict(state["adam"])
         self.grower.load_state_dict(state["grower"])
 
+    # the counts of :class:`~rcdl.grower.Grower`: local_* never communicate, *_all_ranks()
+    # are collectives under sharding, the plain ones refuse to guess once stores are sharded
+    @property
+    def local_num_entries(self) -> int:
+        return self.grower.local_num_entries
+
+    @property
+    def local_nbytes(self) -> int:
+        return self.grower.local_nbytes
+
+    def num_entries_all_ranks(self) -> int:
+        return self.grower.num_entries_all_ranks()
+
+    def nbytes_all_ranks(self) -> int:
+        return self.grower.nbytes_all_ranks()
+
+    def entries_per_layer_all_ranks(self) -> list[int]:
+        return self.grower.entries_per_layer_all_ranks()
+
     @property
     def num_entries(self) -> int:
         return self.grower.num_entries
@@ -566,3 +664,6 @@ class HybridGrower(torch.optim.Optimizer):
     @property
     def nbytes(self) -> int:
         return self.grower.nbytes
+
+    def entries_per_layer(self) -> list[int]:
+        return self.grower.entries_per_layer()

@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 
-def _atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
+def _atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> Path:
     """Call ``write(f)`` on a temporary file beside ``path``, fsync it, then rename it over."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,9 +30,10 @@ Which records a step writes (the habits of an ordinary PyTorch loop must not bre
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +44,13 @@ from rcdl.kernels import Kernel, check_kernel, softmax_scale
 from rcdl.rules import Entries, FunctionalSGD, LearningRule
 from rcdl.store import EntryStore
 
+if TYPE_CHECKING:
+    from rcdl.distributed import Shard
+    from rcdl.retrieval import TopK
+
 __all__ = [
     "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "ParametricSoftmax",
-    "growing_layers", "set_store_dtype",
+    "UnsteppedBatchWarning", "growing_layers", "set_store_dtype",
 ]
 
 
@@ -67,6 +72,13 @@ class _Record:
             self.ready.append(self)  # from now on the layer holds it, not just the graph
         else:
             self.grad = self.grad + grad.detach()
+
+    @property
+    def grad_mean(self) -> Tensor:
+        """The gradient of a ready record (one that backward has reached)."""
+        if self.grad is None:
+            raise RuntimeError("the record's backward has not run: no gradient")
+        return self.grad
 
 
 class _CachedPartial(NamedTuple):
@@ -94,12 +106,18 @@ class _EvalModeOutput(torch.autograd.Function):
             "from: call model.train() before a training step (model.eval() is for evaluation)")
 
 
+class UnsteppedBatchWarning(UserWarning):
+    """A training forward pass began while an earlier batch's backward had run without a
+    ``step()``: that batch is dropped (growing layers do not accumulate gradients)."""
+
+
 class GrowingLayer(nn.Module):
     """Base class: a layer ``d_in → d_out`` over an :class:`EntryStore` and a learning rule.
 
     Args:
-        d_in, d_out: widths. Inputs may have any leading dims ``(..., d_in)``; the first
+        d_in: input width. Inputs may have any leading dims ``(..., d_in)``; the first
             one is the sample dimension the loss averages over.
+        d_out: output width.
         kernel: ``"linear"``, ``"rbf"`` or ``"softmax"`` (:mod:`rcdl.kernels`).
         temperature: T, with ``τ = T √d_in`` (RBF and softmax).
         rule: the learning rule writing this layer's entries (:class:`rcdl.rules.LearningRule`).
@@ -118,6 +136,8 @@ class GrowingLayer(nn.Module):
             ``torch.bfloat16`` or ``torch.float16`` halve its bytes, and where the CPU
             multiplies bf16 natively also the attention's time (docs/precision.md).
     """
+
+    steps: Tensor  # buffer (): the growth steps taken so far
 
     def __init__(
         self,
@@ -156,10 +176,11 @@ class GrowingLayer(nn.Module):
         self._ready: list[_Record] = []  # records that backward has reached
         self._pending: list[weakref.ref[_Record]] = []  # records awaiting backward
         self._generation = 0  # bumped by commit/discard: older records are never written
-        self.shard = None  # a rcdl.distributed.Shard when the store is split over ranks
+        self._stepped = False  # a step has committed here (then dropped batches are warned of)
+        self.shard: Shard | None = None  # set when the store is split over ranks
         self._eval_cache: dict[int, _CachedPartial] | None = None  # see enable_eval_cache
         self._eval_calls = 0
-        self.retrieval = None  # an rcdl.retrieval top-k mode, set by rcdl.retrieval.use_topk
+        self.retrieval: TopK | None = None  # a top-k mode, set by rcdl.retrieval.use_topk
 
     # ---------------------------------------------------------------- forward
     def entry_weights(self) -> Tensor:  # (N,)
@@ -177,8 +198,9 @@ class GrowingLayer(nn.Module):
         shard of it, if the store is sharded: :mod:`rcdl.distributed`)."""
         if self.retrieval is not None and self.retrieval.applies(self):
             return self.retrieval.attend(self, q)  # approximate: top-k entries (docs/retrieval.md)
-        if self._eval_cache is not None and not torch.is_grad_enabled():
-            return self._attend_cached(q)
+        cache = self._eval_cache
+        if cache is not None and not torch.is_grad_enabled():
+            return self._attend_cached(q, cache)
         return self._attention(q, self.store.keys, self.store.values, self.entry_weights())
 
     # ---------------------------------------------------------------- incremental evaluation
@@ -222,12 +244,11 @@ class GrowingLayer(nn.Module):
     _eval_hits = 0
     trains_entries = False  # True where an optimizer moves stored entries (the hybrid)
 
-    def _attend_cached(self, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
+    def _attend_cached(self, q: Tensor, cache: dict[int, _CachedPartial]
+                       ) -> Tensor:  # (B, key_dim) -> (B, d_out)
         slot, self._eval_calls = self._eval_calls, self._eval_calls + 1
-        store, cached = self.store, self._eval_cache.get(slot)
+        store, cached = self.store, cache.get(slot)
         n = len(store)
-        kw = {"kernel": self.kernel, "temperature": self.temperature,
-              "chunk_size": self.chunk_size}
         if cached is not None and not torch.equal(cached.q, q):  # queries move: stop caching
             self._eval_cache = None
             return self._attention(q, store.keys, store.values, self.entry_weights())
@@ -236,8 +257,9 @@ class GrowingLayer(nn.Module):
             start = (cached.rows, cached.part)  # fold the chunks from its last full one on
             self._eval_hits += 1
         part, (rows, state) = resume_partial(q, store.keys, store.values, store.weights,
-                                             start=start, **kw)
-        self._eval_cache[slot] = _CachedPartial(q.clone(), rows, store.version, state)
+                                             kernel=self.kernel, temperature=self.temperature,
+                                             chunk_size=self.chunk_size, start=start)
+        cache[slot] = _CachedPartial(q.clone(), rows, store.version, state)
         return finalize(part, kernel=self.kernel)
 
     def _attention(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor) -> Tensor:
@@ -290,7 +312,17 @@ class GrowingLayer(nn.Module):
 
     def _drop_unstepped(self) -> None:
         """Forget records whose backward ran but whose step never came: a new training
-        forward pass starts a new step."""
+        forward pass starts a new step. Says so (:class:`UnsteppedBatchWarning`) once the
+        layer is being stepped (a growing layer does not accumulate over batches as
+        parameters' gradients do); a layer that no step has reached yet, e.g. a hybrid trained
+        by :class:`~rcdl.hybrid.EntryAdam` alone, drops its records silently."""
+        if self._stepped and self.ready_records():
+            warnings.warn(
+                f"{self.where}: a batch's backward() ran but no step() followed before this "
+                "training forward pass; that batch is dropped and writes no entries. Growing "
+                "layers do not accumulate gradients over batches: call step() after every "
+                "backward() (for a larger batch, concatenate the inputs)",
+                UnsteppedBatchWarning, stacklevel=4)
         if self._ready:
             self._ready.clear()
             self._generation += 1
@@ -306,6 +338,9 @@ class GrowingLayer(nn.Module):
             raise ValueError(f"{where}: expected input (..., {self.d_in}), got {tuple(x.shape)}")
         if x.shape[0] == 0 or x.numel() == 0:
             raise ValueError(f"{where}: empty batch {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{where}: growing layers take floating-point inputs, got {x.dtype} "
+                            f"(convert with x.to({self.store.dtype}))")
         if x.dtype != self.store.dtype:
             raise TypeError(f"{where}: input dtype {x.dtype} != layer dtype {self.store.dtype}")
         if x.device != self.store.device:
@@ -385,9 +420,10 @@ class GrowingLayer(nn.Module):
         if self.kernel != "softmax":
             return s + attention(self._query_keys(q), keys, values, weights,
                                  kernel=self.kernel, temperature=self.temperature)
-        if any(r.log_z is None for r in records):  # no normaliser recorded
+        log_zs = [r.log_z for r in records if r.log_z is not None]
+        if len(log_zs) < len(records):  # no normaliser recorded
             return None
-        log_z = torch.cat([r.log_z for r in records])  # (B,) of the pre-step store
+        log_z = torch.cat(log_zs)  # (B,) of the pre-step store
         new = attention_partial(q, keys, values, weights, kernel="softmax",
                                 temperature=self.temperature)  # the new entries alone
         top = torch.maximum(log_z, new.m)  # (B,)
@@ -406,7 +442,7 @@ class GrowingLayer(nn.Module):
         for record in self.ready_records():
             rms, grad_finite = torch.stack([  # one device sync for both
                 record.s.double().square().mean().sqrt(),
-                torch.isfinite(record.grad).all().double()]).tolist()
+                torch.isfinite(record.grad_mean).all().double()]).tolist()
             self._check_output_scale(rms)
             if not grad_finite:
                 raise ValueError(
@@ -433,11 +469,11 @@ class GrowingLayer(nn.Module):
                 "max_output_growth)")
 
     def make_entries(self, record: _Record) -> Entries:
-        return self.rule.entries(record.q, record.s, record.grad, record.n_samples)
+        return self.rule.entries(record.q, record.s, record.grad_mean, record.n_samples)
 
-    def num_entries(self) -> int:
-        """Entries the layer stores: over every rank if its store is sharded (then a
-        collective, to call on every rank), else ``len(self.store)``."""
+    def num_entries_all_ranks(self) -> int:
+        """Entries the layer stores over every rank if its store is sharded (then a
+        collective, to call on every rank), else ``len(self.store)`` (this process's)."""
         if self.shard is None:
             return len(self.store)
         count = torch.tensor([len(self.store)], dtype=torch.long, device=self.store.device)
@@ -448,6 +484,7 @@ class GrowingLayer(nn.Module):
         """Append ``entries`` as :meth:`propose` returns them (checked finite there, so not
         again here) as written at the next step."""
         self.discard()
+        self._stepped = True
         if entries is None:
             return
         self.steps += 1
@@ -456,7 +493,8 @@ class GrowingLayer(nn.Module):
         if self.shard is not None:  # this rank stores its rows of the batch
             keep = self.shard.owned(count, entries[0].device,
                                     offset=int(self.steps) * count)  # (B,) bool
-            entries, ids = tuple(t[keep] for t in entries), ids[keep]
+            keys, values, weights = entries
+            entries, ids = (keys[keep], values[keep], weights[keep]), ids[keep]
         # checked finite by propose(); the write step as a tensor: no device sync
         self.store.append(*entries, written_at=self.steps, ids=ids, check_finite=False)
 
@@ -507,6 +545,10 @@ class GrowingLinear(GrowingLayer):
         >>> layer = GrowingLinear(8, 3, rule=FunctionalSGD(0.1, per_sample=False))
     """
 
+    rule: FunctionalSGD
+    weight0: Tensor  # buffer (d_out, d_in): the initial weight W_0
+    bias0: Tensor | None  # buffer (d_out,): the initial bias b_0, None without a bias
+
     def __init__(self, d_in: int, d_out: int, *, rule: FunctionalSGD, bias: bool = True,
                  **kw) -> None:
         if not isinstance(rule, FunctionalSGD) or rule.per_sample:
@@ -515,13 +557,14 @@ class GrowingLinear(GrowingLayer):
                 f"FunctionalSGD(lr, weight_decay, momentum, per_sample=False), got {rule!r}")
         super().__init__(d_in, d_out, kernel="linear", rule=rule, key_dim=d_in + bias, **kw)
         self.has_bias = bias
-        factory = {"dtype": self.store.dtype, "device": self.store.device}
-        self.register_buffer("weight0", torch.zeros(d_out, d_in, **factory))
-        self.register_buffer("bias0", torch.zeros(d_out, **factory) if bias else None)
+        dtype, device = self.store.dtype, self.store.device
+        self.register_buffer("weight0", torch.zeros(d_out, d_in, dtype=dtype, device=device))
+        bias0 = torch.zeros(d_out, dtype=dtype, device=device) if bias else None
+        self.register_buffer("bias0", bias0)
         bound = 1 / math.sqrt(d_in)  # nn.Linear's default init
         nn.init.uniform_(self.weight0, -bound, bound)
-        if bias:
-            nn.init.uniform_(self.bias0, -bound, bound)
+        if bias0 is not None:
+            nn.init.uniform_(bias0, -bound, bound)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kw) -> GrowingLinear:
@@ -536,7 +579,7 @@ class GrowingLinear(GrowingLayer):
             **kw,
         )
         layer.weight0.copy_(w)
-        if linear.bias is not None:
+        if linear.bias is not None and layer.bias0 is not None:
             layer.bias0.copy_(linear.bias.detach())
         return layer
 
@@ -576,7 +619,7 @@ class GrowingLinear(GrowingLayer):
         linear = nn.Linear(self.d_in, self.d_out, bias=self.has_bias, dtype=dtype,
                            device=self.weight0.device)
         linear.weight.copy_(r * self.weight0 + delta[:, : self.d_in])
-        if self.has_bias:
+        if self.bias0 is not None:  # has_bias
             linear.bias.copy_(r * self.bias0 + delta[:, self.d_in])
         return linear
 
@@ -627,9 +670,11 @@ class GrowingSoftmax(GrowingLayer):
             gen = None if seed is None else torch.Generator().manual_seed(seed)
             keys = _rms_normalised(torch.randn(initial_entries, d_in, generator=gen))
             values = _rms_normalised(torch.randn(initial_entries, d_out, generator=gen))
-            factory = {"dtype": self.store.dtype, "device": self.store.device}
-            self.store.append(keys.to(**factory), values.to(**factory),
-                              torch.full((initial_entries,), 1 / initial_entries, **factory))
+            dtype, device = self.store.dtype, self.store.device
+            self.store.append(keys.to(dtype=dtype, device=device),
+                              values.to(dtype=dtype, device=device),
+                              torch.full((initial_entries,), 1 / initial_entries, dtype=dtype,
+                                         device=device))
 
     @torch.no_grad()
     def log_normalizer(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B,)
@@ -643,7 +688,7 @@ class GrowingSoftmax(GrowingLayer):
 
     def make_entries(self, record: _Record) -> Entries:
         log_z = self.log_normalizer(record.q) if self.rule.needs_log_normalizer else None
-        return self.rule.entries(record.q, record.s, record.grad, record.n_samples, log_z)
+        return self.rule.entries(record.q, record.s, record.grad_mean, record.n_samples, log_z)
 
 
 class ParametricSoftmax(nn.Module):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.hybrid import DistanceGate, GrowthTrigger, HybridSoftmax
+from rcdl.hybrid import DistanceGate, GrowthTrigger, HybridSoftmax, default_tau
 from rcdl.layers import GrowingLinear, GrowingRBF, GrowingSoftmax, ParametricSoftmax
 from rcdl.rules import FunctionalSGD, LearningRule
 
@@ -35,7 +35,7 @@ __all__ = [
     "hybrid_softmax_net", "lecun_normal_", "to_dual_form",
 ]
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
     "tanh": nn.Tanh, "identity": nn.Identity,
 }
@@ -75,6 +75,8 @@ class ResidualNet(nn.Module):
     otherwise a fixed random map ``d_in → width`` (not trained).
     """
 
+    lift: Tensor | None  # buffer (width, d_in), None when width == d_in
+
     def __init__(self, d_in: int, d_out: int, depth: int, *,
                  make_block: Callable[[int], nn.Module],
                  make_readout: Callable[[int, int], nn.Module],
@@ -96,6 +98,9 @@ class ResidualNet(nn.Module):
         if x.ndim == 0 or x.shape[-1] != self.d_in:
             raise ValueError(f"{type(self).__name__}: expected input (..., {self.d_in}), got "
                              f"shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__}: the network takes floating-point inputs, "
+                            f"got {x.dtype} (convert with x.float())")
         if self.lift is not None:
             x = F.linear(x, self.lift.to(x.dtype))
         for block in self.blocks:
@@ -120,11 +125,14 @@ def _lecun_linear(d_in: int, d_out: int) -> nn.Linear:
 
 class ResNetMLP(ResidualNet):
     """The ResNet-MLP baseline of docs/reference.md §6: ``depth`` blocks of Linear d→d + tanh-GELU,
-    biases zero, truncated-normal LeCun weights, and a linear readout."""
+    biases zero, truncated-normal LeCun weights, and a linear readout. ``width`` (default
+    ``d_in``, the paper's setting) is the blocks' width, reached by the backbone's fixed random
+    lift when it differs from ``d_in``."""
 
-    def __init__(self, d_in: int = 3072, d_out: int = 10, depth: int = 8) -> None:
+    def __init__(self, d_in: int = 3072, d_out: int = 10, depth: int = 8, *,
+                 width: int | None = None) -> None:
         super().__init__(d_in, d_out, depth, make_block=lambda w: _lecun_linear(w, w),
-                         make_readout=_lecun_linear, act="gelu_tanh")
+                         make_readout=_lecun_linear, act="gelu_tanh", width=width)
 
 
 def _check_widths(cls: str, d_in: int, d_out: int, depth: int) -> None:
@@ -164,7 +172,8 @@ class GrowingSoftmaxNet(ResidualNet):
 class HybridSoftmaxNet(ResidualNet):
     """The hybrid growing network of docs/reference.md §4, §6: ``depth`` blocks d→d and a readout
     d→``d_out``, all :class:`~rcdl.hybrid.HybridSoftmax` (entries trained by Adam, growth by
-    ``trigger``, default ``DistanceGate(50)``); train it with :class:`~rcdl.hybrid.HybridGrower`.
+    ``trigger``, default ``DistanceGate(default_tau(d_in))``, τ = 50 · √(d_in / 3072), which is
+    τ = 50 at CIFAR-10's width); train it with :class:`~rcdl.hybrid.HybridGrower`.
 
     Example (docs/reference.md §6: depth 3, T = 5, τ = 50, Adam 1e−3)::
 
@@ -177,7 +186,8 @@ class HybridSoftmaxNet(ResidualNet):
                  store_dtype: torch.dtype | None = None, **kw) -> None:
         _check_widths(type(self).__name__, d_in, d_out, depth)
         seeds = iter(range(seed, seed + depth + 1))
-        trigger = DistanceGate(50.0) if trigger is None else trigger
+        # every layer's queries have width d_in (blocks d→d, readout d→d_out)
+        trigger = DistanceGate(default_tau(d_in)) if trigger is None else trigger
 
         def layer(a: int, b: int) -> HybridSoftmax:
             return HybridSoftmax(a, b, temperature=temperature, rule=rule, trigger=trigger,

@@ -47,7 +47,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "muon", "foof", "deltanet")
 class OptimizerGroup:
     """Several optimizers stepped together (Muon on matrices, Adam on the rest)."""
 
-    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+    def __init__(self, *optimizers: torch.optim.Optimizer | None) -> None:
         self.optimizers = [opt for opt in optimizers if opt is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

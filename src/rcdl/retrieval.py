@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from rcdl.kernels import check_kernel, guard_denominator, softmax_scale
 from rcdl.layers import GrowingLayer, growing_layers
+from rcdl.store import EntryStore
 
 __all__ = [
     "BACKENDS", "Backend", "ExactIndex", "FaissIndex", "Metric", "RetrievalIndex", "TopK",
@@ -61,6 +62,7 @@ __all__ = [
 Metric = Literal["l2", "ip"]
 Backend = Literal["faiss-hnsw", "faiss-flat", "exact"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
+_METRICS: tuple[Metric, ...] = get_args(Metric)
 
 # elements of the gathered (b, c, d) blocks per block of queries: 2^22, 16 MB in float32
 _BLOCK_ELEMENTS = 1 << 22
@@ -69,7 +71,7 @@ _SEARCH_SETTINGS = ("ef_search", "chunk_size")
 
 
 def _check_metric(metric: str) -> Metric:
-    if metric not in get_args(Metric):
+    if metric not in _METRICS:
         raise ValueError(f"unknown metric {metric!r}; known: 'l2' (squared L2 distance, "
                          "smallest first) and 'ip' (inner product, largest first)")
     return metric
@@ -201,6 +203,7 @@ class ExactIndex:
     def search(self, q: Tensor, k: int) -> tuple[Tensor, Tensor]:
         dim = None if self._rows is None else self._rows.shape[1]
         _check_search(q, k, self.size, dim)
+        assert self._rows is not None  # k >= 1 rows are held: _check_search passed
         rows = self._rows[: self.size]
         q_rows = q.detach().to(rows.device, self.dtype)  # (B, d)
         largest = self.metric == "ip"
@@ -263,7 +266,7 @@ class FaissIndex:
         self.reset()
 
     def reset(self) -> None:
-        self._index = None  # made at the first add, when the width is known
+        self._index: Any = None  # a faiss.Index, made at the first add (the width known)
 
     def _new_index(self, dim: int):  # noqa: ANN202 - a faiss.Index
         faiss = self._faiss
@@ -346,14 +349,14 @@ def _as_float32_numpy(x: Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy())
 
 
-def make_index(backend: Backend, metric: Metric, **index_kw: Any) -> RetrievalIndex:
+def make_index(backend: Backend, metric: Metric, **index_kw: Any) -> ExactIndex | FaissIndex:
     """A fresh index: ``"exact"`` (:class:`ExactIndex`), ``"faiss-flat"`` or
     ``"faiss-hnsw"`` (:class:`FaissIndex`); ``index_kw`` go to its constructor."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown retrieval backend {backend!r}; known: {', '.join(BACKENDS)}")
     if backend == "exact":
         return ExactIndex(metric, **index_kw)
-    return FaissIndex(metric, kind=backend.removeprefix("faiss-"), **index_kw)
+    return FaissIndex(metric, kind="flat" if backend == "faiss-flat" else "hnsw", **index_kw)
 
 
 # --------------------------------------------------------------------------- attention
@@ -620,8 +623,8 @@ class TopK:
         self._forget_index()
 
     def _forget_index(self) -> None:
-        self.index: RetrievalIndex | None = None
-        self._store: weakref.ref | None = None  # the store indexed
+        self.index: ExactIndex | FaissIndex | None = None  # made by make_index
+        self._store: weakref.ref[EntryStore] | None = None  # the store indexed
         self._version = -1  # its version when indexed (moves reported are absorbed)
         self._rows = 0  # its rows indexed
         self._stale = 0  # in-place moves of its rows the index has not followed
@@ -645,7 +648,7 @@ class TopK:
         if self._kept_staleness(store, store.version - 1) is not None:
             self._version, self._moves = store.version, self._moves + 1
 
-    def _kept_staleness(self, store: Any, version: int | None = None) -> int | None:
+    def _kept_staleness(self, store: EntryStore, version: int | None = None) -> int | None:
         """The moves the index would lag behind ``store`` by if kept at the next call
         (``store.version`` taken as ``version``), or ``None`` if that call must rebuild it:
         another store, rows lost, a change other than appends and reported moves, or
@@ -663,21 +666,22 @@ class TopK:
         rebuild (see the class docstring)."""
         store = layer.store
         if self._saved is not None:
-            self._restore(layer)
-        stale = self._kept_staleness(store)
-        rebuild = stale is None
-        if rebuild:
-            if self.index is not None:
+            self._restore(layer, self._saved)
+        stale = self._kept_staleness(store)  # None without an index
+        rebuild, index = stale is None, self.index
+        if stale is None or index is None:  # rebuild
+            if index is not None:
                 self.rebuilds += 1
-            self.index = make_index(self.backend, metric_for(layer.kernel), **self.index_kw)
+            index = make_index(self.backend, metric_for(layer.kernel), **self.index_kw)
+            self.index = index
             self._store, self._rows, stale = weakref.ref(store), 0, 0
         self._version, self._stale, self._moves = store.version, stale, 0
         if len(store) > self._rows:
-            self.index.add(store.keys[self._rows :])
+            index.add(store.keys[self._rows :])
             if not rebuild:
                 self.rows_added += len(store) - self._rows
             self._rows = len(store)
-        return self.index
+        return index
 
     def attend(self, layer: GrowingLayer, q: Tensor,
                entries: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
@@ -716,11 +720,12 @@ class TopK:
         Costs one serialisation of the index and one pass over the keys."""
         if self._saved is not None:  # loaded and not used yet: still the state to resume
             return self._saved
-        state = {"backend": self.backend, "build": self._build_settings(), "index": None}
+        state: dict[str, Any] = {"backend": self.backend, "build": self._build_settings(),
+                                 "index": None}
         store = None if self._store is None else self._store()
         stale = None if store is None else self._kept_staleness(store)
-        if stale is None:  # nothing indexed, or the next call rebuilds anyway
-            return state
+        if stale is None or store is None or self.index is None:  # nothing indexed, or
+            return state  # the next call rebuilds anyway
         return state | {"index": self.index.state_dict(), "metric": self.index.metric,
                         "rows": self._rows, "stale": stale, "store_rows": len(store),
                         "store_keys_sha256": _keys_digest(store.keys)}
@@ -744,9 +749,10 @@ class TopK:
         self._forget_index()
         self._saved = None if state["index"] is None else state
 
-    def _restore(self, layer: GrowingLayer) -> None:
-        """Adopt the loaded index if ``layer``'s store is the one it was saved with."""
-        saved, self._saved = self._saved, None
+    def _restore(self, layer: GrowingLayer, saved: dict[str, Any]) -> None:
+        """Adopt the loaded index ``saved`` if ``layer``'s store is the one it was saved
+        with."""
+        self._saved = None
         store = layer.store
         if (saved["store_rows"] != len(store) or saved["metric"] != metric_for(layer.kernel)
                 or saved["store_keys_sha256"] != _keys_digest(store.keys)):
@@ -783,7 +789,7 @@ def _keys_digest(keys: Tensor) -> str:
     saved with)."""
     data = keys.detach().contiguous().cpu()
     digest = hashlib.sha256(f"{tuple(data.shape)} {data.dtype}".encode())
-    digest.update(data.view(torch.uint8).numpy())
+    digest.update(data.view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
 
@@ -850,6 +856,7 @@ def load_retrieval_state(model: nn.Module, state: dict[str, dict[str, Any]] | No
     if not state:
         return
     layers = dict(growing_layers(model))
+    checked: list[tuple[TopK, dict[str, Any]]] = []
     for name, saved in state.items():
         mode = getattr(layers.get(name), "retrieval", None)
         where = f"load_retrieval_state: layer {name!r}"
@@ -858,5 +865,6 @@ def load_retrieval_state(model: nn.Module, state: dict[str, dict[str, Any]] | No
             raise ValueError(f"{where} of the saved state {found} {type(model).__name__}: "
                              "call use_topk(model, ...) as the saved run did before loading")
         mode._check_state(saved, where)
-    for name, saved in state.items():
-        layers[name].retrieval.load_state_dict(saved)
+        checked.append((mode, saved))
+    for mode, saved in checked:
+        mode.load_state_dict(saved)

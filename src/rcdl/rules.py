@@ -76,6 +76,7 @@ class FunctionalSGD:
     needs_log_normalizer = False
 
     def __post_init__(self) -> None:
+        self.ages: AgeCoefficients  # not a dataclass field: derived from the three above
         object.__setattr__(self, "ages", AgeCoefficients(self.lr, self.weight_decay, self.momentum))
 
     def with_lr(self, lr: float) -> FunctionalSGD:
@@ -128,6 +129,9 @@ class ClippedSoftmaxRule:
         weights = (self.eta * s_dot_g.clamp(-n_samples, n_samples)).clamp_min(0.0)
         values = -self.beta * g
         if self.normalize:
+            if log_z is None:
+                raise ValueError("ClippedSoftmaxRule(normalize=True) needs log_z, the "
+                                 "log-normaliser of the pre-step store")
             inv_z = torch.exp(-log_z)  # (B,)
             weights, values = weights * inv_z, values * inv_z[:, None]
         return q, values, weights

@@ -31,7 +31,7 @@ def check_storage_dtype(storage_dtype: torch.dtype | None) -> None:
                          f"or None, got {storage_dtype!r}")
 
 
-def format_bytes(n: int) -> str:
+def format_bytes(n: float) -> str:
     """Human-readable byte count, e.g. ``1.23 GB`` (powers of 1000)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -48,8 +48,9 @@ class EntryStore(nn.Module):
         d_out: value width.
         capacity: rows allocated up front (grow later as needed).
         growth: factor by which the capacity grows when an append does not fit (> 1).
-        dtype, device: of the weights, and of what :meth:`append` takes and the attention
+        dtype: of the weights, and of what :meth:`append` takes and the attention
             computes in (``written_at`` and ``ids`` are always int64).
+        device: of the same tensors (the weights, what :meth:`append` takes, the attention).
         storage_dtype: what keys and values are stored as (default ``dtype``). A half
             precision (``torch.bfloat16``, ``torch.float16``) halves the store's bytes: appended
             rows are rounded to it, the attention multiplies in it and accumulates in

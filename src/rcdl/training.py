@@ -52,8 +52,9 @@ class GrowerLike(Protocol):
     """What the loop needs from a grower (:class:`rcdl.grower.Grower`,
     :class:`rcdl.hybrid.HybridGrower`)."""
 
-    num_entries: int
-    nbytes: int
+    def num_entries_all_ranks(self) -> int: ...
+
+    def nbytes_all_ranks(self) -> int: ...
 
     def step(self) -> None: ...
 
@@ -151,7 +152,7 @@ class Schedule:
 
     def batches(self, start: int) -> Iterator[tuple[int, Tensor]]:
         """``(step, sample indices (B,))`` from step ``start`` to the end."""
-        perm, perm_epoch = None, None
+        perm, perm_epoch = torch.empty(0, dtype=torch.long), None  # set at the first step
         for step in range(start, self.steps):
             epoch, t = divmod(step, self.steps_per_epoch)
             if epoch != perm_epoch:
@@ -222,8 +223,8 @@ class Evaluator:
                 "eval_seconds": loop["clock"]["eval"],
             })  # fmt: skip
         first = next(iter(self.metrics))
-        postfix = {first: f"{values[first]:.4g}"}
-        if self.grower is not None:
+        postfix: dict[str, object] = {first: f"{values[first]:.4g}"}
+        if nbytes is not None:  # a grower
             postfix |= {"entries": entries, "store": format_bytes(nbytes)}
         self.bar.set_postfix(postfix, refresh=False)
         return loop["history"][-1]
@@ -233,7 +234,7 @@ def _store_size(grower: Any) -> tuple[int | None, int | None]:
     """Entries and bytes the grower's stores hold (None without a grower)."""
     if grower is None:
         return None, None
-    return int(grower.num_entries), int(grower.nbytes)
+    return grower.num_entries_all_ranks(), grower.nbytes_all_ranks()  # every rank runs this
 
 
 def train_step(model: nn.Module, xb: Tensor, yb: Tensor, loss_fn: Metric,
@@ -373,7 +374,7 @@ def train_one_pass(
         checkpoint_path, checkpoint_every or eval_every, identity, model, optimizer, grower)
     loop = None if checkpoints is None else checkpoints.restore()
     resumed = loop is not None
-    if resumed and loop["step"] > schedule.steps:
+    if loop is not None and loop["step"] > schedule.steps:  # resumed
         raise ValueError(
             f"{name}: checkpoint {checkpoint_path} is at step {loop['step']}, past the "
             f"{schedule.steps} steps of {epochs} epoch(s); delete it or train for more epochs"

@@ -119,8 +119,9 @@ class RCDLFeedForward(nn.Module):
             norm; docs/reference.md §6's τ = 50 at d = 3072 is 0.90 √d).
         scale: γ, a fixed output scale (1: the layer's output enters the residual stream as
             it is, as in docs/reference.md §6's backbone).
-        initial_entries, seed: the starting store of docs/reference.md §6 (RMS-normalised random
+        initial_entries: the starting store of docs/reference.md §6 (RMS-normalised random
             keys and weighted values, weight ``1/initial_entries`` each), seeded by ``seed``.
+        seed: seeds the starting store.
     """
 
     def __init__(self, width: int, *, temperature: float, rule: ClippedSoftmaxRule | None = None,
@@ -165,9 +166,13 @@ class ViT(nn.Module):
     Args:
         make_ffn: ``make_ffn(i, width) -> nn.Module`` builds the feed-forward block of
             layer ``i``, a map ``(B, S, d) → (B, S, d)``.
-        image_size, channels, classes: the data (CIFAR-10: 32, 3, 10).
+        image_size: the data's image side (CIFAR-10: 32).
+        channels: the data's channels (CIFAR-10: 3).
+        classes: the data's classes (CIFAR-10: 10).
         patch_size: ``p``; ``P = (image_size / p)²`` tokens per image.
-        width, depth, heads: ``d``, blocks, attention heads.
+        width: ``d``.
+        depth: blocks.
+        heads: attention heads.
         pool: ``"cls"`` (a learned class token, its final state is read out) or ``"mean"``
             (the mean of the final tokens).
 
@@ -221,7 +226,8 @@ def rcdl_vit(*, temperature: float, rule: ClippedSoftmaxRule | None = None,
         tau: the distance gate's threshold τ (absolute, in the units of ``‖q‖ = √d``); give
             ``tau`` or ``trigger`` or neither (default: ``DistanceGate(√d)``).
         seed: layer ``i``'s initial entries are seeded by ``seed + i``.
-        Others: as :class:`RCDLFeedForward` and :class:`ViT`.
+
+    Others: as :class:`RCDLFeedForward` and :class:`ViT`.
     """
     if tau is not None and trigger is not None:
         raise ValueError("rcdl_vit: give tau or trigger, not both")

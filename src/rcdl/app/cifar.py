@@ -52,7 +52,7 @@ from collections.abc import Iterable
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import IO, Any, BinaryIO, NamedTuple
 
 import numpy as np
 import torch
@@ -402,7 +402,7 @@ _PICKLE_ERRORS = (
 )  # fmt: skip
 
 
-def _unpickle(f: BinaryIO, where: str) -> dict:
+def _unpickle(f: IO[bytes], where: str) -> dict:
     try:
         obj = _SafeUnpickler(f, encoding="bytes").load()
     except _PICKLE_ERRORS as e:
@@ -470,7 +470,8 @@ def _assemble(spec: _Spec, label_mode: str, pickles: dict[str, dict], where: dic
         splits.append(np.concatenate([b[1] for b in batches]))  # (N,)
     meta = spec.meta_member
     names = _class_names(_get(pickles[meta], names_key, where[meta]), num_classes, where[meta])
-    return _Raw(*splits, names)
+    x_train, y_train, x_test, y_test = splits
+    return _Raw(x_train, y_train, x_test, y_test, names)
 
 
 def _members(spec: _Spec) -> tuple[str, ...]:
@@ -498,8 +499,11 @@ def _read_archive(path: Path, spec: _Spec, label_mode: str) -> _Raw:
                 m = wanted.get(info.name.removeprefix("./"))
                 if m is None or not info.isfile():
                     continue
+                member = tar.extractfile(info)
+                if member is None:  # never for a regular file
+                    continue
                 where[m] = f"{path} (member {info.name})"
-                pickles[m] = _unpickle(tar.extractfile(info), where[m])
+                pickles[m] = _unpickle(member, where[m])
                 if len(pickles) == len(wanted):
                     break
     except (tarfile.TarError, EOFError, zlib.error) as e:
@@ -518,6 +522,12 @@ def _read_npz(path: Path, spec: _Spec, label_mode: str) -> _Raw:
             "class_names" if label_mode == "fine" else f"{label_mode}_class_names")  # fmt: skip
     errors = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, pickle.UnpicklingError)
     with open(path, "rb") as f:  # np.load leaks its own handle when the zip is unreadable
+        start = f.read(6)
+        f.seek(0)
+        if not start.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")):
+            raise CorruptDataError(  # numpy would blame allow_pickle, which is not the cause
+                f"{path}: not an .npz archive (it starts with {start!r}, not a zip header): the "
+                "file is damaged, truncated or of another kind; re-create or re-download it")
         try:
             npz = np.load(f, allow_pickle=False)
         except errors as e:
@@ -546,8 +556,8 @@ def _read_npz(path: Path, spec: _Spec, label_mode: str) -> _Raw:
             )
     y_train = _labels(y_train, len(x_train), num_classes, f"{path} ({keys[1]})")
     y_test = _labels(y_test, len(x_test), num_classes, f"{path} ({keys[3]})")
-    names = _class_names(names.tolist(), num_classes, f"{path} ({keys[4]})")
-    return _Raw(x_train, y_train, x_test, y_test, names)
+    class_names = _class_names(names.tolist(), num_classes, f"{path} ({keys[4]})")
+    return _Raw(x_train, y_train, x_test, y_test, class_names)
 
 
 def _read(path: Path, spec: _Spec, label_mode: str) -> _Raw:
@@ -613,9 +623,11 @@ def load_cifar(
                 _not_found_message(spec, data_dir, note), candidate_paths(name, data_dir),
                 brief=_brief_not_found(spec, data_dir, failure),
             )
-    x_train, y_train, x_test, y_test, class_names = _read(path, spec, label_mode)
-    x_train = standardize(x_train, spec.mean, spec.std)  # rebinding frees the uint8 images
-    x_test = standardize(x_test, spec.mean, spec.std)
+    images_train, y_train, images_test, y_test, class_names = _read(path, spec, label_mode)
+    x_train = standardize(images_train, spec.mean, spec.std)
+    del images_train  # frees the uint8 images
+    x_test = standardize(images_test, spec.mean, spec.std)
+    del images_test
     return CifarData(
         x_train=x_train, y_train=torch.from_numpy(y_train),
         x_test=x_test, y_test=torch.from_numpy(y_test),

@@ -18,8 +18,8 @@ generator existed, and each library would have needed overrides for most of them
 
 ``--data-dir`` must name an existing folder and is saved as an absolute path, so ``--resume
 RUN_DIR`` works from any working folder. ``main`` returns the exit status: 0 on success, 2
-for a usage error (bad flag or value, reported with the subcommand's usage and in terms of
-its flags), 1 for a failed run.
+for a usage error (bad flag or value, reported in terms of the subcommand's flags, then a
+line pointing to its ``--help``), 1 for a failed run.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rcdl._version import __version__
 
@@ -381,9 +381,19 @@ def _command_list() -> str:
     return "\n".join(f"  rcdl {name:<{width}} {help_}" for name, help_ in _COMMANDS.items())
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors printed as the message first and one line pointing to
+    ``--help`` instead of argparse's usage block (which for an experiment is 15+ lines that
+    push the message out of sight). Subcommand parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"Run '{self.prog} --help' for its usage and flags.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``rcdl`` and its subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rcdl",
         description="Retrieval-Centric Deep Learning: growing nonparametric networks.",
     )
@@ -432,8 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except CLIError as e:
-        command = args.command_parser  # the subcommand's, so its usage is shown
-        command.error(_explain(e, command))  # prints usage and exits with status 2
+        command: argparse.ArgumentParser = args.command_parser  # the subcommand's: its usage
+        command.error(_explain(e, command))  # prints the message and exits with status 2
     except KeyboardInterrupt:
         print("rcdl: interrupted", file=sys.stderr)
         return 130

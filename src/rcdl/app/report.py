@@ -148,10 +148,11 @@ def plot_panels(path: Path, panels: Sequence[Panel], figsize: tuple[float, float
             (line,) = ax.plot(c.x, c.y, label=c.label, **{**known, **c.style})
             if c.group is not None:
                 colours.setdefault(c.group, line.get_color())
-            if c.sd and all(s is not None for s in c.sd):
+            sd = [s for s in c.sd or () if s is not None]
+            if sd and len(sd) == len(c.sd or ()):  # a band only where every point has one
                 low = [y - s if c.floor is None else max(y - s, c.floor * y)
-                       for y, s in zip(c.y, c.sd, strict=True)]  # fmt: skip
-                high = [y + s for y, s in zip(c.y, c.sd, strict=True)]
+                       for y, s in zip(c.y, sd, strict=True)]  # fmt: skip
+                high = [y + s for y, s in zip(c.y, sd, strict=True)]
                 ax.fill_between(c.x, low, high, color=line.get_color(), alpha=0.2)
         for hline in panel.hlines:
             ax.axhline(**hline)

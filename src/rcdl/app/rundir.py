@@ -34,12 +34,13 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from rcdl._version import __version__
 from rcdl.app.allocator import allocator_setting
+from rcdl.distributed import rank_and_world
 from rcdl.io import (  # noqa: F401 - re-exported: the run folder writes through them
     atomic_save_torch,
     atomic_write_bytes,
@@ -101,6 +102,11 @@ def _cpuinfo_field(name: str) -> str | None:
     return None
 
 
+def count(n: int | None, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``count(1, "thread") == "1 thread"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def cpu_flags() -> list[str]:
     """Which of :data:`SPEED_FLAGS` this CPU has (from ``/proc/cpuinfo``; empty where it is
     not readable or on other architectures)."""
@@ -140,6 +146,7 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
         "num_threads": torch.get_num_threads(),
         "malloc": allocator_setting(),
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
         "cpu_flags": cpu_flags(),
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
@@ -420,7 +427,10 @@ class RunFolderBusy(RuntimeError):
     """Another process runs in the run folder (:meth:`RunDir.lock`)."""
 
 
-def _in_chain(error: BaseException, kind: type) -> BaseException | None:
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _in_chain(error: BaseException | None, kind: type[_E]) -> _E | None:
     """The first exception of type ``kind`` among ``error`` and its causes and contexts."""
     seen = set()
     while error is not None and id(error) not in seen:
@@ -557,10 +567,14 @@ def describe_machine(device: str | torch.device) -> str:
     device = torch.device(device)
     env = environment_info(device)
     flags = " ".join(env["cpu_flags"]) or "none of " + "/".join(SPEED_FLAGS)
-    machine = (f"{env['platform']}, {env['cpu_count']} CPUs (flags {flags}), torch "
-               f"{env['torch']}, device {device}, {env['num_threads']} threads")
+    machine = (f"{env['platform']}, {env['cpu_count']} CPUs ({env['cpu_model']}, flags "
+               f"{flags}), torch {env['torch']}, device {device}, "
+               f"{count(env['num_threads'], 'thread')}")
     if device.type == "cuda" and env["cuda_device"]:
         machine += f" ({env['cuda_device']})"
+    world = rank_and_world()[1]
+    if world > 1:
+        machine += f"; {world} processes (torch.distributed, growing stores sharded over them)"
     return machine
 
 
@@ -597,6 +611,6 @@ def rank0_run(open_run: Callable[[], RunDir]) -> RunDir:
     if world == 1:
         return open_run()
     run = open_run() if rank == 0 else None
-    path = [None if run is None else str(run.path)]
+    path: list[Any] = [None if run is None else str(run.path)]  # then rank 0's, everywhere
     dist.broadcast_object_list(path, src=0)
-    return run if rank == 0 else FollowerRunDir(path[0])
+    return run if run is not None else FollowerRunDir(path[0])

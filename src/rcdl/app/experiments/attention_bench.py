@@ -27,6 +27,7 @@ from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
 from rcdl.attention import attention
+from rcdl.kernels import check_kernel
 
 __all__ = ["EXPERIMENT_SPEC", "AttentionBenchConfig", "measure"]
 
@@ -71,9 +72,10 @@ def measure(cfg: AttentionBenchConfig, dtype: str, batch: int, n: int,
     values = torch.randn(n, d, generator=gen).to(device, store)  # (N, d)
     weights = torch.rand(n, generator=gen).to(device)  # (N,)
     q, grad = (torch.randn(batch, d, generator=gen).to(device) for _ in range(2))  # (B, d)
+    kernel = check_kernel(cfg.kernel)
 
     def forward_backward() -> None:
-        out = attention(q.detach().requires_grad_(), keys, values, weights, kernel=cfg.kernel,
+        out = attention(q.detach().requires_grad_(), keys, values, weights, kernel=kernel,
                         temperature=cfg.temperature)  # fmt: skip
         out.backward(grad)
 

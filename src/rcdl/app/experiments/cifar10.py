@@ -89,12 +89,12 @@ from rcdl.app.report import (
     pm,
     write_outputs,
 )
-from rcdl.app.rundir import RunDir, describe_machine, read_config
+from rcdl.app.rundir import RunDir, count, describe_machine, read_config
 from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
 from rcdl.checkpoint import remove_checkpoint
 from rcdl.distributed import rank_and_world, shard
 from rcdl.grower import Grower
-from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam
+from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam, HybridSoftmax
 from rcdl.layers import set_store_dtype
 from rcdl.networks import (
     GrowingRBFNet,
@@ -106,7 +106,7 @@ from rcdl.networks import (
 from rcdl.optim import make_optimizer
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
 from rcdl.store import format_bytes
-from rcdl.training import accuracy, train_one_pass
+from rcdl.training import Metric, accuracy, train_one_pass
 
 __all__ = [
     "EXPERIMENT", "EXPERIMENT_SPEC", "METRICS", "MODELS", "Cifar10Config", "ModelSpec",
@@ -116,7 +116,8 @@ __all__ = [
 
 EXPERIMENT = "cifar10-1epoch"
 D_IN, CLASSES = 3072, 10
-METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}  # first: the progress bar's
+METRICS: dict[str, Metric] = {  # the first: the progress bar's
+    "test_acc": accuracy, "test_loss": F.cross_entropy}
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -293,6 +294,7 @@ def build_model(name: str, seed: int, *, device: torch.device | str = "cpu",
     if spec.classical:
         raise ValueError(f"{name!r} is a classical baseline, fitted by rcdl.app.classical, "
                          "not built")
+    assert spec.build is not None  # every model but the classical baselines has a builder
     torch.manual_seed(seed)
     model, optimizer, grower = spec.build(seed, torch.device(device), dtype)
     if store_dtype is not None:
@@ -393,7 +395,8 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple,
     if world > 1:  # under torchrun every growing store is split over the ranks (_start)
         shard(model)
     # every growing layer could write one entry per training sample
-    possible = None if grower is None else grower.num_entries + len(grower.layers) * len(data[0])
+    possible = (None if grower is None else
+                grower.num_entries_all_ranks() + len(grower.layers) * len(data[0]))
     checkpoint = _checkpoint_path(session.run, name, seed) if cfg.checkpoint else None
     result = train_one_pass(
         model, data, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer, grower=grower,
@@ -405,7 +408,7 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple,
     )  # fmt: skip
     parameters = sum(p.numel() for p in model.parameters())
     layer_stats = {layer.name: layer.stats() for layer in (grower.layers if grower else [])
-                   if hasattr(layer, "stats")}  # written / refused per hybrid layer
+                   if isinstance(layer, HybridSoftmax)}  # written / refused per hybrid layer
     return {"model": name, "seed": seed, "parameters": parameters,
             "possible_entries": possible, **result,
             **({"layer_stats": layer_stats} if layer_stats else {})}
@@ -565,7 +568,8 @@ def plot_accuracy(runs: list[dict[str, Any]], models: tuple[str, ...], path: Pat
         n = min(len(r["history"]) for r in rs)
         samples = [rs[0]["history"][i]["samples"] for i in range(n)]
         acc = [mean_sd([100 * r["history"][i]["test_acc"] for r in rs]) for i in range(n)]
-        curves.append(Curve(samples, [m for m, _ in acc], name, sd=[sd for _, sd in acc],
+        means = [m for m, _ in acc if m is not None]  # all: every point has runs
+        curves.append(Curve(samples, means, name, sd=[sd for _, sd in acc],
                             group=name, style={"marker": "."}))
         ref = model_spec(name).reference.test_acc
         if full_data and ref is not None:
@@ -605,7 +609,7 @@ def _write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
         f"{results_table(summary['models'])}\n\n{_TABLE_NOTE}\n\n"
         f"Data: {d['source']}, {d['provenance']}.\n{tail}"
     )
-    title = f"CIFAR-10, one epoch, {d['n_train']:,} training images"
+    title = f"CIFAR-10, one epoch, {d['n_train']:,} training images{stores}"
     return write_outputs(run, report, results_csv(summary["models"]), {
         "test_accuracy.png": partial(plot_accuracy, summary["runs"], models, title=title,
                                      full_data=full)})
@@ -697,7 +701,8 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
     if not run_dirs:
         raise ValueError("combine: give at least one run folder")
     loaded = [(Path(p), *_finished_runs(Path(p))) for p in run_dirs]
-    first = next((entry for entry in loaded if entry[1] is not None), None)
+    first = next(((folder, cfg, summary) for folder, cfg, summary in loaded if cfg is not None),
+                 None)
     if first is None:
         raise ValueError("combine: give at least one run folder (not only combined tables): "
                          "its config describes the protocol")
@@ -759,7 +764,7 @@ def _sources_text(combined: dict[str, Any]) -> str:
     lines = []
     for source in combined["combined_from"]:
         sessions = source["sessions"]
-        machines = sorted({f"{s.get('cpu_count')} CPUs, {s.get('num_threads')} threads, "
+        machines = sorted({f"{s.get('cpu_count')} CPUs, {count(s.get('num_threads'), 'thread')}, "
                            f"{s.get('device')}" for s in sessions})
         revisions = sorted({(s.get("git_revision") or "?")[:10] for s in sessions})
         minutes = sum(s.get("seconds") or 0 for s in sessions) / 60

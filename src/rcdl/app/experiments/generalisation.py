@@ -78,7 +78,7 @@ from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
 from rcdl.grower import Grower
 from rcdl.networks import GrowingSoftmaxNet, ParametricSoftmaxNet
 from rcdl.rules import ClippedSoftmaxRule
-from rcdl.training import accuracy, evaluate, train_one_pass
+from rcdl.training import Metric, accuracy, evaluate, train_one_pass
 
 __all__ = [
     "EXPERIMENT", "EXPERIMENT_SPEC", "MODELS", "GeneralisationConfig", "build_model", "load_data",
@@ -89,9 +89,9 @@ EXPERIMENT = "generalisation"
 D_IN, CLASSES, DEPTH = 3072, 10, 2
 MODELS = {"gws": "growing weighted softmax (gws)", "parametric": "parametric softmax"}
 INITIAL_ENTRIES = 16  # the growing model's initial entries per layer (docs/reference.md §6)
-_TEST_METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}
+_TEST_METRICS: dict[str, Metric] = {"test_acc": accuracy, "test_loss": F.cross_entropy}
 # on the fixed training sample; not "train_loss", the trainer's running mean of batch losses
-_TRAIN_METRICS = {"train_acc": accuracy, "train_set_loss": F.cross_entropy}
+_TRAIN_METRICS: dict[str, Metric] = {"train_acc": accuracy, "train_set_loss": F.cross_entropy}
 
 
 # --------------------------------------------------------------------------- the config
@@ -166,8 +166,9 @@ def build_model(
     torch.manual_seed(seed)
     if name == "gws":
         rule = ClippedSoftmaxRule(eta=0.003, beta=3.0)
-        model = GrowingSoftmaxNet(D_IN, CLASSES, DEPTH, temperature=6.0, rule=rule,
-                                  initial_entries=INITIAL_ENTRIES, seed=seed).to(device)
+        model: nn.Module = GrowingSoftmaxNet(D_IN, CLASSES, DEPTH, temperature=6.0, rule=rule,
+                                             initial_entries=INITIAL_ENTRIES, seed=seed
+                                             ).to(device)
         grower = Grower(model)
         grower.reserve(cfg.epochs * cfg.train_size)
         return model, None, grower

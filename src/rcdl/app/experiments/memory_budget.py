@@ -232,7 +232,8 @@ def plot_accuracy_vs_capacity(rows: list[dict[str, Any]], path: Path, *, title: 
     for policy in dict.fromkeys(r["policy"] for r in bounded):
         points = sorted((r["capacity"], r["test_acc_pct"]) for r in bounded
                         if r["policy"] == policy)  # fmt: skip
-        curves.append(Curve(*zip(*points, strict=True), policy, style={"marker": "o"}))
+        capacities, accuracies = zip(*points, strict=True)
+        curves.append(Curve(capacities, accuracies, policy, style={"marker": "o"}))
     curves += [Curve([r["largest_layer"]], [r["test_acc_pct"]],
                      f"unbounded ({r['largest_layer']:,} entries per layer)",
                      style={"marker": "*", "markersize": 12, "color": "black",

@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +80,7 @@ from rcdl.grower import Grower
 from rcdl.networks import GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
 from rcdl.optim import Float32Muon, OptimizerGroup, make_optimizer
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD
-from rcdl.training import accuracy, train_one_pass
+from rcdl.training import Metric, accuracy, train_one_pass
 
 __all__ = [
     "DATASETS", "EXPERIMENT", "EXPERIMENT_SPEC", "METHODS",
@@ -104,7 +104,7 @@ PAPER_WIDTH = 3072  # the flattened image: the paper's residual stream
 INITIAL_ENTRIES = 16  # the gws model's initial entries per layer (docs/reference.md §6)
 _PAPER_TEMPERATURE = {"gws": 6.0, "rbf": 10.0}  # docs/reference.md §6, at width 3072
 _CLASSIC = ("mlp-sgd", "mlp-adam", "mlp-rmsprop")  # the optimizers the growing models beat
-_METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}
+_METRICS: dict[str, Metric] = {"test_acc": accuracy, "test_loss": F.cross_entropy}
 _HISTORY = ("step", "test_acc", "test_loss", "train_loss", "train_seconds", "entries")
 
 
@@ -117,6 +117,13 @@ class ProjectedConfig(ExperimentConfig):
     :class:`rcdl.app.experiments.deltanet_decay.DeltaNetDecayConfig`: the models see the
     images through the projection of :func:`project` to ``width`` (module docstring, "One
     input for all")."""
+
+    if TYPE_CHECKING:  # fields of the subclasses
+        @property
+        def width(self) -> int | None: ...
+
+        @property
+        def data_seed(self) -> int: ...
 
     @property
     def input_width(self) -> int:
@@ -241,7 +248,9 @@ def load_datasets(cfg: OptimizerComparisonConfig, *, download: bool = True,
             False, or none of them is found; the message says where each was looked for.
         rcdl.app.cifar.CorruptDataError, ValueError: from the loader, or a subset too large.
     """
-    loaded, missing, searched, briefs = {}, {}, [], []
+    loaded: dict[str, CifarData] = {}
+    missing: dict[str, dict[str, Any]] = {}
+    searched, briefs = [], []
     for name in cfg.datasets:
         try:
             loaded[name] = load_subsets(name, cfg, download=download)
@@ -315,7 +324,7 @@ def build_method(
     width = cfg.input_width
     torch.manual_seed(seed)
     if name.startswith("mlp-") and name in METHODS:
-        model = ResNetMLP(width, classes, depth=cfg.mlp_depth).to(device)
+        model: nn.Module = ResNetMLP(width, classes, depth=cfg.mlp_depth).to(device)
         optimizer = name.removeprefix("mlp-")
         if optimizer == "muon":
             return model, _muon(model, cfg, device), None
@@ -491,11 +500,11 @@ def verdict(rows: list[dict[str, Any]], dataset: str, epochs: int) -> dict[str, 
         "final_test_acc_pct": final,
         "lowest_train_loss_epoch1": min(at[1], key=lambda m: at[1][m]["train_loss"]),
         "lowest_train_loss_final": min(at[epochs], key=lambda m: at[epochs][m]["train_loss"]),
-        "best_mlp_optimizer": max(mlps, key=mlps.get) if mlps else None,
-        "best_method": max(final, key=final.get),
+        "best_mlp_optimizer": max(mlps, key=mlps.__getitem__) if mlps else None,
+        "best_method": max(final, key=final.__getitem__),
     }  # fmt: skip
     if classic:
-        best = max(classic, key=classic.get)
+        best = max(classic, key=classic.__getitem__)
         out["best_classic_mlp"] = best
         out["growing_beat_classic"] = {m: final[m] > classic[best] for m in ("gws", "rbf")
                                        if m in final}  # fmt: skip

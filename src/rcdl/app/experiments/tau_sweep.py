@@ -128,7 +128,9 @@ def run_tau_sweep(cfg: TauSweepConfig | Cifar10Config | None = None, *,
 
 def _start(cfg: Cifar10Config, data: Any) -> dict[str, Any]:
     """The comparison's; the summary says the folder is one (``combine_runs`` reads it)."""
-    return {**cifar10.EXPERIMENT_SPEC.start(cfg, data), "experiment": cifar10.EXPERIMENT}
+    start = cifar10.EXPERIMENT_SPEC.start
+    assert start is not None  # the comparison's summary starts with the data's description
+    return {**start(cfg, data), "experiment": cifar10.EXPERIMENT}
 
 
 def _finish(cfg: Cifar10Config, summary: dict[str, Any]) -> None:

@@ -83,6 +83,7 @@ from rcdl.app.runner import Experiment, Session, run_experiment
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.distributed import rank_and_world, shard
 from rcdl.grower import Grower
+from rcdl.layers import ParametricSoftmax
 from rcdl.networks import MLP, GrowingSoftmaxNet, ParametricSoftmaxNet
 from rcdl.rules import ClippedSoftmaxRule
 from rcdl.store import format_bytes
@@ -192,7 +193,8 @@ def build_model(
     torch.manual_seed(seed)
     if name == "gws":
         rule = ClippedSoftmaxRule(eta=cfg.eta, beta=cfg.beta)
-        model = GrowingSoftmaxNet(cfg.d_in, cfg.d_out, cfg.depth, temperature=cfg.temperature,
+        model: nn.Module = GrowingSoftmaxNet(cfg.d_in, cfg.d_out, cfg.depth,
+                                             temperature=cfg.temperature,
                                     rule=rule, initial_entries=cfg.initial_entries,
                                     seed=seed).to(device)  # fmt: skip
         grower = Grower(model)
@@ -222,9 +224,10 @@ def _train(name: str, seed: int, cfg: TeacherStudentConfig, data: tuple,
     )  # fmt: skip
     per_layer = None  # weighted-softmax entries per layer, blocks then readout
     if grower is not None:
-        per_layer = grower.entries_per_layer()
+        per_layer = grower.entries_per_layer_all_ranks()
     elif name == "parametric":
-        per_layer = [layer.keys.shape[0] for layer in (*model.blocks, model.readout)]
+        per_layer = [layer.keys.shape[0] for layer in model.modules()  # blocks, readout
+                     if isinstance(layer, ParametricSoftmax)]
     result.pop("resumed")
     return {
         "model": name, "seed": seed, "entries_per_layer": per_layer,

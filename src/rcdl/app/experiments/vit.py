@@ -62,7 +62,7 @@ from rcdl.app.runner import Experiment, Session, TaggedLog, cifar_summary, run_e
 from rcdl.grower import Grower
 from rcdl.hybrid import EntryAdam, hybrid_layers
 from rcdl.rules import ClippedSoftmaxRule
-from rcdl.training import accuracy, train_one_pass
+from rcdl.training import Metric, accuracy, train_one_pass
 from rcdl.vit import ViT, mlp_vit, rcdl_vit
 
 __all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "MODELS", "PAPER", "ViTConfig", "build_model",
@@ -73,7 +73,7 @@ MODELS = {"mlp": "ViT, MLP feed-forward blocks", "rcdl": "ViT, RCDL feed-forward
 # docs/reference.md §8: one epoch, full CIFAR-10, test accuracy in % (ViTConfig.PAPER is
 # the paper-scale settings)
 PAPER = {"mlp": 48.4, "rcdl": 54.4}
-_METRICS = {"test_acc": accuracy, "test_loss": F.cross_entropy}
+_METRICS: dict[str, Metric] = {"test_acc": accuracy, "test_loss": F.cross_entropy}
 _CSV_COLUMNS = ("model", "seed", "test_acc", "test_loss", "train_loss", "entries",
                 "entries_per_layer", "bytes", "parameters", "train_seconds",
                 "eval_seconds")  # fmt: skip
@@ -181,8 +181,8 @@ def build_model(name: str, seed: int, cfg: ViTConfig, *, device: torch.device | 
     Returns:
         ``(model, optimizer, grower or None)``, the model on ``device``.
     """
-    vit_kw = {"patch_size": cfg.patch_size, "width": cfg.width, "depth": cfg.depth,
-              "heads": cfg.heads, "pool": cfg.pool}  # fmt: skip
+    vit_kw: dict[str, Any] = {"patch_size": cfg.patch_size, "width": cfg.width,
+                              "depth": cfg.depth, "heads": cfg.heads, "pool": cfg.pool}
     torch.manual_seed(seed)
     if name == "mlp":
         model = mlp_vit(mlp_ratio=cfg.mlp_ratio, **vit_kw).to(device)
