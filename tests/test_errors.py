@@ -102,4 +102,4 @@ def test_two_backwards_before_one_step_warn_that_the_first_batch_is_dropped():
     with pytest.warns(UnsteppedBatchWarning, match="backward\\(\\) ran but no step\\(\\)"):
         F.mse_loss(net(x[:2]), y[:2]).backward()  # gradient accumulation, as for parameters
     grower.step()
-    assert grower.num_entries == before + 2 * 2  # only the last batch was written, per layer
+    assert grower.num_entries == before + 2 * 3  # only the last batch, in each of 3 layers

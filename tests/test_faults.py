@@ -353,3 +353,26 @@ def test_a_step_with_huge_values_writes_nothing_in_a_softmax_layer():
         else:
             grower.step()
             assert [len(layer.store) for layer in grower.layers] == [12, 12]
+
+
+def test_a_sharp_kernel_whose_first_answers_are_tiny_is_not_refused_as_diverging():
+    """A sharp RBF net's first outputs are its kernel's far tail (about 1e−7 here); measured
+    against them, ordinary growth looked like divergence. The reference scale is floored at
+    1e−3 of the inputs' RMS (GrowingLayer.SCALE_FLOOR), and the net learns (digits: 97 %)."""
+    datasets = pytest.importorskip("sklearn.datasets")
+    x, y = (torch.as_tensor(a) for a in datasets.load_digits(return_X_y=True))
+    x = ((x - x.mean(0)) / x.std(0).clamp_min(1e-6)).float()
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    train, test = order[:1000], order[1000:1400]
+    net = GrowingRBFNet(64, 10, 2, temperature=0.5, rule=FunctionalSGD(3.0))
+    grower = Grower(net)
+    for rows in train.split(16):
+        grower.zero_grad()
+        F.cross_entropy(net(x[rows]), y[rows]).backward()
+        grower.step()
+    floor = net.readout.SCALE_FLOOR
+    # the blocks' first answers were below the floor (RMS-normalised inputs: RMS 1)
+    assert all(layer.output_scale == pytest.approx(floor, rel=1e-5) for layer in net.blocks)
+    with torch.no_grad():
+        accuracy = (net.eval()(x[test]).argmax(1) == y[test]).float().mean()
+    assert accuracy > 0.9

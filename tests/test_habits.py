@@ -134,7 +134,10 @@ def test_refused_step_leaves_nothing_pending(kind, poison):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_exception_between_backward_and_step(kind):
-    """The batch whose step never came is dropped; the next batch writes only itself."""
+    """The batch whose step never came is dropped, with a warning saying so; the next batch
+    writes only itself."""
+    from rcdl import UnsteppedBatchWarning
+
     net, opt = growing(kind)
     train_step(net, opt, 0)
     reference, ref_opt = growing(kind)
@@ -146,7 +149,8 @@ def test_exception_between_backward_and_step(kind):
         raise KeyError("user code failed before opt.step()")
     except KeyError:
         pass
-    train_step(net, opt, 2)
+    with pytest.warns(UnsteppedBatchWarning, match="that batch is dropped"):
+        train_step(net, opt, 2)
     train_step(reference, ref_opt, 2)  # never saw batch 1
     assert_same_stores(stores(net), stores(reference))
 

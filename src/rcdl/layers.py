@@ -172,7 +172,7 @@ class GrowingLayer(nn.Module):
                                 storage_dtype=store_dtype, device=device)
         self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=device))
         self.name = type(self).__name__  # set to the module path by the Grower
-        self.output_scale: float | None = None  # output RMS at the first non-zero step
+        self.output_scale: float | None = None  # output RMS at the first non-zero step (floored)
         self._ready: list[_Record] = []  # records that backward has reached
         self._pending: list[weakref.ref[_Record]] = []  # records awaiting backward
         self._generation = 0  # bumped by commit/discard: older records are never written
@@ -440,18 +440,24 @@ class GrowingLayer(nn.Module):
         """Raise ``ValueError`` naming the layer if a ready record's output or gradient is not
         finite, or its outputs grew past ``max_output_growth`` (nothing is changed)."""
         for record in self.ready_records():
-            rms, grad_finite = torch.stack([  # one device sync for both
+            rms, q_rms, grad_finite = torch.stack([  # one device sync for all three
                 record.s.double().square().mean().sqrt(),
+                record.q.double().square().mean().sqrt(),
                 torch.isfinite(record.grad_mean).all().double()]).tolist()
-            self._check_output_scale(rms)
+            self._check_output_scale(rms, floor=self.SCALE_FLOOR * q_rms)
             if not grad_finite:
                 raise ValueError(
                     f"{self.where}: the output gradient contains NaN or inf (a NaN in the "
                     "targets or the loss?); no entry written")
 
-    def _check_output_scale(self, rms: float) -> None:
+    SCALE_FLOOR = 1e-3  # the reference scale is at least this fraction of the inputs' RMS
+
+    def _check_output_scale(self, rms: float, floor: float = 0.0) -> None:
         """Refuse a diverging layer: non-finite outputs, or outputs whose RMS grew past
-        ``max_output_growth`` times the RMS at the first step where they were non-zero."""
+        ``max_output_growth`` times the reference scale: the RMS at the first step where
+        they were non-zero, but at least ``floor`` (``SCALE_FLOOR`` times the inputs' RMS
+        then). Without the floor, a sharp kernel whose first answers are nearly zero (the
+        far tail of an RBF, 1e−7) would refuse ordinary growth as divergence."""
         advice = (f"the layer is diverging: lower the learning rate (rule {self.rule}) or raise "
                   f"the temperature (T = {self.temperature}), or normalise its inputs; "
                   "no entry written")
@@ -459,13 +465,13 @@ class GrowingLayer(nn.Module):
             raise ValueError(f"{self.where}: outputs contain NaN or inf; {advice}")
         if self.output_scale is None:
             if rms > 0:
-                self.output_scale = rms  # set at the first step that writes with it
+                self.output_scale = max(rms, floor)  # set at the first step that writes
             return
         limit = self.max_output_growth
         if limit is not None and rms > limit * self.output_scale:
             raise ValueError(
-                f"{self.where}: output RMS {rms:.3g} is over {limit:g} times its first "
-                f"non-zero value {self.output_scale:.3g}; {advice} (or raise "
+                f"{self.where}: output RMS {rms:.3g} is over {limit:g} times its reference "
+                f"scale {self.output_scale:.3g}; {advice} (or raise "
                 "max_output_growth)")
 
     def make_entries(self, record: _Record) -> Entries:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +28,10 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
+
+with warnings.catch_warnings():  # in Jupyter without ipywidgets tqdm.auto falls back to the
+    warnings.filterwarnings("ignore", message="IProgress not found")  # text bar: say nothing
+    from tqdm.auto import tqdm
 
 from rcdl.checkpoint import Checkpointer
 from rcdl.layers import growing_layers
