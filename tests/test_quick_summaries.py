@@ -128,7 +128,8 @@ def machine_class() -> str:
 
 # the machine, the code's revision and the moment: they differ run to run, not outcomes
 _NOT_OUTCOMES = ("machine", "environment", "out", "started", "command", "git_revision",
-                 "git_dirty", "hostname", "platform", "cpu_flags", "num_threads", "malloc")
+                 "git_dirty", "hostname", "platform", "cpu_flags", "cpu_model", "num_threads",
+                 "malloc")
 
 
 def _outcome(obj: Any, key: str = "") -> Any:
