@@ -7,7 +7,8 @@ from torch.testing import assert_close
 from rcdl.attention import attention, attention_partial, finalize, merge_partials
 from rcdl.kernels import KERNELS, naive_attention
 
-TEMPERATURE = {"linear": 1.0, "rbf": 2.0, "softmax": 0.7}
+# every kernel of the registry is tested; these two at other temperatures than 1
+TEMPERATURE = {name: 1.0 for name in KERNELS} | {"rbf": 2.0, "softmax": 0.7}
 
 
 def make_entries(n, d_in=5, d_out=3, batch=4, seed=0, positive_weights=True):

@@ -87,6 +87,7 @@ from rcdl import (
     FunctionalSGD,
     GaugeSoftmaxRule,
     Grower,
+    GrowingLaplacian,
     GrowingLinear,
     GrowingRBF,
     GrowingSoftmax,
@@ -111,8 +112,8 @@ TOLERANCE = 1e-10
 HALF_FACTOR, HALF_ULPS = 10.0, 2.0
 TIMEOUT = timedelta(seconds=60)
 
-KINDS = ("linear", "linear-momentum", "rbf", "rbf-decay", "gws", "gws-normalized", "gauge",
-         "hybrid")
+KINDS = ("linear", "linear-momentum", "rbf", "rbf-decay", "laplacian", "gws", "gws-normalized",
+         "gauge", "hybrid")
 SOFTMAX_KINDS = ("gws", "gws-normalized", "gauge", "hybrid")
 AGED_KINDS = ("linear-momentum", "rbf-decay")
 GATES = ("none", "distance", "capacity", "error-scaled")
@@ -235,7 +236,8 @@ def draw(rng: random.Random) -> Case:
         learner=rng.choice(("adam+grower", "hybrid-grower")) if hybrid else "adam+grower",
         budget=budget,
         # doubling a value rounds exactly in bfloat16, not among float16's subnormals (< 6e-5)
-        split=(kind in ("linear", "linear-momentum", "rbf", "rbf-decay") and store != "float16"
+        split=(kind in ("linear", "linear-momentum", "rbf", "rbf-decay", "laplacian")
+               and store != "float16"
                and rng.random() < 0.3),
         initial=rng.choice((0, 4, 4)) if softmax else 4)
 
@@ -298,6 +300,8 @@ def _layer(case: Case, d_in: int, d_out: int, index: int) -> nn.Module:
     if case.kind == "rbf-decay":
         rule = sgd(0.2, weight_decay=0.05, momentum=0.3)
         return GrowingRBF(d_in, d_out, temperature=1.0, rule=rule, store_dtype=store)
+    if case.kind == "laplacian":
+        return GrowingLaplacian(d_in, d_out, temperature=0.5, rule=sgd(0.3), store_dtype=store)
     kw = {"temperature": 1.0, "initial_entries": case.initial, "seed": 10 + index,
           "store_dtype": store}
     if case.kind == "hybrid":
@@ -375,7 +379,7 @@ def stores(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, layer in growing_layers(model):
         s = layer.store
         values, weights = s.values.double(), s.weights.double()
-        if layer.kernel != "softmax":
+        if not layer.kernel.normalised:
             values, weights = values * weights[:, None], torch.ones_like(weights)
         local[name] = torch.cat([s.ids[:, None].double(), s.written_at[:, None].double(),
                                  s.keys.double(), values, weights[:, None]], 1)

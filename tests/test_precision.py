@@ -25,7 +25,8 @@ from rcdl.rounding import round_stochastically, rounding_noise
 from rcdl.store import EntryStore
 
 HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
-TEMPERATURE = {"linear": 1.0, "rbf": 2.0, "softmax": 0.7}
+# every kernel of the registry is tested; these two at other temperatures than 1
+TEMPERATURE = {name: 1.0 for name in KERNELS} | {"rbf": 2.0, "softmax": 0.7}
 # relative error of the half-precision products: bf16 keeps 8 significant bits, fp16 11
 RTOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
@@ -246,7 +247,7 @@ def test_hybrid_adam_moves_half_entries_by_small_steps_on_average():
     assert layer.adam_m.keys.dtype == torch.float32  # the moments stay in the layer's dtype
 
 
-@pytest.mark.parametrize("kernel", ["rbf", "softmax"])
+@pytest.mark.parametrize("kernel", [n for n, k in KERNELS.items() if k.index_metric])
 def test_large_batches_of_a_half_store_take_the_other_score_layout(kernel):
     """Over 128 queries the half-precision scores are formed as ``q @ keys.T`` (faster there
     on CPUs with AMX): the same products, the same answers as in batches of 100."""

@@ -30,6 +30,7 @@ from rcdl import (
 from rcdl.attention import attention
 from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.hybrid import DistanceGate, EntryAdam, HybridGrower, HybridSoftmax, hybrid_layers
+from rcdl.kernels import KERNELS as REGISTRY
 from rcdl.kernels import naive_attention
 from rcdl.layers import growing_layers
 from rcdl.retrieval import (
@@ -60,8 +61,8 @@ def test_faiss_is_installed_where_the_test_command_requires_it():
     if os.environ.get("RCDL_REQUIRE_FAISS") == "1":
         assert faiss is not None, "RCDL_REQUIRE_FAISS=1 but faiss does not import"
 
-TEMPERATURE = {"rbf": 2.0, "softmax": 0.7}
-KERNELS = ("rbf", "softmax")
+KERNELS = [name for name, k in REGISTRY.items() if k.index_metric]  # those with top-k
+TEMPERATURE = {name: 1.0 for name in KERNELS} | {"rbf": 2.0, "softmax": 0.7}
 
 
 def make_entries(n, d_in=5, d_out=3, batch=4, seed=0, weights="positive"):

@@ -46,6 +46,7 @@ from rcdl.hybrid import (
     default_tau,
 )
 from rcdl.layers import (
+    GrowingLaplacian,
     GrowingLayer,
     GrowingLinear,
     GrowingRBF,
@@ -78,7 +79,7 @@ from rcdl.vit import ViT, mlp_vit, rcdl_vit
 __all__ = [
     "__version__",
     # layers
-    "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "HybridSoftmax",
+    "GrowingLaplacian", "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "HybridSoftmax",
     "ParametricSoftmax", "UnsteppedBatchWarning", "growing_layers",
     # networks
     "GrowingRBFNet", "GrowingSoftmaxNet", "HybridSoftmaxNet", "MLP", "ParametricSoftmaxNet",

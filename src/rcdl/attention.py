@@ -73,9 +73,9 @@ def default_chunk_size(batch: int, device: torch.device | str | None = None) -> 
     return 2048 if batch <= 128 else 1024
 
 
-def _empty_partial(q: Tensor, d_out: int, kernel: str) -> Partial:
+def _empty_partial(q: Tensor, d_out: int, kernel: Kernel) -> Partial:
     b = q.shape[0]
-    m = q.new_full((b,), _NEG_INF) if kernel == "softmax" else q.new_zeros(b)
+    m = q.new_full((b,), _NEG_INF) if kernel.normalised else q.new_zeros(b)
     return Partial(m, q.new_zeros(b, d_out), q.new_zeros(b), q.new_zeros(b))
 
 
@@ -89,24 +89,17 @@ def _empty_partial(q: Tensor, d_out: int, kernel: str) -> Partial:
 
 
 def _chunk_kernel_values(
-    kernel: str, q: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float,
+    kernel: Kernel, q: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float,
     dtype: torch.dtype,
 ) -> Tensor:  # (c, B)
-    """Unweighted kernel values of one chunk, in ``dtype``; for softmax the raw logits ``z``.
-    ``q`` is in the keys' dtype (the product runs in it, see :func:`_sum_over_entries_`)."""
+    """Unweighted kernel values of one chunk, in ``dtype``; for a normalised kernel the raw
+    logits ``z``. ``q`` is in the keys' dtype (the product runs in it, see
+    :func:`_sum_over_entries_`)."""
     if keys.dtype in HALF_DTYPES and q.shape[0] > 128:  # see the layout note above
         scores = (q @ keys.T).T.to(dtype)  # (c, B) view of a (B, c) product
     else:
         scores = (keys @ q.T).to(dtype)  # (c, B), no copy when the dtypes agree
-    if kernel == "linear":
-        return scores
-    if kernel == "rbf":
-        assert q_sqnorm is not None  # computed for the RBF kernel (_queries_as_keys)
-        k_sqnorm = (keys * keys).sum(1, dtype=dtype)  # (c,)
-        # exp(-(|q|^2 - 2 q.k + |k|^2) / (2 tau)), built in place on the score block
-        scores = scores.mul_(2).sub_(q_sqnorm).sub_(k_sqnorm[:, None])
-        return scores.div_(2 * tau).exp_()
-    return scores.div_(tau)
+    return kernel.values_(scores, q_sqnorm, keys, tau, dtype)
 
 
 def _sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1.0) -> Tensor:
@@ -129,11 +122,12 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
 
 
 def _fold_chunk(
-    kernel: str, part: Partial, block: Tensor, values: Tensor, weights: Tensor
+    kernel: Kernel, part: Partial, block: Tensor, values: Tensor, weights: Tensor
 ) -> tuple[Partial, Tensor | None]:
-    """Fold one chunk's block ``(c, B)`` into ``part``. Softmax turns ``block`` into
-    ``e^{z − m_new}`` in place and returns ``m_new``; the other kernels leave it as it is."""
-    if kernel != "softmax":
+    """Fold one chunk's block ``(c, B)`` into ``part``. A normalised kernel (the softmax)
+    turns ``block`` into ``e^{z − m_new}`` in place and returns ``m_new``; the others leave
+    it as it is."""
+    if not kernel.normalised:
         _sum_over_entries_(part.num, block * weights[:, None], values)
         return part, None
     m_new = torch.maximum(part.m, block.amax(dim=0))  # (B,)
@@ -175,12 +169,13 @@ def attention_partial(
     values: Tensor,  # (N, d_out)
     weights: Tensor,  # (N,)
     *,
-    kernel: Kernel,
+    kernel: str | Kernel,
     temperature: float = 1.0,
     chunk_size: int | None = None,
 ) -> Partial:
     """The partial result of attending from ``q`` to these entries (no autograd)."""
-    part, _ = _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep=False)
+    part, _ = _stream(q, keys, values, weights, check_kernel(kernel), temperature, chunk_size,
+                      keep=False)
     return part
 
 
@@ -188,10 +183,9 @@ def _folds(q, keys, values, weights, kernel, temperature, chunk, part, first_row
     """The streaming fold from row ``first_row`` on, one chunk at a time: checks the inputs
     now, then yields ``(end row, part, block, m used)`` after each chunk (``part`` is folded
     in place)."""
-    check_kernel(kernel)
     _check_inputs(q, keys, values, weights)
     tau = softmax_scale(temperature, q.shape[1])
-    q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel)
+    q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel.distance)
 
     def chunks():  # noqa: ANN202 - a generator of tuples
         folded = part
@@ -205,7 +199,6 @@ def _folds(q, keys, values, weights, kernel, temperature, chunk, part, first_row
 
 
 def _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep):
-    check_kernel(kernel)
     _check_inputs(q, keys, values, weights)  # before the shapes are read below
     chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
     part = _empty_partial(q, values.shape[1], kernel)
@@ -225,7 +218,7 @@ def resume_partial(
     values: Tensor,  # (N, d_out)
     weights: Tensor,  # (N,)
     *,
-    kernel: Kernel,
+    kernel: str | Kernel,
     temperature: float = 1.0,
     chunk_size: int | None = None,
     start: tuple[int, Partial] | None = None,
@@ -238,7 +231,7 @@ def resume_partial(
     ``≤ N``. Every chunk is the same rows, folded in the same order, as in one pass over
     the store: the result is bit for bit :func:`attention_partial`'s, and a store that only
     grew is re-attended from its last full chunk on (incremental evaluation)."""
-    check_kernel(kernel)
+    kernel = check_kernel(kernel)
     _check_inputs(q, keys, values, weights)  # before the shapes are read below
     chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
     n = keys.shape[0]
@@ -258,14 +251,15 @@ def resume_partial(
 
 
 @overload
-def _queries_as_keys(q: Tensor, keys: Tensor, kernel: Literal["rbf"]) -> tuple[Tensor, Tensor]: ...
+def _queries_as_keys(q: Tensor, keys: Tensor, sqnorm: Literal[True]) -> tuple[Tensor, Tensor]: ...
 @overload
-def _queries_as_keys(q: Tensor, keys: Tensor, kernel: str) -> tuple[Tensor, Tensor | None]: ...
-def _queries_as_keys(q: Tensor, keys: Tensor, kernel: str) -> tuple[Tensor, Tensor | None]:
-    """The queries in the keys' dtype, and for RBF their squared norms (of those rounded
-    queries, so that ``|q|² − 2⟨q, k⟩ + |k|²`` is the distance of the vectors multiplied)."""
+def _queries_as_keys(q: Tensor, keys: Tensor, sqnorm: bool) -> tuple[Tensor, Tensor | None]: ...
+def _queries_as_keys(q: Tensor, keys: Tensor, sqnorm: bool) -> tuple[Tensor, Tensor | None]:
+    """The queries in the keys' dtype, and for a distance kernel (``sqnorm``) their squared
+    norms (of those rounded queries, so that ``|q|² − 2⟨q, k⟩ + |k|²`` is the distance of
+    the vectors multiplied)."""
     q_keys = q.to(keys.dtype)  # (B, d_in), q itself when the dtypes agree
-    q_sqnorm = (q_keys * q_keys).sum(1, dtype=q.dtype) if kernel == "rbf" else None  # (B,)
+    q_sqnorm = (q_keys * q_keys).sum(1, dtype=q.dtype) if sqnorm else None  # (B,)
     return q_keys, q_sqnorm
 
 
@@ -278,10 +272,10 @@ def merge_partials(a: Partial, b: Partial) -> Partial:
     return Partial(m, num, a.den * scale_a + b.den * scale_b, a.mass * scale_a + b.mass * scale_b)
 
 
-def finalize(part: Partial, *, kernel: Kernel, eps: float = 1e-6) -> Tensor:  # (B, d_out)
+def finalize(part: Partial, *, kernel: str | Kernel, eps: float = 1e-6) -> Tensor:  # (B, d_out)
     """Output of the attention from the partial over *all* entries: a new tensor, never one
     of the partial's (a cached partial stays intact whatever is done to the output)."""
-    if kernel != "softmax":
+    if not check_kernel(kernel).normalised:
         return part.num.clone(memory_format=torch.contiguous_format)
     return (part.num / guard_denominator(part.den, part.mass, eps)[:, None]).contiguous()
 
@@ -305,7 +299,7 @@ class _StreamingAttention(torch.autograd.Function):
         # the softmax backward needs the final max, the guarded denominator and where the
         # guard acted (there the denominator is ±eps·mass instead of Σ_j w_j e^{z_j − m})
         den = clamped = None
-        if kernel == "softmax":
+        if kernel.normalised:
             den = guard_denominator(part.den, part.mass, eps)  # (B,)
             clamped = part.den.abs() < eps * part.mass  # (B,) bool
             if stats is not None:  # the normaliser over all entries, for the caller
@@ -320,7 +314,7 @@ class _StreamingAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):  # grad_out (B, d_out)
         q, keys, values, weights, num, m, den, clamped = ctx.saved_tensors
-        out = num / den[:, None] if ctx.kernel == "softmax" else num  # (B, d_out)
+        out = num / den[:, None] if ctx.kernel.normalised else num  # (B, d_out)
         grad_q, *entry_grads = attention_backward(
             grad_out, q, keys, values, weights, out, m, den, clamped, kernel=ctx.kernel,
             tau=ctx.tau, chunk=ctx.chunk,
@@ -341,7 +335,7 @@ def attention_backward(
     den: Tensor | None,  # (B,) the guarded denominator over all entries (softmax)
     clamped: Tensor | None,  # (B,) bool, where the guard acted (softmax)
     *,
-    kernel: Kernel,
+    kernel: str | Kernel,
     tau: float,
     chunk: int,
     eps: float,
@@ -360,11 +354,12 @@ def attention_backward(
     grad_k = torch.empty_like(keys) if need_k else None
     grad_v = torch.empty_like(values) if need_v else None
     grad_w = torch.empty_like(weights) if need_w else None
-    q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel)
+    kernel = check_kernel(kernel)
+    q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel.distance)
     grad_out_v = grad_out.to(values.dtype)  # (B, d_out) for the products with the values
-    scale = 1.0 if kernel == "linear" else 1.0 / tau  # d(score)/dq = k * scale
-    rbf_q_coef = q.new_zeros(q.shape[0])  # Σ_j ∂L/∂φ_j φ_j per query (RBF only)
-    if kernel == "softmax":
+    scale = kernel.scale(tau)  # d(score)/dq = k * scale
+    dist_q_coef = q.new_zeros(q.shape[0])  # Σ_j c_j per query (distance kernels only)
+    if kernel.normalised:
         assert den is not None and clamped is not None  # given for the softmax kernel
         # s = num / D' with ∂D'/∂z_j = u_j e^{z_j − m}: u_j = w_j where D' = D, and
         # u_j = ±eps |w_j| where the guard acted (D' = ±eps · mass). ⟨g, s⟩ is split into
@@ -385,10 +380,10 @@ def attention_backward(
         else:
             block = _chunk_kernel_values(kernel, q_keys, q_sqnorm, k_c, tau, q.dtype)
             m_used = m
-            if kernel == "softmax":
+            if kernel.normalised:
                 block.sub_(m).exp_()
         g_dot_v = (v_c @ grad_out_v.T).to(q.dtype)  # (c, B)
-        if kernel == "softmax":
+        if kernel.normalised:
             # a_j = e^{z_j - m} / D;  ∂s/∂z_j = a_j (ṽ_j − w_j s)
             attn = block * (torch.exp(m_used - m) * inv_den)  # (c, B)
             u_gs = w_c[:, None] * gs_w  # (c, B) u_j ⟨g, s⟩
@@ -406,19 +401,19 @@ def attention_backward(
                 _mm_into(grad_v[rows], block * w_c[:, None], grad_out)
             if grad_w is not None:
                 grad_w[rows] = (block * g_dot_v).sum(1)
-            grad_scores = g_dot_v.mul_(w_c[:, None])  # (c, B) wrt the kernel values
-            if kernel == "rbf":  # φ = exp(−|q−k|²/2τ): dφ/dq = φ (k − q)/τ
-                grad_scores.mul_(block)
+            # (c, B) wrt the kernel values, then wrt ⟨q, k⟩ (over scale): for RBF
+            # φ = exp(−|q−k|²/2τ), dφ/dq = φ (k − q)/τ, so the factor is φ
+            grad_scores = kernel.grad_factor_(g_dot_v.mul_(w_c[:, None]), block, tau)
         if grad_q is not None:
             _sum_over_entries_(grad_q, grad_scores, k_c, alpha=scale)
-            if kernel == "rbf":
-                rbf_q_coef += grad_scores.sum(0)
+            if kernel.distance:
+                dist_q_coef += grad_scores.sum(0)
         if grad_k is not None:
             _mm_into(grad_k[rows], grad_scores, q).mul_(scale)
-            if kernel == "rbf":
+            if kernel.distance:  # the −k part of ∂‖q − k‖²
                 grad_k[rows] -= k_c * (grad_scores.sum(1) * scale)[:, None]
-    if grad_q is not None and kernel == "rbf":  # the −q part of φ (k − q)/τ
-        grad_q -= q * (rbf_q_coef * scale)[:, None]
+    if grad_q is not None and kernel.distance:  # the −q part of ∂‖q − k‖²: φ (k − q)/τ
+        grad_q -= q * (dist_q_coef * scale)[:, None]
     return grad_q, grad_k, grad_v, grad_w
 
 
@@ -428,7 +423,7 @@ def attention(
     values: Tensor,  # (N, d_out)
     weights: Tensor,  # (N,)
     *,
-    kernel: Kernel,
+    kernel: str | Kernel,
     temperature: float = 1.0,
     chunk_size: int | None = None,
     eps: float = 1e-6,
@@ -438,8 +433,8 @@ def attention(
 ) -> Tensor:  # (B, d_out)
     """Kernel attention from queries ``q`` over the entries ``(keys, values, weights)``.
 
-    The kernels are those of :mod:`rcdl.kernels` (``"linear"``, ``"rbf"``, ``"softmax"``),
-    with ``τ = temperature · √d_in``. Differentiable w.r.t. all four tensors (first order).
+    The kernels are those of :mod:`rcdl.kernels` (a :class:`~rcdl.kernels.Kernel` or the
+    name of one in :data:`~rcdl.kernels.KERNELS`), with ``τ = temperature · √d_in``. Differentiable w.r.t. all four tensors (first order).
 
     Args:
         chunk_size: entries per block (default: :func:`default_chunk_size`).
@@ -461,7 +456,7 @@ def attention(
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _StreamingAttention.apply(
-        q, keys, values, weights, kernel, temperature, chunk_size, eps, save_fraction, shard,
+        q, keys, values, weights, check_kernel(kernel), temperature, chunk_size, eps, save_fraction, shard,
         stats)
 
 
@@ -483,7 +478,7 @@ def nearest_sq_distance(
         raise ValueError(f"nearest_sq_distance expects q (B, d) and keys (N, d), got "
                          f"{tuple(q.shape)} and {tuple(keys.shape)}")
     chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
-    q_keys, q_sqnorm = _queries_as_keys(q, keys, "rbf")
+    q_keys, q_sqnorm = _queries_as_keys(q, keys, True)
     best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
     for start in range(0, keys.shape[0], chunk):
         k_c = keys[start : start + chunk]  # (c, d)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rcdl.attention import Partial, attention, attention_partial
-from rcdl.kernels import Kernel
+from rcdl.kernels import Kernel, check_kernel
 from rcdl.layers import growing_layers
 
 __all__ = [
@@ -74,7 +74,7 @@ class Shard:
         """The partial over every rank's shard from this rank's ``part`` (two collectives)."""
         wire = torch.promote_types(part.num.dtype, torch.float32)  # partials: >= float32
         m = part.m.to(wire)
-        if kernel == "softmax":
+        if check_kernel(kernel).normalised:
             m = self.all_reduce(m.clone(), dist.ReduceOp.MAX)  # (B,)
             local = part.m.to(wire)
             scale = torch.where(local == _NEG_INF, 0.0, torch.exp(local - m))  # empty: 0

@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from rcdl.retrieval import TopK
 
 __all__ = [
-    "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "ParametricSoftmax",
+    "GrowingLaplacian", "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax",
+    "ParametricSoftmax",
     "UnsteppedBatchWarning", "growing_layers", "set_store_dtype",
 ]
 
@@ -118,8 +119,10 @@ class GrowingLayer(nn.Module):
         d_in: input width. Inputs may have any leading dims ``(..., d_in)``; the first
             one is the sample dimension the loss averages over.
         d_out: output width.
-        kernel: ``"linear"``, ``"rbf"`` or ``"softmax"`` (:mod:`rcdl.kernels`).
-        temperature: T, with ``τ = T √d_in`` (RBF and softmax).
+        kernel: a :class:`rcdl.kernels.Kernel` or the name of one in
+            :data:`rcdl.kernels.KERNELS` (``"linear"``, ``"rbf"``, ``"laplacian"``,
+            ``"softmax"``); ``layer.kernel`` is the kernel object.
+        temperature: T, with ``τ = T √d_in`` (every kernel but the linear one).
         rule: the learning rule writing this layer's entries (:class:`rcdl.rules.LearningRule`).
         key_dim: width of the stored keys, if not ``d_in``.
         capacity: entries to allocate up front (e.g. the number of training samples).
@@ -280,7 +283,7 @@ class GrowingLayer(nn.Module):
         recording = self.training and torch.is_grad_enabled()
         if recording:
             self._drop_unstepped()
-            if self.kernel == "softmax" and not self.trains_entries:
+            if self.kernel.normalised and not self.trains_entries:
                 self._stats = []  # the store's normaliser, for the look-ahead check
         try:
             s = self.output(q)  # (B, d_out)
@@ -417,14 +420,14 @@ class GrowingLayer(nn.Module):
         age coefficients of the existing entries' next step are not applied."""
         q = torch.cat([r.q for r in records])  # (B, d_in)
         s = torch.cat([r.s for r in records])  # (B, d_out)
-        if self.kernel != "softmax":
+        if not self.kernel.normalised:
             return s + attention(self._query_keys(q), keys, values, weights,
                                  kernel=self.kernel, temperature=self.temperature)
         log_zs = [r.log_z for r in records if r.log_z is not None]
         if len(log_zs) < len(records):  # no normaliser recorded
             return None
         log_z = torch.cat(log_zs)  # (B,) of the pre-step store
-        new = attention_partial(q, keys, values, weights, kernel="softmax",
+        new = attention_partial(q, keys, values, weights, kernel=self.kernel,
                                 temperature=self.temperature)  # the new entries alone
         top = torch.maximum(log_z, new.m)  # (B,)
         old_w, new_w = torch.exp(log_z - top), torch.exp(new.m - top)  # (B,)
@@ -645,6 +648,24 @@ class GrowingRBF(GrowingLayer):
     def __init__(self, d_in: int, d_out: int, *, temperature: float, rule: LearningRule,
                  **kw) -> None:
         super().__init__(d_in, d_out, kernel="rbf", temperature=temperature, rule=rule, **kw)
+
+
+class GrowingLaplacian(GrowingLayer):
+    """Growing Laplacian-kernel layer: ``s(q) = Σ_j h(a_j) exp(−‖q − k_j‖ / (T√d_in)) v_j``
+    (:class:`rcdl.kernels.LaplacianKernel`).
+
+    A positive-definite kernel like the RBF, so ``rule=FunctionalSGD(lr)`` is again the
+    functional gradient step, ``k = q``, ``v = −η g`` (docs/theory.md). Its tails are heavier
+    than the RBF's: an entry still answers queries several length scales away.
+
+    Example:
+        >>> layer = GrowingLaplacian(8, 3, temperature=0.5, rule=FunctionalSGD(10.0))
+    """
+
+    def __init__(self, d_in: int, d_out: int, *, temperature: float, rule: LearningRule,
+                 **kw) -> None:
+        super().__init__(d_in, d_out, kernel="laplacian", temperature=temperature, rule=rule,
+                         **kw)
 
 
 class GrowingSoftmax(GrowingLayer):

@@ -81,7 +81,7 @@ def contribution_scores(layer: GrowingLayer, *, eps: float = 1e-6,
       with its sign, as the attention does.) The difference is formed directly, in float64,
       ``chunk_rows`` entries at a time: expanding ``‖ṽ_j‖² − 2w_j⟨ṽ_j, s̄⟩ + w_j²‖s̄‖²`` cancels
       catastrophically in float32 when the entries carry a common gauge offset.
-    - **RBF**: ``score_j = |w_j| ‖v_j‖``. Removing entry j changes ``s(q)`` by
+    - **RBF, Laplacian** (any bounded kernel): ``score_j = |w_j| ‖v_j‖``. Removing entry j changes ``s(q)`` by
       ``w_j φ(q, k_j) v_j`` and ``0 < φ ≤ 1``: the score bounds that change at every query.
     - **linear (dual form)**: ``score_j = |w_j| ‖v_j‖ ‖k_j‖``, the Frobenius norm of the
       entry's rank-one term ``w_j v_j k_jᵀ`` of the weight matrix.
@@ -92,10 +92,10 @@ def contribution_scores(layer: GrowingLayer, *, eps: float = 1e-6,
     store = layer.store
     weights = layer.entry_weights()  # (N,)
     values = store.values  # (N, d_out)
-    if layer.kernel == "softmax":
+    if layer.kernel.normalised:
         return _softmax_scores(values, weights, eps, chunk_rows)
     scores = weights.abs() * torch.linalg.vector_norm(values, dim=1)  # (N,)
-    if layer.kernel == "linear":
+    if not layer.kernel.bounded:  # the linear kernel: ⟨q, k⟩ grows with ‖k‖
         scores = scores * torch.linalg.vector_norm(store.keys, dim=1)
     return scores
 
@@ -117,9 +117,10 @@ def _softmax_scores(values: Tensor, weights: Tensor, eps: float,
 def _check_mergeable(layer: GrowingLayer) -> None:
     ages = getattr(layer.rule, "ages", None)
     where = f"{type(layer).__name__} {layer.name!r}"
-    if layer.kernel not in ("softmax", "rbf"):
+    if not layer.kernel.bounded:
         raise ValueError(f"MemoryBudget(merge=True): {where} has a {layer.kernel} kernel; "
-                         "merging is defined for softmax and RBF layers only")
+                         "merging is defined for softmax and RBF layers and other bounded "
+                         "kernels (Laplacian) only")
     if ages is not None and not ages.trivial:
         raise ValueError(f"MemoryBudget(merge=True): {where} weights its entries by age "
                          "(weight decay or momentum); a merged entry would take its "
@@ -161,10 +162,10 @@ def merge_into_nearest(layer: GrowingLayer, mask: Tensor) -> Tensor:  # (E,) tar
     targets = sq_dist.argmin(0)  # (E,)
     values, weights = store.values, store.weights  # views: written in place
     ev_values, ev_weights = values.index_select(0, evicted), weights.index_select(0, evicted)
-    if layer.kernel == "softmax":
+    if layer.kernel.normalised:
         values.index_add_(0, targets, ev_values)
         weights.index_add_(0, targets, ev_weights)
-    else:  # rbf: canonical weight 1, the weighted value in v
+    else:  # rbf, laplacian: canonical weight 1, the weighted value in v
         hit = torch.zeros_like(mask)
         hit[targets] = True
         values[hit] *= weights[hit][:, None]

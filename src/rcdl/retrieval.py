@@ -42,14 +42,14 @@ from __future__ import annotations
 import hashlib
 import math
 import weakref
-from typing import Any, Literal, NamedTuple, Protocol, get_args, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, cast, get_args, runtime_checkable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.kernels import check_kernel, guard_denominator, softmax_scale
+from rcdl.kernels import Kernel, check_kernel, guard_denominator, softmax_scale
 from rcdl.layers import GrowingLayer, growing_layers
 from rcdl.store import EntryStore
 
@@ -91,15 +91,17 @@ def _check_search(q: Tensor, k: int, size: int, dim: int | None) -> None:
         raise ValueError(f"search: k = {k} is more than the {size} keys the index holds")
 
 
-def metric_for(kernel: str) -> Metric:
-    """The index metric whose nearest keys carry a kernel's largest values: ``"l2"`` for
-    RBF, ``"ip"`` for the softmax. The linear kernel has none (see :func:`topk_attention`)."""
-    if check_kernel(kernel) == "linear":
+def metric_for(kernel: str | Kernel) -> Metric:
+    """The index metric whose nearest keys carry a kernel's largest values
+    (:attr:`rcdl.kernels.Kernel.index_metric`): ``"l2"`` for RBF and Laplacian, ``"ip"`` for
+    the softmax. The linear kernel has none (see :func:`topk_attention`)."""
+    metric = check_kernel(kernel).index_metric
+    if metric is None:
         raise ValueError(
-            "top-k retrieval does not apply to the linear kernel: its terms ⟨q, k_j⟩ have no "
+            f"top-k retrieval does not apply to the {kernel} kernel: its terms ⟨q, k_j⟩ have no "
             "largest few (both signs, no decay). The linear dual form collapses exactly to an "
             "nn.Linear instead: GrowingLinear.to_linear()")
-    return "l2" if kernel == "rbf" else "ip"
+    return cast(Metric, metric)
 
 
 # --------------------------------------------------------------------------- indices
@@ -376,7 +378,7 @@ def topk_attention(
     values: Tensor,  # (N, d_out)
     weights: Tensor,  # (N,)
     *,
-    kernel: str,
+    kernel: str | Kernel,
     temperature: float = 1.0,
     index: RetrievalIndex,
     k: int,
@@ -424,6 +426,7 @@ def topk_attention(
             ``k`` or ``candidates`` not an int ``≥ 1`` (or ``candidates < k``), or an index
             not holding the ``N`` keys.
     """
+    kernel = check_kernel(kernel)
     metric = metric_for(kernel)
     _check_count("topk_attention: k", k)
     if candidates is not None and _check_count("topk_attention: candidates", candidates) < k:
@@ -461,7 +464,7 @@ def topk_attention(
     return TopKOutput(*(torch.cat(p) for p in zip(*parts, strict=True)))
 
 
-def _log_kernel(kernel: str, q: Tensor, scores: Tensor, rows: Tensor, keys: Tensor,
+def _log_kernel(kernel: Kernel, q: Tensor, scores: Tensor, rows: Tensor, keys: Tensor,
                 tau: float, gather_keys: bool) -> Tensor:  # (b, c)
     """``log κ`` of the candidates ``rows (b, c)``: ``z = ⟨q, k⟩/τ`` (softmax) or
     ``−‖q − k‖²/(2τ)`` (RBF).
@@ -472,13 +475,13 @@ def _log_kernel(kernel: str, q: Tensor, scores: Tensor, rows: Tensor, keys: Tens
     compared again: ``‖q − k‖² = ‖q‖² − 2⟨q, k⟩ + ‖k‖²`` as in :mod:`rcdl.attention`.
     """
     if not gather_keys:
-        return scores / tau if kernel == "softmax" else scores.clamp_min(0.0) / (-2 * tau)
+        return kernel.log_kernel(scores, tau)
     k_c = keys[rows].to(q.dtype)  # (b, c, d)
     dots = torch.bmm(k_c, q[:, :, None])[:, :, 0]  # (b, c) ⟨q, k_j⟩
-    if kernel == "softmax":
-        return dots / tau
+    if kernel.index_metric == "ip":
+        return kernel.log_kernel(dots, tau)
     sq_dist = (q * q).sum(1, keepdim=True) - 2 * dots + (k_c * k_c).sum(2)  # (b, c)
-    return sq_dist.clamp_min(0.0) / (-2 * tau)
+    return kernel.log_kernel(sq_dist, tau)
 
 
 def _attend_candidates(
@@ -489,7 +492,7 @@ def _attend_candidates(
     values: Tensor,  # (N, d_out)
     weights: Tensor,  # (N,)
     *,
-    kernel: str,
+    kernel: Kernel,
     tau: float,
     k: int,
     w_max: Tensor,
@@ -509,7 +512,7 @@ def _attend_candidates(
         left_out = _left_out(score, log_kappa, valid, pos, n, w_max)  # (b,)
     kept = found.gather(1, pos)  # (b, k)
     log_kappa_k, w_k = log_kappa.gather(1, pos), w.gather(1, pos)  # (b, k)
-    if kernel == "rbf":
+    if not kernel.normalised:
         out = _sum_rows(w_k * log_kappa_k.exp(), kept.clamp_min(0), values)  # Σ w_j κ_j v_j
         return out, left_out, kept
     m = log_kappa_k.detach().amax(1, keepdim=True)  # (b, 1) shift; −inf only if none found
@@ -690,9 +693,10 @@ class TopK:
         are what is attended over, rows of the store (default: the store's rows and
         ``layer.entry_weights()``; the hybrid passes its trainable leaves, which then get
         gradients through the gathered rows only)."""
-        if layer.kernel == "linear":
-            raise ValueError(f"{layer.where}: top-k retrieval does not apply to the linear "
-                             "kernel; collapse the layer exactly with GrowingLinear.to_linear()")
+        if layer.kernel.index_metric is None:
+            raise ValueError(f"{layer.where}: top-k retrieval does not apply to the "
+                             f"{layer.kernel} kernel; collapse the layer exactly with "
+                             "GrowingLinear.to_linear()")
         if layer.shard is not None:
             raise ValueError(f"{layer.where}: its store is sharded over ranks; top-k retrieval "
                              "needs the whole store in one process")
@@ -806,7 +810,7 @@ def use_topk(model: nn.Module, k: int, *, backend: Backend = "faiss-hnsw",
     """
     chosen = []
     for name, layer in growing_layers(model):
-        if layer.kernel == "linear":
+        if layer.kernel.index_metric is None:  # the linear kernel: no top-k
             continue
         if layer.shard is not None:
             raise ValueError(f"use_topk: {type(layer).__name__} {name!r} is sharded over ranks "
