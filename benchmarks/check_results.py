@@ -54,7 +54,6 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -64,6 +63,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rcdl.app import rundir
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_ENV = "RCDL_DATA"
@@ -142,58 +143,10 @@ def _is_number(x: Any) -> bool:
 # --------------------------------------------------------------------------- machine class
 
 
-X86 = ("x86_64", "amd64", "i386", "i686", "x86")
-# The ISA levels told apart, widest first, with the CPU flags (/proc/cpuinfo) each needs.
-ISA_LEVELS = (("amx_bf16", ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")),
-              ("avx512_bf16", ("avx512f", "avx512_bf16")), ("avx512", ("avx512f",)),
-              ("avx2", ("avx2", "fma")))
-
-
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def cpu_isa(cpuinfo: str | None = None, arch: str | None = None) -> str:
-    """This CPU's class for float results: on x86 the widest of ``amx_bf16``,
-    ``avx512_bf16``, ``avx512``, ``avx2`` its flags have (``x86-other`` below AVX2 or without
-    ``/proc/cpuinfo``); elsewhere the architecture (``aarch64``, ``arm64``, ...). AMX is a
-    class of its own: oneDNN multiplies bfloat16 and float32 on its tiles, rounding otherwise
-    than the AVX512 kernels of a CPU with avx512_bf16 alone.
-
-    The BLAS and oneDNN kernels torch picks, and so the rounding of every matrix product,
-    follow the vector ISA, so runs on CPUs of different classes round differently."""
-    arch = (arch if arch is not None else platform.machine()).lower() or "unknown"
-    if arch not in X86:
-        return arch
-    text = _cpuinfo() if cpuinfo is None else cpuinfo
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.split(":")[0].strip() in ("flags", "Features"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    for isa, needs in ISA_LEVELS:
-        if flags.issuperset(needs):
-            return isa
-    return "x86-other"
-
-
-def cpu_model(cpuinfo: str | None = None) -> str | None:
-    """The CPU's model name (``/proc/cpuinfo``, else :func:`platform.processor`)."""
-    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
-        if line.split(":")[0].strip() == "model name":
-            return line.split(":", 1)[1].strip() or None
-    return platform.processor() or None
-
-
-def machine_key(isa: str | None, torch: str | None, threads: int | None) -> str | None:
-    """The machine class a quick run's numbers are reproducible on, e.g.
-    ``amx_bf16 / torch 2.13.0+cpu / 1 thread``; ``None`` if any part is unknown."""
-    if not (isa and torch and threads):
-        return None
-    return f"{isa} / torch {torch} / {threads} thread{'s' if threads != 1 else ''}"
+# The machine class (CPU ISA, torch, threads) is rundir's: one description of a machine for
+# run folders and for this check.
+X86, ISA_LEVELS = rundir.X86, rundir.ISA_LEVELS
+cpu_isa, cpu_model, machine_key = rundir.cpu_isa, rundir.cpu_model, rundir.machine_key
 
 
 def same_machine(committed: Mapping[str, Any], now: Mapping[str, Any]) -> bool:

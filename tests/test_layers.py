@@ -166,10 +166,3 @@ def test_rules_are_typed():
         GrowingRBF(3, 2, temperature=1.0, rule=0.5)
     with pytest.raises(TypeError, match="per_sample=False"):
         GrowingLinear(3, 2, rule=FunctionalSGD(0.1))  # per-sample units: not SGD's dual
-
-
-def test_deprecated_builders_still_work_and_say_so():
-    from rcdl import ClippedSoftmaxRule, growing_softmax_net
-
-    with pytest.warns(DeprecationWarning, match="use GrowingSoftmaxNet"):
-        growing_softmax_net(5, 3, 1, temperature=1.0, rule=ClippedSoftmaxRule(0.1, 1.0))

@@ -3,11 +3,12 @@
 The front page: what a user builds models from (docs/ has the maths of each).
 
 Layers (one store of (weight, key, value) entries each; docs/reference.md §2–3)
-    GrowingLinear, GrowingRBF, GrowingSoftmax, HybridSoftmax, ParametricSoftmax,
+    GrowingLinear, GrowingRBF, GrowingLaplacian, GrowingSoftmax, HybridSoftmax,
+    ParametricSoftmax,
     GrowingLayer (their base), growing_layers (a model's growing layers)
 Networks (the residual backbone of docs/reference.md §6 and the baselines)
     GrowingRBFNet, GrowingSoftmaxNet, HybridSoftmaxNet, ParametricSoftmaxNet, ResNetMLP,
-    ResidualNet, MLP, ViT, mlp_vit, rcdl_vit, growing_softmax_net, hybrid_softmax_net,
+    ResidualNet, MLP, ViT, mlp_vit, rcdl_vit,
     to_dual_form, from_dual_form (the linear dual form and back)
 Learning rules and growth (what writes entries after each backward)
     FunctionalSGD, ClippedSoftmaxRule, GaugeSoftmaxRule, LearningRule, Grower,
@@ -66,8 +67,6 @@ from rcdl.networks import (
     ResidualNet,
     ResNetMLP,
     from_dual_form,
-    growing_softmax_net,
-    hybrid_softmax_net,
     to_dual_form,
 )
 from rcdl.retrieval import use_exact, use_topk
@@ -79,12 +78,12 @@ from rcdl.vit import ViT, mlp_vit, rcdl_vit
 __all__ = [
     "__version__",
     # layers
-    "GrowingLaplacian", "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax", "HybridSoftmax",
+    "GrowingLaplacian", "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax",
+    "HybridSoftmax",
     "ParametricSoftmax", "UnsteppedBatchWarning", "growing_layers",
     # networks
     "GrowingRBFNet", "GrowingSoftmaxNet", "HybridSoftmaxNet", "MLP", "ParametricSoftmaxNet",
-    "ResNetMLP", "ResidualNet", "ViT", "from_dual_form", "growing_softmax_net",
-    "hybrid_softmax_net", "mlp_vit", "rcdl_vit", "to_dual_form",
+    "ResNetMLP", "ResidualNet", "ViT", "from_dual_form", "mlp_vit", "rcdl_vit", "to_dual_form",
     # learning rules and growth
     "AlwaysGrow", "CapacityGate", "ClippedSoftmaxRule", "DistanceGate", "EntryAdam",
     "ErrorScaledGate", "FunctionalSGD", "GaugeSoftmaxRule", "Grower", "GrowthStalledWarning",

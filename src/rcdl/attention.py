@@ -434,7 +434,8 @@ def attention(
     """Kernel attention from queries ``q`` over the entries ``(keys, values, weights)``.
 
     The kernels are those of :mod:`rcdl.kernels` (a :class:`~rcdl.kernels.Kernel` or the
-    name of one in :data:`~rcdl.kernels.KERNELS`), with ``τ = temperature · √d_in``. Differentiable w.r.t. all four tensors (first order).
+    name of one in :data:`~rcdl.kernels.KERNELS`), with ``τ = temperature · √d_in``.
+    Differentiable w.r.t. all four tensors (first order).
 
     Args:
         chunk_size: entries per block (default: :func:`default_chunk_size`).
@@ -456,7 +457,8 @@ def attention(
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _StreamingAttention.apply(
-        q, keys, values, weights, check_kernel(kernel), temperature, chunk_size, eps, save_fraction, shard,
+        q, keys, values, weights, check_kernel(kernel), temperature, chunk_size, eps,
+        save_fraction, shard,
         stats)
 
 

@@ -147,7 +147,7 @@ class GrowingLayer(nn.Module):
         d_in: int,
         d_out: int,
         *,
-        kernel: Kernel,
+        kernel: str | Kernel,
         temperature: float = 1.0,
         rule: LearningRule,
         key_dim: int | None = None,
@@ -709,7 +709,7 @@ class GrowingSoftmax(GrowingLayer):
         # the normaliser needs no values: attend with a zero-width slice of them
         partial = attention_partial if self.shard is None else self.shard.partial
         part = partial(q, self.store.keys, self.store.values[:, :0], self.store.weights,
-                       kernel="softmax", temperature=self.temperature,
+                       kernel=self.kernel, temperature=self.temperature,
                        chunk_size=self.chunk_size)
         return part.m + torch.log(part.den)
 

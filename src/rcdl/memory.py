@@ -81,7 +81,8 @@ def contribution_scores(layer: GrowingLayer, *, eps: float = 1e-6,
       with its sign, as the attention does.) The difference is formed directly, in float64,
       ``chunk_rows`` entries at a time: expanding ``‖ṽ_j‖² − 2w_j⟨ṽ_j, s̄⟩ + w_j²‖s̄‖²`` cancels
       catastrophically in float32 when the entries carry a common gauge offset.
-    - **RBF, Laplacian** (any bounded kernel): ``score_j = |w_j| ‖v_j‖``. Removing entry j changes ``s(q)`` by
+    - **RBF, Laplacian** (any bounded kernel): ``score_j = |w_j| ‖v_j‖``. Removing entry j
+      changes ``s(q)`` by
       ``w_j φ(q, k_j) v_j`` and ``0 < φ ≤ 1``: the score bounds that change at every query.
     - **linear (dual form)**: ``score_j = |w_j| ‖v_j‖ ‖k_j‖``, the Frobenius norm of the
       entry's rank-one term ``w_j v_j k_jᵀ`` of the weight matrix.

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -31,8 +30,7 @@ from rcdl.rules import FunctionalSGD, LearningRule
 
 __all__ = [
     "MLP", "GrowingRBFNet", "GrowingSoftmaxNet", "HybridSoftmaxNet", "ParametricSoftmaxNet",
-    "ResNetMLP", "ResidualNet", "from_dual_form", "growing_softmax_net", "rms_norm",
-    "hybrid_softmax_net", "lecun_normal_", "to_dual_form",
+    "ResNetMLP", "ResidualNet", "from_dual_form", "rms_norm", "lecun_normal_", "to_dual_form",
 ]
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -196,20 +194,6 @@ class HybridSoftmaxNet(ResidualNet):
 
         super().__init__(d_in, d_out, depth, make_block=lambda w: layer(w, w),
                          make_readout=layer, seed=seed, **kw)
-
-
-def growing_softmax_net(d_in: int, d_out: int, depth: int, **kw) -> GrowingSoftmaxNet:
-    """Deprecated: use :class:`GrowingSoftmaxNet` (same arguments)."""
-    warnings.warn("growing_softmax_net is deprecated; use GrowingSoftmaxNet (same arguments)",
-                  DeprecationWarning, stacklevel=2)
-    return GrowingSoftmaxNet(d_in, d_out, depth, **kw)
-
-
-def hybrid_softmax_net(d_in: int, d_out: int, depth: int = 3, **kw) -> HybridSoftmaxNet:
-    """Deprecated: use :class:`HybridSoftmaxNet` (same arguments; ``depth`` now required)."""
-    warnings.warn("hybrid_softmax_net is deprecated; use HybridSoftmaxNet (same arguments)",
-                  DeprecationWarning, stacklevel=2)
-    return HybridSoftmaxNet(d_in, d_out, depth, **{"temperature": 5.0, **kw})
 
 
 class ParametricSoftmaxNet(ResidualNet):

@@ -90,16 +90,56 @@ def _git(args: list[str], cwd: Path) -> str | None:
 SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 
 
-def _cpuinfo_field(name: str) -> str | None:
-    """The first ``name : value`` of ``/proc/cpuinfo`` (``None`` if absent or unreadable)."""
+def _cpuinfo_text() -> str:
     try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return None
-    for line in text.splitlines():
+        return ""
+
+
+def _cpuinfo_field(name: str, cpuinfo: str | None = None) -> str | None:
+    """The first ``name : value`` of ``cpuinfo`` (default: ``/proc/cpuinfo``; ``None`` if
+    absent or unreadable)."""
+    for line in (_cpuinfo_text() if cpuinfo is None else cpuinfo).splitlines():
         if line.split(":")[0].strip() == name:
             return line.split(":", 1)[1].strip()
     return None
+
+
+X86 = ("x86_64", "amd64", "i386", "i686", "x86")
+# The ISA levels told apart, widest first, with the CPU flags (/proc/cpuinfo) each needs.
+ISA_LEVELS = (("amx_bf16", ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")),
+              ("avx512_bf16", ("avx512f", "avx512_bf16")), ("avx512", ("avx512f",)),
+              ("avx2", ("avx2", "fma")))
+
+
+def cpu_isa(cpuinfo: str | None = None, arch: str | None = None) -> str:
+    """This CPU's class for float results: on x86 the widest of ``amx_bf16``,
+    ``avx512_bf16``, ``avx512``, ``avx2`` its flags have (``x86-other`` below AVX2 or without
+    ``/proc/cpuinfo``); elsewhere the architecture (``aarch64``, ``arm64``, ...). AMX is a
+    class of its own: oneDNN multiplies bfloat16 and float32 on its tiles, rounding otherwise
+    than the AVX512 kernels of a CPU with avx512_bf16 alone.
+
+    The BLAS and oneDNN kernels torch picks, and so the rounding of every matrix product,
+    follow the vector ISA, so runs on CPUs of different classes round differently
+    (docs/results.md)."""
+    arch = (arch if arch is not None else platform.machine()).lower() or "unknown"
+    if arch not in X86:
+        return arch
+    text = _cpuinfo_text() if cpuinfo is None else cpuinfo
+    flags = set((_cpuinfo_field("flags", text) or _cpuinfo_field("Features", text) or "").split())
+    for isa, needs in ISA_LEVELS:
+        if flags.issuperset(needs):
+            return isa
+    return "x86-other"
+
+
+def machine_key(isa: str | None, torch: str | None, threads: int | None) -> str | None:
+    """The machine class float results are reproducible on, e.g.
+    ``amx_bf16 / torch 2.13.0+cpu / 1 thread``; ``None`` if any part is unknown."""
+    if not (isa and torch and threads):
+        return None
+    return f"{isa} / torch {torch} / {count(threads, 'thread')}"
 
 
 def count(n: int | None, noun: str) -> str:
@@ -114,9 +154,9 @@ def cpu_flags() -> list[str]:
     return [flag for flag in SPEED_FLAGS if flag in have]
 
 
-def cpu_model() -> str:
+def cpu_model(cpuinfo: str | None = None) -> str:
     """The CPU's model name (``/proc/cpuinfo``, else :func:`platform.processor`)."""
-    return _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
+    return _cpuinfo_field("model name", cpuinfo) or platform.processor() or "unknown CPU"
 
 
 def native_bfloat16() -> bool:
