@@ -61,8 +61,8 @@ from tqdm import tqdm
 
 __all__ = [
     "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR100_MEAN", "CIFAR100_STD", "CifarData",
-    "CifarNotFoundError", "CorruptDataError", "cache_dir", "candidate_paths", "download_cifar",
-    "find_cifar", "load_cifar", "standardize",
+    "CifarNotFoundError", "CorruptDataError", "cache_dir", "candidate_paths", "cifar_summary",
+    "download_cifar", "find_cifar", "load_cifar", "standardize",
 ]  # fmt: skip
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -695,3 +695,10 @@ def load_subsets(name: str, cfg: Any, *, download: bool = True,
             raise ValueError(f"{what} {size} is larger than the {available} images of "
                              f"{data.source}")
     return data.subset(cfg.train_size, cfg.test_size, seed=cfg.data_seed)
+
+
+def cifar_summary(cfg: Any, data: CifarData) -> dict[str, Any]:
+    """A run summary's ``data`` entry: what the data set is, where it came from, and the
+    config's ``data_seed`` (of the subsets)."""
+    return {"data": {**data.describe(), "provenance": data_provenance(data.source),
+                     "data_seed": cfg.data_seed}}  # fmt: skip

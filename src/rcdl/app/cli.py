@@ -30,26 +30,17 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from rcdl._version import __version__
+from rcdl.app.experiments import COMMANDS
 
 __all__ = ["build_parser", "entry", "main"]
 
-# the experiments, in the order `rcdl reproduce --help` lists them: command -> module
-EXPERIMENTS = {
-    "cifar10-1epoch": "cifar10",
-    "hybrid-tau-sweep": "tau_sweep",
-    "generalisation": "generalisation",
-    "memory-budget": "memory_budget",
-    "optimizers": "optimizers",
-    "deltanet-decay": "deltanet_decay",
-    "teacher-student": "teacher_student",
-    "vit": "vit",
-    "attention-bench": "attention_bench",
-}
+# the experiments register themselves in their package (rcdl.app.experiments.COMMANDS)
+EXPERIMENTS = COMMANDS
 _COMMON = ("data_dir", "device")  # config fields set by the common flags
 
 
@@ -159,7 +150,7 @@ def _add_common(parser: argparse.ArgumentParser, spec: Any) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     for flag, text in spec.options.items():
         parser.add_argument(_flag(flag), action="store_true", help=text)
-    if spec.name in _COMBINE:
+    if spec.combine is not None:
         parser.add_argument("--combine", nargs="+", metavar="RUN_DIR", help="train nothing: "
                             "merge the finished runs of these folders (same protocol) into one "
                             "table and figure in --out")
@@ -217,11 +208,11 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
     spec = args.spec
     if not spec.shards and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sharded = [name for name in EXPERIMENTS if experiment_spec(name).shards]
         raise CLIError(f"rcdl reproduce {spec.name} does not run under torchrun yet "
-                       "(cifar10-1epoch, hybrid-tau-sweep and teacher-student do); run it as "
-                       "one process")
+                       f"({', '.join(sharded)} do); run it as one process")
     if getattr(args, "combine", None) is not None:
-        return _COMBINE[spec.name](args, spec)
+        return _combine(args, spec)
     try:
         if args.resume is not None:
             given = _given(args, spec, also=("out",))
@@ -255,12 +246,11 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
-def _combine(args: argparse.Namespace, spec: Any, keep: Sequence[str],
-             combine: Callable[..., tuple[Path, dict[str, Any]]], *, show: bool = False,
-             **kw: Any) -> int:  # fmt: skip
-    """``--combine RUN_DIR ... --out DIR``: one table from finished runs; ``keep`` names
-    the flags that pick what to combine (any other flag that sets a run is refused);
-    ``show`` prints the combined ``results.md``."""
+def _combine(args: argparse.Namespace, spec: Any) -> int:
+    """``--combine RUN_DIR ... --out DIR``: one table from finished runs, by the experiment's
+    :class:`rcdl.app.runner.Combine`: its ``keep`` settings pick what to combine (any other
+    flag that sets a run is refused); ``show`` prints the combined ``results.md``."""
+    keep, show = spec.combine.keep, spec.combine.show
     given = [flag for flag in _given(args, spec, also=("resume",))
              if flag not in {_flag(k) for k in keep}]
     if given:
@@ -268,29 +258,14 @@ def _combine(args: argparse.Namespace, spec: Any, keep: Sequence[str],
     if args.out is None:
         raise CLIError("--combine needs --out DIR, the folder for the combined table")
     try:
-        folder, combined = combine(args.combine, args.out, **kw)
+        folder, combined = spec.combine.runs(args.combine, args.out,
+                                             **{k: getattr(args, k) for k in keep})
     except (OSError, ValueError) as e:  # missing folders, other protocols, duplicates
         raise CLIError(str(e)) from e
     if show:
         print((folder / "results.md").read_text(encoding="utf-8"), end="")
     print(f"Combined {len(combined['runs'])} runs into {folder}")
     return 0
-
-
-def _combine_cifar10(args: argparse.Namespace, spec: Any) -> int:
-    from rcdl.app.experiments.cifar10 import combine_runs
-
-    return _combine(args, spec, ("models",), combine_runs, show=True, models=args.models)
-
-
-def _combine_tau_sweep(args: argparse.Namespace, spec: Any) -> int:
-    from rcdl.app.experiments.tau_sweep import combine_sweep
-
-    return _combine(args, spec, ("taus", "references"), combine_sweep, taus=args.taus,
-                    references=args.references)
-
-
-_COMBINE = {"cifar10-1epoch": _combine_cifar10, "hybrid-tau-sweep": _combine_tau_sweep}
 
 
 # --------------------------------------------------------------------------- errors
@@ -365,7 +340,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from e
     print("\nAvailable commands (see `rcdl --help` and `rcdl COMMAND --help`):")
     print(_command_list())
-    print("The paper's CIFAR-10 one-epoch comparison: rcdl reproduce cifar10-1epoch --help")
+    first = next(iter(EXPERIMENTS))  # the index lists the paper's main experiment first
+    print(f"The real experiments start with {experiment_spec(first).help}: "
+          f"rcdl reproduce {first} --help")
     return 0
 
 

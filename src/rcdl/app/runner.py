@@ -60,7 +60,7 @@ from rcdl.app.rundir import (
 )
 from rcdl.distributed import rank_and_world
 
-__all__ = ["Experiment", "Session", "TaggedLog", "check_sizes", "cifar_summary",
+__all__ = ["Combine", "Experiment", "Session", "TaggedLog", "check_sizes",
            "run_experiment"]  # fmt: skip
 
 SubRuns = Iterable[tuple[str, Callable[[], Mapping[str, Any]]]]
@@ -95,6 +95,22 @@ class Session:
 
 
 @dataclass(frozen=True)
+class Combine:
+    """How ``rcdl reproduce NAME --combine RUN_DIR ... --out DIR`` merges finished runs.
+
+    Attributes:
+        runs: ``runs(run_dirs, out, **picks) -> (folder, combined summary)``.
+        keep: the settings that pick what to combine, given to ``runs`` by name; any other
+            flag that sets a run is refused beside ``--combine``.
+        show: print the combined ``results.md``.
+    """
+
+    runs: Callable[..., tuple[Path, dict[str, Any]]]
+    keep: tuple[str, ...] = ()
+    show: bool = False
+
+
+@dataclass(frozen=True)
 class Experiment:
     """An experiment: what the runner and the command line need to know of it.
 
@@ -110,7 +126,7 @@ class Experiment:
         load_data: ``load_data(cfg, download=)``; ``None`` for an experiment without data
             files (its data is made by ``sub_runs``).
         start: ``start(cfg, data)``, the summary's keys known before training (e.g. the
-            data's description, :func:`cifar_summary`; default: none).
+            data's description, :func:`rcdl.app.cifar.cifar_summary`; default: none).
         finish: ``finish(cfg, summary)`` adds what is computed from all sub-runs (rows,
             verdicts) to the summary.
         switches: extra on/off flags, ``{flag name: (help, settings it sets)}``.
@@ -135,6 +151,8 @@ class Experiment:
             ``config``: a new run saves ``to_saved(cfg)`` and trains with it, and a resumed
             run is given the saved one (the τ sweep saves the one-epoch comparison it runs).
         to_saved: turns a ``config`` into a ``saved_config``.
+        combine: if given, ``--combine RUN_DIR ...`` merges finished runs into one table
+            (:class:`Combine`).
     """
 
     name: str
@@ -154,6 +172,7 @@ class Experiment:
     finished_in_summary: Callable[[Mapping[str, Any]], str] | None = None
     saved_config: type | None = None
     to_saved: Callable[[Any], Any] | None = None
+    combine: Combine | None = None
 
     def run(self, cfg: Any, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
         """:func:`run_experiment` of this experiment with ``cfg``."""
@@ -167,14 +186,6 @@ def check_sizes(cfg: Any, data: Any) -> None:
     if any(want is not None and want != have for want, have in zip(asked, sizes, strict=True)):
         raise ValueError(f"the data has {sizes[0]} train / {sizes[1]} test images, the config "
                          f"asks for {asked[0]} / {asked[1]}; pass load_data(cfg) or no data")
-
-
-def cifar_summary(cfg: Any, data: Any) -> dict[str, Any]:
-    """The summary's ``data`` entry: what the data set is, where it came from, its seed."""
-    from rcdl.app.cifar import data_provenance
-
-    return {"data": {**data.describe(), "provenance": data_provenance(data.source),
-                     "data_seed": cfg.data_seed}}  # fmt: skip
 
 
 def run_experiment(

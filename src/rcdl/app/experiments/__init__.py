@@ -23,3 +23,18 @@
 - :mod:`rcdl.app.experiments.attention_bench` — the streaming attention's speed against the
   matrix products it is made of (``rcdl reproduce attention-bench``).
 """
+
+# The experiments, in the order `rcdl reproduce --help` lists them: command -> module. This is
+# the package's index: adding an experiment is its module and one line here
+# (docs/adding_an_experiment.md). The modules are imported only when a command needs them.
+COMMANDS = {
+    "cifar10-1epoch": "cifar10",
+    "hybrid-tau-sweep": "tau_sweep",
+    "generalisation": "generalisation",
+    "memory-budget": "memory_budget",
+    "optimizers": "optimizers",
+    "deltanet-decay": "deltanet_decay",
+    "teacher-student": "teacher_student",
+    "vit": "vit",
+    "attention-bench": "attention_bench",
+}

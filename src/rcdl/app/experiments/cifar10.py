@@ -75,7 +75,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rcdl.app import rundir
-from rcdl.app.cifar import CifarData, load_subsets
+from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.classical import CLASSICAL_MODELS, fit_classical
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.report import (
@@ -90,7 +90,7 @@ from rcdl.app.report import (
     write_outputs,
 )
 from rcdl.app.rundir import RunDir, count, describe_machine, read_config
-from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
+from rcdl.app.runner import Combine, Experiment, Session, run_experiment
 from rcdl.checkpoint import remove_checkpoint
 from rcdl.distributed import rank_and_world, shard
 from rcdl.grower import Grower
@@ -639,19 +639,6 @@ def write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
                          tail=f"Machine: {describe_machine(device)}.\n")
 
 
-EXPERIMENT_SPEC = Experiment(
-    name=EXPERIMENT, config=Cifar10Config,
-    help="the paper's Fig. 2: growing and parametric models, one epoch of CIFAR-10 "
-    "(docs/reference.md §6)",
-    description="One epoch of CIFAR-10, batch 16, for the growing models (gws, gauge, rbf, "
-    "hybrid; hybrid-tau<τ> and hybrid-always for other thresholds), the ResNet-MLP baselines "
-    "(mlp-sgd, mlp-adam, mlp-adamw, mlp-rmsprop, mlp-muon) and the parametric-softmax "
-    "baselines (psoftmax-5000, psoftmax-50016; any psoftmax-<N>). Writes a run folder with "
-    "results.md, results.csv and test_accuracy.png. See docs/cifar10.md.",
-    sub_runs=_sub_runs, report=write_report, load_data=load_data, start=_start,
-    update=_add_rows, shards=True, sessions=True, finished_in_summary=_result_name,
-    options={"keep_checkpoints": "keep each model's last checkpoint after it finishes"},
-)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- combining runs
@@ -790,3 +777,20 @@ def _sources_text(combined: dict[str, Any]) -> str:
                      f"{'; '.join(machines)}; git {', '.join(revisions)}")
     return ("\nCombined from these run folders (`rcdl reproduce cifar10-1epoch --combine`):\n"
             + "\n".join(lines) + "\n")
+
+
+EXPERIMENT_SPEC = Experiment(
+    name=EXPERIMENT, config=Cifar10Config,
+    help="the paper's Fig. 2: growing and parametric models, one epoch of CIFAR-10 "
+    "(docs/reference.md §6)",
+    description="One epoch of CIFAR-10, batch 16, for the growing models (gws, gauge, rbf, "
+    "hybrid; hybrid-tau<τ> and hybrid-always for other thresholds; laplacian, not in the "
+    "paper, only when named), the ResNet-MLP baselines "
+    "(mlp-sgd, mlp-adam, mlp-adamw, mlp-rmsprop, mlp-muon) and the parametric-softmax "
+    "baselines (psoftmax-5000, psoftmax-50016; any psoftmax-<N>). Writes a run folder with "
+    "results.md, results.csv and test_accuracy.png. See docs/cifar10.md.",
+    sub_runs=_sub_runs, report=write_report, load_data=load_data, start=_start,
+    update=_add_rows, shards=True, sessions=True, finished_in_summary=_result_name,
+    options={"keep_checkpoints": "keep each model's last checkpoint after it finishes"},
+    combine=Combine(combine_runs, keep=("models",), show=True),
+)  # fmt: skip

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rcdl.app.cifar import CifarData, load_subsets
+from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import data_dir_setting, device_setting, setting
 from rcdl.app.experiments.optimizers import (
     ProjectedConfig,
@@ -73,7 +73,7 @@ from rcdl.app.experiments.optimizers import (
 )
 from rcdl.app.report import csv_text, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
-from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
+from rcdl.app.runner import Experiment, Session, run_experiment
 from rcdl.dual_optim import DeltaNetDecay
 from rcdl.networks import ResNetMLP
 

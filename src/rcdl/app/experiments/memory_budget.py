@@ -38,12 +38,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rcdl.app.cifar import CifarData
+from rcdl.app.cifar import CifarData, cifar_summary
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.experiments import cifar10
 from rcdl.app.report import Curve, Panel, csv_text, markdown_table, plot_panels, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
-from rcdl.app.runner import Experiment, Session, cifar_summary, run_experiment
+from rcdl.app.runner import Experiment, Session, run_experiment
 from rcdl.grower import Grower
 from rcdl.memory import MemoryBudget
 from rcdl.store import format_bytes

@@ -70,11 +70,11 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from rcdl.app.cifar import CifarData, CifarNotFoundError, load_subsets
+from rcdl.app.cifar import CifarData, CifarNotFoundError, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, save_figure
-from rcdl.app.runner import Experiment, Session, TaggedLog, cifar_summary, run_experiment
+from rcdl.app.runner import Experiment, Session, TaggedLog, run_experiment
 from rcdl.dual_optim import FOOF
 from rcdl.grower import Grower
 from rcdl.networks import GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP

@@ -51,7 +51,7 @@ from rcdl.app.experiments.cifar10 import (
 )
 from rcdl.app.report import csv_text, markdown_table
 from rcdl.app.rundir import RunDir, atomic_write_text, read_config, save_figure
-from rcdl.app.runner import run_experiment
+from rcdl.app.runner import Combine, run_experiment
 from rcdl.store import format_bytes
 
 __all__ = ["EXPERIMENT_SPEC", "TauSweepConfig", "combine_sweep", "run_tau_sweep",
@@ -277,6 +277,7 @@ EXPERIMENT_SPEC = replace(
     "folder plus tau_sweep.md, tau_sweep.csv and entries_vs_accuracy.png. See docs/hybrid.md.",
     saved_config=Cifar10Config, to_saved=TauSweepConfig.comparison, start=_start,
     finish=_finish, report=write_report,
+    combine=Combine(combine_sweep, keep=("taus", "references")),
     switches={"full": ("the paper's scale: all 50 000 / 10 000 images (hours per threshold "
                        "on a CPU)", {"train_size": None, "test_size": None, "eval_every": 250})},
 )  # fmt: skip

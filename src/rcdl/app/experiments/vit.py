@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rcdl.app.cifar import CifarData, load_subsets
+from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.report import (
     Curve,
@@ -58,7 +58,7 @@ from rcdl.app.report import (
     write_outputs,
 )
 from rcdl.app.rundir import RunDir, describe_machine
-from rcdl.app.runner import Experiment, Session, TaggedLog, cifar_summary, run_experiment
+from rcdl.app.runner import Experiment, Session, TaggedLog, run_experiment
 from rcdl.grower import Grower
 from rcdl.hybrid import EntryAdam, hybrid_layers
 from rcdl.rules import ClippedSoftmaxRule
