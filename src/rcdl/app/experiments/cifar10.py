@@ -186,7 +186,7 @@ def _rbf(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
 
 def _laplacian(seed: int, device: torch.device, dtype: torch.dtype) -> Learner:
     """The RBF net's backbone and rule with the Laplacian kernel ``exp(−‖q − k‖ / (T√d))``:
-    not in the paper; T = LAPLACIAN_T (docs/cifar10.md)."""
+    not in the paper; T and η from a short sweep (docs/cifar10.md, results/laplacian/)."""
     def layer(a: int, b: int) -> GrowingLaplacian:
         return GrowingLaplacian(a, b, temperature=LAPLACIAN_T, rule=FunctionalSGD(LAPLACIAN_LR))
 
