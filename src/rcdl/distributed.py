@@ -185,7 +185,7 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
             for store in stores:
                 if store is not None:
                     store.compact()  # release the other ranks' rows
-        layer.shard = info
+        layer.use_shard(info)
     return model
 
 

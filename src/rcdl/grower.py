@@ -74,7 +74,7 @@ class Grower(torch.optim.Optimizer):
                             f"got {type(budget).__name__}")
         self.layers: list[GrowingLayer] = []
         for name, layer in growing_layers(model):
-            layer.name = name or type(layer).__name__
+            layer.bind_name(name)
             self.layers.append(layer)
         if not self.layers:
             raise ValueError(f"Grower: {type(model).__name__} has no growing layers")
@@ -156,8 +156,7 @@ class Grower(torch.optim.Optimizer):
 
     def _apply_learning_rates(self) -> None:
         for group, layer in zip(self.param_groups, self.layers, strict=True):
-            if group["lr"] != layer.rule.lr:
-                layer.rule = layer.rule.with_lr(group["lr"])
+            layer.set_learning_rate(group["lr"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget what was recorded since the last step (nothing is written); records whose
@@ -219,8 +218,8 @@ class Grower(torch.optim.Optimizer):
         for group, saved_group, layer in zip(self.param_groups, state["param_groups"],
                                              self.layers, strict=True):
             group.update(saved_group)
-            layer.steps.fill_(state["steps"][layer.name])
-            layer.output_scale = state["output_scale"][layer.name]
+            layer.restore_step_state(state["steps"][layer.name],
+                                     state["output_scale"][layer.name])
         self.evicted = dict(state["evicted"])
         self._apply_learning_rates()
 

@@ -281,6 +281,16 @@ class HybridSoftmax(GrowingSoftmax):
             self._leaves = None
         super()._drop_unstepped()
 
+    def adam_update_lost(self) -> bool:
+        """Whether a growth step dropped entry gradients that no Adam step had used (the
+        steps ran in the wrong order; ``EntryAdam.step`` then refuses, saying so)."""
+        return self._adam_skipped
+
+    def drop_entry_grads(self) -> None:
+        """Forget the entries' gradients of this step (their leaves), and a lost update."""
+        self._leaves = None
+        self._adam_skipped = False
+
     @property
     def has_entry_grads(self) -> bool:
         """Whether backward has left gradients on the entries that no Adam step used yet."""
@@ -484,7 +494,7 @@ class EntryAdam(torch.optim.Optimizer):
         if not self.layers:
             raise ValueError(f"EntryAdam: {type(model).__name__} has no HybridSoftmax layers")
         for name, layer in self.layers:
-            layer.name = name or type(layer).__name__
+            layer.bind_name(name)
         params = [p for p in model.parameters() if p.requires_grad]
         super().__init__([{"params": params, "name": "entries and parameters (Adam)"}],
                          {"lr": lr, "betas": tuple(betas), "eps": eps})
@@ -508,10 +518,10 @@ class EntryAdam(torch.optim.Optimizer):
         """
         if closure is not None:
             raise TypeError("EntryAdam.step() takes no closure")
-        skipped = [layer.where for _, layer in self.layers if layer._adam_skipped]
+        skipped = [layer.where for _, layer in self.layers if layer.adam_update_lost()]
         if skipped:
             for _, layer in self.layers:
-                layer._adam_skipped = False
+                layer.drop_entry_grads()
             raise RuntimeError(
                 f"EntryAdam.step(): Grower.step() ran before this step and dropped the entry "
                 f"gradients of {', '.join(skipped)}, so that batch's Adam update is lost: step "
@@ -534,8 +544,7 @@ class EntryAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the entries' gradients (they live on per-step leaves) and the parameters'."""
         for _, layer in self.layers:
-            layer._leaves = None
-            layer._adam_skipped = False
+            layer.drop_entry_grads()
         if self.param_adam is not None:
             self.param_adam.zero_grad(set_to_none=set_to_none)
 
@@ -568,7 +577,7 @@ class EntryAdam(torch.optim.Optimizer):
             layer.adam_steps.fill_(saved["adam_steps"])
             layer.adam_m.load_rows(saved["m"])
             layer.adam_v.load_rows(saved["v"])
-            layer._leaves = None
+            layer.drop_entry_grads()
         group = self.param_groups[0]
         group.update({k: v for k, v in state["param_groups"][0].items() if k != "params"})
         group["betas"] = tuple(group["betas"])

@@ -185,6 +185,36 @@ class GrowingLayer(nn.Module):
         self._eval_calls = 0
         self.retrieval: TopK | None = None  # a top-k mode, set by rcdl.retrieval.use_topk
 
+    # ---------------------------------------------------------------- set by other modules
+    # What the optimizers and the model-wide switches change in a layer, each through one
+    # method of the layer's own: no other module assigns the layer's attributes.
+    def bind_name(self, name: str) -> None:
+        """The layer's module path in its model, as errors and state dicts name it (set by
+        the optimizer that steps it: :class:`~rcdl.grower.Grower`, ``EntryAdam``)."""
+        self.name = name or type(self).__name__
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Replace the rule by the same rule with learning rate ``lr`` (a scheduler's step,
+        through the grower's ``param_groups``)."""
+        if lr != self.rule.lr:
+            self.rule = self.rule.with_lr(lr)
+
+    def restore_step_state(self, steps: int, output_scale: float | None) -> None:
+        """The step count and the divergence check's reference scale from a grower's
+        state dict."""
+        self.steps.fill_(steps)
+        self.output_scale = output_scale
+
+    def use_shard(self, shard: Shard | None) -> None:
+        """Attend over this rank's rows of a store split over ranks (``None``: the whole
+        store here); :func:`rcdl.distributed.shard` installs it."""
+        self.shard = shard
+
+    def use_retrieval(self, mode: TopK | None) -> None:
+        """Attend by a top-k mode (``None``: exact streaming attention again);
+        :func:`rcdl.retrieval.use_topk` and ``use_exact`` install it."""
+        self.retrieval = mode
+
     # ---------------------------------------------------------------- forward
     def entry_weights(self) -> Tensor:  # (N,)
         """The per-entry weights handed to the attention: the stored weights ``w_j``, times

@@ -825,7 +825,7 @@ def use_topk(model: nn.Module, k: int, *, backend: Backend = "faiss-hnsw",
                   refresh_every=refresh_every, **index_kw)
              for _ in chosen]  # validated before any layer changes
     for layer, mode in zip(chosen, modes, strict=True):
-        layer.retrieval = mode
+        layer.use_retrieval(mode)
     return model
 
 
@@ -833,7 +833,7 @@ def use_exact(model: nn.Module) -> nn.Module:
     """Turn top-k retrieval off in every growing layer of ``model`` (exact streaming
     attention again, indices freed); returns ``model``."""
     for _, layer in growing_layers(model):
-        layer.retrieval = None
+        layer.use_retrieval(None)
     return model
 
 
