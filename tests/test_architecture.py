@@ -70,3 +70,11 @@ def test_no_module_assigns_another_objects_attributes():
                     where = path.relative_to(SRC).as_posix()
                     found.add((where, f"{target.value.id}.{target.attr}"))
     assert found == OWN_OBJECTS, found - OWN_OBJECTS
+
+
+def test_the_api_front_page_lists_every_name_the_package_exports():
+    import rcdl
+
+    page = (SRC.parent / "docs" / "api" / "index.md").read_text()
+    missing = [name for name in rcdl.__all__ if name != "__version__" and f"`{name}`" not in page]
+    assert not missing, f"docs/api/index.md does not list {missing}"

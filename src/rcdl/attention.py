@@ -24,7 +24,7 @@ gradients).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, NamedTuple, overload
+from typing import Literal, NamedTuple, Protocol, overload
 
 import torch
 from torch import Tensor
@@ -33,10 +33,8 @@ from torch.autograd.function import once_differentiable
 from rcdl.kernels import Kernel, check_kernel, guard_denominator, softmax_scale
 from rcdl.store import HALF_DTYPES
 
-if TYPE_CHECKING:
-    from rcdl.distributed import Shard
-
 __all__ = [
+    "Combiner",
     "Partial",
     "attention",
     "attention_backward",
@@ -58,6 +56,18 @@ class Partial(NamedTuple):
     num: Tensor  # (B, d_out)
     den: Tensor  # (B,)
     mass: Tensor  # (B,) Σ_j |w_j| e^{z_j − m} (softmax), zeros otherwise
+
+
+class Combiner(Protocol):
+    """The hooks :func:`attention` takes when its entries are one part of a store split into
+    disjoint parts (the ranks' shards, :mod:`rcdl.distributed`): ``merge`` turns this part's
+    partial into the partial over all parts, and ``all_reduce`` sums the query gradient's
+    shares of the parts (in place; every part computes its own). This module knows nothing
+    else of how the parts are held."""
+
+    def merge(self, part: Partial, kernel: Kernel) -> Partial: ...
+
+    def all_reduce(self, t: Tensor) -> Tensor: ...
 
 
 def default_chunk_size(batch: int, device: torch.device | str | None = None) -> int:
@@ -428,7 +438,7 @@ def attention(
     chunk_size: int | None = None,
     eps: float = 1e-6,
     save_fraction: float = 0.05,
-    shard: Shard | None = None,
+    shard: Combiner | None = None,
     stats: list[tuple[Tensor, Tensor]] | None = None,
 ) -> Tensor:  # (B, d_out)
     """Kernel attention from queries ``q`` over the entries ``(keys, values, weights)``.
@@ -443,9 +453,10 @@ def attention(
             to the weight mass ``Σ_j |w_j| e^{z_j}`` (:func:`rcdl.kernels.guard_denominator`).
         save_fraction: keep the ``(B, N)`` kernel values for backward when they take at most
             this fraction of the bytes of ``keys`` and ``values``; otherwise recompute.
-        shard: if given (a :class:`rcdl.distributed.Shard`), the entries are this rank's
-            shard of a store split over ranks: the partials of all ranks are merged before
-            the output, and the query gradient's shares are summed over the ranks.
+        shard: if given (a :class:`Combiner`, e.g. :class:`rcdl.distributed.Shard`), the
+            entries are one part of a store split into parts (this rank's shard of a store
+            split over ranks): the partials of all parts are merged before the output, and
+            the query gradient's shares are summed over the parts.
         stats: if given (a list), the softmax kernel appends ``(m, den)`` over all entries
             (merged over the ranks): ``log Σ_j w_j e^{z_j} = m + log den``.
 

@@ -40,7 +40,6 @@ from typing import NoReturn, Protocol, overload
 import torch
 from torch import Tensor, nn
 
-from rcdl.attention import nearest_sq_distance
 from rcdl.grower import Grower
 from rcdl.layers import GrowingSoftmax, _Record
 from rcdl.memory import MemoryBudget
@@ -260,10 +259,7 @@ class HybridSoftmax(GrowingSoftmax):
         "Training the hybrid with top-k"). Otherwise as :class:`GrowingSoftmax`."""
         if not (self.training and torch.is_grad_enabled()):
             return super().attend(q)
-        entries = self.entry_leaves()
-        if self.retrieval is not None and self.retrieval.applies(self):
-            return self.retrieval.attend(self, q, entries)
-        return self._attention(q, *entries)
+        return self.backend.attend(self, q, self.entry_leaves(), self._stats)
 
     def entry_leaves(self) -> tuple[Tensor, Tensor, Tensor]:
         """Leaf tensors sharing the store's live rows, on which backward leaves the entries'
@@ -387,10 +383,7 @@ class HybridSoftmax(GrowingSoftmax):
         errors = (record.grad_mean * record.n_samples).norm(dim=1)  # (B,) per-sample ‖g‖
         sq_distance = None
         if self.trigger.needs_distance:
-            sq_distance = nearest_sq_distance(record.q, self.store.keys,
-                                              chunk_size=self.chunk_size)  # (B,) this shard
-            if self.shard is not None:
-                sq_distance = self.shard.nearest_sq_distance(sq_distance)
+            sq_distance = self.backend.nearest_sq_distance(self, record.q)  # (B,) all ranks
             self._last_sq_distance = sq_distance
         size = self.num_entries_all_ranks() if getattr(self.trigger, "needs_size", True) else 0
         accept = self.trigger.accept(sq_distance, size, errors)  # (B,) bool

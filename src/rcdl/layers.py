@@ -29,17 +29,21 @@ Which records a step writes (the habits of an ordinary PyTorch loop must not bre
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.attention import Partial, attention, attention_partial, finalize, resume_partial
+from rcdl.attention import attention, attention_partial
+from rcdl.backends import Backend, EvalCached, Exact, Sharded, find
+from rcdl.backends import TopK as _TopKBackend
 from rcdl.kernels import Kernel, check_kernel, softmax_scale
 from rcdl.rules import Entries, FunctionalSGD, LearningRule
 from rcdl.store import EntryStore
@@ -80,16 +84,6 @@ class _Record:
         if self.grad is None:
             raise RuntimeError("the record's backward has not run: no gradient")
         return self.grad
-
-
-class _CachedPartial(NamedTuple):
-    """A layer's partial over its first ``rows`` entries (a multiple of the chunk size) for
-    one evaluation batch: the state of the streaming fold there."""
-
-    q: Tensor  # (B, key_dim) the queries, to check the next evaluation asks the same
-    rows: int
-    version: int  # store.version when cached
-    part: Partial
 
 
 class _EvalModeOutput(torch.autograd.Function):
@@ -180,10 +174,9 @@ class GrowingLayer(nn.Module):
         self._pending: list[weakref.ref[_Record]] = []  # records awaiting backward
         self._generation = 0  # bumped by commit/discard: older records are never written
         self._stepped = False  # a step has committed here (then dropped batches are warned of)
-        self.shard: Shard | None = None  # set when the store is split over ranks
-        self._eval_cache: dict[int, _CachedPartial] | None = None  # see enable_eval_cache
-        self._eval_calls = 0
-        self.retrieval: TopK | None = None  # a top-k mode, set by rcdl.retrieval.use_topk
+        # how the layer attends: a chain of rcdl.backends wrappers, installed by use_shard,
+        # use_retrieval and enable_eval_cache (TopK(EvalCached(Exact | Sharded)))
+        self.backend: Backend = Exact()
 
     # ---------------------------------------------------------------- set by other modules
     # What the optimizers and the model-wide switches change in a layer, each through one
@@ -207,13 +200,73 @@ class GrowingLayer(nn.Module):
 
     def use_shard(self, shard: Shard | None) -> None:
         """Attend over this rank's rows of a store split over ranks (``None``: the whole
-        store here); :func:`rcdl.distributed.shard` installs it."""
-        self.shard = shard
+        store here): the base of :attr:`backend` becomes :class:`~rcdl.backends.Sharded`
+        (:func:`rcdl.distributed.shard` installs it). Drops an evaluation cache."""
+        self._compose(base=Exact() if shard is None else Sharded(shard), cache=None,
+                      mode=self.retrieval)
 
     def use_retrieval(self, mode: TopK | None) -> None:
-        """Attend by a top-k mode (``None``: exact streaming attention again);
-        :func:`rcdl.retrieval.use_topk` and ``use_exact`` install it."""
-        self.retrieval = mode
+        """Attend by a top-k mode (``None``: exact streaming attention again): the outer
+        :class:`~rcdl.backends.TopK` of :attr:`backend` (:func:`rcdl.retrieval.use_topk` and
+        ``use_exact`` install it)."""
+        self._compose(base=self._base(), cache=find(self.backend, EvalCached), mode=mode)
+
+    @property
+    def shard(self) -> Shard | None:
+        """The shard of a store split over ranks (:mod:`rcdl.distributed`), else ``None``."""
+        sharded = find(self.backend, Sharded)
+        return None if sharded is None else sharded.shard
+
+    @shard.setter
+    def shard(self, shard: Shard | None) -> None:  # as use_shard
+        self.use_shard(shard)
+
+    @property
+    def retrieval(self) -> TopK | None:
+        """The top-k mode the layer attends by (:mod:`rcdl.retrieval`), else ``None``."""
+        topk = find(self.backend, _TopKBackend)
+        return None if topk is None else topk.mode
+
+    @retrieval.setter
+    def retrieval(self, mode: TopK | None) -> None:  # as use_retrieval
+        self.use_retrieval(mode)
+
+    def _base(self) -> Backend:
+        """The backend the wrappers stand on: the :class:`~rcdl.backends.Sharded` one of a
+        split store (which itself stands on an :class:`~rcdl.backends.Exact`), else the
+        :class:`~rcdl.backends.Exact` one."""
+        base = find(self.backend, Sharded) or find(self.backend, Exact)
+        assert base is not None  # every chain ends in one
+        return base
+
+    def wrap_backend(self, wrap: Callable[[Backend], Backend]) -> None:
+        """Attend through ``wrap(backend)``: a backend of one's own around the current one
+        (docs/architecture.md, "Adding a backend"). It must be a dataclass with an ``inner``
+        field, so that the switches above can rebuild the chain under it; it stays outermost."""
+        wrapped = wrap(self.backend)
+        if not (dataclasses.is_dataclass(wrapped) and getattr(wrapped, "inner", None)
+                is self.backend):
+            raise TypeError(f"{self.where}: wrap_backend needs a dataclass backend whose "
+                            "inner is the backend it wraps")
+        self.backend = wrapped
+
+    def _compose(self, base: Backend, cache: EvalCached | None, mode: TopK | None) -> None:
+        """``backend = TopK(mode, EvalCached(base))`` with the absent parts left out, inside
+        the backends of :meth:`wrap_backend` (kept, outermost, in their order)."""
+        own = []  # the wrap_backend wrappers, outermost first
+        node: Backend | None = self.backend
+        while node is not None and not isinstance(node, _TopKBackend | EvalCached | Sharded
+                                                  | Exact):
+            own.append(node)
+            node = node.inner
+        backend: Backend = base
+        if cache is not None:  # the same cache state, over the new base
+            backend = dataclasses.replace(cache, inner=backend)
+        if mode is not None:
+            backend = _TopKBackend(mode, backend)
+        for wrapper in reversed(own):
+            backend = dataclasses.replace(wrapper, inner=backend)  # type: ignore[type-var]
+        self.backend = backend
 
     # ---------------------------------------------------------------- forward
     def entry_weights(self) -> Tensor:  # (N,)
@@ -228,13 +281,10 @@ class GrowingLayer(nn.Module):
 
     def attend(self, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
         """Attention from (already prepared) queries over the whole store (every rank's
-        shard of it, if the store is sharded: :mod:`rcdl.distributed`)."""
-        if self.retrieval is not None and self.retrieval.applies(self):
-            return self.retrieval.attend(self, q)  # approximate: top-k entries (docs/retrieval.md)
-        cache = self._eval_cache
-        if cache is not None and not torch.is_grad_enabled():
-            return self._attend_cached(q, cache)
-        return self._attention(q, self.store.keys, self.store.values, self.entry_weights())
+        shard of it, if the store is sharded: :mod:`rcdl.distributed`), through
+        :attr:`backend` (top-k where a retrieval mode applies, the evaluation cache for
+        no-grad calls, docs/architecture.md)."""
+        return self.backend.attend(self, q, None, self._stats)
 
     # ---------------------------------------------------------------- incremental evaluation
     def enable_eval_cache(self) -> None:
@@ -257,49 +307,32 @@ class GrowingLayer(nn.Module):
         queries and the partials of one evaluation in memory.
         """
         ages = getattr(self.rule, "ages", None)
+        self._eval_hits = 0
+        self.disable_eval_cache()
         if self.shard is None and (ages is None or ages.trivial) and not self.trains_entries:
-            self._eval_cache = {}
-        self._eval_calls = self._eval_hits = 0
+            self._compose(base=self._base(), cache=EvalCached(), mode=self.retrieval)
 
     def disable_eval_cache(self) -> None:
-        """Turn the cache off and free it."""
-        self._eval_cache, self._eval_calls = None, 0
+        """Turn the cache off and free it (its hits stay counted in :attr:`eval_cache_hits`)."""
+        cache = find(self.backend, EvalCached)
+        if cache is not None:
+            self._eval_hits += cache.hits
+            self._compose(base=self._base(), cache=None, mode=self.retrieval)
 
     def start_evaluation(self) -> None:
         """Call before each evaluation: the next forward call is the first batch's."""
-        self._eval_calls = 0
+        cache = find(self.backend, EvalCached)
+        if cache is not None:
+            cache.start_evaluation()
 
     @property
     def eval_cache_hits(self) -> int:
         """Cached calls that only attended over new rows, since the cache was enabled."""
-        return self._eval_hits
+        cache = find(self.backend, EvalCached)
+        return self._eval_hits + (0 if cache is None else cache.hits)
 
     _eval_hits = 0
     trains_entries = False  # True where an optimizer moves stored entries (the hybrid)
-
-    def _attend_cached(self, q: Tensor, cache: dict[int, _CachedPartial]
-                       ) -> Tensor:  # (B, key_dim) -> (B, d_out)
-        slot, self._eval_calls = self._eval_calls, self._eval_calls + 1
-        store, cached = self.store, cache.get(slot)
-        n = len(store)
-        if cached is not None and not torch.equal(cached.q, q):  # queries move: stop caching
-            self._eval_cache = None
-            return self._attention(q, store.keys, store.values, self.entry_weights())
-        start = None
-        if cached is not None and cached.version == store.version and cached.rows <= n:
-            start = (cached.rows, cached.part)  # fold the chunks from its last full one on
-            self._eval_hits += 1
-        part, (rows, state) = resume_partial(q, store.keys, store.values, store.weights,
-                                             kernel=self.kernel, temperature=self.temperature,
-                                             chunk_size=self.chunk_size, start=start)
-        cache[slot] = _CachedPartial(q.clone(), rows, store.version, state)
-        return finalize(part, kernel=self.kernel)
-
-    def _attention(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor) -> Tensor:
-        attend = attention if self.shard is None else self.shard.attention
-        return attend(q, keys, values, weights, kernel=self.kernel,
-                      temperature=self.temperature, chunk_size=self.chunk_size,
-                      stats=self._stats)
 
     _stats: list | None = None  # set during a recording forward of a softmax layer
 
@@ -513,10 +546,7 @@ class GrowingLayer(nn.Module):
     def num_entries_all_ranks(self) -> int:
         """Entries the layer stores over every rank if its store is sharded (then a
         collective, to call on every rank), else ``len(self.store)`` (this process's)."""
-        if self.shard is None:
-            return len(self.store)
-        count = torch.tensor([len(self.store)], dtype=torch.long, device=self.store.device)
-        return int(self.shard.all_reduce(count)[0])
+        return self.backend.size(self)
 
     @torch.no_grad()
     def commit(self, entries: Entries | None) -> None:
@@ -737,10 +767,8 @@ class GrowingSoftmax(GrowingLayer):
     def log_normalizer(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B,)
         """``log Z(q) = log Σ_j w_j e^{⟨q, k_j⟩/τ}`` over the current store."""
         # the normaliser needs no values: attend with a zero-width slice of them
-        partial = attention_partial if self.shard is None else self.shard.partial
-        part = partial(q, self.store.keys, self.store.values[:, :0], self.store.weights,
-                       kernel=self.kernel, temperature=self.temperature,
-                       chunk_size=self.chunk_size)
+        part = self.backend.partial(self, q, (self.store.keys, self.store.values[:, :0],
+                                              self.store.weights))
         return part.m + torch.log(part.den)
 
     def make_entries(self, record: _Record) -> Entries:

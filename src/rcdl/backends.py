@@ -1,0 +1,221 @@
+"""How a growing layer attends: one backend object, composed of wrappers
+(docs/architecture.md, "Backends").
+
+A layer answers every question about its store through ``layer.backend``:
+
+- ``attend(layer, q, entries, stats)`` — the differentiable attention from queries ``q``
+  over ``entries = (keys, values, weights)`` (``None``: the store's rows with the layer's
+  entry weights);
+- ``partial(layer, q, entries)`` — the partial ``(m, num, den, mass)`` over them, no autograd;
+- ``nearest_sq_distance(layer, q)`` — each query's squared distance to its nearest key;
+- ``size(layer)`` — the entries stored.
+
+Every answer is about the *whole* store, over every rank if it is sharded, so a gate or a rule
+that asks the backend reads the global store by construction. The backends:
+
+- :class:`Exact` — the streaming attention over this process's rows (the base);
+- :class:`Sharded` — the base of a store split over ranks: partials merged over the ranks,
+  the query gradient's shares summed, distances and sizes reduced;
+- :class:`EvalCached` — incremental evaluation: a no-grad call on the same queries as the
+  last evaluation folds only the rows written since (bit for bit the full answer);
+- :class:`TopK` — approximate attention over each query's top-k rows, where its mode applies
+  (:mod:`rcdl.retrieval`); anything else goes to the backend it wraps.
+
+They compose as ``TopK(EvalCached(Exact | Sharded))``: the layer's ``use_shard``,
+``use_retrieval`` and ``enable_eval_cache`` install them (:func:`rcdl.distributed.shard` and
+:func:`rcdl.retrieval.use_topk` call those). A new backend is one class with these four
+methods and an ``inner``; it wraps another without the others knowing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor
+
+from rcdl.attention import (
+    Partial,
+    attention,
+    attention_partial,
+    finalize,
+    nearest_sq_distance,
+    resume_partial,
+)
+
+if TYPE_CHECKING:
+    from rcdl.layers import GrowingLayer
+
+__all__ = ["Backend", "EvalCached", "Exact", "Sharded", "TopK", "find"]
+
+Entries = tuple[Tensor, Tensor, Tensor]  # keys (N, key_dim), values (N, d_out), weights (N,)
+
+
+class Backend(Protocol):
+    """What a layer asks of the object it attends through (see the module docstring)."""
+
+    inner: Backend | None
+
+    def attend(self, layer: GrowingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor: ...
+
+    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial: ...
+
+    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor: ...
+
+    def size(self, layer: GrowingLayer) -> int: ...
+
+
+def find(backend: Backend | None, kind: type) -> Any:
+    """The first backend of type ``kind`` in the chain from ``backend`` inwards, or ``None``."""
+    while backend is not None:
+        if isinstance(backend, kind):
+            return backend
+        backend = backend.inner
+    return None
+
+
+def _store_entries(layer: GrowingLayer) -> Entries:
+    return layer.store.keys, layer.store.values, layer.entry_weights()
+
+
+class Exact:
+    """The streaming attention over the rows this process stores (:mod:`rcdl.attention`)."""
+
+    inner: Backend | None = None
+
+    def attend(self, layer: GrowingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor:  # (B, d_out)
+        keys, values, weights = entries if entries is not None else _store_entries(layer)
+        return attention(q, keys, values, weights, kernel=layer.kernel,
+                         temperature=layer.temperature, chunk_size=layer.chunk_size,
+                         stats=stats)
+
+    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial:
+        return attention_partial(q, *entries, kernel=layer.kernel,
+                                 temperature=layer.temperature, chunk_size=layer.chunk_size)
+
+    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor:  # (B,)
+        return nearest_sq_distance(q, layer.store.keys, chunk_size=layer.chunk_size)
+
+    def size(self, layer: GrowingLayer) -> int:
+        return len(layer.store)
+
+
+@dataclass(eq=False)
+class Sharded:
+    """The base of a store split over ranks (:class:`rcdl.distributed.Shard`): each rank
+    attends over its rows, and the partials, query-gradient shares, nearest distances and
+    sizes are reduced over the ranks by the shard's collectives."""
+
+    shard: Any  # rcdl.distributed.Shard (not imported: the library's layers import this)
+    inner: Backend | None = field(default_factory=Exact)
+
+    def attend(self, layer: GrowingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor:  # (B, d_out)
+        keys, values, weights = entries if entries is not None else _store_entries(layer)
+        return self.shard.attention(q, keys, values, weights, kernel=layer.kernel,
+                                    temperature=layer.temperature,
+                                    chunk_size=layer.chunk_size, stats=stats)
+
+    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial:
+        return self.shard.partial(q, *entries, kernel=layer.kernel,
+                                  temperature=layer.temperature, chunk_size=layer.chunk_size)
+
+    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor:  # (B,)
+        assert self.inner is not None
+        return self.shard.nearest_sq_distance(self.inner.nearest_sq_distance(layer, q))
+
+    def size(self, layer: GrowingLayer) -> int:
+        count = torch.tensor([len(layer.store)], dtype=torch.long, device=layer.store.device)
+        return int(self.shard.all_reduce(count)[0])
+
+
+@dataclass
+class _CachedPartial:
+    """One evaluation batch's state for the next evaluation (see :class:`EvalCached`)."""
+
+    q: Tensor  # (B, key_dim) the batch's queries
+    rows: int  # the fold's state covers rows [0, rows): a multiple of the chunk size
+    version: int  # the store's version when cached: unchanged iff it only grew since
+    part: Partial  # the fold's state after those rows
+
+
+@dataclass(eq=False)
+class EvalCached:
+    """Incremental evaluation (:meth:`rcdl.layers.GrowingLayer.enable_eval_cache`): the
+    ``k``-th no-grad call after :meth:`start_evaluation` keeps its queries and the streaming
+    fold's state after the store's last full chunk; the ``k``-th call of the next evaluation,
+    if its queries are the same and the store only grew, folds only the chunks from there on
+    (:func:`rcdl.attention.resume_partial`), bit for bit a full pass. Calls with gradients, or
+    over other entries than the store's, go to ``inner``."""
+
+    inner: Backend | None = field(default_factory=Exact)
+    slots: dict[int, _CachedPartial] | None = field(default_factory=dict)  # None: stopped
+    calls: int = 0
+    hits: int = 0
+
+    def start_evaluation(self) -> None:
+        self.calls = 0
+
+    def attend(self, layer: GrowingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor:  # (B, d_out)
+        assert self.inner is not None
+        if self.slots is None or entries is not None or torch.is_grad_enabled():
+            return self.inner.attend(layer, q, entries, stats)
+        slot, self.calls = self.calls, self.calls + 1
+        store, cached = layer.store, self.slots.get(slot)
+        if cached is not None and not torch.equal(cached.q, q):  # queries move: stop caching
+            self.slots = None
+            return self.inner.attend(layer, q, None, stats)
+        start = None
+        if cached is not None and cached.version == store.version and cached.rows <= len(store):
+            start = (cached.rows, cached.part)  # fold the chunks from its last full one on
+            self.hits += 1
+        part, (rows, state) = resume_partial(q, store.keys, store.values, store.weights,
+                                             kernel=layer.kernel, temperature=layer.temperature,
+                                             chunk_size=layer.chunk_size, start=start)
+        self.slots[slot] = _CachedPartial(q.clone(), rows, store.version, state)
+        return finalize(part, kernel=layer.kernel)
+
+    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial:
+        assert self.inner is not None
+        return self.inner.partial(layer, q, entries)
+
+    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor:
+        assert self.inner is not None
+        return self.inner.nearest_sq_distance(layer, q)
+
+    def size(self, layer: GrowingLayer) -> int:
+        assert self.inner is not None
+        return self.inner.size(layer)
+
+
+@dataclass(eq=False)
+class TopK:
+    """Approximate attention over each query's top-k rows where ``mode`` applies
+    (:class:`rcdl.retrieval.TopK`: evaluation, or training too with ``train=True``);
+    everything else goes to ``inner``."""
+
+    mode: Any  # rcdl.retrieval.TopK (not imported: retrieval imports the layers)
+    inner: Backend | None = field(default_factory=Exact)
+
+    def attend(self, layer: GrowingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor:  # (B, d_out)
+        assert self.inner is not None
+        if self.mode.applies(layer):
+            return self.mode.attend(layer, q, entries)
+        return self.inner.attend(layer, q, entries, stats)
+
+    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial:
+        assert self.inner is not None
+        return self.inner.partial(layer, q, entries)
+
+    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor:
+        assert self.inner is not None
+        return self.inner.nearest_sq_distance(layer, q)
+
+    def size(self, layer: GrowingLayer) -> int:
+        assert self.inner is not None
+        return self.inner.size(layer)
