@@ -276,8 +276,8 @@ def reference_of(case: Case, store: str | None = None) -> Case:
 class SplitSGD(FunctionalSGD):
     """FunctionalSGD writing ``w = 1/2`` and ``v = 2 (−ηg)``: the same ``w·v`` exactly."""
 
-    def entries(self, q, s, grad_mean, n_samples, log_z=None):  # noqa: ANN001, ANN201
-        keys, values, weights = super().entries(q, s, grad_mean, n_samples, log_z)
+    def entries(self, step):  # noqa: ANN001, ANN201
+        keys, values, weights = super().entries(step)
         return keys, 2 * values, weights / 2
 
 

@@ -45,7 +45,7 @@ from rcdl.attention import attention, attention_partial
 from rcdl.backends import Backend, EvalCached, Exact, Sharded, find
 from rcdl.backends import TopK as _TopKBackend
 from rcdl.kernels import Kernel, check_kernel, softmax_scale
-from rcdl.rules import Entries, FunctionalSGD, LearningRule
+from rcdl.rules import Entries, FunctionalSGD, LearningRule, Step
 from rcdl.store import EntryStore
 
 if TYPE_CHECKING:
@@ -273,7 +273,7 @@ class GrowingLayer(nn.Module):
         """The per-entry weights handed to the attention: the stored weights ``w_j``, times
         the age coefficients ``h(a_j)`` where the rule has weight decay or momentum
         (docs/reference.md §3)."""
-        ages = getattr(self.rule, "ages", None)
+        ages = self.rule.ages
         if ages is None or ages.trivial:
             return self.store.weights
         age = self.steps - self.store.written_at  # (N,)
@@ -306,7 +306,7 @@ class GrowingLayer(nn.Module):
         (``trains_entries``: the hybrid's Adam moves every entry each step). Costs the
         queries and the partials of one evaluation in memory.
         """
-        ages = getattr(self.rule, "ages", None)
+        ages = self.rule.ages
         self._eval_hits = 0
         self.disable_eval_cache()
         if self.shard is None and (ages is None or ages.trivial) and not self.trains_entries:
@@ -541,7 +541,7 @@ class GrowingLayer(nn.Module):
                 "max_output_growth)")
 
     def make_entries(self, record: _Record) -> Entries:
-        return self.rule.entries(record.q, record.s, record.grad_mean, record.n_samples)
+        return self.rule.entries(Step(record.q, record.s, record.grad_mean, record.n_samples))
 
     def num_entries_all_ranks(self) -> int:
         """Entries the layer stores over every rank if its store is sharded (then a
@@ -748,7 +748,7 @@ class GrowingSoftmax(GrowingLayer):
                          **kw)
         if initial_entries < 0:
             raise ValueError(f"initial_entries must be >= 0, got {initial_entries}")
-        if initial_entries == 0 and getattr(rule, "needs_log_normalizer", False):
+        if initial_entries == 0 and rule.needs_log_normalizer:
             raise ValueError(
                 f"{type(self).__name__}: the 1/Z-normalised rule {rule} divides every entry by "
                 "Z(q) = Σ_j w_j e^{⟨q, k_j⟩/τ} of the store, which is 0 for an empty store: "
@@ -772,8 +772,8 @@ class GrowingSoftmax(GrowingLayer):
         return part.m + torch.log(part.den)
 
     def make_entries(self, record: _Record) -> Entries:
-        log_z = self.log_normalizer(record.q) if self.rule.needs_log_normalizer else None
-        return self.rule.entries(record.q, record.s, record.grad_mean, record.n_samples, log_z)
+        return self.rule.entries(Step(record.q, record.s, record.grad_mean, record.n_samples,
+                                      log_z=lambda: self.log_normalizer(record.q)))
 
 
 class ParametricSoftmax(nn.Module):

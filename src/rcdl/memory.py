@@ -116,7 +116,7 @@ def _softmax_scores(values: Tensor, weights: Tensor, eps: float,
 
 
 def _check_mergeable(layer: GrowingLayer) -> None:
-    ages = getattr(layer.rule, "ages", None)
+    ages = layer.rule.ages
     where = f"{type(layer).__name__} {layer.name!r}"
     if not layer.kernel.bounded:
         raise ValueError(f"MemoryBudget(merge=True): {where} has a {layer.kernel} kernel; "

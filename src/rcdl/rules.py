@@ -14,6 +14,7 @@ Every rule satisfies :class:`LearningRule`: its step size η is ``rule.lr``, and
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -24,32 +25,67 @@ from rcdl.age import AgeCoefficients
 
 _GAUGE_EPS = 1e-8
 
-__all__ = ["ClippedSoftmaxRule", "Entries", "FunctionalSGD", "GaugeSoftmaxRule", "LearningRule"]
+__all__ = [
+    "ClippedSoftmaxRule", "Entries", "FunctionalSGD", "GaugeSoftmaxRule", "LearningRule", "Step",
+]  # fmt: skip
 
 Entries = tuple[Tensor, Tensor, Tensor]  # keys (B, d_in), values (B, d_out), weights (B,)
+
+
+class Step:
+    """What a learning rule sees of one layer's training step: one object, so that a rule
+    needing more (a statistic of the store) does not widen every rule's signature.
+
+    ``q (B, d_in)`` the queries, ``s (B, d_out)`` the outputs of the pre-step store,
+    ``grad_mean (B, d_out)`` the gradient of the batch-mean loss w.r.t. them and
+    ``n_samples`` the samples that loss averages over; :attr:`grad` is the per-sample
+    gradient ``n · ḡ``. :attr:`log_z`, the log-normaliser ``log Σ_j w_j e^{z_j}`` of the
+    pre-step store (softmax layers), is computed by the layer's backend on first use only.
+    """
+
+    def __init__(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int,
+                 log_z: Callable[[], Tensor] | Tensor | None = None) -> None:
+        self.q, self.s, self.grad_mean, self.n_samples = q, s, grad_mean, n_samples
+        self._log_z = log_z
+
+    @property
+    def grad(self) -> Tensor:  # (B, d_out)
+        return self.grad_mean * self.n_samples
+
+    @property
+    def log_z(self) -> Tensor:  # (B,)
+        if self._log_z is None:
+            raise ValueError("this step has no log-normaliser: only softmax layers give one")
+        if callable(self._log_z):
+            self._log_z = self._log_z()
+        return self._log_z
 
 
 @runtime_checkable
 class LearningRule(Protocol):
     """What a growing layer asks of its learning rule.
 
-    ``entries(q (B, d_in), s (B, d_out), grad_mean (B, d_out), n_samples, log_z (B,) or None)``
-    returns the ``B`` entries to append, from the queries, the outputs of the pre-step store
-    and the gradient of the batch-mean loss w.r.t. them; ``log_z`` is the log-normaliser
-    ``log Σ_j w_j e^{z_j}`` of the pre-step store, computed only when
-    ``needs_log_normalizer`` is true. ``lr`` is the rule's step size η; ``with_lr(lr)``
-    returns the rule with η replaced.
+    ``entries(step)`` returns the ``B`` entries to append, from what the :class:`Step`
+    holds: the queries, the outputs of the pre-step store and the gradient of the
+    batch-mean loss w.r.t. them, and on request the store's log-normaliser.
+    ``needs_log_normalizer`` says whether the rule reads ``step.log_z`` (the layers refuse
+    such a rule where ``Z`` may vanish). ``lr`` is the rule's step size η; ``with_lr(lr)``
+    returns the rule with η replaced. ``ages`` are the rule's age coefficients
+    (:class:`rcdl.age.AgeCoefficients`: weight decay and momentum as per-entry factors of
+    the entries' ages), or ``None`` where entries do not age.
     """
 
     needs_log_normalizer: bool
+
+    @property
+    def ages(self) -> AgeCoefficients | None: ...
 
     @property
     def lr(self) -> float: ...
 
     def with_lr(self, lr: float) -> LearningRule: ...
 
-    def entries(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int,
-                log_z: Tensor | None = None) -> Entries: ...
+    def entries(self, step: Step) -> Entries: ...
 
 
 @dataclass(frozen=True)
@@ -89,9 +125,9 @@ class FunctionalSGD:
                 "assume a constant learning rate; schedule lr only without decay and momentum")
         return dataclasses.replace(self, lr=lr)
 
-    def entries(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int,
-                log_z: Tensor | None = None) -> Entries:
-        g = grad_mean * n_samples if self.per_sample else grad_mean
+    def entries(self, step: Step) -> Entries:
+        q = step.q
+        g = step.grad if self.per_sample else step.grad_mean
         weights = torch.ones(q.shape[0], dtype=q.dtype, device=q.device)
         return q, -self.lr * g, weights
 
@@ -118,21 +154,19 @@ class ClippedSoftmaxRule:
     normalize: bool = False
     needs_log_normalizer = property(lambda self: self.normalize)
     lr = property(lambda self: self.eta, doc="The step size η of the weights.")
+    ages = None  # entries do not age
 
     def with_lr(self, lr: float) -> ClippedSoftmaxRule:
         return dataclasses.replace(self, eta=lr)
 
-    def entries(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int,
-                log_z: Tensor | None = None) -> Entries:
-        g = grad_mean * n_samples  # (B, d_out) per-sample gradient
-        s_dot_g = (s * g).sum(1)  # (B,)
+    def entries(self, step: Step) -> Entries:
+        q, n_samples = step.q, step.n_samples
+        g = step.grad  # (B, d_out) per-sample gradient
+        s_dot_g = (step.s * g).sum(1)  # (B,)
         weights = (self.eta * s_dot_g.clamp(-n_samples, n_samples)).clamp_min(0.0)
         values = -self.beta * g
         if self.normalize:
-            if log_z is None:
-                raise ValueError("ClippedSoftmaxRule(normalize=True) needs log_z, the "
-                                 "log-normaliser of the pre-step store")
-            inv_z = torch.exp(-log_z)  # (B,)
+            inv_z = torch.exp(-step.log_z)  # (B,)
             weights, values = weights * inv_z, values * inv_z[:, None]
         return q, values, weights
 
@@ -154,14 +188,15 @@ class GaugeSoftmaxRule:
     beta: float
     needs_log_normalizer = False
     lr = property(lambda self: self.eta, doc="The step size η.")
+    ages = None  # entries do not age
 
     def with_lr(self, lr: float) -> GaugeSoftmaxRule:
         return dataclasses.replace(self, eta=lr)
 
-    def entries(self, q: Tensor, s: Tensor, grad_mean: Tensor, n_samples: int,
-                log_z: Tensor | None = None) -> Entries:
+    def entries(self, step: Step) -> Entries:
+        q, grad_mean = step.q, step.grad_mean
         g_norm = grad_mean.norm(dim=1)  # (B,)
-        s_dot_g = (s * grad_mean).sum(1)  # (B,)
+        s_dot_g = (step.s * grad_mean).sum(1)  # (B,)
         weights = self.eta * self.alpha * g_norm
         coef = -self.eta * self.alpha**2 - self.beta + self.eta * self.alpha * s_dot_g / (
             g_norm + _GAUGE_EPS)
