@@ -9,7 +9,7 @@ import pytest
 
 from rcdl.app import cifar
 from rcdl.app.cli import main
-from rcdl.app.experiments import cifar10
+from rcdl.app.experiments import cifar10, cifar10_models
 from rcdl.app.experiments.cifar10 import MODELS, Cifar10Config, build_model, model_spec
 from rcdl.networks import ResNetMLP
 
@@ -36,7 +36,8 @@ def run(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "run"
     models = ["gws", "mlp-sgd", "psoftmax-8"]
     with pytest.MonkeyPatch.context() as mp:  # 1 block instead of 8: its init takes seconds
-        mp.setattr(cifar10, "ResNetMLP", lambda d_in, d_out, depth: ResNetMLP(d_in, d_out, 1))
+        mp.setattr(cifar10_models, "ResNetMLP",
+                   lambda d_in, d_out, depth: ResNetMLP(d_in, d_out, 1))
         argv = ["--out", str(out), "--models", *models, "--seeds", "0", "1"]
         assert _reproduce(data_dir, *argv) == 0
     return out

@@ -197,9 +197,9 @@ def _floatish(text: str) -> bool:
 def test_command_outcome_is_unchanged(name, data_dir, tmp_path, monkeypatch):
     path = RECORDED_FULL if FULL_DATA else RECORDED
     if name in SMALL_WIDTH:
-        from rcdl.app.experiments import cifar10
-        monkeypatch.setattr(cifar10, "ResNetMLP", functools.partial(cifar10.ResNetMLP,
-                                                                    width=SMALL_WIDTH[name]))
+        from rcdl.app.experiments import cifar10_models as zoo
+        monkeypatch.setattr(zoo, "ResNetMLP", functools.partial(zoo.ResNetMLP,
+                                                                width=SMALL_WIDTH[name]))
     now = _run(name, CASES[name], data_dir, tmp_path / "run")
     if RECORD:
         book = json.loads(path.read_text()) if path.exists() else {}
