@@ -19,6 +19,7 @@ from rcdl import (
     set_store_dtype,
 )
 from rcdl.attention import attention, attention_partial, finalize, nearest_sq_distance
+from rcdl.half import half_products
 from rcdl.hybrid import HybridSoftmax
 from rcdl.kernels import KERNELS, naive_attention
 from rcdl.rounding import round_stochastically, rounding_noise
@@ -29,6 +30,20 @@ HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id=
 TEMPERATURE = {name: 1.0 for name in KERNELS} | {"rbf": 2.0, "softmax": 0.7}
 # relative error of the half-precision products: bf16 keeps 8 significant bits, fp16 11
 RTOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+@pytest.fixture(params=["native", "float32"])
+def path(request):
+    """Both product paths of a half store on every machine (rcdl.half): the one this CPU
+    would pick and the other, forced."""
+    with half_products(request.param):
+        yield request.param
+
+
+def queries64(q, dtype, path):
+    """The queries as the products see them: rounded to the store's dtype on the native
+    path, as they are on the float32 one."""
+    return rounded64(q, dtype) if path == "native" else q.double()
 
 
 def entries(n=300, d_in=32, d_out=6, batch=9, seed=0):
@@ -50,14 +65,15 @@ def relative_error(a, b):
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_half_store_matches_the_float64_attention_over_the_rounded_numbers(kernel, dtype):
+def test_half_store_matches_the_float64_attention_over_the_rounded_numbers(kernel, dtype,
+                                                                            path):
     q, keys, values, weights = entries()
     t = TEMPERATURE[kernel]
     leaves = [q.clone(), keys.to(dtype), values.to(dtype), weights.clone()]
     leaves = [x.requires_grad_() for x in leaves]
     out = attention(*leaves, kernel=kernel, temperature=t, chunk_size=64)
     assert out.dtype == torch.float32
-    ref_leaves = [rounded64(q, dtype), rounded64(keys, dtype), rounded64(values, dtype),
+    ref_leaves = [queries64(q, dtype, path), rounded64(keys, dtype), rounded64(values, dtype),
                   weights.double()]
     ref_leaves = [x.requires_grad_() for x in ref_leaves]
     ref = naive_attention(*ref_leaves, kernel=kernel, temperature=t)
@@ -71,7 +87,7 @@ def test_half_store_matches_the_float64_attention_over_the_rounded_numbers(kerne
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_half_store_partials_merge_like_one_pass(kernel):
+def test_half_store_partials_merge_like_one_pass(kernel, path):
     q, keys, values, weights = entries(n=500)
     keys, values = keys.bfloat16(), values.bfloat16()
     kw = {"kernel": kernel, "temperature": TEMPERATURE[kernel], "chunk_size": 128}
@@ -84,10 +100,11 @@ def test_half_store_partials_merge_like_one_pass(kernel):
     assert relative_error(other_chunks, whole) < 1e-2
 
 
-def test_nearest_sq_distance_of_a_half_store():
+def test_nearest_sq_distance_of_a_half_store(path):
     q, keys, _, _ = entries(n=400)
     got = nearest_sq_distance(q, keys.bfloat16(), chunk_size=64)
-    ref = torch.cdist(rounded64(q, torch.bfloat16), rounded64(keys, torch.bfloat16)).amin(1) ** 2
+    ref = torch.cdist(queries64(q, torch.bfloat16, path),
+                      rounded64(keys, torch.bfloat16)).amin(1) ** 2
     assert relative_error(got, ref) < 3e-2
 
 
@@ -261,3 +278,39 @@ def test_large_batches_of_a_half_store_take_the_other_score_layout(kernel):
                           rounded64(values, torch.bfloat16), weights.double(), kernel=kernel,
                           temperature=TEMPERATURE[kernel])
     assert relative_error(whole, ref) < RTOL[torch.bfloat16]
+
+
+def test_the_product_path_follows_the_cpu_and_can_be_forced(monkeypatch):
+    from rcdl import half
+
+    monkeypatch.setattr(half, "_mode", "auto")  # whatever RCDL_HALF_PRODUCTS says
+    monkeypatch.setattr(half, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))  # AVX2 only
+    assert half.upcast_chunks(torch.bfloat16, torch.device("cpu"))
+    assert not half.upcast_chunks(torch.float32, torch.device("cpu"))
+    assert not half.upcast_chunks(torch.bfloat16, torch.device("meta"))  # a GPU-like device
+    with half.half_products("native"):
+        assert not half.upcast_chunks(torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setattr(half, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert not half.upcast_chunks(torch.bfloat16, torch.device("cpu"))
+    assert half.upcast_chunks(torch.float16, torch.device("cpu"))  # no avx512_fp16
+    with half.half_products("float32"):
+        assert half.upcast_chunks(torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="one of auto, native, float32, got 'fast'"):
+        half.set_half_products("fast")
+
+
+def test_the_float32_path_reads_chunks_and_keeps_the_store_half():
+    """The store stays bfloat16 (its bytes); only chunks are converted, and the answer is the
+    native path's up to the rounding of the queries."""
+    q, keys, values, weights = entries(n=300)
+    keys, values = keys.bfloat16(), values.bfloat16()
+    with half_products("float32"):
+        up = attention(q, keys, values, weights, kernel="softmax", chunk_size=64)
+    with half_products("native"):
+        native = attention(q, keys, values, weights, kernel="softmax", chunk_size=64)
+    assert keys.dtype == values.dtype == torch.bfloat16 and up.dtype == torch.float32
+    assert relative_error(up, native) < 1e-2
+    exact = naive_attention(q.double(), rounded64(keys, torch.bfloat16),
+                            rounded64(values, torch.bfloat16), weights.double(),
+                            kernel="softmax")
+    assert relative_error(up, exact) < 1e-5  # float32 products of the stored numbers

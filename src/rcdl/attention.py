@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from rcdl.half import upcast_chunks
 from rcdl.kernels import Kernel, check_kernel, guard_denominator, softmax_scale
 from rcdl.store import HALF_DTYPES
 
@@ -81,6 +82,19 @@ def default_chunk_size(batch: int, device: torch.device | str | None = None) -> 
     if device is not None and torch.device(device).type == "cuda":
         return 1 << 16
     return 2048 if batch <= 128 else 1024
+
+
+def _default_chunk(q: Tensor, keys: Tensor) -> int:
+    """:func:`default_chunk_size`, or where a half store's chunks are converted to float32
+    (:mod:`rcdl.half`) the rows whose float32 copy stays in cache while it is multiplied:
+    2 MiB of them for training batches, 4 MiB for larger ones (at least 256 rows). Measured on
+    a 2-core AMD EPYC at d = 1 024, B = 16: 2 048-row chunks made the converted training call
+    1.9x float32's, 512-row ones 1.0x (``benchmarks/bench_half_paths.py``)."""
+    rows = default_chunk_size(q.shape[0], q.device)
+    if not upcast_chunks(keys.dtype, keys.device):
+        return rows
+    budget = (1 << 21) if q.shape[0] <= 128 else (1 << 22)
+    return max(256, min(rows, budget // (q.element_size() * max(1, keys.shape[1]))))
 
 
 def _empty_partial(q: Tensor, d_out: int, kernel: Kernel) -> Partial:
@@ -196,13 +210,16 @@ def _folds(q, keys, values, weights, kernel, temperature, chunk, part, first_row
     _check_inputs(q, keys, values, weights)
     tau = softmax_scale(temperature, q.shape[1])
     q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel.distance)
+    read_keys, read_values = _chunk_reader(q, keys), _chunk_reader(q, values)
 
     def chunks():  # noqa: ANN202 - a generator of tuples
         folded = part
         for begin in range(first_row, keys.shape[0], chunk):
             rows = slice(begin, begin + chunk)
-            block = _chunk_kernel_values(kernel, q_keys, q_sqnorm, keys[rows], tau, q.dtype)
-            folded, m_used = _fold_chunk(kernel, folded, block, values[rows], weights[rows])
+            block = _chunk_kernel_values(kernel, q_keys, q_sqnorm, read_keys(keys[rows]), tau,
+                                         q.dtype)
+            folded, m_used = _fold_chunk(kernel, folded, block, read_values(values[rows]),
+                                         weights[rows])
             yield begin + chunk, folded, block, m_used
 
     return chunks()
@@ -210,7 +227,7 @@ def _folds(q, keys, values, weights, kernel, temperature, chunk, part, first_row
 
 def _stream(q, keys, values, weights, kernel, temperature, chunk_size, keep):
     _check_inputs(q, keys, values, weights)  # before the shapes are read below
-    chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
+    chunk = chunk_size or _default_chunk(q, keys)
     part = _empty_partial(q, values.shape[1], kernel)
     saved = []  # per chunk: (block, m used for it) when keep
     for _, folded, block, m_used in _folds(q, keys, values, weights, kernel, temperature,
@@ -243,7 +260,7 @@ def resume_partial(
     grew is re-attended from its last full chunk on (incremental evaluation)."""
     kernel = check_kernel(kernel)
     _check_inputs(q, keys, values, weights)  # before the shapes are read below
-    chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
+    chunk = chunk_size or _default_chunk(q, keys)
     n = keys.shape[0]
     row, given = (0, _empty_partial(q, values.shape[1], kernel)) if start is None else start
     if row % chunk or row > n:
@@ -265,12 +282,35 @@ def _queries_as_keys(q: Tensor, keys: Tensor, sqnorm: Literal[True]) -> tuple[Te
 @overload
 def _queries_as_keys(q: Tensor, keys: Tensor, sqnorm: bool) -> tuple[Tensor, Tensor | None]: ...
 def _queries_as_keys(q: Tensor, keys: Tensor, sqnorm: bool) -> tuple[Tensor, Tensor | None]:
-    """The queries in the keys' dtype, and for a distance kernel (``sqnorm``) their squared
-    norms (of those rounded queries, so that ``|q|² − 2⟨q, k⟩ + |k|²`` is the distance of
-    the vectors multiplied)."""
-    q_keys = q.to(keys.dtype)  # (B, d_in), q itself when the dtypes agree
+    """The queries in the dtype the products run in (the keys', or the queries' own where a
+    half store's chunks are read as float32: :mod:`rcdl.half`), and for a distance kernel
+    (``sqnorm``) their squared norms (of those rounded queries, so that
+    ``|q|² − 2⟨q, k⟩ + |k|²`` is the distance of the vectors multiplied)."""
+    upcast = upcast_chunks(keys.dtype, keys.device)
+    q_keys = q if upcast else q.to(keys.dtype)  # (B, d_in), q itself when the dtypes agree
     q_sqnorm = (q_keys * q_keys).sum(1, dtype=q.dtype) if sqnorm else None  # (B,)
     return q_keys, q_sqnorm
+
+
+def _chunk_reader(q: Tensor, store: Tensor):  # noqa: ANN202 - Tensor -> Tensor
+    """How chunks of ``store`` (keys or values) are read for their products: as they are, or
+    converted to the queries' dtype (a half store on a device without native half products,
+    :mod:`rcdl.half`: only the chunk is converted, the store keeps its bytes). The converted
+    chunk is written into one buffer per chunk shape, reused from chunk to chunk (a fresh
+    chunk-sized allocation each time costs page faults): a chunk read is valid until the
+    next read of the same reader."""
+    if not upcast_chunks(store.dtype, store.device):
+        return lambda rows: rows
+    buffers: dict[torch.Size, Tensor] = {}
+
+    def read(rows: Tensor) -> Tensor:
+        buffer = buffers.get(rows.shape)
+        if buffer is None:
+            buffer = buffers[rows.shape] = torch.empty(rows.shape, dtype=q.dtype,
+                                                       device=rows.device)
+        return buffer.copy_(rows)
+
+    return read
 
 
 def merge_partials(a: Partial, b: Partial) -> Partial:
@@ -298,7 +338,7 @@ class _StreamingAttention(torch.autograd.Function):
         store_bytes = keys.numel() * keys.element_size() + values.numel() * values.element_size()
         needs_grad = any(ctx.needs_input_grad[:4])
         keep = needs_grad and b * n * q.element_size() <= save_fraction * store_bytes
-        chunk = chunk_size or default_chunk_size(b, q.device)
+        chunk = chunk_size or _default_chunk(q, keys)
         part, saved = _stream(q, keys, values, weights, kernel, temperature, chunk, keep)
         if shard is not None:  # these entries are one shard: merge the partials of all ranks
             part = shard.merge(part, kernel)
@@ -366,7 +406,8 @@ def attention_backward(
     grad_w = torch.empty_like(weights) if need_w else None
     kernel = check_kernel(kernel)
     q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel.distance)
-    grad_out_v = grad_out.to(values.dtype)  # (B, d_out) for the products with the values
+    read_keys, read_values = _chunk_reader(q, keys), _chunk_reader(q, values)
+    grad_out_v = grad_out.to(q_keys.dtype)  # (B, d_out) for the products with the values
     scale = kernel.scale(tau)  # d(score)/dq = k * scale
     dist_q_coef = q.new_zeros(q.shape[0])  # Σ_j c_j per query (distance kernels only)
     if kernel.normalised:
@@ -384,7 +425,7 @@ def attention_backward(
         inv_den = 1.0 / den  # (B,), 0 where there is no weight mass (den = inf)
     for i, start in enumerate(range(0, keys.shape[0], chunk)):
         rows = slice(start, start + chunk)
-        k_c, v_c, w_c = keys[rows], values[rows], weights[rows]
+        k_c, v_c, w_c = read_keys(keys[rows]), read_values(values[rows]), weights[rows]
         if saved_blocks is not None:
             block, m_used = saved_blocks[i]
         else:
@@ -490,11 +531,12 @@ def nearest_sq_distance(
     if q.dim() != 2 or keys.dim() != 2 or q.shape[1] != keys.shape[1]:
         raise ValueError(f"nearest_sq_distance expects q (B, d) and keys (N, d), got "
                          f"{tuple(q.shape)} and {tuple(keys.shape)}")
-    chunk = chunk_size or default_chunk_size(q.shape[0], q.device)
+    chunk = chunk_size or _default_chunk(q, keys)
     q_keys, q_sqnorm = _queries_as_keys(q, keys, True)
+    read = _chunk_reader(q, keys)
     best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
     for start in range(0, keys.shape[0], chunk):
-        k_c = keys[start : start + chunk]  # (c, d)
+        k_c = read(keys[start : start + chunk])  # (c, d)
         k_sqnorm = (k_c * k_c).sum(1, dtype=q.dtype)  # (c,)
         block = (k_c @ q_keys.T).to(q.dtype).mul_(-2).add_(k_sqnorm[:, None])  # (c, B)
         best = torch.minimum(best, block.amin(0))

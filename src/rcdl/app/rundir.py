@@ -41,6 +41,7 @@ import torch
 from rcdl._version import __version__
 from rcdl.app.allocator import allocator_setting
 from rcdl.distributed import rank_and_world
+from rcdl.half import native_products
 from rcdl.io import (  # noqa: F401 - re-exported: the run folder writes through them
     atomic_save_torch,
     atomic_write_bytes,
@@ -160,9 +161,9 @@ def cpu_model(cpuinfo: str | None = None) -> str:
 
 
 def native_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (``avx512_bf16`` or ``amx_bf16``);
-    without either, bfloat16 products are converted and may be slower than float32."""
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags()))
+    """Whether this CPU multiplies bfloat16 natively (``avx512_bf16`` or ``amx_bf16``;
+    :func:`rcdl.half.native_products`, which picks the attention's product path)."""
+    return native_products(torch.bfloat16, "cpu")
 
 
 def environment_info(device: str | torch.device | None = None) -> dict[str, Any]:

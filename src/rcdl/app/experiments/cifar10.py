@@ -104,6 +104,7 @@ from rcdl.app.rundir import RunDir, count, describe_machine, read_config
 from rcdl.app.runner import Combine, Experiment, Session, run_experiment
 from rcdl.checkpoint import remove_checkpoint
 from rcdl.distributed import rank_and_world, shard
+from rcdl.half import product_mode
 from rcdl.hybrid import HybridSoftmax
 from rcdl.store import format_bytes
 from rcdl.training import Metric, accuracy, train_one_pass
@@ -267,11 +268,14 @@ def _fit_classical(name: str, seed: int, cfg: Cifar10Config, data: tuple,
 
 
 def _note_if_bfloat16_is_emulated() -> None:
-    """Say so when bfloat16 stores will save memory but probably not time (docs/precision.md)."""
+    """Say which product path a bfloat16 store takes on this CPU (rcdl.half,
+    docs/precision.md)."""
     if not rundir.native_bfloat16():
-        print("note: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products are "
-              "converted, not native: the stores take half the memory, but steps may be slower "
-              "than float32 (docs/precision.md)", file=sys.stderr)
+        print(f"note: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products are not "
+              f"native; product mode {product_mode()!r}: in 'auto' the stores' chunks are "
+              "converted to float32 as they are read (half the memory, about float32's speed; "
+              "RCDL_HALF_PRODUCTS=native multiplies in bfloat16, much slower here; "
+              "docs/precision.md)", file=sys.stderr)
 
 
 def _sub_runs(cfg: Cifar10Config, data: CifarData, session: Session) -> Iterator:

@@ -1,0 +1,83 @@
+"""A half-precision store's two product paths against a float32 store, interleaved in one
+process (docs/precision.md, "Product paths").
+
+For the weighted softmax and the RBF at width ``--width`` over ``--entries`` entries: the
+median time of a training call (forward + backward of ``--train-batch`` queries) and of a
+no-grad evaluation call (``--eval-batch`` queries), for a float32 store, a bfloat16 store on
+the native path and a bfloat16 store on the float32-chunk path (``rcdl.half``), each as a
+ratio to float32 measured in the same rounds. Prints the CPU model and flags first.
+
+    python benchmarks/bench_half_paths.py [--width 1024 --entries 6000 --rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from rcdl.app.rundir import cpu_flags, cpu_model
+from rcdl.attention import attention
+from rcdl.half import half_products, native_products
+
+
+def timed(fn, repeats: int) -> float:  # noqa: ANN001 - seconds per call
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--entries", type=int, default=6000)
+    parser.add_argument("--train-batch", type=int, default=16)
+    parser.add_argument("--eval-batch", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(f"# {cpu_model()} (flags {' '.join(cpu_flags())}), torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; bfloat16 native here: "
+          f"{native_products(torch.bfloat16)}")
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(args.entries, args.width, generator=gen)
+    values = torch.randn(args.entries, args.width, generator=gen)
+    weights = torch.rand(args.entries, generator=gen) + 0.1
+    stores = {"float32": (keys, values), "bfloat16": (keys.bfloat16(), values.bfloat16())}
+    cases = [("float32", "float32", "auto"), ("bfloat16 native", "bfloat16", "native"),
+             ("bfloat16 float32 chunks", "bfloat16", "float32")]
+    print(f"# width {args.width}, {args.entries} entries, train batch {args.train_batch}, "
+          f"eval batch {args.eval_batch}; median of {args.rounds} interleaved rounds")
+    print("| kernel | store / path | train call ms | × float32 | eval call ms | × float32 |")
+    print("|---|---|---:|---:|---:|---:|")
+    for kernel in ("softmax", "rbf"):
+        times: dict[str, dict[str, list[float]]] = {n: {"train": [], "eval": []}
+                                                    for n, _, _ in cases}
+        q_train = torch.randn(args.train_batch, args.width, generator=gen, requires_grad=True)
+        q_eval = torch.randn(args.eval_batch, args.width, generator=gen)
+        for _ in range(args.rounds):
+            for name, store, mode in cases:
+                k, v = stores[store]
+                with half_products(mode):
+                    def train(k=k, v=v, q=q_train, kernel=kernel) -> None:  # noqa: ANN001
+                        attention(q, k, v, weights, kernel=kernel).sum().backward()
+
+                    def evaluate(k=k, v=v, q=q_eval, kernel=kernel) -> None:  # noqa: ANN001
+                        with torch.no_grad():
+                            attention(q, k, v, weights, kernel=kernel)
+
+                    times[name]["train"].append(timed(train, args.repeats))
+                    times[name]["eval"].append(timed(evaluate, max(1, args.repeats // 3)))
+        base = {what: statistics.median(times["float32"][what]) for what in ("train", "eval")}
+        for name, _, _ in cases:
+            tr, ev = (statistics.median(times[name][w]) for w in ("train", "eval"))
+            print(f"| {kernel} | {name} | {tr * 1e3:.1f} | {tr / base['train']:.2f} | "
+                  f"{ev * 1e3:.1f} | {ev / base['eval']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
