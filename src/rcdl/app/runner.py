@@ -257,11 +257,11 @@ def _run_in(experiment: Experiment, cfg: Any, run: RunDir, summary: dict[str, An
             began: float, options: Mapping[str, Any]) -> tuple[RunDir, dict[str, Any]]:
     """:func:`run_experiment` once the run folder is open (and locked)."""
     rank, world = rank_and_world()
-    if resume is not None and rank == 0:  # what an interrupted session may have left
+    if resume is not None and rank == 0:  # what an interrupted invocation may have left
         run.remove_temporaries()
         run.repair_metrics()
     saved = _saved_summary(run) if resume is not None else {}
-    clock: dict[str, Any] = summary  # where this session's seconds go
+    clock: dict[str, Any] = summary  # where the seconds of this invocation of the run go
     if experiment.sessions:
         clock = {**environment_info(device), "world_size": world, "seconds": None}
         summary["sessions"] = [*saved.get("sessions", []), clock]
