@@ -436,3 +436,13 @@ def test_a_gate_that_never_opens_warns_with_the_distances_it_saw():
     assert len(messages) == 2  # one per layer, once
     assert all("has written no entry in 100 steps" in m and "DistanceGate(tau=50.0)" in m
                and "median" in m and "DistanceGate(2.55)" in m for m in messages), messages
+
+
+def test_the_default_gate_follows_the_width_the_layers_see():
+    """With ``width=`` the blocks and the readout see queries of that width (after the lift),
+    so their default τ is that width's, not the input's."""
+    from rcdl import ClippedSoftmaxRule, HybridSoftmaxNet, default_tau
+
+    net = HybridSoftmaxNet(32, 1, 1, temperature=5.0, rule=ClippedSoftmaxRule(3.0, 30.0),
+                           width=128)
+    assert {net.blocks[0].trigger, net.readout.trigger} == {DistanceGate(default_tau(128))}

@@ -204,10 +204,9 @@ def attention_partial(
 
 
 def _folds(q, keys, values, weights, kernel, temperature, chunk, part, first_row):
-    """The streaming fold from row ``first_row`` on, one chunk at a time: checks the inputs
-    now, then yields ``(end row, part, block, m used)`` after each chunk (``part`` is folded
-    in place)."""
-    _check_inputs(q, keys, values, weights)
+    """The streaming fold from row ``first_row`` on, one chunk at a time: yields
+    ``(end row, part, block, m used)`` after each chunk (``part`` is folded in place). The
+    callers have checked the inputs (:func:`_check_inputs`)."""
     tau = softmax_scale(temperature, q.shape[1])
     q_keys, q_sqnorm = _queries_as_keys(q, keys, kernel.distance)
     read_keys, read_values = _chunk_reader(q, keys), _chunk_reader(q, values)

@@ -47,7 +47,7 @@ from rcdl.attention import (
 if TYPE_CHECKING:
     from rcdl.layers import GrowingLayer
 
-__all__ = ["Backend", "EvalCached", "Exact", "Sharded", "TopK", "find"]
+__all__ = ["Backend", "EvalCached", "Exact", "Sharded", "TopK", "Wrapper", "find"]
 
 Entries = tuple[Tensor, Tensor, Tensor]  # keys (N, key_dim), values (N, d_out), weights (N,)
 
@@ -132,6 +132,25 @@ class Sharded:
         return int(self.shard.all_reduce(count)[0])
 
 
+class Wrapper:
+    """A backend that changes how a layer attends and passes every other question (the
+    partial, the nearest distance, the size) to the backend it wraps, ``inner``."""
+
+    inner: Backend | None
+
+    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial:
+        assert self.inner is not None
+        return self.inner.partial(layer, q, entries)
+
+    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor:
+        assert self.inner is not None
+        return self.inner.nearest_sq_distance(layer, q)
+
+    def size(self, layer: GrowingLayer) -> int:
+        assert self.inner is not None
+        return self.inner.size(layer)
+
+
 @dataclass
 class _CachedPartial:
     """One evaluation batch's state for the next evaluation (see :class:`EvalCached`)."""
@@ -143,7 +162,7 @@ class _CachedPartial:
 
 
 @dataclass(eq=False)
-class EvalCached:
+class EvalCached(Wrapper):
     """Incremental evaluation (:meth:`rcdl.layers.GrowingLayer.enable_eval_cache`): the
     ``k``-th no-grad call after :meth:`start_evaluation` keeps its queries and the streaming
     fold's state after the store's last full chunk; the ``k``-th call of the next evaluation,
@@ -179,21 +198,9 @@ class EvalCached:
         self.slots[slot] = _CachedPartial(q.clone(), rows, store.version, state)
         return finalize(part, kernel=layer.kernel)
 
-    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial:
-        assert self.inner is not None
-        return self.inner.partial(layer, q, entries)
-
-    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor:
-        assert self.inner is not None
-        return self.inner.nearest_sq_distance(layer, q)
-
-    def size(self, layer: GrowingLayer) -> int:
-        assert self.inner is not None
-        return self.inner.size(layer)
-
 
 @dataclass(eq=False)
-class TopK:
+class TopK(Wrapper):
     """Approximate attention over each query's top-k rows where ``mode`` applies
     (:class:`rcdl.retrieval.TopK`: evaluation, or training too with ``train=True``);
     everything else goes to ``inner``."""
@@ -207,15 +214,3 @@ class TopK:
         if self.mode.applies(layer):
             return self.mode.attend(layer, q, entries)
         return self.inner.attend(layer, q, entries, stats)
-
-    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial:
-        assert self.inner is not None
-        return self.inner.partial(layer, q, entries)
-
-    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor:
-        assert self.inner is not None
-        return self.inner.nearest_sq_distance(layer, q)
-
-    def size(self, layer: GrowingLayer) -> int:
-        assert self.inner is not None
-        return self.inner.size(layer)

@@ -18,13 +18,13 @@ queries, the native one by queries rounded to the store's dtype.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
+
+from rcdl.cpu import cpuinfo_flags
 
 __all__ = ["MODES", "half_products", "native_products", "product_mode", "set_half_products",
            "upcast_chunks"]
@@ -68,16 +68,8 @@ def half_products(mode: str) -> Iterator[None]:
         set_half_products(before)
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.split(":")[0].strip() in ("flags", "Features"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+def _cpu_flags() -> frozenset[str]:  # a seam for tests that pose as another CPU
+    return cpuinfo_flags()
 
 
 def native_products(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:

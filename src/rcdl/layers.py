@@ -307,8 +307,8 @@ class GrowingLayer(nn.Module):
         queries and the partials of one evaluation in memory.
         """
         ages = self.rule.ages
+        self.disable_eval_cache()  # counts the hits of a cache enabled before: reset after
         self._eval_hits = 0
-        self.disable_eval_cache()
         if self.shard is None and (ages is None or ages.trivial) and not self.trains_entries:
             self._compose(base=self._base(), cache=EvalCached(), mode=self.retrieval)
 
@@ -506,11 +506,12 @@ class GrowingLayer(nn.Module):
         """Raise ``ValueError`` naming the layer if a ready record's output or gradient is not
         finite, or its outputs grew past ``max_output_growth`` (nothing is changed)."""
         for record in self.ready_records():
-            rms, q_rms, grad_finite = torch.stack([  # one device sync for all three
-                record.s.double().square().mean().sqrt(),
-                record.q.double().square().mean().sqrt(),
-                torch.isfinite(record.grad_mean).all().double()]).tolist()
-            self._check_output_scale(rms, floor=self.SCALE_FLOOR * q_rms)
+            checks = [record.s.double().square().mean().sqrt(),
+                      torch.isfinite(record.grad_mean).all().double()]
+            if self.output_scale is None:  # the reference scale's floor, needed once
+                checks.append(record.q.double().square().mean().sqrt())
+            rms, grad_finite, *q_rms = torch.stack(checks).tolist()  # one device sync
+            self._check_output_scale(rms, floor=self.SCALE_FLOOR * q_rms[0] if q_rms else 0.0)
             if not grad_finite:
                 raise ValueError(
                     f"{self.where}: the output gradient contains NaN or inf (a NaN in the "

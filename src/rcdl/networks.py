@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.hybrid import DistanceGate, GrowthTrigger, HybridSoftmax, default_tau
+from rcdl.hybrid import GrowthTrigger, HybridSoftmax
 from rcdl.layers import GrowingLinear, GrowingRBF, GrowingSoftmax, ParametricSoftmax
 from rcdl.rules import FunctionalSGD, LearningRule
 
@@ -170,8 +170,9 @@ class GrowingSoftmaxNet(ResidualNet):
 class HybridSoftmaxNet(ResidualNet):
     """The hybrid growing network of docs/reference.md §4, §6: ``depth`` blocks d→d and a readout
     d→``d_out``, all :class:`~rcdl.hybrid.HybridSoftmax` (entries trained by Adam, growth by
-    ``trigger``, default ``DistanceGate(default_tau(d_in))``, τ = 50 · √(d_in / 3072), which is
-    τ = 50 at CIFAR-10's width); train it with :class:`~rcdl.hybrid.HybridGrower`.
+    ``trigger``; by default each layer's own ``DistanceGate(default_tau(width))``,
+    τ = 50 · √(width / 3072) for its queries' width, which is τ = 50 at CIFAR-10's); train it
+    with :class:`~rcdl.hybrid.HybridGrower`.
 
     Example (docs/reference.md §6: depth 3, T = 5, τ = 50, Adam 1e−3)::
 
@@ -184,8 +185,6 @@ class HybridSoftmaxNet(ResidualNet):
                  store_dtype: torch.dtype | None = None, **kw) -> None:
         _check_widths(type(self).__name__, d_in, d_out, depth)
         seeds = iter(range(seed, seed + depth + 1))
-        # every layer's queries have width d_in (blocks d→d, readout d→d_out)
-        trigger = DistanceGate(default_tau(d_in)) if trigger is None else trigger
 
         def layer(a: int, b: int) -> HybridSoftmax:
             return HybridSoftmax(a, b, temperature=temperature, rule=rule, trigger=trigger,

@@ -40,6 +40,7 @@ import torch
 
 from rcdl._version import __version__
 from rcdl.app.allocator import allocator_setting
+from rcdl.cpu import cpuinfo_field, cpuinfo_flags
 from rcdl.distributed import rank_and_world
 from rcdl.half import native_products
 from rcdl.io import (  # noqa: F401 - re-exported: the run folder writes through them
@@ -91,22 +92,6 @@ def _git(args: list[str], cwd: Path) -> str | None:
 SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 
 
-def _cpuinfo_text() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _cpuinfo_field(name: str, cpuinfo: str | None = None) -> str | None:
-    """The first ``name : value`` of ``cpuinfo`` (default: ``/proc/cpuinfo``; ``None`` if
-    absent or unreadable)."""
-    for line in (_cpuinfo_text() if cpuinfo is None else cpuinfo).splitlines():
-        if line.split(":")[0].strip() == name:
-            return line.split(":", 1)[1].strip()
-    return None
-
-
 X86 = ("x86_64", "amd64", "i386", "i686", "x86")
 # The ISA levels told apart, widest first, with the CPU flags (/proc/cpuinfo) each needs.
 ISA_LEVELS = (("amx_bf16", ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")),
@@ -127,8 +112,7 @@ def cpu_isa(cpuinfo: str | None = None, arch: str | None = None) -> str:
     arch = (arch if arch is not None else platform.machine()).lower() or "unknown"
     if arch not in X86:
         return arch
-    text = _cpuinfo_text() if cpuinfo is None else cpuinfo
-    flags = set((_cpuinfo_field("flags", text) or _cpuinfo_field("Features", text) or "").split())
+    flags = cpuinfo_flags(cpuinfo)
     for isa, needs in ISA_LEVELS:
         if flags.issuperset(needs):
             return isa
@@ -151,13 +135,13 @@ def count(n: int | None, noun: str) -> str:
 def cpu_flags() -> list[str]:
     """Which of :data:`SPEED_FLAGS` this CPU has (from ``/proc/cpuinfo``; empty where it is
     not readable or on other architectures)."""
-    have = set((_cpuinfo_field("flags") or "").split())
+    have = cpuinfo_flags()
     return [flag for flag in SPEED_FLAGS if flag in have]
 
 
 def cpu_model(cpuinfo: str | None = None) -> str:
     """The CPU's model name (``/proc/cpuinfo``, else :func:`platform.processor`)."""
-    return _cpuinfo_field("model name", cpuinfo) or platform.processor() or "unknown CPU"
+    return cpuinfo_field("model name", cpuinfo) or platform.processor() or "unknown CPU"
 
 
 def native_bfloat16() -> bool:
