@@ -94,3 +94,28 @@ def test_a_backend_of_ones_own_sees_every_call_and_changes_nothing():
     assert isinstance(logged, Logged) and isinstance(logged.inner, EvalCached)
     assert logged.calls["attend"] == 5 + 2 + 1  # 5 training steps, 2 evaluations, 1 check
     assert net.blocks[0].eval_cache_hits == 1 and out.shape == (40, 2)
+
+
+def test_the_normalised_rule_reads_the_forwards_normaliser_instead_of_the_store_again():
+    """``ClippedSoftmaxRule(normalize=True)`` needs ``log Z`` of the pre-step store; the
+    forward's attention has folded it already, so the step asks the backend nothing more, and
+    the entries equal those of a second pass over the store."""
+    from rcdl import ClippedSoftmaxRule, GrowingSoftmax
+    from rcdl.rules import Step
+
+    torch.manual_seed(0)
+    layer = GrowingSoftmax(6, 2, temperature=1.0, rule=ClippedSoftmaxRule(0.3, 2.0, normalize=True),
+                           initial_entries=4, seed=0).double()
+    grower = Grower(layer)
+    layer.wrap_backend(Logged)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    F.mse_loss(layer(x), y).backward()
+    record = layer.ready_records()[0]
+    again = layer.rule.entries(Step(record.q, record.s, record.grad_mean, record.n_samples,
+                                    log_z=layer.log_normalizer(record.q)))
+    layer.backend.calls.clear()
+    proposed = layer.propose()
+    assert "partial" not in layer.backend.calls
+    for a, b in zip(proposed, again, strict=True):
+        assert_close(a, b, rtol=1e-12, atol=0)
+    grower.step()

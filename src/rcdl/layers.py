@@ -68,7 +68,9 @@ class _Record:
     n_samples: int  # samples the batch-mean loss averages over (leading dim of the input)
     generation: int  # the layer's record generation at the forward (see GrowingLayer.discard)
     grad: Tensor | None = None  # (B, d_out) ∂(mean loss)/∂s, set by the hook
-    log_z: Tensor | None = None  # (B,) log Σ_j w_j e^{z_j} of the pre-step store (softmax)
+    # (m, den) (B,) each of the pre-step store, as the forward's attention folded them
+    # (softmax): log Σ_j w_j e^{z_j} = m + log den
+    normaliser: tuple[Tensor, Tensor] | None = None
     ready: list[_Record] = field(default_factory=list, repr=False)  # the layer's ready list
 
     def set_grad(self, grad: Tensor) -> None:
@@ -358,9 +360,7 @@ class GrowingLayer(nn.Module):
             record = _Record(q.detach(), s.detach(), x.shape[0], self._generation,
                              ready=self._ready)
             if stats is not None and len(stats) == 1:
-                m, den = stats[0]  # (B,) each
-                if bool((den > 0).all()):
-                    record.log_z = m + torch.log(den)  # (B,)
+                record.normaliser = stats[0]  # no device sync here: read at the step
             s.register_hook(record.set_grad)  # the graph holds the record until backward
             self._pending = [r for r in self._pending if r() is not None]
             self._pending.append(weakref.ref(record))
@@ -486,10 +486,12 @@ class GrowingLayer(nn.Module):
         if not self.kernel.normalised:
             return s + attention(self._query_keys(q), keys, values, weights,
                                  kernel=self.kernel, temperature=self.temperature)
-        log_zs = [r.log_z for r in records if r.log_z is not None]
-        if len(log_zs) < len(records):  # no normaliser recorded
+        if any(r.normaliser is None for r in records):  # none recorded (top-k, the hybrid)
             return None
-        log_z = torch.cat(log_zs)  # (B,) of the pre-step store
+        m, den = (torch.cat(t) for t in zip(*(r.normaliser for r in records), strict=True))
+        if not bool((den > 0).all()):  # the guard acted (negative weights): no cheap answer
+            return None
+        log_z = m + torch.log(den)  # (B,) of the pre-step store
         new = attention_partial(q, keys, values, weights, kernel=self.kernel,
                                 temperature=self.temperature)  # the new entries alone
         top = torch.maximum(log_z, new.m)  # (B,)
@@ -773,8 +775,14 @@ class GrowingSoftmax(GrowingLayer):
         return part.m + torch.log(part.den)
 
     def make_entries(self, record: _Record) -> Entries:
+        def log_z() -> Tensor:  # (B,) the forward's normaliser, else one pass to find it
+            if record.normaliser is None:
+                return self.log_normalizer(record.q)
+            m, den = record.normaliser
+            return m + torch.log(den)
+
         return self.rule.entries(Step(record.q, record.s, record.grad_mean, record.n_samples,
-                                      log_z=lambda: self.log_normalizer(record.q)))
+                                      log_z=log_z))
 
 
 class ParametricSoftmax(nn.Module):
