@@ -42,8 +42,10 @@ import torch
 import torch.nn.functional as F
 
 import rcdl
+from rcdl.entry_adam import EntryAdam
+from rcdl.gates import DistanceGate
 from rcdl.grower import Grower
-from rcdl.hybrid import DistanceGate, EntryAdam, hybrid_layers
+from rcdl.hybrid import hybrid_layers
 from rcdl.rules import ClippedSoftmaxRule
 
 try:  # the builder of the code under test; older versions (--baseline) had a function

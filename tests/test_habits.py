@@ -99,7 +99,7 @@ def test_forward_without_backward_then_a_normal_step(kind):
     size = len(first.store)
     x_test, y_test = batch(99, b=7)
     test_loss = F.cross_entropy(net(x_test), y_test)  # no backward, ever
-    record = weakref.ref(first._pending[-1]())
+    record = weakref.ref(first.recorder.latest_pending())
     x, y = batch(1)
     F.cross_entropy(net(x), y).backward()
     opt.step()

@@ -7,15 +7,10 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from rcdl.attention import nearest_sq_distance
+from rcdl.entry_adam import EntryAdam
+from rcdl.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate
 from rcdl.grower import Grower
-from rcdl.hybrid import (
-    AlwaysGrow,
-    CapacityGate,
-    DistanceGate,
-    EntryAdam,
-    ErrorScaledGate,
-    HybridSoftmax,
-)
+from rcdl.hybrid import HybridSoftmax
 from rcdl.kernels import naive_attention
 from rcdl.networks import HybridSoftmaxNet
 from rcdl.rules import ClippedSoftmaxRule

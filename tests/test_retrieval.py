@@ -29,7 +29,10 @@ from rcdl import (
 )
 from rcdl.attention import attention
 from rcdl.data import TeacherConfig, make_teacher_data
-from rcdl.hybrid import DistanceGate, EntryAdam, HybridGrower, HybridSoftmax, hybrid_layers
+from rcdl.entry_adam import EntryAdam
+from rcdl.gates import DistanceGate
+from rcdl.hybrid import HybridSoftmax, hybrid_layers
+from rcdl.hybrid_grower import HybridGrower
 from rcdl.kernels import KERNELS as REGISTRY
 from rcdl.kernels import naive_attention
 from rcdl.layers import growing_layers

@@ -42,7 +42,7 @@ def test_a_full_disk_says_what_failed_where_and_how_to_continue(data_dir, tmp_pa
                                                                 monkeypatch, capsys):
     """ENOSPC while a checkpoint is moved into place: exit 1, the errno and the file, the
     resume command, no usage text; what was saved is kept, and the resume finishes."""
-    import rcdl.io
+    import rcdl._io
 
     real = os.replace
 
@@ -51,7 +51,7 @@ def test_a_full_disk_says_what_failed_where_and_how_to_continue(data_dir, tmp_pa
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
         return real(src, dst)
 
-    monkeypatch.setattr(rcdl.io.os, "replace", full)
+    monkeypatch.setattr(rcdl._io.os, "replace", full)
     out = tmp_path / "run"
     argv = [*CIFAR, "--data-dir", str(data_dir), "--models", "gws", "rbf"]
     assert main([*argv, "--out", str(out)]) == 1
@@ -59,7 +59,7 @@ def test_a_full_disk_says_what_failed_where_and_how_to_continue(data_dir, tmp_pa
     assert "No space left on device (errno 28, ENOSPC) at" in err and ".step00000002.pt" in err
     assert f"--resume {out}" in err and "usage:" not in err
     assert not list(out.glob("checkpoints/.*.tmp"))  # the interrupted write left nothing
-    monkeypatch.setattr(rcdl.io.os, "replace", real)
+    monkeypatch.setattr(rcdl._io.os, "replace", real)
     assert main(["reproduce", "cifar10-1epoch", "--resume", str(out), "--data-dir",
                  str(data_dir), "--no-progress", "--no-download"]) == 0
 

@@ -146,7 +146,7 @@ def test_hybrid_grower_and_entry_adam_plus_grower_train_alike_in_train_one_pass(
 def test_the_hybrid_grower_docstring_loop_zeroes_gradients():
     import rcdl.hybrid
 
-    assert "opt.zero_grad()" in rcdl.hybrid.HybridGrower.__doc__
+    assert "opt.zero_grad()" in rcdl.hybrid_grower.HybridGrower.__doc__
     assert "opt.zero_grad()" in rcdl.hybrid.__doc__
 
 

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from rcdl.app.experiments.vit import MODELS, ViTConfig, build_model, load_data, run_vit
+from rcdl.entry_adam import EntryAdam
+from rcdl.gates import DistanceGate
 from rcdl.grower import Grower
-from rcdl.hybrid import DistanceGate, EntryAdam, hybrid_layers
+from rcdl.hybrid import hybrid_layers
 from rcdl.vit import PatchEmbedding, RCDLFeedForward, ViT, mlp_vit, rcdl_vit
 
 SMALL = {"patch_size": 8, "width": 16, "depth": 2, "heads": 2}

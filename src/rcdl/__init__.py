@@ -34,18 +34,11 @@ attention and its partials (:mod:`rcdl.attention`), kernels and the dense refere
 from rcdl._version import __version__
 from rcdl.checkpoint import DamagedCheckpoint, load_checkpoint, load_model_state, save_checkpoint
 from rcdl.dual_optim import FOOF, DeltaNetDecay
+from rcdl.entry_adam import EntryAdam
+from rcdl.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate, default_tau
 from rcdl.grower import Grower
-from rcdl.hybrid import (
-    AlwaysGrow,
-    CapacityGate,
-    DistanceGate,
-    EntryAdam,
-    ErrorScaledGate,
-    GrowthStalledWarning,
-    HybridGrower,
-    HybridSoftmax,
-    default_tau,
-)
+from rcdl.hybrid import GrowthStalledWarning, HybridSoftmax
+from rcdl.hybrid_grower import HybridGrower
 from rcdl.layers import (
     GrowingLaplacian,
     GrowingLayer,
@@ -53,7 +46,6 @@ from rcdl.layers import (
     GrowingRBF,
     GrowingSoftmax,
     ParametricSoftmax,
-    UnsteppedBatchWarning,
     growing_layers,
     set_store_dtype,
 )
@@ -69,6 +61,7 @@ from rcdl.networks import (
     from_dual_form,
     to_dual_form,
 )
+from rcdl.records import UnsteppedBatchWarning
 from rcdl.retrieval import use_exact, use_topk
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule, LearningRule
 from rcdl.store import EntryStore

@@ -2,7 +2,7 @@
 
 **Checksummed files.** :func:`save_checkpoint` writes ``torch.save(obj)`` behind a 40-byte
 header, the magic ``RCDLCKP1`` and the SHA-256 of what follows, through the atomic write
-of :mod:`rcdl.io` (a temporary file, fsynced, renamed into place). :func:`load_checkpoint`
+of :mod:`rcdl._io` (a temporary file, fsynced, renamed into place). :func:`load_checkpoint`
 verifies the digest before ``torch.load`` sees a byte: a flipped, cut or emptied file is
 refused with :class:`DamagedCheckpoint`, naming the file and what is wrong, instead of
 loading a wrong model (torch checks no checksum itself). Hashing costs one pass over the
@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rcdl._io import atomic_write, atomic_write_json
 from rcdl.distributed import is_sharded, rank_and_world
-from rcdl.io import _atomic_write, atomic_write_json
 from rcdl.retrieval import load_retrieval_state, retrieval_state
 
 __all__ = ["Checkpointer", "DamagedCheckpoint", "checkpoint_files", "load_checkpoint",
@@ -119,7 +119,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike) -> str:
         f.seek(0, io.SEEK_END)
         digest.append(writer.digest.hexdigest())
 
-    _atomic_write(path, write)
+    atomic_write(path, write)
     return digest[0]
 
 

@@ -32,9 +32,9 @@ stores sharded over ranks (:mod:`rcdl.distributed`) the budget is per shard: eac
 at most ``capacity`` entries of its shard, choosing (and merging) among its own entries, so
 a layer holds at most ``W · capacity`` in all and ``evicted`` counts this rank's evictions.
 
-For a hybrid network (entries also trained by Adam) use :class:`rcdl.hybrid.HybridGrower`,
+For a hybrid network (entries also trained by Adam) use :class:`rcdl.hybrid_grower.HybridGrower`,
 which runs the Adam step and then this one. (Growing first would drop the entries'
-gradients; :class:`rcdl.hybrid.EntryAdam` then refuses its step with an error.)
+gradients; :class:`rcdl.entry_adam.EntryAdam` then refuses its step with an error.)
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Grower(torch.optim.Optimizer):
 
     def validate(self) -> bool:
         """The checks of :meth:`step` before anything is written; ``False`` when nothing was
-        recorded. (:class:`rcdl.hybrid.HybridGrower` runs them before its Adam step.)"""
+        recorded. (:class:`rcdl.hybrid_grower.HybridGrower` runs them before its Adam step.)"""
         self.check_mode()
         if not any(layer.ready_records() for layer in self.layers):
             pending = [layer.where for layer in self.layers if layer.has_pending]

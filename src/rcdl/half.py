@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rcdl.cpu import cpuinfo_flags
+from rcdl._cpu import cpuinfo_flags
 
 __all__ = ["MODES", "half_products", "native_products", "product_mode", "set_half_products",
            "upcast_chunks"]

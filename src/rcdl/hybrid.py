@@ -3,12 +3,13 @@ distance.
 
 A :class:`HybridSoftmax` layer is a :class:`rcdl.layers.GrowingSoftmax` whose stored keys,
 weighted values and weights are *also* trained, jointly, by one Adam step per batch
-(:class:`EntryAdam`, lr 1e−3). After the Adam step, a sample writes its gws entry only if its
-query is farther than τ from every stored key of that layer (:class:`DistanceGate`); other
+(:class:`rcdl.entry_adam.EntryAdam`, lr 1e−3). After the Adam step, a sample writes its gws
+entry only if its query is farther than τ from every stored key of that layer
+(:class:`DistanceGate`); other
 growth triggers are :class:`AlwaysGrow`, :class:`CapacityGate` and :class:`ErrorScaledGate`
 (all in :mod:`rcdl.gates`, importable from here too).
 
-One training step: :class:`HybridGrower` drives it, in the only valid order::
+One training step: :class:`rcdl.hybrid_grower.HybridGrower` drives it, in the only valid order::
 
     opt = HybridGrower(model, lr=1e-3)
     loss = F.cross_entropy(model(x), y)     # the forward records q, s and (by a hook) ḡ
@@ -16,9 +17,10 @@ One training step: :class:`HybridGrower` drives it, in the only valid order::
     opt.step()                              # EntryAdam moves the entries, then gated writes
     opt.zero_grad()                         # as for any optimizer: the parameters' gradients
 
-(The two halves also exist alone, :class:`EntryAdam` and :class:`rcdl.grower.Grower`. In the
-wrong order the growth step drops the entries' gradients, and the next ``EntryAdam.step()``
-raises an error saying so instead of silently skipping the update.)
+(The two halves also exist alone, :class:`~rcdl.entry_adam.EntryAdam` and
+:class:`rcdl.grower.Grower`. In the wrong order the growth step drops the entries'
+gradients, and the next ``EntryAdam.step()`` raises an error saying so instead of silently
+skipping the update.)
 
 Entries are plain rows of the layer's :class:`~rcdl.store.EntryStore`, not ``nn.Parameter``s:
 the store grows, and a growing parameter list does not fit ``torch.optim``. In training mode
@@ -34,8 +36,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
-from typing import NoReturn, overload
 
 import torch
 from torch import Tensor, nn
@@ -50,17 +50,14 @@ from rcdl.gates import (  # noqa: F401 - importable from here as before
     GrowthTrigger,
     default_tau,
 )
-from rcdl.grower import Grower
-from rcdl.layers import GrowingSoftmax, _Record
-from rcdl.memory import MemoryBudget
+from rcdl.layers import GrowingSoftmax
+from rcdl.records import Record
 from rcdl.rounding import round_stochastically, rounding_noise
 from rcdl.rules import Entries, LearningRule
 from rcdl.store import EntryStore
 
 __all__ = [
-    "AlwaysGrow", "CapacityGate", "DistanceGate", "EntryAdam", "ErrorScaledGate",
-    "GrowthStalledWarning", "GrowthTrigger", "HybridGrower", "HybridSoftmax",
-    "adam_block_elements", "default_tau", "hybrid_layers",
+    "GrowthStalledWarning", "HybridSoftmax", "adam_block_elements", "hybrid_layers",
 ]  # fmt: skip
 # round_stochastically lives in rcdl.rounding; importable from here as before
 
@@ -269,7 +266,7 @@ class HybridSoftmax(GrowingSoftmax):
             self.retrieval.entries_moved(self)
 
     # ---------------------------------------------------------------- growth
-    def make_entries(self, record: _Record) -> Entries:
+    def make_entries(self, record: Record) -> Entries:
         keys, values, weights = super().make_entries(record)
         errors = (record.grad_mean * record.n_samples).norm(dim=1)  # (B,) per-sample ‖g‖
         sq_distance = None
@@ -355,208 +352,14 @@ def hybrid_layers(model: nn.Module) -> list[tuple[str, HybridSoftmax]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, HybridSoftmax)]
 
 
-# --------------------------------------------------------------------------- the optimizer
-
-
-class EntryAdam(torch.optim.Optimizer):
-    """Adam on the entries of every :class:`HybridSoftmax` layer of ``model``
-    (docs/reference.md §4), plus Adam on the model's ordinary parameters, if it has any (one
-    parameter group, so a ``torch.optim.lr_scheduler`` scheduler drives both).
-
-    Step it after ``loss.backward()`` and before :meth:`rcdl.grower.Grower.step`, or let
-    :class:`HybridGrower` do both. :meth:`state_dict` holds what a resumed run needs: the
-    hyperparameters, every entry's moments and step count (row-aligned with the model's
-    stores, so load the model first), and the ordinary parameters' Adam state.
-    """
-
-    def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9,
-                 0.999), eps: float = 1e-8) -> None:
-        if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
-            raise ValueError(f"EntryAdam: need lr > 0, 0 <= betas < 1, eps > 0; got lr={lr}, "
-                             f"betas={betas}, eps={eps}")
-        self.layers = hybrid_layers(model)
-        if not self.layers:
-            raise ValueError(f"EntryAdam: {type(model).__name__} has no HybridSoftmax layers")
-        for name, layer in self.layers:
-            layer.bind_name(name)
-        params = [p for p in model.parameters() if p.requires_grad]
-        super().__init__([{"params": params, "name": "entries and parameters (Adam)"}],
-                         {"lr": lr, "betas": tuple(betas), "eps": eps})
-        self.param_adam = torch.optim.Adam(params, lr=lr, betas=betas, eps=eps) if params else None
-
-    @property
-    def lr(self) -> float:
-        return self.param_groups[0]["lr"]
-
-    @overload
-    def step(self, closure: None = None) -> None: ...
-    @overload
-    def step(self, closure: Callable[[], float]) -> NoReturn: ...  # refused
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:
-        """One Adam step on every entry with a gradient, then on the ordinary parameters.
-
-        Refused (``ValueError`` naming the layer; every entry gradient dropped, nothing
-        moved) if an entry gradient is NaN or inf.
-        """
-        if closure is not None:
-            raise TypeError("EntryAdam.step() takes no closure")
-        skipped = [layer.where for _, layer in self.layers if layer.adam_update_lost()]
-        if skipped:
-            for _, layer in self.layers:
-                layer.drop_entry_grads()
-            raise RuntimeError(
-                f"EntryAdam.step(): Grower.step() ran before this step and dropped the entry "
-                f"gradients of {', '.join(skipped)}, so that batch's Adam update is lost: step "
-                "EntryAdam before the Grower (rcdl.hybrid.HybridGrower does both in order)")
-        group = self.param_groups[0]
-        finite = torch.stack([layer.entry_grads_finite() for _, layer in self.layers])
-        if not bool(finite.all()):
-            bad = [layer.where for (_, layer), ok in zip(self.layers, finite.tolist(),
-                                                         strict=True) if not ok]
-            self.zero_grad()
-            raise ValueError(f"EntryAdam: NaN or inf in the entry gradients of {', '.join(bad)};"
-                             " no entry moved and the gradients are dropped")
-        for _, layer in self.layers:
-            layer.adam_step(group["lr"], group["betas"], group["eps"])
-        if self.param_adam is not None:
-            for inner in self.param_adam.param_groups:
-                inner.update(lr=group["lr"], betas=group["betas"], eps=group["eps"])
-            self.param_adam.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the entries' gradients (they live on per-step leaves) and the parameters'."""
-        for _, layer in self.layers:
-            layer.drop_entry_grads()
-        if self.param_adam is not None:
-            self.param_adam.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        layers = {}
-        for name, layer in self.layers:
-            layers[name] = {"adam_steps": int(layer.adam_steps),
-                            "m": layer.adam_m.rows(), "v": layer.adam_v.rows()}
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        return {"param_groups": [group], "layers": layers,
-                "param_adam": None if self.param_adam is None else self.param_adam.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Load a :meth:`state_dict` (after the model's own ``load_state_dict``). Everything is
-        checked before anything changes."""
-        names = {name for name, _ in self.layers}
-        if set(state.get("layers", {})) != names:
-            raise ValueError(f"EntryAdam.load_state_dict: the state is for layers "
-                             f"{sorted(state.get('layers', {}))}, this model has {sorted(names)}")
-        for name, layer in self.layers:
-            for key in ("m", "v"):
-                rows = state["layers"][name][key]["keys"].shape[0]
-                if rows != len(layer.store):
-                    raise ValueError(
-                        f"EntryAdam.load_state_dict: {layer.where} stores {len(layer.store)} "
-                        f"entries but the state has moments for {rows}: load the model's "
-                        "state saved with it first")
-        for name, layer in self.layers:
-            saved = state["layers"][name]
-            layer.adam_steps.fill_(saved["adam_steps"])
-            layer.adam_m.load_rows(saved["m"])
-            layer.adam_v.load_rows(saved["v"])
-            layer.drop_entry_grads()
-        group = self.param_groups[0]
-        group.update({k: v for k, v in state["param_groups"][0].items() if k != "params"})
-        group["betas"] = tuple(group["betas"])
-        if self.param_adam is not None and state["param_adam"] is not None:
-            self.param_adam.load_state_dict(state["param_adam"])
-
-
-class HybridGrower(torch.optim.Optimizer):
-    """One object for a hybrid network's whole step (docs/reference.md §4): Adam on the entries (and
-    on any ordinary parameters), then the gated growth, in that order.
-
-    ``step()`` first checks every layer's recorded outputs and gradients and the entries'
-    gradients (a NaN or a diverging layer refuses the step before anything moves, and leaves
-    nothing pending), then runs :class:`EntryAdam` and then :class:`rcdl.grower.Grower`.
-    ``param_groups`` are the Adam group followed by the grower's groups (one per layer, ``lr``
-    the rule's η), so a ``torch.optim.lr_scheduler`` scheduler drives both;
-    :meth:`state_dict` holds both halves' state.
-
-    Like any optimizer it leaves the gradients of the model's ordinary parameters (an
-    ``nn.Linear`` in front, a ViT's embeddings) in place after ``step()``: call
-    ``zero_grad()`` before the next backward, as :func:`rcdl.training.train_step` does.
-
-    Example::
-
-        opt = HybridGrower(model, lr=1e-3)
-        for x, y in batches:
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    """
-
-    def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9,
-                 0.999), eps: float = 1e-8, budget: MemoryBudget | None = None) -> None:
-        self.adam = EntryAdam(model, lr=lr, betas=betas, eps=eps)
-        self.grower = Grower(model, budget=budget)
-        # the same group dicts as the two halves: a scheduler's change reaches them
-        groups = [*self.adam.param_groups, *self.grower.param_groups]
-        super().__init__(groups, {})
-
-    @overload
-    def step(self, closure: None = None) -> None: ...
-    @overload
-    def step(self, closure: Callable[[], float]) -> NoReturn: ...  # refused
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:
-        if closure is not None:
-            raise TypeError("HybridGrower.step() takes no closure")
-        if not self.grower.validate():  # a refused step drops the records
-            return
-        try:
-            self.adam.step()  # checks the entry gradients before it moves anything
-        except Exception:
-            self.zero_grad()
-            raise
-        self.grower.write()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget everything this step recorded: entry and parameter gradients, and records."""
-        self.adam.zero_grad(set_to_none)
-        self.grower.zero_grad(set_to_none)
-
-    def state_dict(self) -> dict:
-        return {"adam": self.adam.state_dict(), "grower": self.grower.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.adam.load_state_dict(state["adam"])
-        self.grower.load_state_dict(state["grower"])
-
-    # the counts of :class:`~rcdl.grower.Grower`: local_* never communicate, *_all_ranks()
-    # are collectives under sharding, the plain ones refuse to guess once stores are sharded
-    @property
-    def local_num_entries(self) -> int:
-        return self.grower.local_num_entries
-
-    @property
-    def local_nbytes(self) -> int:
-        return self.grower.local_nbytes
-
-    def num_entries_all_ranks(self) -> int:
-        return self.grower.num_entries_all_ranks()
-
-    def nbytes_all_ranks(self) -> int:
-        return self.grower.nbytes_all_ranks()
-
-    def entries_per_layer_all_ranks(self) -> list[int]:
-        return self.grower.entries_per_layer_all_ranks()
-
-    @property
-    def num_entries(self) -> int:
-        return self.grower.num_entries
-
-    @property
-    def nbytes(self) -> int:
-        return self.grower.nbytes
-
-    def entries_per_layer(self) -> list[int]:
-        return self.grower.entries_per_layer()
+def __getattr__(name: str) -> object:
+    """``EntryAdam`` and ``HybridGrower`` live in :mod:`rcdl.entry_adam` and
+    :mod:`rcdl.hybrid_grower`; importable from here as before (loaded on first use: those
+    modules import this one)."""
+    if name == "EntryAdam":
+        from rcdl.entry_adam import EntryAdam
+        return EntryAdam
+    if name == "HybridGrower":
+        from rcdl.hybrid_grower import HybridGrower
+        return HybridGrower
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

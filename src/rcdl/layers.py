@@ -7,34 +7,21 @@ what a learning rule needs — the query, the output computed from the pre-step 
 (through a hook) the gradient of the loss w.r.t. that output. :class:`rcdl.grower.Grower`
 then turns those records into new entries, after ``loss.backward()``.
 
-Which records a step writes (the habits of an ordinary PyTorch loop must not break it):
-
-- a record is *ready* once backward has reached it; only ready records are written. A
-  forward pass that never gets a backward (a test loss computed in training mode without
-  ``torch.no_grad()``) writes nothing, and its record lives only as long as its autograd
-  graph: the layer keeps it through a weak reference.
-- a training-mode forward that finds ready records of a backward that was never stepped
-  (an exception between ``backward()`` and ``step()``, or a hybrid layer trained by Adam
-  alone) discards them: each step writes the batch of its own forward and backward.
-  (Accumulating several forward/backward passes into one step is therefore not supported:
-  make the batch larger.)
-- ``discard()`` (``Grower.zero_grad()``) forgets every record; records made before it are
-  never written, even if their backward comes later.
-- in eval mode nothing is recorded; if grad is enabled the output still requires grad, and a
-  backward through it raises an error that names the layer and says to call ``model.train()``.
-- the output is the layer's own tensor, shared with nothing it keeps (its record, an
-  evaluation cache, the attention's saved tensors): an in-place op after the layer
-  (``nn.ReLU(inplace=True)``) trains as its out-of-place twin does.
+Which records a step writes is :mod:`rcdl.records`' business (each layer keeps a
+:class:`~rcdl.records.Recorder`); in short, only a batch whose backward ran is written, by the
+next step, and a training forward pass after an unstepped backward drops that batch. In eval
+mode nothing is recorded; if grad is enabled the output still requires grad, and a backward
+through it raises an error that names the layer and says to call ``model.train()``. The output
+is the layer's own tensor, shared with nothing it keeps (its record, an evaluation cache, the
+attention's saved tensors): an in-place op after the layer (``nn.ReLU(inplace=True)``) trains
+as its out-of-place twin does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +32,12 @@ from rcdl.attention import attention, attention_partial
 from rcdl.backends import Backend, EvalCached, Exact, Sharded, find
 from rcdl.backends import TopK as _TopKBackend
 from rcdl.kernels import Kernel, check_kernel, softmax_scale
+from rcdl.records import (
+    EvalModeOutput,
+    Record,
+    Recorder,
+    UnsteppedBatchWarning,  # noqa: F401 - importable from here as before
+)
 from rcdl.rules import Entries, FunctionalSGD, LearningRule, Step
 from rcdl.store import EntryStore
 
@@ -54,58 +47,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GrowingLaplacian", "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax",
-    "ParametricSoftmax",
-    "UnsteppedBatchWarning", "growing_layers", "set_store_dtype",
+    "ParametricSoftmax", "growing_layers", "set_store_dtype",
 ]
-
-
-@dataclass(eq=False)
-class _Record:
-    """One training-mode call of a layer: what its rule needs after ``backward()``."""
-
-    q: Tensor  # (B, d_in) the query, detached
-    s: Tensor  # (B, d_out) the output from the pre-step store, detached
-    n_samples: int  # samples the batch-mean loss averages over (leading dim of the input)
-    generation: int  # the layer's record generation at the forward (see GrowingLayer.discard)
-    grad: Tensor | None = None  # (B, d_out) ∂(mean loss)/∂s, set by the hook
-    # (m, den) (B,) each of the pre-step store, as the forward's attention folded them
-    # (softmax): log Σ_j w_j e^{z_j} = m + log den
-    normaliser: tuple[Tensor, Tensor] | None = None
-    ready: list[_Record] = field(default_factory=list, repr=False)  # the layer's ready list
-
-    def set_grad(self, grad: Tensor) -> None:
-        if self.grad is None:
-            self.grad = grad.detach()
-            self.ready.append(self)  # from now on the layer holds it, not just the graph
-        else:
-            self.grad = self.grad + grad.detach()
-
-    @property
-    def grad_mean(self) -> Tensor:
-        """The gradient of a ready record (one that backward has reached)."""
-        if self.grad is None:
-            raise RuntimeError("the record's backward has not run: no gradient")
-        return self.grad
-
-
-class _EvalModeOutput(torch.autograd.Function):
-    """Identity whose backward raises: the output of a layer that ran in eval mode."""
-
-    @staticmethod
-    def forward(ctx, s: Tensor, where: str) -> Tensor:  # noqa: ANN001
-        ctx.where = where
-        return s.clone()  # not a view of the leaf: in-place ops on it stay possible
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
-        raise RuntimeError(
-            f"{ctx.where} ran its forward pass in eval mode, so it recorded nothing to learn "
-            "from: call model.train() before a training step (model.eval() is for evaluation)")
-
-
-class UnsteppedBatchWarning(UserWarning):
-    """A training forward pass began while an earlier batch's backward had run without a
-    ``step()``: that batch is dropped (growing layers do not accumulate gradients)."""
 
 
 class GrowingLayer(nn.Module):
@@ -172,10 +115,7 @@ class GrowingLayer(nn.Module):
         self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=device))
         self.name = type(self).__name__  # set to the module path by the Grower
         self.output_scale: float | None = None  # output RMS at the first non-zero step (floored)
-        self._ready: list[_Record] = []  # records that backward has reached
-        self._pending: list[weakref.ref[_Record]] = []  # records awaiting backward
-        self._generation = 0  # bumped by commit/discard: older records are never written
-        self._stepped = False  # a step has committed here (then dropped batches are warned of)
+        self.recorder = Recorder()  # this step's training-mode calls (rcdl.records)
         # how the layer attends: a chain of rcdl.backends wrappers, installed by use_shard,
         # use_retrieval and enable_eval_cache (TopK(EvalCached(Exact | Sharded)))
         self.backend: Backend = Exact()
@@ -355,20 +295,10 @@ class GrowingLayer(nn.Module):
         finally:
             stats, self._stats = self._stats, None
         if recording:
-            if not s.requires_grad:  # nothing upstream is trainable: make s the leaf
-                s = s.detach().requires_grad_()
-            record = _Record(q.detach(), s.detach(), x.shape[0], self._generation,
-                             ready=self._ready)
-            if stats is not None and len(stats) == 1:
-                record.normaliser = stats[0]  # no device sync here: read at the step
-            s.register_hook(record.set_grad)  # the graph holds the record until backward
-            self._pending = [r for r in self._pending if r() is not None]
-            self._pending.append(weakref.ref(record))
-            # hand out a copy: an in-place op after the layer (nn.ReLU(inplace=True)) then
-            # changes neither the record nor a leaf, and the hook still sees ∂L/∂s
-            s = s.clone()
+            normaliser = stats[0] if stats is not None and len(stats) == 1 else None
+            s = self.recorder.record(q, s, x.shape[0], normaliser)
         elif torch.is_grad_enabled() and not s.requires_grad:  # a backward would only fail
-            s = _EvalModeOutput.apply(s.detach().requires_grad_(), self.where)
+            s = EvalModeOutput.apply(s.detach().requires_grad_(), self.where)
         return s.reshape(*x.shape[:-1], self.d_out)
 
     @property
@@ -377,21 +307,10 @@ class GrowingLayer(nn.Module):
         return f"{type(self).__name__} {self.name!r}"
 
     def _drop_unstepped(self) -> None:
-        """Forget records whose backward ran but whose step never came: a new training
-        forward pass starts a new step. Says so (:class:`UnsteppedBatchWarning`) once the
-        layer is being stepped (a growing layer does not accumulate over batches as
-        parameters' gradients do); a layer that no step has reached yet, e.g. a hybrid trained
-        by :class:`~rcdl.hybrid.EntryAdam` alone, drops its records silently."""
-        if self._stepped and self.ready_records():
-            warnings.warn(
-                f"{self.where}: a batch's backward() ran but no step() followed before this "
-                "training forward pass; that batch is dropped and writes no entries. Growing "
-                "layers do not accumulate gradients over batches: call step() after every "
-                "backward() (for a larger batch, concatenate the inputs)",
-                UnsteppedBatchWarning, stacklevel=4)
-        if self._ready:
-            self._ready.clear()
-            self._generation += 1
+        """Forget records whose backward ran but whose step never came
+        (:meth:`rcdl.records.Recorder.drop_unstepped`); subclasses drop what belongs to the
+        same batch."""
+        self.recorder.drop_unstepped(self.where)
 
     def _check_input(self, x: Tensor) -> Tensor:
         where = self.where
@@ -419,12 +338,11 @@ class GrowingLayer(nn.Module):
     @property
     def has_pending(self) -> bool:
         """Whether a training-mode forward of this step still waits for its backward."""
-        alive = (ref() for ref in self._pending)
-        return any(r is not None and r.generation == self._generation for r in alive)
+        return self.recorder.has_pending
 
-    def ready_records(self) -> list[_Record]:
+    def ready_records(self) -> list[Record]:
         """The records of this step that backward has reached (what :meth:`propose` writes)."""
-        return [r for r in self._ready if r.generation == self._generation]
+        return self.recorder.ready()
 
     @torch.no_grad()
     def propose(self) -> Entries | None:
@@ -444,7 +362,7 @@ class GrowingLayer(nn.Module):
         self._check_step_ahead(records, keys, values, weights)
         return keys, values, weights
 
-    def _check_step_ahead(self, records: list[_Record], keys: Tensor, values: Tensor,
+    def _check_step_ahead(self, records: list[Record], keys: Tensor, values: Tensor,
                           weights: Tensor) -> None:
         """Refuse a step that would make this batch's outputs diverge, before it writes.
 
@@ -476,7 +394,7 @@ class GrowingLayer(nn.Module):
                 "normalise its inputs; no entry written (or raise max_output_growth)")
 
     @torch.no_grad()
-    def outputs_after(self, records: list[_Record], keys: Tensor, values: Tensor,
+    def outputs_after(self, records: list[Record], keys: Tensor, values: Tensor,
                       weights: Tensor) -> Tensor | None:  # (B, d_out)
         """The outputs on the records' queries once ``(keys, values, weights)`` are appended
         (see :meth:`_check_step_ahead`; ``None`` where they cannot be had cheaply). The
@@ -543,7 +461,7 @@ class GrowingLayer(nn.Module):
                 f"scale {self.output_scale:.3g}; {advice} (or raise "
                 "max_output_growth)")
 
-    def make_entries(self, record: _Record) -> Entries:
+    def make_entries(self, record: Record) -> Entries:
         return self.rule.entries(Step(record.q, record.s, record.grad_mean, record.n_samples))
 
     def num_entries_all_ranks(self) -> int:
@@ -556,7 +474,7 @@ class GrowingLayer(nn.Module):
         """Append ``entries`` as :meth:`propose` returns them (checked finite there, so not
         again here) as written at the next step."""
         self.discard()
-        self._stepped = True
+        self.recorder.stepped = True
         if entries is None:
             return
         self.steps += 1
@@ -573,9 +491,7 @@ class GrowingLayer(nn.Module):
     def discard(self) -> None:
         """Forget this step's records without writing anything: records made so far are never
         written, even if their backward runs later."""
-        self._ready.clear()
-        self._pending.clear()
-        self._generation += 1
+        self.recorder.discard()
 
     @torch.no_grad()
     def remove_entries(self, mask: Tensor) -> int:
@@ -664,7 +580,7 @@ class GrowingLinear(GrowingLayer):
         r = self.rule.ages.initial(int(self.steps))
         return r * F.linear(q, self.weight0, self.bias0) + self.attend(self._augment(q))
 
-    def make_entries(self, record: _Record) -> Entries:
+    def make_entries(self, record: Record) -> Entries:
         keys, values, weights = super().make_entries(record)
         return self._augment(keys), values, weights
 
@@ -774,7 +690,7 @@ class GrowingSoftmax(GrowingLayer):
                                               self.store.weights))
         return part.m + torch.log(part.den)
 
-    def make_entries(self, record: _Record) -> Entries:
+    def make_entries(self, record: Record) -> Entries:
         def log_z() -> Tensor:  # (B,) the forward's normaliser, else one pass to find it
             if record.normaliser is None:
                 return self.log_normalizer(record.q)

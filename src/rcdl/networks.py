@@ -172,7 +172,7 @@ class HybridSoftmaxNet(ResidualNet):
     d→``d_out``, all :class:`~rcdl.hybrid.HybridSoftmax` (entries trained by Adam, growth by
     ``trigger``; by default each layer's own ``DistanceGate(default_tau(width))``,
     τ = 50 · √(width / 3072) for its queries' width, which is τ = 50 at CIFAR-10's); train it
-    with :class:`~rcdl.hybrid.HybridGrower`.
+    with :class:`~rcdl.hybrid_grower.HybridGrower`.
 
     Example (docs/reference.md §6: depth 3, T = 5, τ = 50, Adam 1e−3)::
 

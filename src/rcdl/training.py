@@ -54,7 +54,7 @@ class MetricLog(Protocol):
 
 class GrowerLike(Protocol):
     """What the loop needs from a grower (:class:`rcdl.grower.Grower`,
-    :class:`rcdl.hybrid.HybridGrower`)."""
+    :class:`rcdl.hybrid_grower.HybridGrower`)."""
 
     def num_entries_all_ranks(self) -> int: ...
 
@@ -247,7 +247,7 @@ def train_step(model: nn.Module, xb: Tensor, yb: Tensor, loss_fn: Metric,
     """One training step, the learner protocol of :func:`train_one_pass`:
     ``loss = loss_fn(model(xb), yb)``, ``loss.backward()``, then each learner in turn —
     ``optimizer`` first, then ``grower`` — ``step()`` and ``zero_grad()``. Whichever learner
-    holds a parameter (an :class:`rcdl.hybrid.HybridGrower` holds the model's ordinary
+    holds a parameter (an :class:`rcdl.hybrid_grower.HybridGrower` holds the model's ordinary
     parameters too), its gradient is zeroed after the step that used it, so
     ``grower=HybridGrower(m)`` and ``optimizer=EntryAdam(m), grower=Grower(m)`` train alike.
 

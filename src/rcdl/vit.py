@@ -13,7 +13,7 @@ one epoch. This module builds both networks from the same parts; only the FFN di
 - :class:`RCDLFeedForward` — ``γ · s(RMSNorm(u))`` with ``s`` a
   :class:`~rcdl.hybrid.HybridSoftmax` ``d → d``: a store of entries, one written per token
   that its gate lets through, and every stored entry trained by Adam
-  (:class:`~rcdl.hybrid.EntryAdam`, which also trains the attention, embeddings, norms and
+  (:class:`~rcdl.entry_adam.EntryAdam`, which also trains the attention, embeddings, norms and
   head as ordinary parameters).
 
 The RCDL FFN normalises its query once more with a scale-free RMSNorm, after the block's

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rcdl.io import atomic_write_text, save_figure
+from rcdl._io import atomic_write_text, save_figure
 
 __all__ = ["Curve", "Panel", "csv_text", "group_runs", "markdown_table", "mean_sd",
            "plot_panels", "pm", "write_outputs"]  # fmt: skip

@@ -38,12 +38,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from rcdl._version import __version__
-from rcdl.app.allocator import allocator_setting
-from rcdl.cpu import cpuinfo_field, cpuinfo_flags
-from rcdl.distributed import rank_and_world
-from rcdl.half import native_products
-from rcdl.io import (  # noqa: F401 - re-exported: the run folder writes through them
+from rcdl._cpu import cpuinfo_field, cpuinfo_flags
+from rcdl._io import (  # noqa: F401 - re-exported: the run folder writes through them
     atomic_save_torch,
     atomic_write_bytes,
     atomic_write_json,
@@ -51,6 +47,10 @@ from rcdl.io import (  # noqa: F401 - re-exported: the run folder writes through
     save_figure,
     to_jsonable,
 )
+from rcdl._version import __version__
+from rcdl.app.allocator import allocator_setting
+from rcdl.distributed import rank_and_world
+from rcdl.half import native_products
 
 __all__ = [
     "rank0_run",

@@ -33,7 +33,7 @@ The classical baselines are fitted on the whole training set at once and scored 
 The growing models write one entry per training sample per layer. They have no
 parameters, so :class:`rcdl.grower.Grower` plays the optimizer's part. The hybrid writes
 only the samples its distance gate lets through (the table gives its entries as a fraction
-of the possible ones) and trains its entries by :class:`rcdl.hybrid.EntryAdam`.
+of the possible ones) and trains its entries by :class:`rcdl.entry_adam.EntryAdam`.
 
 Run folder (one per invocation, every model and seed in it), besides what every run
 writes (:mod:`rcdl.app.runner`; ``environment.json`` is the first session's)::

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from rcdl.app.classical import CLASSICAL_MODELS
+from rcdl.entry_adam import EntryAdam
+from rcdl.gates import AlwaysGrow, DistanceGate
 from rcdl.grower import Grower
-from rcdl.hybrid import AlwaysGrow, DistanceGate, EntryAdam
 from rcdl.layers import GrowingLaplacian, set_store_dtype
 from rcdl.networks import (
     GrowingRBFNet,

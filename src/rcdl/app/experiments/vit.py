@@ -14,7 +14,7 @@ parts (patch embedding, position embedding, class token, attention, norms, head)
 ``rcdl``  every FFN an :class:`rcdl.vit.RCDLFeedForward`: a hybrid weighted-softmax layer
           ``d → d`` (:class:`rcdl.hybrid.HybridSoftmax`) on the RMS-normalised token, whose
           entries are trained by Adam and grown, one entry per token that the distance gate
-          lets through (τ = ``tau_rel · √d``); :class:`rcdl.hybrid.EntryAdam` trains the
+          lets through (τ = ``tau_rel · √d``); :class:`rcdl.entry_adam.EntryAdam` trains the
           entries and the ordinary parameters with the same learning rate
 ========  ==============================================================================
 
@@ -59,8 +59,9 @@ from rcdl.app.report import (
 )
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, TaggedLog, run_experiment
+from rcdl.entry_adam import EntryAdam
 from rcdl.grower import Grower
-from rcdl.hybrid import EntryAdam, hybrid_layers
+from rcdl.hybrid import hybrid_layers
 from rcdl.rules import ClippedSoftmaxRule
 from rcdl.training import Metric, accuracy, train_one_pass
 from rcdl.vit import ViT, mlp_vit, rcdl_vit
@@ -175,7 +176,7 @@ def build_model(name: str, seed: int, cfg: ViTConfig, *, device: torch.device | 
     torch's global generator is seeded with ``seed`` first, and :class:`rcdl.vit.ViT` builds
     its FFNs after the shared parts, so both models start from the same shared parameters.
     ``mlp``: ``torch.optim.Adam(lr)``, no grower. ``rcdl``: the RCDL layers' initial entries
-    are seeded from ``seed``; :class:`rcdl.hybrid.EntryAdam` (lr) and a
+    are seeded from ``seed``; :class:`rcdl.entry_adam.EntryAdam` (lr) and a
     :class:`rcdl.grower.Grower`.
 
     Returns:

@@ -19,6 +19,7 @@ import torch
 
 __all__ = [
     "atomic_save_torch",
+    "atomic_write",
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
@@ -27,7 +28,7 @@ __all__ = [
 ]
 
 
-def _atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> Path:
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> Path:
     """Call ``write(f)`` on a temporary file beside ``path``, fsync it, then rename it over."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,7 +66,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
     """Write ``data`` to ``path`` atomically; returns the path."""
-    return _atomic_write(path, lambda f: f.write(data))
+    return atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_write_text(text: str, path: str | os.PathLike) -> Path:
@@ -80,7 +81,7 @@ def atomic_write_json(obj: Any, path: str | os.PathLike) -> Path:
 
 def atomic_save_torch(obj: Any, path: str | os.PathLike) -> Path:
     """``torch.save(obj)`` to ``path`` atomically (for checkpoints); returns the path."""
-    return _atomic_write(path, lambda f: torch.save(obj, f))
+    return atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:

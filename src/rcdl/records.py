@@ -1,0 +1,150 @@
+"""What a growing layer's training-mode forward passes leave for its learning rule: one
+:class:`Record` per call, kept by the layer's :class:`Recorder` (docs/architecture.md).
+
+A record holds the query ``q``, the output ``s`` computed from the pre-step store and,
+once backward has reached it (through a hook on ``s``), the gradient ``∂(mean loss)/∂s``.
+The recorder decides which records a step writes, so that the habits of an ordinary
+PyTorch loop do not break it:
+
+- a record is *ready* once backward has reached it; only ready records are written. A
+  forward pass that never gets a backward (a test loss computed in training mode without
+  ``torch.no_grad()``) writes nothing, and its record lives only as long as its autograd
+  graph: the recorder keeps it through a weak reference.
+- a training-mode forward that finds ready records of a backward that was never stepped
+  (an exception between ``backward()`` and ``step()``, or a hybrid layer trained by Adam
+  alone) discards them: each step writes the batch of its own forward and backward.
+- :meth:`Recorder.discard` (``Grower.zero_grad()``) forgets every record; records made
+  before it are never written, even if their backward comes later (each record carries
+  the recorder's *generation* at its forward, and every discard starts a new one).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["Record", "Recorder", "UnsteppedBatchWarning"]
+
+
+class UnsteppedBatchWarning(UserWarning):
+    """A training forward pass began while an earlier batch's backward had run without a
+    ``step()``: that batch is dropped (growing layers do not accumulate gradients)."""
+
+
+@dataclass(eq=False)
+class Record:
+    """One training-mode call of a layer: what its rule needs after ``backward()``."""
+
+    q: Tensor  # (B, d_in) the query, detached
+    s: Tensor  # (B, d_out) the output from the pre-step store, detached
+    n_samples: int  # samples the batch-mean loss averages over (leading dim of the input)
+    generation: int  # the recorder's generation at the forward (see Recorder.discard)
+    grad: Tensor | None = None  # (B, d_out) ∂(mean loss)/∂s, set by the hook
+    # (m, den) (B,) each of the pre-step store, as the forward's attention folded them
+    # (normalised kernels): log Σ_j w_j e^{z_j} = m + log den
+    normaliser: tuple[Tensor, Tensor] | None = None
+    ready: list[Record] = field(default_factory=list, repr=False)  # the recorder's ready list
+
+    def set_grad(self, grad: Tensor) -> None:
+        """The backward hook on ``s``: a second backward through the same output adds."""
+        if self.grad is None:
+            self.grad = grad.detach()
+            self.ready.append(self)  # from now on the recorder holds it, not just the graph
+        else:
+            self.grad = self.grad + grad.detach()
+
+    @property
+    def grad_mean(self) -> Tensor:
+        """The gradient of a ready record (one that backward has reached)."""
+        if self.grad is None:
+            raise RuntimeError("the record's backward has not run: no gradient")
+        return self.grad
+
+
+class Recorder:
+    """The records of one layer: made at its training-mode forward passes, ready once their
+    backward ran, forgotten at every step (:meth:`discard`)."""
+
+    def __init__(self) -> None:
+        self._ready: list[Record] = []  # records that backward has reached
+        self._pending: list[weakref.ref[Record]] = []  # records awaiting backward
+        self._generation = 0  # bumped by discard: older records are never written
+        self.stepped = False  # a step has committed (then dropped batches are warned of)
+
+    def record(self, q: Tensor, s: Tensor, n_samples: int,
+               normaliser: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Record one call whose output ``s (B, d_out)`` answered queries ``q (B, d_in)``;
+        returns the tensor to hand out in place of ``s``: a copy, so that an in-place op
+        after the layer (``nn.ReLU(inplace=True)``) changes neither the record nor a leaf,
+        while the hook on ``s`` still sees ``∂L/∂s``."""
+        if not s.requires_grad:  # nothing upstream is trainable: make s the leaf
+            s = s.detach().requires_grad_()
+        record = Record(q.detach(), s.detach(), n_samples, self._generation, ready=self._ready,
+                        normaliser=normaliser)  # the normaliser is read at the step: no sync
+        s.register_hook(record.set_grad)  # the graph holds the record until backward
+        self._pending = [r for r in self._pending if r() is not None]
+        self._pending.append(weakref.ref(record))
+        return s.clone()
+
+    def ready(self) -> list[Record]:
+        """The records of this step that backward has reached (what the step writes)."""
+        return [r for r in self._ready if r.generation == self._generation]
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether a training-mode forward of this step still waits for its backward."""
+        alive = (ref() for ref in self._pending)
+        return any(r is not None and r.generation == self._generation for r in alive)
+
+    def latest_pending(self) -> Record | None:
+        """The newest record still alive (its graph not yet freed), ready or not."""
+        for ref in reversed(self._pending):
+            if (record := ref()) is not None:
+                return record
+        return None
+
+    def drop_unstepped(self, where: str) -> bool:
+        """Forget records whose backward ran but whose step never came: a new training
+        forward pass starts a new step. Says so (:class:`UnsteppedBatchWarning`, naming the
+        layer ``where``) once a step has committed here (a growing layer does not accumulate
+        over batches as parameters' gradients do); before any step, e.g. for a hybrid
+        trained by Adam alone, the records go silently. Returns whether any went."""
+        if not self._ready:
+            return False
+        if self.stepped and self.ready():
+            warnings.warn(
+                f"{where}: a batch's backward() ran but no step() followed before this "
+                "training forward pass; that batch is dropped and writes no entries. Growing "
+                "layers do not accumulate gradients over batches: call step() after every "
+                "backward() (for a larger batch, concatenate the inputs)",
+                UnsteppedBatchWarning, stacklevel=5)
+        self._ready.clear()
+        self._generation += 1
+        return True
+
+    def discard(self) -> None:
+        """Forget this step's records: records made so far are never written, even if their
+        backward runs later."""
+        self._ready.clear()
+        self._pending.clear()
+        self._generation += 1
+
+
+class EvalModeOutput(torch.autograd.Function):
+    """Identity whose backward raises: the output of a layer that ran in eval mode with
+    grad enabled, so a backward through it names the layer instead of learning nothing."""
+
+    @staticmethod
+    def forward(ctx, s: Tensor, where: str) -> Tensor:  # noqa: ANN001
+        ctx.where = where
+        return s.clone()  # not a view of the leaf: in-place ops on it stay possible
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
+        raise RuntimeError(
+            f"{ctx.where} ran its forward pass in eval mode, so it recorded nothing to learn "
+            "from: call model.train() before a training step (model.eval() is for evaluation)")
