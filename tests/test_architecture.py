@@ -116,7 +116,7 @@ def test_a_rule_written_as_the_architecture_page_says_trains_a_layer():
     import torch
     import torch.nn.functional as F
 
-    from rcdl import GrowingRBF, Grower, LearningRule
+    from rcdl import Grower, GrowingRBF, LearningRule
 
     @dataclass(frozen=True)
     class NormalisedSGD:

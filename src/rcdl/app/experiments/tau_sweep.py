@@ -40,15 +40,9 @@ from matplotlib.figure import Figure
 
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.experiments import cifar10
-from rcdl.app.experiments.cifar10 import (
-    _DTYPES,
-    Cifar10Config,
-    _finished_runs,
-    combine_runs,
-    hybrid_name,
-    hybrid_tau,
-    model_spec,
-)
+from rcdl.app.experiments.cifar10_combine import combine_runs, finished_runs
+from rcdl.app.experiments.cifar10_config import DTYPES, Cifar10Config
+from rcdl.app.experiments.cifar10_models import hybrid_name, hybrid_tau, model_spec
 from rcdl.app.report import csv_text, markdown_table
 from rcdl.app.rundir import RunDir, atomic_write_text, read_config, save_figure
 from rcdl.app.runner import Combine, run_experiment
@@ -96,7 +90,7 @@ class TauSweepConfig(ExperimentConfig):
     seed: int = setting(0, "seed of the models and data order", minimum=0)
     data_dir: str | None = data_dir_setting()
     device: str = device_setting()
-    dtype: str = setting("float32", "the models' dtype", choices=_DTYPES)
+    dtype: str = setting("float32", "the models' dtype", choices=DTYPES)
     checkpoint: bool = setting(
         True, "save each model's state under checkpoints/ while it trains",
         flag_help="write no checkpoints (an interrupted model restarts from scratch)")
@@ -171,7 +165,7 @@ def combine_sweep(
 
     # the names found, filtered; named ones found nowhere stay, so combine_runs reports them
     present = dict.fromkeys(r["model"] for folder in run_dirs
-                            for r in _finished_runs(Path(folder))[1]["runs"])
+                            for r in finished_runs(Path(folder))[1]["runs"])
     named = [*(hybrids or ()), *(references or ())]
     models = [m for m in present if wanted(m)] + [m for m in named if m not in present]
     folder, summary = combine_runs(run_dirs, out, models=models)
