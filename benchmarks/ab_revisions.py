@@ -45,21 +45,12 @@ def _median_seconds(fn, repeats: int) -> float:  # noqa: ANN001
     return statistics.median(times)
 
 
-def child(model_name: str, entries: int, store_dtype: str, steps: int, repeats: int,
-          dim: int) -> dict[str, float]:
-    """The figures of one side, in this process (the ``rcdl`` on ``sys.path``)."""
-    import torch.nn.functional as F
-
-    from rcdl.app.experiments.cifar10 import build_model
-    from rcdl.attention import attention
-    from rcdl.layers import growing_layers
-
-    dtype = getattr(torch, store_dtype)
-    out: dict[str, float] = {}
-    gen = torch.Generator().manual_seed(0)
+def _attention_figures(attention, entries: int, dim: int, dtype: torch.dtype,  # noqa: ANN001
+                       repeats: int, gen: torch.Generator) -> dict[str, float]:
     keys = (torch.randn(entries, dim, generator=gen) / dim**0.5).to(dtype)
     values = torch.randn(entries, dim, generator=gen).to(dtype)
     weights = torch.rand(entries, generator=gen)
+    out = {}
     for batch, reps in ((16, repeats), (500, max(1, repeats // 3))):
         q = torch.randn(batch, dim, generator=gen)
         grad = torch.randn(batch, dim, generator=gen)
@@ -69,7 +60,24 @@ def child(model_name: str, entries: int, store_dtype: str, steps: int, repeats: 
             attention(qq, keys, values, weights, kernel="softmax", temperature=6.0).backward(grad)
 
         out[f"attn{batch}"] = _median_seconds(fwd_bwd, reps)
-    del keys, values, weights
+    return out
+
+
+def child(model_name: str, entries: int, store_dtype: str, steps: int, repeats: int,
+          dim: int, figures: tuple[str, ...] = ("attention", "model")) -> dict[str, float]:
+    """The figures of one side, in this process (the ``rcdl`` on ``sys.path``)."""
+    import torch.nn.functional as F
+
+    from rcdl.app.experiments.cifar10 import build_model
+    from rcdl.attention import attention
+    from rcdl.layers import growing_layers
+
+    dtype = getattr(torch, store_dtype)
+    gen = torch.Generator().manual_seed(0)
+    out = _attention_figures(attention, entries, dim, dtype, repeats, gen) if (
+        "attention" in figures) else {}
+    if "model" not in figures:
+        return out
     model, optimizer, grower = build_model(model_name, 0, store_dtype=None if dtype is
                                            torch.float32 else dtype)
     for _, layer in growing_layers(model):
@@ -120,6 +128,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=4, help="A B pairs per store dtype")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--figures", nargs="+", choices=("attention", "model"),
+                        default=["attention", "model"],
+                        help="the attention calls, the model's step and evaluation, or both")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # store dtype, out file
     args = parser.parse_args()
@@ -127,7 +138,8 @@ def main() -> None:
     if args.quick:
         args.entries, args.steps, args.repeats, args.pairs = 2_000, 2, 3, 1
     if args.child:
-        result = child(args.model, args.entries, args.child[0], args.steps, args.repeats, dim)
+        result = child(args.model, args.entries, args.child[0], args.steps, args.repeats, dim,
+                       tuple(args.figures))
         Path(args.child[1]).write_text(json.dumps(result))
         return
     if not args.base:
@@ -156,7 +168,8 @@ def main() -> None:
                         subprocess.run([sys.executable, __file__, "--child", store_dtype,
                                         str(out), "--model", args.model, "--entries",
                                         str(args.entries), "--steps", str(args.steps),
-                                        "--repeats", str(args.repeats)], check=True, env=env)
+                                        "--repeats", str(args.repeats), "--figures",
+                                        *args.figures], check=True, env=env)
                         results[side].append(json.loads(out.read_text()))
                 print(f"\n## store {store_dtype}")
                 print("| figure | new ms (median) | old ms (median) | new / old per pair: "
