@@ -57,13 +57,16 @@ PHASES = ("forward", "backward", "adam", "growth")
 D, CLASSES, BATCH = 3072, 10, 16
 
 
-def build(n: int, steps: int, device: torch.device, seed: int = 0):  # noqa: ANN201
+def build(n: int, steps: int, device: torch.device, seed: int = 0,  # noqa: ANN201
+          store_dtype: str = "float32"):
     """The hybrid net of docs/reference.md §6 with ``n`` entries per layer, room for ``steps`` more
-    steps."""
+    steps, its stores in ``store_dtype``."""
     torch.manual_seed(seed)
     net = HybridSoftmaxNet(D, CLASSES, 3, temperature=5.0,
                            rule=ClippedSoftmaxRule(eta=1.0, beta=30.0),
                            trigger=DistanceGate(50.0), initial_entries=0).to(device)
+    if store_dtype != "float32":
+        rcdl.set_store_dtype(net, getattr(torch, store_dtype))
     adam_steps = 100
     for _, layer in hybrid_layers(net):
         room = n + steps * BATCH
@@ -133,9 +136,10 @@ def train_step(net, adam, grower, x, y, device, clock=None) -> None:  # noqa: AN
             clock[phase].append(t1 - t0)
 
 
-def measure(n: int, steps: int, warmup: int, device: torch.device, profile: bool) -> dict:
+def measure(n: int, steps: int, warmup: int, device: torch.device, profile: bool,
+            store_dtype: str = "float32") -> dict:
     """Median seconds per phase (and of the whole step) at ``n`` entries per layer."""
-    net, adam, grower = build(n, steps + warmup + int(profile), device)
+    net, adam, grower = build(n, steps + warmup + int(profile), device, store_dtype=store_dtype)
     gen = torch.Generator().manual_seed(1)
     clock = {phase: [] for phase in PHASES}
     for i in range(warmup + steps):
@@ -161,7 +165,8 @@ def measure(n: int, steps: int, warmup: int, device: torch.device, profile: bool
 def _child(n: int, args: argparse.Namespace, src: str) -> dict:
     """``measure`` in a fresh process importing rcdl from ``src`` (memory is freed after)."""
     cmd = [sys.executable, __file__, "--child", str(n), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--device", args.device]
+           "--warmup", str(args.warmup), "--device", args.device,
+           "--store-dtype", args.store_dtype]
     cmd += ["--profile"] if args.profile else []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (src, os.environ.get(
         "PYTHONPATH")))))
@@ -195,6 +200,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--store-dtype", default="float32",
+                        choices=("float32", "bfloat16", "float16"),
+                        help="the stores' keys and values (docs/precision.md)")
     parser.add_argument("--baseline", metavar="SRC",
                         help="also time the rcdl package under SRC (e.g. an older checkout's "
                              "src/) before this checkout's, and print the speed-ups")
@@ -208,7 +216,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.child is not None:
-        r = measure(args.child, args.steps, args.warmup, device, args.profile)
+        r = measure(args.child, args.steps, args.warmup, device, args.profile,
+                    args.store_dtype)
         print(json.dumps(r | {"rcdl": rcdl.__file__}))
         return
 
@@ -218,7 +227,7 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     tunables = os.environ.get("GLIBC_TUNABLES")
     print(f"# {platform.node()} {platform.machine()} {where}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {device}, float32"
+          f"{torch.get_num_threads()} threads, {device}, store {args.store_dtype}"
           + (f", GLIBC_TUNABLES={tunables}" if tunables else ""))
     print("# " + ", ".join(f"{label}: rcdl from {src}" for label, src in versions))
     print(f"# hybrid net d = {D}, 3 blocks + readout, batch {BATCH}; ms per step (% of the "
