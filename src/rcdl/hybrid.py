@@ -50,9 +50,10 @@ from rcdl.gates import (  # noqa: F401 - importable from here as before
     GrowthTrigger,
     default_tau,
 )
+from rcdl.half_adam import adam_rows, use_compiled
 from rcdl.layers import GrowingSoftmax
 from rcdl.records import Record
-from rcdl.rounding import round_stochastically, rounding_noise
+from rcdl.rounding import round_stochastically, rounding_noise  # noqa: F401 - as before
 from rcdl.rules import Entries, LearningRule
 from rcdl.store import EntryStore
 
@@ -240,27 +241,33 @@ class HybridSoftmax(GrowingSoftmax):
                   (self.store.values, self.adam_m.values, self.adam_v.values, leaves[1].grad),
                   (self.store.weights, self.adam_m.weights, self.adam_v.weights, leaves[2].grad))
         ids, seed = self.store.ids, self.rounding_seed
+        half_elements = self.store.keys.numel() + self.store.values.numel()
         for stream, (param, m, v, grad) in enumerate(groups):
             if grad is None:  # a zero gradient: the moments still decay and θ still moves
                 grad = param.new_zeros(()).expand_as(param)
             block = chunk_elements or adam_block_elements(param.device, param.numel())
             rows_per_chunk = max(1, block // math.prod(param.shape[1:]))
             shape = (-1,) + (1,) * (param.dim() - 1)  # per-entry scales broadcast over a row
-            scratch = m.new_empty((min(rows_per_chunk, n), *param.shape[1:]))
+            half = param.dtype != m.dtype
+            compiled = half and use_compiled(half_elements)
+            if compiled:  # one fused loop: no temporaries to keep in cache, one call
+                rows_per_chunk = n
+            scratch = None if half else m.new_empty((min(rows_per_chunk, n), *param.shape[1:]))
             for start in range(0, n, rows_per_chunk):
                 rows = slice(start, start + rows_per_chunk)
+                if half:  # round the moved entries without bias (rcdl.half_adam)
+                    param[rows] = adam_rows(
+                        param[rows], m[rows], v[rows], grad[rows], a[rows], c[rows],
+                        ids=ids[rows], seed=seed, step=self.adam_steps, stream=stream,
+                        b1=b1, b2=b2, compiled=compiled)
+                    continue
                 g, m_c, v_c = grad[rows].to(m.dtype), m[rows], v[rows]
+                assert scratch is not None  # made for a float store
                 denom = scratch[: g.shape[0]]
                 m_c.lerp_(g, 1 - b1)
                 v_c.mul_(b2).addcmul_(g, g, value=1 - b2)
                 torch.sqrt(v_c, out=denom).mul_(a[rows].view(shape)).add_(c[rows].view(shape))
-                if param.dtype == m.dtype:
-                    param[rows].addcdiv_(m_c, denom, value=-1.0)
-                else:  # a half-precision store: round the moved entries without bias
-                    moved = torch.addcdiv(param[rows].to(m.dtype), m_c, denom, value=-1.0)
-                    noise = rounding_noise(seed=seed, step=self.adam_steps, ids=ids[rows],
-                                           width=param.shape[1], stream=stream)
-                    param[rows] = round_stochastically(moved, param.dtype, noise)
+                param[rows].addcdiv_(m_c, denom, value=-1.0)
         self.store.touch()  # every entry moved: cached partials over them are stale
         if self.retrieval is not None:  # a top-k index follows in-place moves lazily
             self.retrieval.entries_moved(self)

@@ -1,0 +1,77 @@
+"""The half-precision Adam step (rcdl.half_adam): the mode switch, the fallback when
+torch.compile fails, and the compiled path against the eager one (marked long: compiling
+takes about a minute on two cores)."""
+
+import pytest
+import torch
+
+import rcdl.half_adam as half_adam
+from rcdl.half_adam import adam_rows, set_half_adam, use_compiled
+
+
+def _rows(n=40, w=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    param = torch.randn(n, w, generator=gen).to(torch.bfloat16)
+    m = 1e-3 * torch.randn(n, w, generator=gen)
+    v = 1e-6 * torch.rand(n, w, generator=gen)
+    grad = (1e-3 * torch.randn(n, w, generator=gen)).to(torch.bfloat16)
+    a, c = 1e3 * (1 + torch.rand(n, generator=gen)), 1e-5 * torch.rand(n, generator=gen)
+    return param, m, v, grad, a, c
+
+
+def _step(param, m, v, grad, a, c, compiled):
+    return adam_rows(param, m, v, grad, a, c, ids=torch.arange(len(param)) + 100,
+                     seed=torch.tensor(7), step=torch.tensor(3), stream=1, b1=0.9, b2=0.999,
+                     compiled=compiled)
+
+
+def test_modes_and_the_auto_threshold():
+    with half_adam.half_adam("eager"):
+        assert not use_compiled(1 << 40)
+    with half_adam.half_adam("compiled"):
+        assert use_compiled(1)
+    with half_adam.half_adam("auto"):
+        assert use_compiled(half_adam.AUTO_ELEMENTS)
+        assert not use_compiled(half_adam.AUTO_ELEMENTS - 1)
+    with pytest.raises(ValueError, match="must be one of auto, eager, compiled"):
+        set_half_adam("fast")
+
+
+def test_a_failing_compiler_falls_back_to_the_eager_step_with_one_warning(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(half_adam, "_compiled", None)
+    monkeypatch.setattr(half_adam, "_compile_failed", False)
+    monkeypatch.setattr(torch, "compile", broken)
+    eager_in, tried_in = _rows(), _rows()
+    expected = _step(*eager_in, compiled=False)
+    with pytest.warns(RuntimeWarning, match="runs eagerly"):
+        got = _step(*tried_in, compiled=True)
+    assert torch.equal(got, expected)
+    assert torch.equal(tried_in[1], eager_in[1]) and torch.equal(tried_in[2], eager_in[2])
+    assert not use_compiled(1 << 40)  # not tried again
+
+
+def test_the_eager_step_moves_rows_without_bias():
+    param, m, v, grad, a, c = _rows(n=2000, w=64)
+    exact = param.float() - (0.9 * m + 0.1 * grad.float()) / (
+        a[:, None] * (0.999 * v + 0.001 * grad.float() ** 2).sqrt() + c[:, None])
+    moved = _step(param, m, v, grad, a, c, compiled=False)
+    ulp = (exact.abs() * 2.0**-7).clamp_min(1e-30)
+    bias = ((moved.float() - exact) / ulp).mean()
+    assert abs(float(bias)) < 0.02  # nearest rounding would leave up to 0.5 ulp of bias
+
+
+@pytest.mark.long
+def test_the_compiled_step_equals_the_eager_one():
+    eager_in, compiled_in = _rows(n=300, w=96), _rows(n=300, w=96)
+    expected = _step(*eager_in, compiled=False)
+    got = _step(*compiled_in, compiled=True)
+    for got_moment, moment in zip(compiled_in[1:3], eager_in[1:3], strict=True):  # m, v
+        # the same function: float32 rounding apart (lerp may be formed another way)
+        torch.testing.assert_close(got_moment, moment, rtol=1e-6,
+                                   atol=1e-6 * float(moment.abs().max()))
+    ulps = ((got.float() - expected.float()).abs() / (expected.float().abs() * 2.0**-8))
+    assert float(ulps.max()) <= 1.0 + 1e-6  # at most one bfloat16 ulp apart
+    assert float((got != expected).float().mean()) < 0.01
