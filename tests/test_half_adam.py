@@ -20,9 +20,10 @@ def _rows(n=40, w=24, seed=0):
 
 
 def _step(param, m, v, grad, a, c, compiled):
-    return adam_rows(param, m, v, grad, a, c, ids=torch.arange(len(param)) + 100,
-                     seed=torch.tensor(7), step=torch.tensor(3), stream=1, b1=0.9, b2=0.999,
-                     compiled=compiled)
+    adam_rows(param, m, v, grad, a, c, ids=torch.arange(len(param)) + 100,
+              seed=torch.tensor(7), step=torch.tensor(3), stream=1, b1=0.9, b2=0.999,
+              compiled=compiled)
+    return param
 
 
 def test_modes_and_the_auto_threshold():
@@ -55,6 +56,7 @@ def test_a_failing_compiler_falls_back_to_the_eager_step_with_one_warning(monkey
 
 def test_the_eager_step_moves_rows_without_bias():
     param, m, v, grad, a, c = _rows(n=2000, w=64)
+    param = param.clone()
     exact = param.float() - (0.9 * m + 0.1 * grad.float()) / (
         a[:, None] * (0.999 * v + 0.001 * grad.float() ** 2).sqrt() + c[:, None])
     moved = _step(param, m, v, grad, a, c, compiled=False)
@@ -75,3 +77,27 @@ def test_the_compiled_step_equals_the_eager_one():
     ulps = ((got.float() - expected.float()).abs() / (expected.float().abs() * 2.0**-8))
     assert float(ulps.max()) <= 1.0 + 1e-6  # at most one bfloat16 ulp apart
     assert float((got != expected).float().mean()) < 0.01
+
+
+@pytest.mark.long
+def test_a_hybrid_layer_steps_alike_on_the_compiled_and_the_eager_path():
+    from rcdl.half_adam import half_adam
+    from rcdl.hybrid import HybridSoftmax
+    from rcdl.rules import ClippedSoftmaxRule
+
+    stores = {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        layer = HybridSoftmax(64, 48, temperature=1.0, rule=ClippedSoftmaxRule(0.5, 3.0),
+                              initial_entries=96, store_dtype=torch.bfloat16, seed=3)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(3):
+            for leaf in layer.entry_leaves():
+                leaf.grad = 1e-2 * torch.randn(leaf.shape, generator=gen)
+            with half_adam(mode):
+                layer.adam_step(1e-3, (0.9, 0.999), 1e-8)
+        stores[mode] = (layer.store.keys.float(), layer.store.values.float(),
+                        layer.adam_m.keys, layer.adam_v.values)
+    for eager, compiled in zip(stores["eager"], stores["compiled"], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=2.0**-7, atol=1e-6)
+    assert float((stores["compiled"][0] != stores["eager"][0]).float().mean()) < 0.01

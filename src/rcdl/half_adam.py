@@ -49,7 +49,7 @@ def _check(mode: str) -> str:
 
 
 _mode = _check(os.environ.get("RCDL_HALF_ADAM", "auto"))
-_compiled: Callable[..., Tensor] | None = None
+_compiled: Callable[..., None] | None = None
 _compile_failed = False
 
 
@@ -86,24 +86,25 @@ def use_compiled(elements: int) -> bool:
 
 def _adam_rows(param: Tensor, m: Tensor, v: Tensor, grad: Tensor, a: Tensor, c: Tensor,
                ids: Tensor, seed: Tensor, step: Tensor, stream: int, b1: float,
-               b2: float) -> Tensor:  # (n, w) in param's dtype
-    """One Adam step on ``param (n, w)`` (a half dtype): updates ``m``, ``v`` (float32, in
-    place) and returns the moved rows, rounded stochastically (see the module docstring;
-    ``a``, ``c`` are ``(n,)``)."""
+               b2: float) -> None:
+    """One Adam step on ``param (n, w)`` (a half dtype), in place, with ``m``, ``v``
+    (float32): the moved rows are rounded stochastically (see the module docstring; ``a``,
+    ``c`` are ``(n,)``). In place, so the compiled loop writes the store's rows directly
+    (no ``(n, w)`` output to allocate and copy back)."""
     g = grad.to(m.dtype)
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
     denom = torch.sqrt(v).mul_(a[:, None]).add_(c[:, None])
     moved = torch.addcdiv(param.to(m.dtype), m, denom, value=-1.0)
     noise = rounding_noise(seed=seed, step=step, ids=ids, width=param.shape[1], stream=stream)
-    return round_stochastically(moved, param.dtype, noise)
+    param.copy_(round_stochastically(moved, param.dtype, noise))
 
 
 def adam_rows(param: Tensor, m: Tensor, v: Tensor, grad: Tensor, a: Tensor, c: Tensor, *,
               ids: Tensor, seed: Tensor, step: Tensor, stream: int, b1: float, b2: float,
-              compiled: bool = False) -> Tensor:
-    """:func:`_adam_rows`, eager or through ``torch.compile`` (built once, on first use;
-    where that fails, the eager path, with one warning)."""
+              compiled: bool = False) -> None:
+    """:func:`_adam_rows` (in place), eager or through ``torch.compile`` (built once, on
+    first use; where that fails, the eager path, with one warning)."""
     global _compiled, _compile_failed
     if compiled and not _compile_failed:
         try:
@@ -111,10 +112,11 @@ def adam_rows(param: Tensor, m: Tensor, v: Tensor, grad: Tensor, a: Tensor, c: T
                 warnings.simplefilter("ignore", DeprecationWarning)
                 if _compiled is None:
                     _compiled = torch.compile(_adam_rows, dynamic=True)
-                return _compiled(param, m, v, grad, a, c, ids, seed, step, stream, b1, b2)
+                _compiled(param, m, v, grad, a, c, ids, seed, step, stream, b1, b2)
+                return
         except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
             _compile_failed = True
             warnings.warn(f"rcdl.half_adam: torch.compile failed ({type(error).__name__}: "
                           f"{str(error)[:200]}); the half-precision Adam step runs eagerly",
                           RuntimeWarning, stacklevel=2)
-    return _adam_rows(param, m, v, grad, a, c, ids, seed, step, stream, b1, b2)
+    _adam_rows(param, m, v, grad, a, c, ids, seed, step, stream, b1, b2)

@@ -256,7 +256,7 @@ class HybridSoftmax(GrowingSoftmax):
             for start in range(0, n, rows_per_chunk):
                 rows = slice(start, start + rows_per_chunk)
                 if half:  # round the moved entries without bias (rcdl.half_adam)
-                    param[rows] = adam_rows(
+                    adam_rows(
                         param[rows], m[rows], v[rows], grad[rows], a[rows], c[rows],
                         ids=ids[rows], seed=seed, step=self.adam_steps, stream=stream,
                         b1=b1, b2=b2, compiled=compiled)
