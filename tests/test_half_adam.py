@@ -93,7 +93,7 @@ def test_a_hybrid_layer_steps_alike_on_the_compiled_and_the_eager_path():
         gen = torch.Generator().manual_seed(1)
         for step in range(3):
             for leaf in layer.entry_leaves():
-                leaf.grad = 1e-2 * torch.randn(leaf.shape, generator=gen)
+                leaf.grad = (1e-2 * torch.randn(leaf.shape, generator=gen)).to(leaf.dtype)
             with half_adam(mode):
                 layer.adam_step(1e-3, (0.9, 0.999), 1e-8)
         stores[mode] = (layer.store.keys.float(), layer.store.values.float(),
