@@ -91,7 +91,7 @@ def test_a_hybrid_layer_steps_alike_on_the_compiled_and_the_eager_path():
         layer = HybridSoftmax(64, 48, temperature=1.0, rule=ClippedSoftmaxRule(0.5, 3.0),
                               initial_entries=96, store_dtype=torch.bfloat16, seed=3)
         gen = torch.Generator().manual_seed(1)
-        for step in range(3):
+        for _ in range(3):
             for leaf in layer.entry_leaves():
                 leaf.grad = (1e-2 * torch.randn(leaf.shape, generator=gen)).to(leaf.dtype)
             with half_adam(mode):

@@ -402,7 +402,7 @@ class GrowingLayer(nn.Module):
         q = torch.cat([r.q for r in records])  # (B, d_in)
         s = torch.cat([r.s for r in records])  # (B, d_out)
         if not self.kernel.normalised:
-            return s + attention(self._query_keys(q), keys, values, weights,
+            return s + attention(self.query_keys(q), keys, values, weights,
                                  kernel=self.kernel, temperature=self.temperature)
         if any(r.normaliser is None for r in records):  # none recorded (top-k, the hybrid)
             return None
@@ -417,7 +417,7 @@ class GrowingLayer(nn.Module):
         return (s * old_w[:, None] + new.num * new_w[:, None]) / (
             old_w + new.den * new_w)[:, None]
 
-    def _query_keys(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, key_dim)
+    def query_keys(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, key_dim)
         """Queries as the store's keys see them (the linear dual form appends a 1)."""
         return q
 
@@ -574,7 +574,7 @@ class GrowingLinear(GrowingLayer):
     def _augment(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, d_in + bias)
         return F.pad(q, (0, 1), value=1.0) if self.has_bias else q
 
-    _query_keys = _augment
+    query_keys = _augment
 
     def output(self, q: Tensor) -> Tensor:
         r = self.rule.ages.initial(int(self.steps))

@@ -1,0 +1,140 @@
+"""Which stored entries an output rests on (docs/attribution.md).
+
+A growing layer's output is a sum over its entries, so each entry's share of it is exact:
+
+- for the kernels that do not normalise (linear, RBF, Laplacian),
+  ``s(q) = Σ_j w_j φ(q, k_j) v_j`` and entry ``j``'s share is ``w_j φ(q, k_j) v_j``, with
+  ``w_j`` the weight the attention uses (:meth:`~rcdl.layers.GrowingLayer.entry_weights`:
+  the stored weight times the age coefficients of weight decay and momentum);
+- for the weighted softmax, ``s(q) = Σ_j e^{z_j} ṽ_j / D`` with ``D = Σ_j w_j e^{z_j}``
+  (guarded away from 0 as the attention guards it), and the share is ``e^{z_j} ṽ_j / D``.
+  ``D`` is the whole store's (every rank's, if it is sharded), so the shares of a gauge
+  shift of the logits are unchanged.
+
+The shares sum to the layer's output (``tests/test_attribution.py`` checks it in float64
+for every kernel). :func:`entry_contributions` gives them projected on a direction per
+query, ``⟨u_b, share_j(q_b)⟩`` — with ``u`` the gradient of a chosen output with respect to
+the layer's output, that is entry ``j``'s first-order contribution to that output through
+this layer (exact for the model's last growing layer when the output is its logit).
+:func:`explain` runs the backward that gives ``u`` for every growing layer of a model and
+returns each layer's top entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from rcdl.kernels import guard_denominator, softmax_scale
+from rcdl.layers import GrowingLayer, growing_layers
+
+__all__ = ["Explanation", "entry_contributions", "explain"]
+
+EPS = 1e-6  # the attention's denominator guard (rcdl.attention.attention's default eps)
+
+
+@torch.no_grad()
+def entry_contributions(layer: GrowingLayer, x: Tensor, direction: Tensor, *,
+                        chunk_size: int = 4096) -> Tensor:  # (B, N)
+    """``⟨direction_b, share_j(x_b)⟩`` for every entry ``j`` this process stores in
+    ``layer``, exactly (see the module docstring).
+
+    Args:
+        layer: a growing layer.
+        x: the layer's inputs ``(B, d_in)`` (what its forward pass receives).
+        direction: ``(B, d_out)``; the identity's rows give the shares themselves, one
+            output coordinate at a time.
+        chunk_size: entries per block (the ``(B, chunk)`` blocks are the working memory).
+    """
+    if x.dim() != 2 or x.shape[1] != layer.d_in:
+        raise ValueError(f"entry_contributions: expected inputs (B, {layer.d_in}), got "
+                         f"{tuple(x.shape)}")
+    if direction.shape != (x.shape[0], layer.d_out):
+        raise ValueError(f"entry_contributions: expected a direction ({x.shape[0]}, "
+                         f"{layer.d_out}), got {tuple(direction.shape)}")
+    dtype = layer.store.dtype
+    q = layer.query_keys(x.to(dtype))  # (B, key_dim)
+    direction = direction.to(dtype)
+    keys, values, weights = layer.store.keys, layer.store.values, layer.entry_weights()
+    kernel = layer.kernel
+    tau = softmax_scale(layer.temperature, q.shape[1])
+    if kernel.normalised:
+        part = layer.backend.partial(layer, q, (keys, values, weights))  # all ranks
+        m, den = part.m, guard_denominator(part.den, part.mass, EPS)  # (B,) each
+    blocks = []
+    for start in range(0, keys.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        phi = kernel.dense(q, keys[rows].to(dtype), tau)  # (B, c)
+        along = direction @ values[rows].to(dtype).T  # (B, c) ⟨u_b, v_j⟩
+        if kernel.normalised:
+            blocks.append(torch.exp(phi - m[:, None]) * along / den[:, None])
+        else:
+            blocks.append(phi * weights[rows][None, :] * along)
+    return torch.cat(blocks, dim=1) if blocks else q.new_zeros(x.shape[0], 0)
+
+
+@dataclass
+class Explanation:
+    """The top entries of each growing layer for each explained input.
+
+    ``layers`` maps a layer's module path to ``(contributions (B, k), entry ids (B, k))``,
+    largest contribution first; ``target (B,)`` is the explained output coordinate and
+    ``output (B,)`` its value."""
+
+    target: Tensor
+    output: Tensor
+    layers: dict[str, tuple[Tensor, Tensor]]
+
+
+def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 10
+            ) -> Explanation:
+    """For each input, each growing layer's ``k`` entries with the largest first-order
+    contribution to output ``target`` (default: the predicted class), from one backward
+    pass: the contribution of entry ``j`` of layer ``l`` is ``⟨∂f/∂s_l, share_j^l⟩``
+    (:func:`entry_contributions`). For the model's last growing layer, when the model's
+    output is that layer's output, this is the entry's exact share of ``f``; for earlier
+    layers it is first order in the share. The model is evaluated in eval mode (nothing
+    is recorded or written) and restored to its mode after."""
+    layers = growing_layers(model)
+    if not layers:
+        raise ValueError(f"explain: {type(model).__name__} has no growing layers")
+    inputs: dict[str, Tensor] = {}
+    outputs: dict[str, Tensor] = {}
+
+    def keep_input(name: str):  # noqa: ANN202 - a forward pre-hook
+        return lambda module, args: inputs.__setitem__(name, args[0].detach())
+
+    def keep_output(name: str):  # noqa: ANN202 - a forward hook
+        def hook(module: nn.Module, args: tuple, out: Tensor) -> None:
+            out.retain_grad()
+            outputs[name] = out
+        return hook
+
+    handles = [h for name, layer in layers for h in (
+        layer.register_forward_pre_hook(keep_input(name)),
+        layer.register_forward_hook(keep_output(name)))]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()  # the layers' outputs then carry a graph
+            logits = model(x)  # (B, C)
+            chosen = logits.argmax(dim=1) if target is None else target.to(logits.device)
+            f = logits.gather(1, chosen[:, None]).squeeze(1)  # (B,)
+            f.sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    found = {}
+    for name, layer in layers:
+        grad = outputs[name].grad
+        if grad is None or len(layer.store) == 0:
+            continue
+        q = inputs[name].reshape(-1, layer.d_in)
+        contrib = entry_contributions(layer, q, grad.reshape(-1, layer.d_out))  # (B, N)
+        top = contrib.topk(min(k, contrib.shape[1]), dim=1)
+        found[name] = (top.values, layer.store.ids[top.indices])
+    return Explanation(chosen, f.detach(), found)

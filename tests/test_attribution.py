@@ -1,0 +1,110 @@
+"""Entry shares (rcdl.attribution): exact per layer, first-order through a model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from rcdl import Grower, GrowingLayer, GrowingRBFNet, GrowingSoftmaxNet
+from rcdl.attribution import entry_contributions, explain
+from rcdl.kernels import KERNELS
+from rcdl.rules import FunctionalSGD
+
+D_IN, D_OUT, N, B = 6, 4, 300, 5
+
+
+def filled_layer(kernel: str, seed: int = 0, decay: float = 0.0) -> GrowingLayer:
+    gen = torch.Generator().manual_seed(seed)
+    layer = GrowingLayer(D_IN, D_OUT, kernel=kernel, temperature=0.7, dtype=torch.float64,
+                         rule=FunctionalSGD(0.1, weight_decay=decay))
+    for _ in range(3):  # three steps, so that the entries have ages
+        b = N // 3
+        keys = torch.randn(b, D_IN, generator=gen, dtype=torch.float64)
+        values = torch.randn(b, D_OUT, generator=gen, dtype=torch.float64)
+        weights = torch.rand(b, generator=gen, dtype=torch.float64) + 0.1
+        layer.commit((layer.query_keys(keys), values, weights))
+    return layer
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("decay", [0.0, 0.5])
+def test_the_shares_sum_to_the_layers_output(kernel, decay):
+    layer = filled_layer(kernel, decay=decay)
+    x = torch.randn(B, D_IN, dtype=torch.float64)
+    eye = torch.eye(D_OUT, dtype=torch.float64)
+    shares = torch.stack([entry_contributions(layer, x, eye[i].expand(B, D_OUT),
+                                              chunk_size=64) for i in range(D_OUT)], 2)
+    assert shares.shape == (B, N, D_OUT)
+    with torch.no_grad():
+        out = layer.attend(layer.query_keys(x))
+    assert_close(shares.sum(1), out, rtol=1e-10, atol=1e-12)
+
+
+def test_softmax_shares_with_negative_weights_use_the_guarded_denominator():
+    layer = filled_layer("softmax", seed=2)
+    with torch.no_grad():
+        layer.store.weights[::2] *= -1.0  # the denominator may come near 0: the guard acts
+    x = torch.randn(B, D_IN, dtype=torch.float64)
+    u = torch.randn(B, D_OUT, dtype=torch.float64)
+    with torch.no_grad():
+        out = layer.attend(layer.query_keys(x))
+    assert_close(entry_contributions(layer, x, u).sum(1), (u * out).sum(1),
+                 rtol=1e-9, atol=1e-12)
+
+
+def test_bad_shapes_are_named():
+    layer = filled_layer("rbf")
+    with pytest.raises(ValueError, match=r"expected inputs \(B, 6\)"):
+        entry_contributions(layer, torch.zeros(2, 5, dtype=torch.float64),
+                            torch.zeros(2, D_OUT, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"expected a direction \(2, 4\)"):
+        entry_contributions(layer, torch.zeros(2, D_IN, dtype=torch.float64),
+                            torch.zeros(2, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("net", ["rbf", "softmax"])
+def test_explain_gives_the_readouts_exact_shares_of_the_explained_logit(net):
+    torch.manual_seed(0)
+    d, classes = 8, 3
+    if net == "rbf":
+        model = GrowingRBFNet(d, classes, 2, temperature=1.0, rule=FunctionalSGD(1.0)).double()
+    else:
+        from rcdl.rules import ClippedSoftmaxRule
+        model = GrowingSoftmaxNet(d, classes, 2, temperature=1.0,
+                                  rule=ClippedSoftmaxRule(0.1, 3.0)).double()
+    grower = Grower(model)
+    x = torch.randn(96, d, dtype=torch.float64)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    for i in range(0, 96, 16):
+        F.cross_entropy(model(x[i:i + 16]), y[i:i + 16]).backward()
+        grower.step()
+        grower.zero_grad()
+    x_test = torch.randn(4, d, dtype=torch.float64)
+    readout_name, readout = [(n, m) for n, m in model.named_modules()
+                             if isinstance(m, GrowingLayer)][-1]
+    size = len(readout.store)
+    sizes = [len(m.store) for m in model.modules() if isinstance(m, GrowingLayer)]
+    exp = explain(model, x_test, k=size)
+    assert model.training  # restored
+    assert set(exp.layers) == {n for n, m in model.named_modules() if isinstance(m, GrowingLayer)}
+    with torch.no_grad():
+        logits = model.eval()(x_test)
+    assert_close(exp.output, logits.gather(1, exp.target[:, None]).squeeze(1))
+    values, ids = exp.layers[readout_name]
+    assert values.shape == ids.shape == (4, size)
+    assert bool((values[:, :-1] >= values[:, 1:]).all())  # largest first
+    # the readout's output is the logit (plus its initial part, if any): its shares sum to it
+    initial = logits - readout.attend(readout.query_keys(_readout_input(model, x_test)))
+    expected = exp.output - initial.gather(1, exp.target[:, None]).squeeze(1)
+    assert_close(values.sum(1), expected, rtol=1e-9, atol=1e-10)
+    assert sizes == [len(m.store) for m in model.modules() if isinstance(m, GrowingLayer)]
+
+
+def _readout_input(model, x):
+    seen = {}
+    readout = [m for m in model.modules() if isinstance(m, GrowingLayer)][-1]
+    handle = readout.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
+    with torch.no_grad():
+        model.eval()(x)
+    handle.remove()
+    return seen["x"]
