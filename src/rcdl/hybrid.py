@@ -282,8 +282,14 @@ class HybridSoftmax(GrowingSoftmax):
             self._last_sq_distance = sq_distance
         size = self.num_entries_all_ranks() if getattr(self.trigger, "needs_size", True) else 0
         accept = self.trigger.accept(sq_distance, size, errors)  # (B,) bool
+        self._last_accept = accept
         self._refused += int((~accept).sum())
         return keys[accept], values[accept], weights[accept]
+
+    _last_accept: Tensor | None = None
+
+    def kept_rows(self) -> Tensor | None:  # (B,) bool
+        return self._last_accept
 
     def propose(self) -> Entries | None:
         self._refused = 0

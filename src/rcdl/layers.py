@@ -32,6 +32,7 @@ from rcdl.attention import attention, attention_partial
 from rcdl.backends import Backend, EvalCached, Exact, Sharded, find
 from rcdl.backends import TopK as _TopKBackend
 from rcdl.kernels import Kernel, check_kernel, softmax_scale
+from rcdl.provenance import UNKNOWN, SampleMap
 from rcdl.records import (
     EvalModeOutput,
     Record,
@@ -116,6 +117,8 @@ class GrowingLayer(nn.Module):
         self.name = type(self).__name__  # set to the module path by the Grower
         self.output_scale: float | None = None  # output RMS at the first non-zero step (floored)
         self.recorder = Recorder()  # this step's training-mode calls (rcdl.records)
+        self.provenance = SampleMap(device=device)  # entry id -> training sample
+        self._proposed_samples: Tensor | None = None  # (B,) of the entries propose() made
         # how the layer attends: a chain of rcdl.backends wrappers, installed by use_shard,
         # use_retrieval and enable_eval_cache (TopK(EvalCached(Exact | Sharded)))
         self.backend: Backend = Exact()
@@ -352,8 +355,16 @@ class GrowingLayer(nn.Module):
         records = self.ready_records()
         if not records:
             return None
-        parts = [self.make_entries(record) for record in records]
+        parts, samples = [], []
+        for record in records:
+            parts.append(self.make_entries(record))
+            rows = record.q.shape[0]
+            known = record.samples if record.samples is not None else record.q.new_full(
+                (rows,), UNKNOWN, dtype=torch.long)
+            kept = self.kept_rows()
+            samples.append(known if kept is None else known[kept.to(known.device)])
         keys, values, weights = (torch.cat(p) for p in zip(*parts, strict=True))
+        self._proposed_samples = torch.cat(samples)
         finite = torch.stack([torch.isfinite(t).all() for t in (keys, values, weights)])
         for name, ok in zip(("keys", "values", "weights"), finite.tolist(), strict=True):
             if not ok:  # one device sync for the three checks
@@ -464,6 +475,11 @@ class GrowingLayer(nn.Module):
     def make_entries(self, record: Record) -> Entries:
         return self.rule.entries(Step(record.q, record.s, record.grad_mean, record.n_samples))
 
+    def kept_rows(self) -> Tensor | None:  # (B,) bool
+        """Which rows of the record that :meth:`make_entries` last saw became entries
+        (``None``: all); a gated layer keeps fewer (:class:`rcdl.hybrid.HybridSoftmax`)."""
+        return None
+
     def num_entries_all_ranks(self) -> int:
         """Entries the layer stores over every rank if its store is sharded (then a
         collective, to call on every rank), else ``len(self.store)`` (this process's)."""
@@ -473,6 +489,7 @@ class GrowingLayer(nn.Module):
     def commit(self, entries: Entries | None) -> None:
         """Append ``entries`` as :meth:`propose` returns them (checked finite there, so not
         again here) as written at the next step."""
+        proposed, self._proposed_samples = self._proposed_samples, None
         self.discard()
         self.recorder.stepped = True
         if entries is None:
@@ -480,6 +497,8 @@ class GrowingLayer(nn.Module):
         self.steps += 1
         count = entries[0].shape[0]  # B, the same on every rank
         ids = self.store.new_ids(count)  # (B,) the batch's ids, the same on every rank
+        self.provenance.record(ids, proposed if proposed is not None
+                               and proposed.shape[0] == count else None)
         if self.shard is not None:  # this rank stores its rows of the batch
             keep = self.shard.owned(count, entries[0].device,
                                     offset=int(self.steps) * count)  # (B,) bool

@@ -47,6 +47,7 @@ class Record:
     # (m, den) (B,) each of the pre-step store, as the forward's attention folded them
     # (normalised kernels): log Σ_j w_j e^{z_j} = m + log den
     normaliser: tuple[Tensor, Tensor] | None = None
+    samples: Tensor | None = None  # (B,) the training sample of each row (rcdl.provenance)
     ready: list[Record] = field(default_factory=list, repr=False)  # the recorder's ready list
 
     def set_grad(self, grad: Tensor) -> None:
@@ -74,6 +75,27 @@ class Recorder:
         self._pending: list[weakref.ref[Record]] = []  # records awaiting backward
         self._generation = 0  # bumped by discard: older records are never written
         self.stepped = False  # a step has committed (then dropped batches are warned of)
+        self._samples: Tensor | None = None  # the batch's sample indices (rcdl.provenance)
+
+    def set_samples(self, indices: Tensor | None) -> None:
+        """The training samples of the batch the next training forward passes see
+        (``indices (n,)``, one per sample), or ``None``: unknown (:mod:`rcdl.provenance`)."""
+        if indices is not None:
+            indices = torch.as_tensor(indices)
+            if indices.dim() != 1 or indices.is_floating_point():
+                raise ValueError(f"sample indices must be a 1-D integer tensor, got "
+                                 f"{indices.dtype} {tuple(indices.shape)}")
+        self._samples = indices
+
+    def _row_samples(self, rows: int, n_samples: int) -> Tensor | None:
+        """Each of ``rows`` query rows' sample: the rows of one sample are consecutive
+        (an input ``(n, ..., d)`` flattened to ``(rows, d)``)."""
+        if self._samples is None:
+            return None
+        if self._samples.shape[0] != n_samples or rows % n_samples:
+            raise ValueError(f"{self._samples.shape[0]} sample indices were given for a batch "
+                             f"of {n_samples} samples ({rows} rows)")
+        return self._samples.repeat_interleave(rows // n_samples)
 
     def record(self, q: Tensor, s: Tensor, n_samples: int,
                normaliser: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -84,7 +106,8 @@ class Recorder:
         if not s.requires_grad:  # nothing upstream is trainable: make s the leaf
             s = s.detach().requires_grad_()
         record = Record(q.detach(), s.detach(), n_samples, self._generation, ready=self._ready,
-                        normaliser=normaliser)  # the normaliser is read at the step: no sync
+                        normaliser=normaliser,  # the normaliser is read at the step: no sync
+                        samples=self._row_samples(q.shape[0], n_samples))
         s.register_hook(record.set_grad)  # the graph holds the record until backward
         self._pending = [r for r in self._pending if r() is not None]
         self._pending.append(weakref.ref(record))

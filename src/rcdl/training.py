@@ -35,6 +35,7 @@ with warnings.catch_warnings():  # in Jupyter without ipywidgets tqdm.auto falls
 
 from rcdl.checkpoint import Checkpointer
 from rcdl.layers import growing_layers
+from rcdl.provenance import samples
 from rcdl.store import format_bytes
 
 __all__ = ["Checkpointer", "Evaluator", "GrowerLike", "MetricLog", "Schedule", "accuracy",
@@ -396,7 +397,8 @@ def train_one_pass(
         for step, idx in schedule.batches(loop["step"]):
             t0 = time.perf_counter()
             xb, yb = x_train[idx].to(device), y_train[idx].to(device)
-            loss_value = train_step(model, xb, yb, loss_fn, optimizer, grower)
+            with samples(model, idx):  # the entries written remember their samples
+                loss_value = train_step(model, xb, yb, loss_fn, optimizer, grower)
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"{name}: training loss is {loss_value} at step {step}")
             loop["loss_sum"] += loss_value
