@@ -83,19 +83,25 @@ def held_out():
 
 
 def train(net, opt, steps):
+    from rcdl.provenance import samples
+
     for step in steps:
         x, y = batch(step)
         opt.zero_grad()
-        F.mse_loss(net(x), y).backward()
+        with samples(net, 1000 * step + torch.arange(len(x))):  # the rows' sample indices
+            F.mse_loss(net(x), y).backward()
         opt.step()
 
 
 def stores(net):
-    """Every layer's entries as rows ``[id, written_at, key, value, weight]``."""
+    """Every layer's entries as rows ``[id, written_at, sample, key, value, weight]``."""
+    from rcdl.provenance import entry_samples
+
     out = {}
     for name, layer in growing_layers(net):
         s = layer.store
         out[name] = torch.cat([s.ids[:, None].double(), s.written_at[:, None].double(),
+                               entry_samples(layer)[:, None].double(),
                                s.keys.double(), s.values.double(), s.weights[:, None]], 1)
     return out
 
@@ -166,12 +172,14 @@ def test_sharded_training_equals_one_process(world, references, tmp_path):
     for kind in KINDS:
         expected_stores, expected_out = references[kind]
         got = saved["results"][kind]
+        assert all(bool((t[:, 2] >= 0).any()) for t in expected_stores.values()), kind
         if kind in HALF_KINDS and world > 1:
             tol = HALF_RTOL * float(expected_out.abs().max())
             assert_close(got["out"], expected_out, rtol=0, atol=tol, msg=kind)
             for name, expected in expected_stores.items():
                 merged = canonical([shards[name] for shards in got["shards"]])
-                assert torch.equal(merged[:, :2], expected[:, :2]), (kind, name)  # ids, steps
+                # ids, steps and samples
+                assert torch.equal(merged[:, :3], expected[:, :3]), (kind, name)
             continue
         assert_close(got["out"], expected_out, rtol=1e-10, atol=1e-10, msg=kind)
         for name, expected in expected_stores.items():

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rcdl import GrowingRBF, GrowingRBFNet, Grower, HybridGrower, HybridSoftmaxNet
+from rcdl import Grower, GrowingRBF, GrowingRBFNet, HybridGrower, HybridSoftmaxNet
 from rcdl.gates import AlwaysGrow, DistanceGate
 from rcdl.layers import growing_layers
 from rcdl.provenance import UNKNOWN, entry_samples, forget, samples
