@@ -73,9 +73,9 @@ def test_rows_of_one_sample_share_its_index_and_a_loop_of_ones_own_passes_them()
     layer(torch.randn(2, D)).square().mean().backward()  # no indices given: unknown
     grower.step()
     assert entry_samples(layer)[-2:].tolist() == [UNKNOWN, UNKNOWN]
-    with pytest.raises(ValueError, match="3 sample indices were given for a batch of 4"):
-        with samples(layer, torch.tensor([1, 2, 3])):
-            layer(torch.randn(4, D))
+    with (pytest.raises(ValueError, match="3 sample indices were given for a batch of 4"),
+          samples(layer, torch.tensor([1, 2, 3]))):
+        layer(torch.randn(4, D))
 
 
 def test_provenance_survives_removal_a_state_dict_and_loads_as_unknown_from_an_older_one():
