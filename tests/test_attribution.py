@@ -108,3 +108,32 @@ def _readout_input(model, x):
         model.eval()(x)
     handle.remove()
     return seen["x"]
+
+
+def test_explain_sums_each_training_samples_contributions_over_its_entries():
+    from rcdl.provenance import entry_samples
+    from rcdl.training import accuracy, train_one_pass
+
+    torch.manual_seed(0)
+    d, classes, n = 8, 3, 64
+    model = GrowingRBFNet(d, classes, 2, temperature=1.0, rule=FunctionalSGD(1.0)).double()
+    x = torch.randn(n + 8, d, dtype=torch.float64)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    train_one_pass(model, (x[:n], y[:n], x[n:], y[n:]), batch_size=16, grower=Grower(model),
+                   loss_fn=F.cross_entropy, metrics={"acc": accuracy}, eval_every=100,
+                   progress=False)
+    exp = explain(model, x[n:n + 3], k=10 * n)
+    values, owners = exp.samples
+    assert values.shape == owners.shape == (3, n)  # every training sample, once
+    assert sorted(owners[0].tolist()) == list(range(n))
+    assert bool((values[:, :-1] >= values[:, 1:]).all())
+    # the per-sample totals are the per-entry contributions regrouped
+    layer_total = sum(v.sum(1) for v, _ in exp.layers.values())
+    assert_close(values.sum(1), layer_total, rtol=1e-9, atol=1e-12)
+    name, readout = list(exp.layers.items())[-1]
+    contrib, ids = readout
+    sample_of_top = {int(i): int(s) for i, s in zip(
+        [m for m in model.modules() if isinstance(m, GrowingLayer)][-1].store.ids.tolist(),
+        entry_samples([m for m in model.modules() if isinstance(m, GrowingLayer)][-1]).tolist(),
+        strict=True)}
+    assert all(sample_of_top[int(i)] in range(n) for i in ids[0])

@@ -17,7 +17,8 @@ query, ``⟨u_b, share_j(q_b)⟩`` — with ``u`` the gradient of a chosen outpu
 the layer's output, that is entry ``j``'s first-order contribution to that output through
 this layer (exact for the model's last growing layer when the output is its logit).
 :func:`explain` runs the backward that gives ``u`` for every growing layer of a model and
-returns each layer's top entries.
+returns each layer's top entries, and each training sample's contributions summed over
+its entries in every layer (the samples come from :mod:`rcdl.provenance`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 
 from rcdl.kernels import guard_denominator, softmax_scale
 from rcdl.layers import GrowingLayer, growing_layers
+from rcdl.provenance import UNKNOWN, entry_samples
 
 __all__ = ["Explanation", "entry_contributions", "explain"]
 
@@ -80,12 +82,15 @@ class Explanation:
     """The top entries of each growing layer for each explained input.
 
     ``layers`` maps a layer's module path to ``(contributions (B, k), entry ids (B, k))``,
-    largest contribution first; ``target (B,)`` is the explained output coordinate and
-    ``output (B,)`` its value."""
+    largest contribution first; ``samples`` is ``(contributions (B, k), sample indices
+    (B, k))``, each training sample's contributions summed over its entries in every layer
+    (entries of unknown origin left out; :mod:`rcdl.provenance`), largest first;
+    ``target (B,)`` is the explained output coordinate and ``output (B,)`` its value."""
 
     target: Tensor
     output: Tensor
     layers: dict[str, tuple[Tensor, Tensor]]
+    samples: tuple[Tensor, Tensor]
 
 
 def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 10
@@ -129,6 +134,7 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
             handle.remove()
         model.train(was_training)
     found = {}
+    per_sample: list[tuple[Tensor, Tensor]] = []  # (contributions (B, n), samples (n,))
     for name, layer in layers:
         grad = outputs[name].grad
         if grad is None or len(layer.store) == 0:
@@ -137,4 +143,21 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
         contrib = entry_contributions(layer, q, grad.reshape(-1, layer.d_out))  # (B, N)
         top = contrib.topk(min(k, contrib.shape[1]), dim=1)
         found[name] = (top.values, layer.store.ids[top.indices])
-    return Explanation(chosen, f.detach(), found)
+        owners = entry_samples(layer).to(contrib.device)  # (N,)
+        known = owners != UNKNOWN
+        per_sample.append((contrib[:, known], owners[known]))
+    return Explanation(chosen, f.detach(), found, _top_samples(per_sample, x.shape[0], k))
+
+
+def _top_samples(parts: list[tuple[Tensor, Tensor]], batch: int, k: int
+                 ) -> tuple[Tensor, Tensor]:  # (B, k) each
+    """Each sample's contributions summed over its entries in every layer, top ``k``."""
+    if not parts or all(owners.numel() == 0 for _, owners in parts):
+        empty = torch.zeros(batch, 0)
+        return empty, empty.long()
+    owners = torch.cat([o for _, o in parts])  # (M,)
+    contrib = torch.cat([c for c, _ in parts], dim=1)  # (B, M)
+    unique, slot = owners.unique(return_inverse=True)  # (S,), (M,)
+    totals = contrib.new_zeros(batch, unique.numel()).index_add_(1, slot, contrib)  # (B, S)
+    top = totals.topk(min(k, unique.numel()), dim=1)
+    return top.values, unique[top.indices]
