@@ -32,6 +32,7 @@ attention and its partials (:mod:`rcdl.attention`), kernels and the dense refere
 """
 
 from rcdl._version import __version__
+from rcdl.attribution import explain
 from rcdl.checkpoint import DamagedCheckpoint, load_checkpoint, load_model_state, save_checkpoint
 from rcdl.dual_optim import FOOF, DeltaNetDecay
 from rcdl.entry_adam import EntryAdam
@@ -61,6 +62,7 @@ from rcdl.networks import (
     from_dual_form,
     to_dual_form,
 )
+from rcdl.provenance import forget
 from rcdl.records import UnsteppedBatchWarning
 from rcdl.retrieval import use_exact, use_topk
 from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule, LearningRule
@@ -89,6 +91,8 @@ __all__ = [
     "DeltaNetDecay", "FOOF",
     # training
     "evaluate", "train_one_pass",
+    # attribution and forgetting
+    "explain", "forget",
     # checkpoints
     "DamagedCheckpoint", "load_checkpoint", "load_model_state", "save_checkpoint",
 ]  # fmt: skip
