@@ -65,10 +65,13 @@ def entry_contributions(layer: GrowingLayer, x: Tensor, direction: Tensor, *,
     if kernel.normalised:
         part = layer.backend.partial(layer, q, (keys, values, weights))  # all ranks
         m, den = part.m, guard_denominator(part.den, part.mass, EPS)  # (B,) each
+    q_sqnorm = (q * q).sum(1) if kernel.distance else None  # (B,)
     blocks = []
     for start in range(0, keys.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        phi = kernel.dense(q, keys[rows].to(dtype), tau)  # (B, c)
+        k_c = keys[rows].to(dtype)  # (c, key_dim)
+        # the streaming attention's kernel values of a chunk (its dense twin is tested)
+        phi = kernel.values_(k_c @ q.T, q_sqnorm, k_c, tau, dtype).T  # (B, c)
         along = direction @ values[rows].to(dtype).T  # (B, c) ⟨u_b, v_j⟩
         if kernel.normalised:
             blocks.append(torch.exp(phi - m[:, None]) * along / den[:, None])
