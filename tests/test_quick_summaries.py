@@ -88,6 +88,10 @@ TINY: dict[str, list[str]] = {
     "vit": [
         "reproduce", "vit", "--quick", "--train-size", "48", "--test-size", "24",
         "--eval-every", "2", "--device", "cpu"],
+    "unlearning": [
+        "reproduce", "unlearning", "--quick", "--models", "gws", "mlp-adam", "--train-size",
+        "48", "--test-size", "24", "--retain-eval-size", "24", "--forget-fraction", "0.25",
+        "--device", "cpu"],
 }  # fmt: skip
 
 FULL: dict[str, list[str]] = {
@@ -100,12 +104,14 @@ FULL: dict[str, list[str]] = {
     "deltanet-decay": ["reproduce", "deltanet-decay", "--quick", "--device", "cpu"],
     "teacher-student": ["reproduce", "teacher-student", "--quick", "--device", "cpu"],
     "vit": ["reproduce", "vit", "--quick", "--device", "cpu"],
+    "unlearning": ["reproduce", "unlearning", "--quick", "--device", "cpu"],
 }  # fmt: skip
 
 NO_DATA = {"demo", "teacher-student"}
 CASES = FULL if FULL_DATA else TINY
 LONG = set() if FULL_DATA else {"cifar10-1epoch"}  # over 20 s: `make test-long` runs them
-SMALL_WIDTH = {"cifar10-1epoch-baselines": 64}  # the ResNet-MLPs' blocks at this width
+# the ResNet-MLPs' blocks at this width
+SMALL_WIDTH = {"cifar10-1epoch-baselines": 64, "unlearning": 64}
 
 
 def _check_results():

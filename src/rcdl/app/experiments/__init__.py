@@ -22,6 +22,12 @@
   blocks, one epoch (docs/reference.md §8; ``rcdl reproduce vit``).
 - :mod:`rcdl.app.experiments.attention_bench` — the streaming attention's speed against the
   matrix products it is made of (``rcdl reproduce attention-bench``).
+- :mod:`rcdl.app.experiments.attribution_exp` — rcdl's native attribution measured: the linear
+  datamodeling score against retrained models, mislabel detection by self-influence, and
+  test images beside the training images they rest on (``rcdl reproduce attribution``).
+- :mod:`rcdl.app.experiments.unlearning` — forgetting training samples (``rcdl.forget``)
+  against retraining without them, with a membership-inference score
+  (``rcdl reproduce unlearning``).
 """
 
 # The experiments, in the order `rcdl reproduce --help` lists them: command -> module. This is
@@ -37,4 +43,6 @@ COMMANDS = {
     "teacher-student": "teacher_student",
     "vit": "vit",
     "attention-bench": "attention_bench",
+    "attribution": "attribution_exp",
+    "unlearning": "unlearning",
 }
