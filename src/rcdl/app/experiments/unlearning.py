@@ -288,7 +288,7 @@ def _sub_runs(cfg: UnlearningConfig, data: CifarData, session: Session) -> Itera
 
 
 def _start(cfg: UnlearningConfig, data: CifarData) -> dict[str, Any]:
-    return cifar_summary(cfg, data)
+    return {**cifar_summary(cfg, data), "forget_class_name": data.class_names[cfg.forget_class]}
 
 
 # --------------------------------------------------------------------------- reporting
@@ -384,12 +384,13 @@ def write_report(run: RunDir, cfg: UnlearningConfig, summary: dict[str, Any],
         f"{MIA_SPLITS} stratified splits; a perfect unlearner matches *retrain*.",
     ]
     for scenario in cfg.scenarios:
-        what = (f"a random {cfg.forget_fraction:.0%} of the training images"
-                if scenario == "random" else
-                f"every training image of class {cfg.forget_class} (MIA against the test "
-                "images of that class)")
         size = next((r["forget_size"] for r in rows_ if r["scenario"] == scenario), 0)
-        parts += [f"## Forgetting {what} ({size:,} images)", _table(rows_, scenario)]
+        what = (f"a random {cfg.forget_fraction:.0%} of the training images ({size:,} images)"
+                if scenario == "random" else
+                f"every training image of class {cfg.forget_class}, "
+                f"{summary.get('forget_class_name', '?')} ({size:,} images; the MIA compares "
+                "them with the test images of that class)")
+        parts += [f"## Forgetting {what}", _table(rows_, scenario)]
     parts += [
         "Anchor (the NeurIPS 2023 unlearning challenge's starting kit, CIFAR-10, ResNet-18, "
         f"a random forget set): MIA {ANCHORS['original']} original, {ANCHORS['fine-tune']} "
