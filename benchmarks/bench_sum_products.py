@@ -1,0 +1,100 @@
+"""The attention's sum over a chunk's entries, ``left @ values_c``, against the score product,
+in the ways a half-precision store could run it.
+
+At B = 16 the streaming attention's training step multiplies each store chunk twice per
+pass: once as the scores' wide operand (``keys_c @ qᵀ``, which streams at the machine's
+best rate) and once summed over its entries (``left (B, c) @ values_c (c, d)`` forward, the
+same shape with the keys backward). In bfloat16 the second runs about half as fast on the
+AVX512-bf16 CPUs measured (docs/precision.md, results/roofline/). This script times that
+product as the attention runs it and in the orders a change could run it instead, streamed
+over consecutive chunks of one store, interleaved rounds, best of each:
+
+- ``scores``: ``keys_c @ qᵀ`` (the reference rate);
+- ``sum``: ``left @ values_c`` (what the attention does);
+- ``sum, sub-chunks of R``: the same over R-row slices, accumulated in float32;
+- ``sum, batched``: one ``bmm`` over four slices of the chunk;
+- ``sum, F.linear``: ``F.linear(left, values_cᵀ)`` on the transposed view (no copy);
+- ``q @ keys_cᵀ``: the scores in the other order.
+
+Run: ``python benchmarks/bench_sum_products.py [--dtype bfloat16] [--chunks 10]``. Prints
+ms per chunk and each against ``scores``, with the CPU model and flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from rcdl.app.rundir import cpu_flags, cpu_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--width", type=int, default=3072)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--chunks", type=int, default=10, help="chunks streamed per timing")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    dtype, d, c, b, n = getattr(torch, args.dtype), args.width, args.chunk, args.batch, args.chunks
+    torch.manual_seed(0)
+    keys = torch.randn(n * c, d).to(dtype)  # (N, d)
+    values = torch.randn(n * c, d).to(dtype)  # (N, d)
+    q = torch.randn(b, d).to(dtype)  # (B, d)
+    left = torch.randn(b, c).to(dtype)  # (B, c)
+
+    def rows(i: int) -> slice:
+        return slice(i * c, (i + 1) * c)
+
+    def sub_chunks(size: int) -> Callable[[int], torch.Tensor]:
+        def run(i: int) -> torch.Tensor:
+            out = torch.zeros(b, d)  # (B, d)
+            for j in range(0, c, size):
+                end = min(j + size, c)
+                out += (left[:, j:end] @ values[i * c + j:i * c + end]).float()
+            return out
+        return run
+
+    def batched(i: int) -> torch.Tensor:
+        parts = values[rows(i)].view(4, c // 4, d)  # (4, c/4, d)
+        return torch.bmm(left.view(b, 4, c // 4).transpose(0, 1), parts).float().sum(0)
+
+    products: dict[str, Callable[[int], torch.Tensor]] = {
+        "scores keys_c @ qᵀ": lambda i: keys[rows(i)] @ q.T,
+        "sum left @ values_c": lambda i: left @ values[rows(i)],
+        "sum, sub-chunks of 256": sub_chunks(256),
+        "sum, sub-chunks of 512": sub_chunks(512),
+        "sum, sub-chunks of 1024": sub_chunks(1024),
+        "sum, batched (4 slices)": batched,
+        "sum, F.linear on the view": lambda i: F.linear(left, values[rows(i)].T),
+        "scores q @ keys_cᵀ": lambda i: q @ keys[rows(i)].T,
+    }
+
+    def best_ms(fn: Callable[[int], torch.Tensor]) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        return (time.perf_counter() - start) / n * 1e3
+
+    for fn in products.values():
+        fn(0)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in products}
+    for _ in range(args.rounds):
+        for name, fn in products.items():
+            times[name].append(best_ms(fn))
+    print(f"CPU: {cpu_model()}; flags {' '.join(cpu_flags()) or '-'}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{args.dtype}, B = {b}, chunk {c} × {d}, {n} chunks streamed, best of {args.rounds}")
+    reference = min(times["scores keys_c @ qᵀ"])
+    print("| product | ms per chunk | × scores |\n|---|---:|---:|")
+    for name, ts in times.items():
+        print(f"| {name} | {min(ts):.3f} | {min(ts) / reference:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
