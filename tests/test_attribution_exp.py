@@ -1,0 +1,194 @@
+"""``rcdl reproduce attribution``: the linear datamodeling score, mislabel detection and the
+explanations figure, at tiny sizes; on an easy synthetic CIFAR-10 where the truth is known,
+the measurements find it."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rcdl.app.cifar import CIFAR10_MEAN, CIFAR10_STD, standardize
+from rcdl.app.cli import main
+from rcdl.app.experiments import attribution_exp
+from rcdl.app.experiments.attribution_exp import (
+    COLUMNS,
+    AttributionConfig,
+    auc,
+    found_in_top,
+    half_masks,
+    spearman,
+    to_pixels,
+)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+           "truck")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def easy_dir(tmp_path_factory):
+    """A CIFAR-10 in the npz layout whose classes are easy to tell apart: each image is its
+    class's random pattern plus noise (200 train / 40 test images)."""
+    folder = tmp_path_factory.mktemp("easy")
+    rng = np.random.default_rng(1)
+    patterns = rng.integers(0, 256, (10, 32, 32, 3))
+
+    def images(n):
+        y = rng.permutation(np.arange(n) % 10)
+        x = np.clip(patterns[y] + rng.normal(0, 40, (n, 32, 32, 3)), 0, 255)
+        return x.astype(np.uint8), y.astype(np.int64)
+
+    (x_train, y_train), (x_test, y_test) = images(200), images(40)
+    np.savez(folder / "cifar10.npz", x_train=x_train, y_train=y_train, x_test=x_test,
+             y_test=y_test, class_names=np.array(CLASSES))
+    return folder
+
+
+def run(out, data, *flags):
+    argv = ["reproduce", "attribution", "--quick", *flags, "--data-dir", str(data), "--out",
+            str(out), "--device", "cpu", "--no-progress", "--no-download"]
+    assert main(argv) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def lds_of(summary, model):
+    return next(r["variants"] for r in summary["runs"]
+                if r["model"] == model and r["measurement"] == "lds")
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_the_command_writes_tables_and_figures_and_resumes(data_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    summary = run(out, data_dir, "--train-size", "64", "--test-size", "32", "--halves", "3",
+                  "--halves-per-sub-run", "2", "--shown", "3", "--top", "4")
+    assert summary["complete"]
+    names = [f"{m}-{s}" for m in ("gws", "rbf")
+             for s in ("lds-full", "lds-halves-0", "lds-halves-2", "lds", "mislabel")]
+    assert list(json.loads((out / "finished.json").read_text())) == names
+    for figure in ("explanations.png", "attribution.png"):
+        assert (out / figure).read_bytes().startswith(PNG)
+    for name in ("gws", "rbf"):
+        assert torch.load(out / f"lds-{name}-margins-2.pt").shape == (1, 32)  # the 3rd half
+        assert torch.load(out / f"lds-{name}-predicted.pt").shape == (3, 2, 32)
+        variants = lds_of(summary, name)
+        assert set(variants) == {"all layers", "readout"}
+        assert all(-1 <= v["lds"] <= 1 and v["test_images"] == 32 for v in variants.values())
+    full = next(r for r in summary["runs"] if r["measurement"] == "lds-full")
+    assert len(full["shown"]) == 3
+    for row in full["shown"]:  # the top training images, largest contribution first
+        assert len(row["samples"]) == 4 and row["contributions"] == sorted(
+            row["contributions"], reverse=True)
+    mislabel = next(r for r in summary["runs"] if r["measurement"] == "mislabel")
+    assert mislabel["flipped"] == 6 and set(mislabel["rankings"]) == set(
+        attribution_exp.RANKINGS)
+    report = (out / "results.md").read_text()
+    for text in ("## Linear datamodeling score", "## Mislabel detection", "TRAK-10, MNIST MLP 0.33",
+                 "TRAK-50, MNIST MLP 0.45", "TRAK-50, CIFAR-2 ResNet-9 0.37", "80 % / 97 %",
+                 "ROC-AUC 0.67", summary["data"]["provenance"]):
+        assert text in report, text
+    with open(out / "results.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert tuple(table[0]) == COLUMNS
+    assert [(r["measurement"], r["model"], r["scores"]) for r in table][:3] == [
+        ("lds", "gws", "all layers"), ("lds", "gws", "readout"), ("mislabel", "gws",
+                                                                  "self-influence")]
+    capsys.readouterr()
+    assert main(["reproduce", "attribution", "--resume", str(out), "--no-progress"]) == 0
+    assert capsys.readouterr().out.count("finished in an earlier session, skipped") == 10
+
+
+def test_an_interrupted_run_resumes_to_the_numbers_of_an_uninterrupted_one(
+        data_dir, tmp_path, monkeypatch):
+    flags = ("--models", "rbf", "--measurements", "lds", "--train-size", "48", "--test-size",
+             "24", "--halves", "4", "--halves-per-sub-run", "2", "--shown", "0")
+    whole = run(tmp_path / "whole", data_dir, *flags)
+    real = attribution_exp.lds_halves
+
+    def interrupted(name, first, *args):
+        if first == 2:
+            raise KeyboardInterrupt
+        return real(name, first, *args)
+
+    monkeypatch.setattr(attribution_exp, "lds_halves", interrupted)
+    out = tmp_path / "interrupted"
+    argv = ["reproduce", "attribution", "--quick", *flags, "--data-dir", str(data_dir),
+            "--out", str(out), "--device", "cpu", "--no-progress", "--no-download"]
+    assert main(argv) == 130
+    assert list(json.loads((out / "finished.json").read_text())) == [
+        "rbf-lds-full", "rbf-lds-halves-0"]
+    monkeypatch.setattr(attribution_exp, "lds_halves", real)
+    assert main(["reproduce", "attribution", "--resume", str(out), "--no-progress"]) == 0
+    resumed = json.loads((out / "summary.json").read_text())
+    assert lds_of(resumed, "rbf") == lds_of(whole, "rbf")
+    assert not (out / "explanations.png").exists()  # --shown 0: nothing to show
+
+
+def test_rbf_scores_predict_retraining_where_the_classes_are_easy(easy_dir, tmp_path):
+    """Each test image's margin rests on the training images of its class: how many of
+    them a half holds is what RBF's summed scores see."""
+    summary = run(tmp_path / "run", easy_dir, "--models", "rbf", "--measurements", "lds",
+                  "--train-size", "200", "--test-size", "40", "--halves", "8",
+                  "--halves-per-sub-run", "8", "--shown", "2")
+    for variant in lds_of(summary, "rbf").values():
+        assert variant["lds"] > 0.2, variant
+    full = next(r for r in summary["runs"] if r["measurement"] == "lds-full")
+    for row in full["shown"]:  # an easy image rests on training images of its class
+        assert row["predicted"] == row["label"]
+        assert row["sample_labels"][0] == row["label"]
+
+
+def test_self_influence_finds_flipped_labels_where_the_classes_are_easy(easy_dir, tmp_path):
+    summary = run(tmp_path / "run", easy_dir, "--models", "rbf", "--measurements",
+                  "mislabel", "--train-size", "200", "--test-size", "40", "--shown", "0")
+    (result,) = summary["runs"]
+    assert result["flipped"] == 20
+    found = result["rankings"]
+    assert found["self-influence"]["roc_auc"] > 0.8
+    assert found["self-influence"]["roc_auc"] > found["random"]["roc_auc"] + 0.2
+    assert found["self-influence"]["found_top20"] > 0.5
+    assert found["self-influence"]["curve"][-1] == 1.0  # everything inspected: all found
+
+
+# --------------------------------------------------------------------------- the pieces
+
+
+def test_spearman_auc_and_found_in_top_on_known_rankings():
+    a = torch.tensor([[1.0, 3.0], [2.0, 2.0], [3.0, 1.0], [4.0, 0.0]])  # (M, T)
+    assert spearman(a, a).tolist() == pytest.approx([1.0, 1.0])
+    assert spearman(a, a[:, [1, 0]]).tolist() == pytest.approx([-1.0, -1.0])
+    scores = torch.tensor([0.9, 0.8, 0.1, 0.2, 0.3])
+    positive = torch.tensor([True, True, False, False, False])
+    assert auc(scores, positive) == 1.0 and auc(-scores, positive) == 0.0
+    assert found_in_top(scores, positive, 0.2) == 0.5
+    with pytest.raises(ValueError, match="positives and negatives"):
+        auc(scores, torch.zeros(5, dtype=torch.bool))
+
+
+def test_halves_are_half_of_the_samples_and_drawn_from_the_seed():
+    masks = half_masks(11, 6)
+    assert masks.shape == (6, 11) and masks.sum(1).tolist() == [5] * 6
+    assert torch.equal(masks, half_masks(11, 6)) and not torch.equal(masks, half_masks(11, 6,
+                                                                                       seed=2))
+    assert torch.equal(half_masks(11, 3), masks[:3])  # a sub-run's halves are the run's
+
+
+def test_to_pixels_undoes_standardisation():
+    images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    x = standardize(images, CIFAR10_MEAN, CIFAR10_STD)
+    assert torch.equal(to_pixels(x, CIFAR10_MEAN, CIFAR10_STD), torch.from_numpy(images))
+
+
+def test_config_refuses_what_cannot_be_measured():
+    with pytest.raises(ValueError, match="no growing layers"):
+        AttributionConfig(models=("mlp-adam",))
+    with pytest.raises(ValueError, match="flips 0"):
+        AttributionConfig(train_size=5, flip=0.1)
+    AttributionConfig(train_size=5, flip=0.1, measurements=("lds",))  # no flips needed
+    with pytest.raises(ValueError, match="shown"):
+        AttributionConfig(test_size=4)
