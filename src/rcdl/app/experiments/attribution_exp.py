@@ -101,7 +101,8 @@ CURVE = tuple(i / 50 for i in range(1, 51))  # shares inspected, for the detecti
 class AttributionConfig(ExperimentConfig):
     """Settings of the attribution measurements (module docstring). The defaults (5 000
     training / 500 test images, 50 halves, gws and RBF) take about 15 minutes on two CPU
-    cores; ``quick()``: 500 / 50 images and 8 halves, under a minute."""
+    cores (estimated from their parts); ``quick()``: 500 / 50 images and 8 halves, 140 s
+    on two CPU cores shared with another run."""
 
     QUICK = {"train_size": 500, "test_size": 50, "halves": 8}
 
