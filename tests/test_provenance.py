@@ -133,3 +133,92 @@ def test_forget_is_exact_where_no_entry_depended_on_another():
     torch.testing.assert_close(full.store.keys, without.store.keys)
     torch.testing.assert_close(full.store.values, without.store.values)
     assert entry_samples(full).tolist() == kept
+
+
+# --------------------------------------------------------------------------- merge counts
+
+
+def _six_entries():
+    """A growing RBF layer whose six entries (keys: their inputs) come from samples 10..15:
+    ids 0..5 at x₀ = 0, 0.1, 5, 5.1, −0.1, 10 (in every coordinate)."""
+    from rcdl.provenance import merged_counts
+
+    layer = GrowingRBF(D, 2, temperature=1.0, rule=FunctionalSGD(1.0))
+    grower = Grower(layer)
+    x = torch.tensor([0.0, 0.1, 5.0, 5.1, -0.1, 10.0])[:, None].expand(6, D).contiguous()
+    with samples(layer, torch.arange(10, 16)):
+        F.mse_loss(layer(x), torch.ones(6, 2)).backward()
+    grower.step()
+    assert merged_counts(layer).tolist() == [0] * 6
+    return layer
+
+
+def test_a_merge_counts_the_entries_each_survivor_absorbed_and_keeps_its_sample():
+    from rcdl.memory import merge_into_nearest
+    from rcdl.provenance import merged_counts
+
+    layer = _six_entries()
+    evicted = torch.tensor([False, True, False, False, True, False])  # ids 1 and 4 go into 0
+    assert merge_into_nearest(layer, evicted).tolist() == [0, 0]
+    layer.remove_entries(evicted)
+    assert layer.store.ids.tolist() == [0, 2, 3, 5]
+    assert merged_counts(layer).tolist() == [2, 0, 0, 0]
+    assert entry_samples(layer).tolist() == [10, 12, 13, 15]  # each keeps its own sample
+    # id 0, which had absorbed two, goes into id 2 (x = 5 is nearer 0 than 5.1 and 10):
+    # id 2 now holds three entries besides its own
+    evicted = torch.tensor([True, False, False, False])
+    merge_into_nearest(layer, evicted)
+    layer.remove_entries(evicted)
+    assert merged_counts(layer).tolist() == [3, 0, 0]
+    assert layer.provenance.absorbed(torch.tensor([0, 2, 99])).tolist() == [2, 3, 0]
+
+
+def test_a_merging_budget_counts_every_entry_it_merged_away():
+    from rcdl import MemoryBudget
+    from rcdl.provenance import merged_counts
+
+    model = rbf_net()
+    grower = Grower(model, budget=MemoryBudget(20, "oldest", merge=True, slack=4))
+    train_one_pass(model, data(), batch_size=16, grower=grower, loss_fn=F.cross_entropy,
+                   eval_every=100, progress=False, metrics={"acc": accuracy})
+    for name, layer in growing_layers(model):
+        counts = merged_counts(layer)
+        assert counts.shape == (len(layer.store),) and len(layer.store) <= 20
+        # every entry merged away is counted once, by the entry that holds it now
+        assert int(counts.sum()) == grower.evicted[name] == N - len(layer.store) > 0
+        owners = entry_samples(layer)
+        assert bool((owners >= 0).all()) and owners.unique().numel() == owners.numel()
+
+
+def test_merge_counts_survive_a_state_dict_and_load_as_zeros_from_an_older_one():
+    from rcdl import MemoryBudget
+    from rcdl.provenance import merged_counts
+
+    model = rbf_net()
+    grower = Grower(model, budget=MemoryBudget(20, "contribution", merge=True))
+    train_one_pass(model, data(), batch_size=16, grower=grower, loss_fn=F.cross_entropy,
+                   eval_every=100, progress=False, metrics={"acc": accuracy})
+    state = model.state_dict()
+    assert any(key.endswith("provenance.merged") for key in state)
+    layers = [layer for _, layer in growing_layers(model)]
+    assert all(int(merged_counts(layer).sum()) > 0 for layer in layers)
+    other = rbf_net()
+    other.load_state_dict(state)
+    for mine, theirs in zip(layers, [la for _, la in growing_layers(other)], strict=True):
+        assert merged_counts(theirs).tolist() == merged_counts(mine).tolist()
+    older = {k: v for k, v in state.items() if not k.endswith("provenance.merged")}
+    third = rbf_net()
+    third.load_state_dict(older)  # strict: the missing counts are not an error
+    for mine, loaded in zip(layers, [la for _, la in growing_layers(third)], strict=True):
+        assert merged_counts(loaded).tolist() == [0] * len(mine.store)
+        assert entry_samples(loaded).tolist() == entry_samples(mine).tolist()
+        assert not loaded.provenance.loaded_without_samples
+
+
+def test_merge_counts_of_another_length_than_the_samples_are_refused():
+    model = rbf_net()
+    state = model.state_dict()
+    key = next(k for k in state if k.endswith("provenance.merged"))
+    state[key] = torch.zeros(3, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="merged must have one count per id"):
+        model.load_state_dict(state)

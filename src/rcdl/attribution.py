@@ -19,6 +19,12 @@ this layer (exact for the model's last growing layer when the output is its logi
 :func:`explain` runs the backward that gives ``u`` for every growing layer of a model and
 returns each layer's top entries, and each training sample's contributions summed over
 its entries in every layer (the samples come from :mod:`rcdl.provenance`).
+
+Under sharding (:mod:`rcdl.distributed`) :func:`explain` returns on every rank what one
+process over the whole store returns: each rank ranks its own entries, the ranks' top ``k``
+candidates per layer are gathered and ranked again (the global top ``k`` is among them),
+and each sample's totals are summed over the ranks before its top ``k`` are taken (one
+sample's entries may lie on several ranks and layers).
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rcdl.distributed import Shard, model_shard
 from rcdl.kernels import guard_denominator, softmax_scale
 from rcdl.layers import GrowingLayer, growing_layers
 from rcdl.provenance import UNKNOWN, entry_samples
@@ -104,10 +113,20 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
     (:func:`entry_contributions`). For the model's last growing layer, when the model's
     output is that layer's output, this is the entry's exact share of ``f``; for earlier
     layers it is first order in the share. The model is evaluated in eval mode (nothing
-    is recorded or written) and restored to its mode after."""
+    is recorded or written) and restored to its mode after.
+
+    Sharded over ranks (:func:`rcdl.distributed.shard`), call it on every rank with the
+    same ``x``: every rank returns the explanation one process over the whole store gives
+    (see the module docstring). Beside the forward and backward passes' own, the
+    collectives are, per layer, an ``all_reduce`` of its size, the softmax's merged
+    partial and two ``all_gather`` of ``(B, k)`` candidates; for the samples, an
+    ``all_reduce`` of a count, an ``all_gather`` of each rank's sample indices and an
+    ``all_reduce`` of the ``(B, S)`` totals over the ``S`` samples of all ranks.
+    Unsharded, nothing is communicated."""
     layers = growing_layers(model)
     if not layers:
         raise ValueError(f"explain: {type(model).__name__} has no growing layers")
+    shard = model_shard(model, "explain")  # None: one process holds every entry
     inputs: dict[str, Tensor] = {}
     outputs: dict[str, Tensor] = {}
 
@@ -140,27 +159,69 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
     per_sample: list[tuple[Tensor, Tensor]] = []  # (contributions (B, n), samples (n,))
     for name, layer in layers:
         grad = outputs[name].grad
-        if grad is None or len(layer.store) == 0:
+        if grad is None:  # the same on every rank: the backward is replicated
+            continue
+        total = layer.num_entries_all_ranks()  # every rank's (a collective when sharded)
+        if total == 0:
             continue
         q = inputs[name].reshape(-1, layer.d_in)
         contrib = entry_contributions(layer, q, grad.reshape(-1, layer.d_out))  # (B, N)
-        top = contrib.topk(min(k, contrib.shape[1]), dim=1)
-        found[name] = (top.values, layer.store.ids[top.indices])
+        found[name] = _top_entries(contrib, layer.store.ids, min(k, total), shard)
         owners = entry_samples(layer).to(contrib.device)  # (N,)
         known = owners != UNKNOWN
         per_sample.append((contrib[:, known], owners[known]))
-    return Explanation(chosen, f.detach(), found, _top_samples(per_sample, x.shape[0], k))
+    samples = _top_samples(per_sample, x.shape[0], k, shard)
+    return Explanation(chosen, f.detach(), found, samples)
 
 
-def _top_samples(parts: list[tuple[Tensor, Tensor]], batch: int, k: int
+def _top_entries(contrib: Tensor, ids: Tensor, k: int, shard: Shard | None
                  ) -> tuple[Tensor, Tensor]:  # (B, k) each
-    """Each sample's contributions summed over its entries in every layer, top ``k``."""
-    if not parts or all(owners.numel() == 0 for _, owners in parts):
-        empty = torch.zeros(batch, 0)
+    """The ``k`` largest of ``contrib (B, N)`` per row and their entry ids ``ids (N,)``;
+    ``k`` is at most the entries of every rank. When sharded: each rank's top ``k``, padded
+    to ``k`` with ``−inf`` and id ``-1``, gathered, and the top ``k`` of the ``W · k``
+    candidates (at least ``k`` of them real)."""
+    top = contrib.topk(min(k, contrib.shape[1]), dim=1)
+    if shard is None:
+        return top.values, ids[top.indices]
+    pad = k - top.values.shape[1]  # a shard with fewer than k entries
+    values = shard.all_gather(F.pad(top.values, (0, pad), value=float("-inf")))  # (W, B, k)
+    chosen = shard.all_gather(F.pad(ids[top.indices], (0, pad), value=-1))  # (W, B, k)
+    batch = contrib.shape[0]
+    values = values.transpose(0, 1).reshape(batch, -1)  # (B, W·k)
+    chosen = chosen.transpose(0, 1).reshape(batch, -1)  # (B, W·k)
+    best = values.topk(k, dim=1)  # never the padding: at least k candidates are real
+    return best.values, chosen.gather(1, best.indices)
+
+
+def _top_samples(parts: list[tuple[Tensor, Tensor]], batch: int, k: int,
+                 shard: Shard | None) -> tuple[Tensor, Tensor]:  # (B, k) each
+    """Each sample's contributions summed over its entries in every layer (and, when
+    sharded, over every rank), top ``k``."""
+    empty = torch.zeros(batch, 0)
+    if not parts:  # the same on every rank
         return empty, empty.long()
     owners = torch.cat([o for _, o in parts])  # (M,)
     contrib = torch.cat([c for c, _ in parts], dim=1)  # (B, M)
     unique, slot = owners.unique(return_inverse=True)  # (S,), (M,)
     totals = contrib.new_zeros(batch, unique.numel()).index_add_(1, slot, contrib)  # (B, S)
+    if shard is not None:
+        unique, totals = _sum_over_ranks(unique, totals, shard)  # every rank joins
+    if unique.numel() == 0:  # no entry of known origin (on any rank)
+        return empty, empty.long()
     top = totals.topk(min(k, unique.numel()), dim=1)
     return top.values, unique[top.indices]
+
+
+def _sum_over_ranks(unique: Tensor, totals: Tensor, shard: Shard
+                    ) -> tuple[Tensor, Tensor]:  # (U,), (B, U)
+    """Each rank's per-sample totals ``(B, S_r)`` over its samples ``unique (S_r,)``, summed
+    over the ranks on the union ``(U,)`` of every rank's samples (sorted)."""
+    count = torch.tensor([unique.numel()], device=unique.device)
+    longest = int(shard.all_reduce(count, dist.ReduceOp.MAX)[0])
+    if longest == 0:  # no rank holds an entry of known origin
+        return unique, totals
+    everyone = shard.all_gather(F.pad(unique, (0, longest - unique.numel()), value=UNKNOWN))
+    union = everyone[everyone != UNKNOWN].unique()  # (U,) sorted, the same on every rank
+    summed = totals.new_zeros(totals.shape[0], union.numel())  # (B, U)
+    summed.index_copy_(1, torch.searchsorted(union, unique), totals)
+    return union, shard.all_reduce(summed)

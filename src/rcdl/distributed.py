@@ -51,7 +51,8 @@ from rcdl.kernels import Kernel, check_kernel
 from rcdl.layers import growing_layers
 
 __all__ = [
-    "Shard", "init_from_env", "is_sharded", "rank_and_world", "shard", "world_bytes",
+    "Shard", "init_from_env", "is_sharded", "model_shard", "rank_and_world", "shard",
+    "world_bytes",
 ]  # fmt: skip
 
 _NEG_INF = float("-inf")
@@ -69,6 +70,13 @@ class Shard:
     def all_reduce(self, t: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
         dist.all_reduce(t, op=op, group=self.group)
         return t
+
+    def all_gather(self, t: Tensor) -> Tensor:  # (W, *t.shape)
+        """Every rank's ``t`` (of the same shape and dtype on every rank), stacked in rank
+        order."""
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.stack(parts)
 
     def merge(self, part: Partial, kernel: Kernel) -> Partial:
         """The partial over every rank's shard from this rank's ``part`` (two collectives)."""
@@ -206,6 +214,28 @@ def rank_and_world() -> tuple[int, int]:
 def is_sharded(model: nn.Module) -> bool:
     """Whether any growing layer of ``model`` has its store sharded over ranks."""
     return any(getattr(layer, "shard", None) is not None for _, layer in growing_layers(model))
+
+
+def model_shard(model: nn.Module, where: str = "model_shard") -> Shard | None:
+    """The :class:`Shard` that every growing layer of ``model`` is sharded by (as
+    :func:`shard` leaves them), or ``None`` when none is sharded. A model with some layers
+    sharded and others not, or sharded over different groups, is refused (``where`` names
+    the caller in the error): a total over the ranks would count its unsharded layers once
+    per rank."""
+    layers = growing_layers(model)
+    shards = [layer.shard for _, layer in layers]
+    first = next((s for s in shards if s is not None), None)
+    if first is None:
+        return None
+    same = [s is not None and (s.group, s.rank, s.world_size)
+            == (first.group, first.rank, first.world_size) for s in shards]
+    if not all(same):
+        other = [name or "(model)" for (name, _), ok in zip(layers, same, strict=True) if not ok]
+        raise ValueError(f"{where}: the growing layers {other} of {type(model).__name__} are "
+                         f"not sharded as the others are (rank {first.rank} of "
+                         f"{first.world_size}); rcdl.distributed.shard(model) shards every "
+                         "growing layer over one group")
+    return first
 
 
 def init_from_env(device: torch.device, timeout: timedelta = timedelta(minutes=10)) -> bool:

@@ -141,7 +141,9 @@ def merge_into_nearest(layer: GrowingLayer, mask: Tensor) -> Tensor:  # (E,) tar
     - RBF: ``v_i ← w_i v_i + Σ_j w_j v_j``, ``w_i ← 1``, keeping ``Σ w v`` exactly.
 
     Only the kept rows change, in place; the masked rows are left for the caller to remove
-    (with ``layer.remove_entries(mask)``). Merging is refused for linear layers and for
+    (with ``layer.remove_entries(mask)``). Each kept entry keeps its id and sample, and its
+    provenance counts the entries it absorbed (:meth:`rcdl.provenance.SampleMap.absorb`;
+    :func:`rcdl.provenance.merged_counts`). Merging is refused for linear layers and for
     layers whose rules weight entries by age.
 
     Returns:
@@ -174,6 +176,7 @@ def merge_into_nearest(layer: GrowingLayer, mask: Tensor) -> Tensor:  # (E,) tar
         # in the weights' dtype, rounded once to a half-precision store's
         values.index_add_(0, targets, (ev_weights[:, None] * ev_values).to(values.dtype))
     store.touch()
+    layer.provenance.absorb(store.ids[targets], store.ids[evicted])  # (E,) ids each
     return targets
 
 
