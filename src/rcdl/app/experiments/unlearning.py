@@ -198,7 +198,7 @@ class _Sets:
 
 
 def _measure(model: nn.Module, sets: _Sets, cfg: UnlearningConfig, seed: int,
-             device: torch.device) -> dict[str, float]:
+             device: torch.device) -> dict[str, float | None]:
     """Accuracy on the forget, retained and test images (percent) and the MIA score."""
     run = partial(per_sample_losses, model, batch_size=cfg.eval_batch_size, device=device)
     forget_loss, forget_right = run(sets.forget_x, sets.forget_y)
