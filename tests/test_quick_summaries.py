@@ -88,6 +88,10 @@ TINY: dict[str, list[str]] = {
     "vit": [
         "reproduce", "vit", "--quick", "--train-size", "48", "--test-size", "24",
         "--eval-every", "2", "--device", "cpu"],
+    "attribution": [
+        "reproduce", "attribution", "--quick", "--train-size", "48", "--test-size", "24",
+        "--halves", "3", "--halves-per-sub-run", "2", "--shown", "2", "--top", "3",
+        "--device", "cpu"],
     "unlearning": [
         "reproduce", "unlearning", "--quick", "--models", "gws", "mlp-adam", "--train-size",
         "48", "--test-size", "24", "--retain-eval-size", "24", "--forget-fraction", "0.25",
@@ -104,6 +108,7 @@ FULL: dict[str, list[str]] = {
     "deltanet-decay": ["reproduce", "deltanet-decay", "--quick", "--device", "cpu"],
     "teacher-student": ["reproduce", "teacher-student", "--quick", "--device", "cpu"],
     "vit": ["reproduce", "vit", "--quick", "--device", "cpu"],
+    "attribution": ["reproduce", "attribution", "--quick", "--device", "cpu"],
     "unlearning": ["reproduce", "unlearning", "--quick", "--device", "cpu"],
 }  # fmt: skip
 
