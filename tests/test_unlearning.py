@@ -11,6 +11,7 @@ import torch
 from rcdl.app.cli import main
 from rcdl.app.experiments.unlearning import (
     UnlearningConfig,
+    combine_runs,
     forget_indices,
     mia_score,
     rows,
@@ -83,3 +84,21 @@ def test_the_command_forgets_what_the_samples_wrote_and_reports(data_dir, tmp_pa
     assert {(r["scenario"], r["model"], r["variant"]) for r in table} >= {
         ("random", "rbf", "forget"), ("class", "mlp-sgd", "fine-tune")}
     assert "MIA" in (out / "results.md").read_text()
+
+
+def test_combine_merges_seeds_run_apart_and_refuses_a_seed_twice(data_dir, tmp_path):
+    common = ["--quick", "--models", "gws", "--scenarios", "random", "--train-size", "48",
+              "--test-size", "24", "--retain-eval-size", "24", "--data-dir", str(data_dir),
+              "--no-progress", "--device", "cpu"]
+    for seed in (0, 1):
+        main(["reproduce", "unlearning", *common, "--seeds", str(seed), "--out",
+              str(tmp_path / f"s{seed}")])
+    out = tmp_path / "both"
+    assert main(["reproduce", "unlearning", "--combine", str(tmp_path / "s0"),
+                 str(tmp_path / "s1"), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(r["seed"] for r in summary["runs"]) == [0, 1]
+    assert {r["seeds"] for r in summary["rows"]} == {2}
+    assert "Combined from these run folders" in (out / "results.md").read_text()
+    with pytest.raises(ValueError, match="gws seed 0 finished in both"):
+        combine_runs([tmp_path / "s0", tmp_path / "s0"], tmp_path / "twice")

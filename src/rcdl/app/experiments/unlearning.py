@@ -40,11 +40,14 @@ one.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,13 +58,13 @@ from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.experiments.cifar10_models import build_model, model_spec
 from rcdl.app.report import csv_text, mean_sd, pm, write_outputs
-from rcdl.app.rundir import RunDir, describe_machine
-from rcdl.app.runner import Experiment, Session
+from rcdl.app.rundir import RunDir, describe_machine, read_config
+from rcdl.app.runner import Combine, Experiment, Session
 from rcdl.provenance import forget
 from rcdl.training import accuracy, train_one_pass
 
 __all__ = ["ANCHORS", "EXPERIMENT", "EXPERIMENT_SPEC", "SCENARIOS", "UnlearningConfig",
-           "forget_indices", "mia_score", "per_sample_losses", "unlearn_one"]
+           "combine_runs", "forget_indices", "mia_score", "per_sample_losses", "unlearn_one"]
 
 EXPERIMENT = "unlearning"
 SCENARIOS = {"random": "a random share of the training images",
@@ -324,12 +327,12 @@ def _finish(cfg: UnlearningConfig, summary: dict[str, Any]) -> None:
 def _table(rows_: list[dict[str, Any]], scenario: str) -> str:
     from rcdl.app.report import markdown_table
 
-    body = [(r["model"], r["variant"], pm(r["forget_acc"], r["forget_acc_sd"], 1),
+    body = [(r["model"], r["variant"], r["seeds"], pm(r["forget_acc"], r["forget_acc_sd"], 1),
              pm(r["retain_acc"], r["retain_acc_sd"], 1), pm(r["test_acc"], r["test_acc_sd"], 1),
              pm(r["mia"], r["mia_sd"], 3), pm(r["seconds"], r["seconds_sd"], ".3g"))
             for r in rows_ if r["scenario"] == scenario]
-    return markdown_table(("model", "variant", "forget acc %", "retain acc %", "test acc %",
-                           "MIA", "seconds"), body, "llrrrrr")
+    return markdown_table(("model", "variant", "seeds", "forget acc %", "retain acc %",
+                           "test acc %", "MIA", "seconds"), body, "llrrrrrr")
 
 
 def plot(path: Any, rows_: list[dict[str, Any]], scenarios: tuple[str, ...]) -> None:
@@ -395,11 +398,84 @@ def write_report(run: RunDir, cfg: UnlearningConfig, summary: dict[str, Any],
         "Anchor (the NeurIPS 2023 unlearning challenge's starting kit, CIFAR-10, ResNet-18, "
         f"a random forget set): MIA {ANCHORS['original']} original, {ANCHORS['fine-tune']} "
         f"fine-tuned, {ANCHORS['retrain']} retrained.",
-        f"Data: {d['source']}, {d['provenance']}.\nMachine: {describe_machine(device)}.\n",
+        f"Data: {d['source']}, {d['provenance']}.",
     ]
+    if "combined_from" in summary:  # rcdl reproduce unlearning --combine
+        lines = []
+        for source in summary["combined_from"]:
+            env = source.get("environment") or {}
+            lines.append(f"- `{source['path']}`: {', '.join(source['runs'])}; "
+                         f"{env.get('cpu_model', '?')} ({' '.join(env.get('cpu_flags', []))}), "
+                         f"{env.get('num_threads', '?')} threads, torch "
+                         f"{env.get('torch', '?')}, git {(env.get('git_revision') or '?')[:10]}")
+        parts.append("Combined from these run folders (`rcdl reproduce unlearning "
+                     "--combine`):\n" + "\n".join(lines) + "\n")
+    else:
+        parts.append(f"Machine: {describe_machine(device)}.\n")
     markdown = "\n\n".join(parts)
     return write_outputs(run, markdown, csv_text(rows_), {
         "unlearning.png": partial(plot, rows_=rows_, scenarios=cfg.scenarios)})
+
+
+# --------------------------------------------------------------------------- combining
+
+# settings that may differ between runs combined into one table (the rest is the protocol)
+_PER_RUN = ("models", "seeds", "data_dir", "device")
+
+
+def combine_runs(run_dirs: list[str | Path], out: str | Path) -> tuple[Path, dict[str, Any]]:
+    """One report from the finished (model, seed) sub-runs of several run folders
+    (``rcdl reproduce unlearning --combine RUN_DIR ... --out DIR``): seeds or models run in
+    separate invocations, or an interrupted run's finished part. The folders must share the
+    protocol (every setting but the models, seeds, data folder and device, and the data);
+    a (model, seed) finished in two of them is an error. Writes ``summary.json`` (with each
+    source folder and its environment), ``results.md``, ``results.csv`` and
+    ``unlearning.png`` into ``out``."""
+    if not run_dirs:
+        raise ValueError("combine: give at least one run folder")
+    runs: list[dict[str, Any]] = []
+    origin: dict[tuple[str, int], Path] = {}
+    sources, first = [], None
+    for folder in map(Path, run_dirs):
+        cfg = read_config(folder, UnlearningConfig)
+        run = RunDir(folder)
+        finished, summary_path = run.finished(), folder / RunDir.SUMMARY
+        if not finished or not summary_path.is_file():
+            raise ValueError(f"combine: no (model, seed) finished in {folder}")
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        protocol = ({k: v for k, v in dataclasses.asdict(cfg).items() if k not in _PER_RUN},
+                    {k: summary["data"].get(k) for k in ("n_train", "n_test", "provenance")})
+        if first is None:
+            first = (folder, cfg, summary, protocol)
+        elif protocol != first[3]:
+            raise ValueError(f"combine: {folder} used another protocol than {first[0]}: "
+                             f"{protocol} against {first[3]}")
+        for result in finished.values():
+            key = (result["model"], result["seed"])
+            if key in origin:
+                raise ValueError(f"combine: {key[0]} seed {key[1]} finished in both "
+                                 f"{origin[key]} and {folder}; leave one of them out")
+            origin[key] = folder
+            runs.append({**result, "source": str(folder)})
+        environment = folder / RunDir.ENVIRONMENT
+        sources.append({"path": str(folder),
+                        "runs": [f"{r['model']}-seed{r['seed']}" for r in finished.values()],
+                        "environment": (json.loads(environment.read_text(encoding="utf-8"))
+                                        if environment.is_file() else None)})
+    assert first is not None
+    _, cfg, summary, _ = first
+    cfg = dataclasses.replace(
+        cfg, models=tuple(dict.fromkeys(r["model"] for r in runs)),
+        seeds=tuple(sorted({r["seed"] for r in runs})))
+    combined = {"experiment": EXPERIMENT, "complete": True, "combined_from": sources,
+                "data": summary["data"], "forget_class_name": summary.get("forget_class_name"),
+                "runs": runs, "rows": rows(cfg, runs)}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    target = RunDir(out)
+    target.write_summary(combined)
+    target.write_json(RunDir.CONFIG, dataclasses.asdict(cfg))
+    write_report(target, cfg, combined, torch.device("cpu"))
+    return target.path, combined
 
 
 EXPERIMENT_SPEC = Experiment(
@@ -413,5 +489,5 @@ EXPERIMENT_SPEC = Experiment(
     "forget, retained and test images, a membership-inference score and the seconds "
     "each took. See docs/attribution.md.",
     sub_runs=_sub_runs, report=write_report, load_data=load_data, start=_start,
-    finish=_finish,
+    finish=_finish, combine=Combine(combine_runs, show=True),
 )  # fmt: skip
