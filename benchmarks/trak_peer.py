@@ -30,11 +30,13 @@ Width. At the paper's width (3 072) the MLP has 75.5 M parameters, and TRAK mate
 per-sample gradient of that size for every training image of every ensemble model. On two CPU
 cores that does not fit; ``--width W`` builds the blocks at width ``W`` behind the backbone's
 fixed random lift 3072 → W (``ResNetMLP(..., width=W)``; the lift is the same for every
-model and is not trained). The default, 192 (298 k parameters), is the widest that ran the
-whole measurement at 5 000 / 500 images in about 20 minutes on the 2-core machine of
+model and is not trained). The default, 192 (298 k parameters), is chosen to fit the whole
+measurement at 5 000 / 500 images in 20–30 minutes on the 2-core machine of
 results/attribution-lds/trak-mlp.md: featurising a training image (its per-sample gradient
 and projection) took about 9 ms at width 192 and 21 ms at 256, and the run featurises
-~115 000 (11 ensembles' worth of training images for the LDS and again for mislabels).
+~115 000 images (11 model-passes over the training and test images for the LDS, 11 over the
+training images for mislabels): about 20 minutes at 192 (31 there, under other jobs' load),
+45 at 256.
 
 Threads: ``--threads 1`` by default. On that machine, shared with other jobs, one thread
 trained the MLP for an epoch of 5 000 images in 1 s against 49 s with two (two threads
