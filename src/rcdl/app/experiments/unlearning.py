@@ -336,37 +336,43 @@ def _table(rows_: list[dict[str, Any]], scenario: str) -> str:
 
 
 def plot(path: Any, rows_: list[dict[str, Any]], scenarios: tuple[str, ...]) -> None:
-    """Per scenario, forget-set accuracy and MIA score of each (model, variant)."""
+    """Per scenario (columns), the forget-set accuracy, the test accuracy and the MIA score
+    (rows) of each (model, variant), mean and sd over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(scenarios), figsize=(5.5 * len(scenarios), 6.5),
+    metrics = (("forget_acc", "forget-set accuracy (%)"), ("test_acc", "test accuracy (%)"),
+               ("mia", "MIA accuracy"))
+    fig, axes = plt.subplots(len(metrics), len(scenarios), figsize=(5.5 * len(scenarios), 9),
                              squeeze=False)
     colours = {"original": "#888888", "forget": "#1f77b4", "fine-tune": "#ff7f0e",
                "retrain": "#2ca02c"}
     for col, scenario in enumerate(scenarios):
         mine = [r for r in rows_ if r["scenario"] == scenario]
         models = list(dict.fromkeys(r["model"] for r in mine))
-        for row_i, (metric, label) in enumerate((("forget_acc", "forget-set accuracy (%)"),
-                                                 ("mia", "MIA accuracy"))):
+        for row_i, (metric, label) in enumerate(metrics):
             ax = axes[row_i][col]
+            labelled: set[str] = set()
             for i, model in enumerate(models):
                 bars = [r for r in mine if r["model"] == model]
                 for j, r in enumerate(bars):
+                    first = r["variant"] not in labelled
+                    labelled.add(r["variant"])
                     ax.bar(i + (j - (len(bars) - 1) / 2) * 0.25, r[metric] or 0, 0.24,
                            yerr=r[metric + "_sd"] or 0, color=colours.get(r["variant"]),
-                           label=r["variant"] if i == 0 else None)
+                           label=r["variant"] if first else None)
             ax.set_xticks(range(len(models)), models)
             ax.set_ylabel(label)
             if metric == "mia":
                 ax.axhline(0.5, color="black", lw=0.8, ls=":")
                 ax.set_ylim(0.4, max(0.75, max((r["mia"] or 0 for r in mine), default=0) + 0.05))
-            ax.set_title(f"{scenario}: {SCENARIOS[scenario]}", fontsize=9)
-            ax.legend(fontsize=8)
+            if row_i == 0:
+                ax.set_title(f"{scenario}: {SCENARIOS[scenario]}", fontsize=9)
+            ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
