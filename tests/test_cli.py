@@ -23,7 +23,7 @@ from rcdl.app.experiments import (
 
 EXPERIMENTS = ("cifar10-1epoch", "hybrid-tau-sweep", "generalisation", "memory-budget",
                "optimizers", "deltanet-decay", "teacher-student", "vit",
-               "attention-bench", "attribution", "unlearning")  # fmt: skip
+               "attention-bench", "attribution", "unlearning", "continual")  # fmt: skip
 DATA_EXPERIMENTS = tuple(e for e in EXPERIMENTS if e not in ("teacher-student",
                                                              "attention-bench"))
 README = Path(__file__).resolve().parents[1] / "README.md"

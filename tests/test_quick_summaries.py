@@ -96,6 +96,10 @@ TINY: dict[str, list[str]] = {
         "reproduce", "unlearning", "--quick", "--models", "gws", "mlp-adam", "--train-size",
         "48", "--test-size", "24", "--retain-eval-size", "24", "--forget-fraction", "0.25",
         "--device", "cpu"],
+    "continual": [
+        "reproduce", "continual", "--quick", "--models", "gws", "hybrid", "mlp-sgd",
+        "mlp-ewc", "mlp-lwf", "knn-cosine", "ncm", "slda", "--train-size", "48",
+        "--test-size", "24", "--device", "cpu"],
 }  # fmt: skip
 
 FULL: dict[str, list[str]] = {
@@ -110,13 +114,14 @@ FULL: dict[str, list[str]] = {
     "vit": ["reproduce", "vit", "--quick", "--device", "cpu"],
     "attribution": ["reproduce", "attribution", "--quick", "--device", "cpu"],
     "unlearning": ["reproduce", "unlearning", "--quick", "--device", "cpu"],
+    "continual": ["reproduce", "continual", "--quick", "--device", "cpu"],
 }  # fmt: skip
 
 NO_DATA = {"demo", "teacher-student"}
 CASES = FULL if FULL_DATA else TINY
 LONG = set() if FULL_DATA else {"cifar10-1epoch"}  # over 20 s: `make test-long` runs them
 # the ResNet-MLPs' blocks at this width
-SMALL_WIDTH = {"cifar10-1epoch-baselines": 64, "unlearning": 64}
+SMALL_WIDTH = {"cifar10-1epoch-baselines": 64, "unlearning": 64, "continual": 64}
 
 
 def _check_results():

@@ -28,6 +28,9 @@
 - :mod:`rcdl.app.experiments.unlearning` — forgetting training samples (``rcdl.forget``)
   against retraining without them, with a membership-inference score
   (``rcdl reproduce unlearning``).
+- :mod:`rcdl.app.experiments.continual` — class-incremental Split CIFAR-10 without replay:
+  growing models against fine-tuned, EWC and LwF MLPs and raw-pixel baselines, and whether
+  an earlier task's entries still classify its images (``rcdl reproduce continual``).
 """
 
 # The experiments, in the order `rcdl reproduce --help` lists them: command -> module. This is
@@ -45,4 +48,5 @@ COMMANDS = {
     "attention-bench": "attention_bench",
     "attribution": "attribution_exp",
     "unlearning": "unlearning",
+    "continual": "continual",
 }

@@ -1,0 +1,307 @@
+"""The baselines of the class-incremental experiment (:mod:`rcdl.app.experiments.continual`):
+EWC and LwF on a parametric network, and two order-independent classifiers on raw pixels,
+the nearest class mean and streaming LDA.
+
+Why written here rather than taken from Avalanche: ``avalanche-lib`` 0.6.0 (its newest
+release) lists ``torchvision`` among its required dependencies (with ``wandb``,
+``tensorboard``, ``pytorchcv`` and ``qpsolvers``), and this project runs torch 2.13 without
+torchvision: installing it would pull a torchvision built for another torch, and with it
+another torch. The methods are short, so they are written from their papers:
+
+- :class:`EWC` — elastic weight consolidation (Kirkpatrick et al. 2017, PNAS 114(13)): after
+  task ``t``, the diagonal Fisher information ``F_t`` at the task's parameters ``θ*_t``;
+  while learning later tasks the loss adds ``λ/2 Σ_t Σ_i F_{t,i} (θ_i − θ*_{t,i})²``, one
+  penalty per earlier task, as in the paper.
+- :class:`LwF` — learning without forgetting (Li & Hoiem 2017, TPAMI 40(12)): while
+  learning a task, the loss adds ``λ_o`` times the cross-entropy between the outputs over
+  the classes seen before it of the network as it was at the end of the previous task
+  (frozen) and of the network being trained, both softened by the temperature ``T = 2``;
+  ``λ_o = 1`` as in the paper. With one head over every class (the class-incremental
+  setting), "the old head's outputs" are the logits of the old classes.
+- :class:`NearestClassMean` — each class's running mean; an image goes to the nearest.
+- :class:`StreamingLDA` — streaming linear discriminant analysis (Hayes & Kanan 2020,
+  CVPR-W, "Lifelong machine learning with deep streaming linear discriminant analysis"):
+  running class means and one shared covariance, shrunk towards the identity, and the
+  linear classifier they give.
+
+Both classifiers sum what they see, so the order of the images changes nothing but float
+rounding: their class-incremental accuracy is their i.i.d. one.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["EWC", "LwF", "NearestClassMean", "PlainLoss", "StreamingLDA", "fisher_diagonal",
+           "fisher_diagonal_naive"]
+
+
+# --------------------------------------------------------------------------- the losses
+
+
+class PlainLoss:
+    """Cross-entropy on the current task's batch, nothing else: plain fine-tuning (and how
+    the growing models learn)."""
+
+    def loss(self, logits: Tensor, y: Tensor, x: Tensor) -> Tensor:  # noqa: ARG002
+        return F.cross_entropy(logits, y)
+
+    def after_task(self, model: nn.Module, x: Tensor, seen: Iterable[int]) -> None:
+        """Called at the end of each task with its training images ``x (n, D_in)`` and the
+        classes seen so far; plain fine-tuning keeps nothing."""
+
+
+def _sample_labels(logits: Tensor, generator: torch.Generator | None) -> Tensor:  # (B,)
+    probs = logits.detach().float().softmax(1).cpu()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1).to(logits.device)
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The model's ``nn.Linear`` modules; every trainable parameter must be in one."""
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    covered = {id(p) for _, m in linears for p in m.parameters()}
+    stray = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+    if stray:
+        raise ValueError(f"fisher_diagonal: parameters {stray} of {type(model).__name__} are "
+                         "not in an nn.Linear; use fisher_diagonal_naive")
+    return linears
+
+
+def fisher_diagonal(model: nn.Module, x: Tensor, *, batch_size: int = 64,
+                    generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    """The diagonal of the Fisher information of ``model`` at its parameters, over the
+    inputs ``x (n, D_in)``:
+
+        F_i = (1/n) Σ_n (∂ log p(ŷ_n | x_n) / ∂θ_i)²,   ŷ_n ~ p(· | x_n)
+
+    (Kirkpatrick et al. 2017: the expectation over the model's own predictive
+    distribution, one label drawn per image from ``generator``). Exact and batched for a
+    model whose trainable parameters all sit in ``nn.Linear`` layers with rows that do not
+    interact (no batch norm): a linear layer's per-sample weight gradient is ``δ_n a_nᵀ``
+    (``a_n`` its input, ``δ_n`` the gradient at its output), so ``Σ_n (δ_n a_nᵀ)²`` is
+    ``(δ²)ᵀ (a²)`` over the batch, from one backward pass. :func:`fisher_diagonal_naive`
+    is the per-sample twin.
+
+    Returns:
+        ``{parameter name: F (the parameter's shape)}`` for every trainable parameter.
+    """
+    linears = _linears(model)
+    fisher = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    seen: dict[str, tuple[Tensor, Tensor | None]] = {}  # layer -> (input a, output grad δ)
+    handles = []
+
+    def hook(name: str):  # noqa: ANN202
+        def forward(module: nn.Linear, inputs: tuple[Tensor, ...], out: Tensor) -> None:
+            a = inputs[0].detach()
+            if a.dim() != 2:
+                raise ValueError(f"fisher_diagonal: {name} takes {tuple(a.shape)} inputs; "
+                                 "expected (B, d_in)")
+            seen[name] = (a, None)
+            out.register_hook(lambda g: seen.__setitem__(name, (a, g.detach())))
+        return forward
+
+    for name, module in linears:
+        handles.append(module.register_forward_hook(hook(name)))
+    was_training = model.training
+    model.eval()
+    try:
+        for xb in x.split(batch_size):
+            logits = model(xb)  # (B, C)
+            labels = _sample_labels(logits, generator)
+            # the sum over the batch: each row's gradient is that sample's own
+            F.cross_entropy(logits, labels, reduction="sum").backward()
+            for name, module in linears:
+                a, g = seen[name]
+                assert g is not None, name  # every linear layer is on the loss's path
+                fisher[f"{name}.weight" if name else "weight"] += g.square().T @ a.square()
+                if module.bias is not None:
+                    fisher[f"{name}.bias" if name else "bias"] += g.square().sum(0)
+            model.zero_grad(set_to_none=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return {n: f / len(x) for n, f in fisher.items()}
+
+
+def fisher_diagonal_naive(model: nn.Module, x: Tensor, *,
+                          generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    """:func:`fisher_diagonal` one sample at a time (one backward pass each): the reference
+    its batched form is tested against, for any model. The labels are drawn as there (one
+    batch of ``len(x)`` rows, then one label per row in order), so the two agree exactly when
+    ``fisher_diagonal``'s batch holds every image."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    fisher = {n: torch.zeros_like(p) for n, p in params.items()}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            labels = _sample_labels(model(x), generator)  # (n,)
+        for xi, yi in zip(x, labels, strict=True):
+            loss = F.cross_entropy(model(xi[None]), yi[None])
+            grads = torch.autograd.grad(loss, list(params.values()))
+            for n, g in zip(params, grads, strict=True):
+                fisher[n] += g.square()
+    finally:
+        model.train(was_training)
+    return {n: f / len(x) for n, f in fisher.items()}
+
+
+class EWC(PlainLoss):
+    """Elastic weight consolidation (Kirkpatrick et al. 2017): the loss is the task's
+    cross-entropy plus ``λ/2 Σ_t Σ_i F_{t,i} (θ_i − θ*_{t,i})²`` over the earlier tasks
+    ``t``.
+
+    The sum of the per-task quadratics is kept as one: with ``A = Σ_t F_t`` and ``m = Σ_t
+    F_t θ*_t / A``, ``Σ_t F_t (θ − θ*_t)² = A (θ − m)² + const``, the same gradient at two
+    tensors per parameter instead of two per parameter and task.
+
+    Args:
+        model: the network trained; its parameters are read after each task.
+        lam: the penalty's strength ``λ``.
+        generator: draws the labels of the Fisher (:func:`fisher_diagonal`).
+    """
+
+    def __init__(self, model: nn.Module, lam: float, *, batch_size: int = 64,
+                 generator: torch.Generator | None = None) -> None:
+        self.model, self.lam, self.batch_size, self.generator = model, lam, batch_size, generator
+        self.precision: dict[str, Tensor] = {}  # A = Σ_t F_t
+        self.anchor: dict[str, Tensor] = {}  # m = Σ_t F_t θ*_t / A
+
+    def penalty(self) -> Tensor:
+        """``λ/2 Σ_i A_i (θ_i − m_i)²`` (0 before the first task ends)."""
+        params = dict(self.model.named_parameters())
+        terms = [(self.precision[n] * (params[n] - self.anchor[n]).square()).sum()
+                 for n in self.precision]
+        if not terms:
+            return torch.zeros((), device=next(self.model.parameters()).device)
+        return self.lam / 2 * torch.stack(terms).sum()
+
+    def loss(self, logits: Tensor, y: Tensor, x: Tensor) -> Tensor:
+        return F.cross_entropy(logits, y) + self.penalty()
+
+    def after_task(self, model: nn.Module, x: Tensor, seen: Iterable[int]) -> None:
+        fisher = fisher_diagonal(model, x, batch_size=self.batch_size, generator=self.generator)
+        for n, p in model.named_parameters():
+            if n not in fisher:
+                continue
+            f, theta = fisher[n], p.detach()
+            if n not in self.precision:
+                self.precision[n], self.anchor[n] = f, theta.clone()
+                continue
+            total = self.precision[n] + f
+            # m ← (A m + F θ*) / (A + F); where no task has any information, keep m
+            mixed = (self.precision[n] * self.anchor[n] + f * theta) / total.clamp_min(1e-30)
+            self.anchor[n] = torch.where(total > 0, mixed, self.anchor[n])
+            self.precision[n] = total
+
+
+class LwF(PlainLoss):
+    """Learning without forgetting (Li & Hoiem 2017): the task's cross-entropy plus
+    ``λ_o · CE(softmax(z_old / T), softmax(z / T))`` over the classes seen before the
+    task, ``z_old`` the logits of the network frozen at the end of the previous task.
+
+    Args:
+        alpha: ``λ_o`` (1 in the paper).
+        temperature: ``T`` (2 in the paper).
+    """
+
+    def __init__(self, alpha: float = 1.0, temperature: float = 2.0) -> None:
+        self.alpha, self.temperature = alpha, temperature
+        self.old: nn.Module | None = None
+        self.old_classes: Tensor | None = None  # (C_old,) int64
+
+    def loss(self, logits: Tensor, y: Tensor, x: Tensor) -> Tensor:
+        ce = F.cross_entropy(logits, y)
+        if self.old is None or self.old_classes is None:
+            return ce
+        with torch.no_grad():
+            target = (self.old(x)[:, self.old_classes] / self.temperature).softmax(1)
+        log_p = (logits[:, self.old_classes] / self.temperature).log_softmax(1)  # (B, C_old)
+        return ce + self.alpha * -(target * log_p).sum(1).mean()
+
+    def after_task(self, model: nn.Module, x: Tensor, seen: Iterable[int]) -> None:
+        self.old = copy.deepcopy(model).eval().requires_grad_(False)
+        device = next(model.parameters()).device
+        self.old_classes = torch.tensor(sorted(set(seen)), dtype=torch.long, device=device)
+
+
+# --------------------------------------------------------------------------- on raw pixels
+
+
+class NearestClassMean:
+    """The nearest class mean: each class's running mean ``μ_c``; an image goes to the
+    class whose mean is nearest in L2 (among the classes seen)."""
+
+    def __init__(self, d: int, classes: int) -> None:
+        self.sums = torch.zeros(classes, d, dtype=torch.float64)  # (C, D)
+        self.counts = torch.zeros(classes, dtype=torch.float64)  # (C,)
+
+    def update(self, x: Tensor, y: Tensor) -> None:
+        """Add the images ``x (n, D)`` of classes ``y (n,)``."""
+        self.sums.index_add_(0, y.cpu(), x.cpu().double())
+        self.counts += torch.bincount(y.cpu(), minlength=len(self.counts)).double()
+
+    def scores(self, x: Tensor) -> Tensor:  # (n, C): −‖x − μ_c‖², −inf for unseen classes
+        seen = self.counts > 0
+        means = self.sums[seen] / self.counts[seen, None]  # (C_seen, D)
+        out = torch.full((len(x), len(self.counts)), -torch.inf, dtype=torch.float64)
+        out[:, seen] = -torch.cdist(x.cpu().double(), means).square()
+        return out
+
+
+class StreamingLDA:
+    """Streaming linear discriminant analysis (Hayes & Kanan 2020): running class means
+    ``μ_c`` and the pooled within-class covariance ``Σ``; an image ``x`` gets the scores
+
+        s_c(x) = μ_cᵀ Λ x − ½ μ_cᵀ Λ μ_c,   Λ = ((1 − ε) Σ + ε I)⁻¹
+
+    over the classes seen (shrinkage ``ε``). The covariance is kept exactly, as the
+    within-class scatter ``S`` with Chan et al.'s merge of a batch into a running class
+    (``S += S_b + n_a n_b / (n_a + n_b) · (m_b − μ_a)(m_b − μ_a)ᵀ``) and ``Σ = S / n``, so it
+    does not depend on the order of the images; Hayes & Kanan weight each sample's outer
+    product by the total count rather than its class's, an approximation of the same
+    matrix. Kept in float64.
+    """
+
+    def __init__(self, d: int, classes: int, shrinkage: float = 1e-4) -> None:
+        if not 0 < shrinkage <= 1:
+            raise ValueError(f"StreamingLDA: shrinkage must be in (0, 1], got {shrinkage}")
+        self.shrinkage = shrinkage
+        self.means = torch.zeros(classes, d, dtype=torch.float64)  # (C, D)
+        self.counts = torch.zeros(classes, dtype=torch.float64)  # (C,)
+        self.scatter = torch.zeros(d, d, dtype=torch.float64)  # (D, D)
+
+    def update(self, x: Tensor, y: Tensor) -> None:
+        """Add the images ``x (n, D)`` of classes ``y (n,)``."""
+        x, y = x.cpu().double(), y.cpu()
+        rows = []  # S grows by Σ rows rowsᵀ: one product, in place, for every class
+        for c in y.unique().tolist():
+            xc = x[y == c]  # (n_b, D)
+            n_a, n_b = self.counts[c].item(), len(xc)
+            m_b = xc.mean(0)
+            delta = m_b - self.means[c]  # (D,)
+            rows += [xc - m_b, (n_a * n_b / (n_a + n_b)) ** 0.5 * delta[None]]
+            self.means[c] += delta * (n_b / (n_a + n_b))
+            self.counts[c] = n_a + n_b
+        if rows:
+            stacked = torch.cat(rows)  # (n + classes, D)
+            self.scatter.addmm_(stacked.T, stacked)
+
+    def scores(self, x: Tensor) -> Tensor:  # (n, C), −inf for unseen classes
+        seen = self.counts > 0
+        n = self.counts.sum().item()
+        shrunk = self.scatter * ((1 - self.shrinkage) / max(n, 1.0))  # (1 − ε) Σ
+        shrunk.diagonal().add_(self.shrinkage)  # + ε I
+        means = self.means[seen]  # (C_seen, D)
+        factor = torch.linalg.cholesky(shrunk)  # positive definite: ε > 0
+        weights = torch.cholesky_solve(means.T, factor).T  # (C_seen, D): Λ μ_c (Λ symmetric)
+        bias = -0.5 * (weights * means).sum(1)  # (C_seen,)
+        out = torch.full((len(x), len(self.counts)), -torch.inf, dtype=torch.float64)
+        out[:, seen] = x.cpu().double() @ weights.T + bias
+        return out

@@ -1,0 +1,318 @@
+"""rcdl reproduce continual: the metrics, the tasks, the silent-memory restriction, the
+baselines (EWC's Fisher, LwF, NCM, streaming LDA), the command, and that a growing model
+does not overwrite what an earlier task taught it."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rcdl import FunctionalSGD, Grower
+from rcdl.app.cli import main
+from rcdl.app.experiments import continual_baselines as cb
+from rcdl.app.experiments.continual import (
+    ContinualConfig,
+    average_incremental_accuracy,
+    backward_transfer,
+    class_order,
+    entries_by_task,
+    forgetting,
+    own_entries_copy,
+    task_split,
+)
+from rcdl.layers import growing_layers
+from rcdl.networks import MLP, GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
+from rcdl.provenance import UNKNOWN, entry_samples, samples
+from rcdl.rules import ClippedSoftmaxRule
+from rcdl.training import train_step
+
+# --------------------------------------------------------------------------- metrics
+
+# R[i][j]: accuracy on task j after task i; task 0 peaks after task 1, not when learnt
+MATRIX = [[90.0, 0.0, 0.0],
+          [95.0, 80.0, 0.0],
+          [20.0, 30.0, 70.0]]  # fmt: skip
+
+
+def test_average_incremental_accuracy_averages_the_seen_tasks_after_each_step():
+    # (90 + (95 + 80) / 2 + (20 + 30 + 70) / 3) / 3
+    assert average_incremental_accuracy(MATRIX) == pytest.approx((90 + 87.5 + 40) / 3)
+
+
+def test_backward_transfer_and_forgetting_differ_where_a_task_peaks_later():
+    # BWT: ((20 − 90) + (30 − 80)) / 2; forgetting from each task's best: (95 − 20, 80 − 30)
+    assert backward_transfer(MATRIX) == pytest.approx(-60.0)
+    assert forgetting(MATRIX) == pytest.approx((75 + 50) / 2)
+    kept = [[80.0, 0.0], [85.0, 70.0]]  # learning the second task helped the first
+    assert backward_transfer(kept) == pytest.approx(5.0)
+    assert forgetting(kept) == pytest.approx(-5.0)
+
+
+def test_metrics_leave_out_tasks_without_test_images_and_refuse_ragged_matrices():
+    matrix = [[90.0, None], [50.0, None]]
+    assert average_incremental_accuracy(matrix) == pytest.approx((90 + 50) / 2)
+    assert backward_transfer(matrix) == pytest.approx(-40.0)
+    assert backward_transfer([[70.0]]) is None
+    with pytest.raises(ValueError, match="square"):
+        backward_transfer([[1.0, 2.0], [3.0]])
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def test_natural_order_splits_into_consecutive_pairs():
+    assert task_split("0") == ((0, 1), (2, 3), (4, 5), (6, 7), (8, 9))
+    assert task_split("0", 5) == ((0, 1, 2, 3, 4), (5, 6, 7, 8, 9))
+    assert task_split("9876543210")[0] == (9, 8)
+
+
+def test_random_orders_are_permutations_fixed_by_their_seed():
+    one, again, two = class_order("random-1"), class_order("random-1"), class_order("random-2")
+    assert sorted(one) == list(range(10)) and one == again and one != two
+    assert one != tuple(range(10))
+
+
+@pytest.mark.parametrize("order", ["1", "random", "random-x", "0123456788", "012345678"])
+def test_unknown_orders_are_refused(order):
+    with pytest.raises(ValueError, match="class order"):
+        class_order(order)
+
+
+def test_config_refuses_what_the_experiment_cannot_run():
+    with pytest.raises(ValueError, match="class order"):
+        ContinualConfig(orders=("random",))
+    with pytest.raises(ValueError, match="raw-pixel"):
+        ContinualConfig(models=("svm-linear",))
+    with pytest.raises(ValueError, match="regularised_base"):
+        ContinualConfig(regularised_base="gws")
+    with pytest.raises(ValueError, match="two tasks"):
+        ContinualConfig(classes_per_task=3)
+
+
+# --------------------------------------------------------------------------- silent memories
+
+
+def _trained_softmax_net() -> tuple[nn.Module, torch.Tensor]:
+    """A growing softmax net (4 initial entries per layer, of no sample) trained on 30
+    samples with indices 100..129; returns it and the samples' task (0, 1, 2 by tens)."""
+    net = GrowingSoftmaxNet(6, 3, 1, temperature=1.0, rule=ClippedSoftmaxRule(0.1, 3.0),
+                            initial_entries=4, seed=0)
+    grower = Grower(net)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(30, 6, generator=gen), torch.randint(0, 3, (30,), generator=gen)
+    for i in range(0, 30, 5):
+        with samples(net, torch.arange(100 + i, 105 + i)):
+            train_step(net, x[i:i + 5], y[i:i + 5], F.cross_entropy, grower=grower)
+    task_of_sample = torch.full((130,), 99, dtype=torch.long)
+    task_of_sample[100:] = torch.arange(30) // 10
+    return net, task_of_sample
+
+
+def test_restriction_keeps_exactly_the_entries_of_the_tasks_samples_and_the_initial_ones():
+    net, task_of_sample = _trained_softmax_net()
+    keep = torch.arange(110, 120)  # the second task's samples
+    restricted, kept = own_entries_copy(net, keep)
+    for (name, layer), (_, original) in zip(growing_layers(restricted), growing_layers(net),
+                                            strict=True):
+        owners = entry_samples(layer)
+        assert sorted(owners[owners != UNKNOWN].tolist()) == keep.tolist()
+        assert int((owners == UNKNOWN).sum()) == 4  # the initial entries stay
+        assert kept[name] == len(layer.store) == 14
+        assert len(original.store) == 34  # the model itself is untouched
+        # the kept rows are the original's rows, unchanged
+        mine = torch.isin(entry_samples(original), keep) | (entry_samples(original) == UNKNOWN)
+        torch.testing.assert_close(layer.store.keys, original.store.keys[mine])
+    assert entries_by_task(net, task_of_sample, 3) == [20, 20, 20]  # 10 per layer, 2 layers
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def _small_resnet_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return ResNetMLP(6, 3, depth=2, width=5).double()
+
+
+def test_batched_fisher_is_the_per_sample_one():
+    model = _small_resnet_mlp()
+    x = torch.randn(12, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    fast = cb.fisher_diagonal(model, x, batch_size=12, generator=torch.Generator().manual_seed(2))
+    naive = cb.fisher_diagonal_naive(model, x, generator=torch.Generator().manual_seed(2))
+    assert set(fast) == {n for n, _ in model.named_parameters()}
+    for name in naive:
+        torch.testing.assert_close(fast[name], naive[name], rtol=1e-10, atol=1e-14)
+    assert all(p.grad is None for p in model.parameters())  # nothing left behind
+
+
+def test_fisher_refuses_parameters_outside_linear_layers():
+    model = nn.Sequential(nn.Linear(3, 2))
+    model.register_parameter("scale", nn.Parameter(torch.ones(2)))
+    with pytest.raises(ValueError, match="scale"):
+        cb.fisher_diagonal(model, torch.randn(4, 3))
+
+
+def test_ewc_penalty_is_the_sum_of_one_penalty_per_task(monkeypatch):
+    model = _small_resnet_mlp()
+    gen = torch.Generator().manual_seed(3)
+    fishers = [{n: torch.rand(p.shape, generator=gen, dtype=p.dtype)
+                for n, p in model.named_parameters()} for _ in range(2)]
+    fishers[1]["readout.bias"].zero_()  # a parameter the second task says nothing about
+    calls = iter(fishers)
+    monkeypatch.setattr(cb, "fisher_diagonal", lambda *a, **k: next(calls))
+    ewc = cb.EWC(model, lam=3.0)
+    assert float(ewc.penalty()) == 0.0
+    anchors = []
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        anchors.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        ewc.after_task(model, torch.zeros(1, 6, dtype=torch.float64), [0])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    params = dict(model.named_parameters())
+    explicit = sum(1.5 * (f[n] * (params[n] - a[n]).square()).sum()
+                   for f, a in zip(fishers, anchors, strict=True) for n in params)
+    grad = torch.autograd.grad(ewc.penalty(), list(params.values()))
+    reference = torch.autograd.grad(explicit, list(params.values()))
+    for g, r in zip(grad, reference, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def test_lwf_adds_soft_cross_entropy_on_the_old_classes_only_after_a_task():
+    model = _small_resnet_mlp()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    y = torch.tensor([2, 2, 1, 2, 1])
+    lwf = cb.LwF(alpha=0.5, temperature=2.0)
+    logits = model(x)
+    assert torch.equal(lwf.loss(logits, y, x), F.cross_entropy(logits, y))
+    lwf.after_task(model, x, [0, 1])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)
+    logits = model(x)
+    target = (lwf.old(x)[:, :2] / 2).softmax(1)  # the frozen copy, not the model
+    soft = -(target * (logits[:, :2] / 2).log_softmax(1)).sum(1).mean()
+    torch.testing.assert_close(lwf.loss(logits, y, x), F.cross_entropy(logits, y) + 0.5 * soft)
+    assert not any(p.requires_grad for p in lwf.old.parameters())
+
+
+def _blobs(n: int = 60, d: int = 5, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    return torch.randn(n, d, generator=gen, dtype=torch.float64) + 2 * y[:, None], y
+
+
+def test_streaming_lda_is_order_independent_and_is_lda_with_the_pooled_covariance():
+    x, y = _blobs()
+    a, b = cb.StreamingLDA(5, 4, shrinkage=0.2), cb.StreamingLDA(5, 4, shrinkage=0.2)
+    for part in (y == 0, y != 0):  # class 0 first, then the rest
+        a.update(x[part], y[part])
+    for i in reversed(range(0, 60, 7)):  # small batches, backwards
+        b.update(x[i:i + 7], y[i:i + 7])
+    torch.testing.assert_close(a.scores(x), b.scores(x))
+    means = torch.stack([x[y == c].mean(0) for c in range(3)])
+    centred = x - means[y]
+    cov = 0.8 * centred.T @ centred / 60 + 0.2 * torch.eye(5, dtype=torch.float64)
+    w = torch.linalg.solve(cov, means.T).T
+    expected = x @ w.T - 0.5 * (w * means).sum(1)
+    torch.testing.assert_close(a.scores(x)[:, :3], expected)
+    assert torch.isinf(a.scores(x)[:, 3]).all()  # class 3 was never seen
+
+
+def test_nearest_class_mean_picks_the_nearest_mean_among_the_seen_classes():
+    x, y = _blobs()
+    ncm = cb.NearestClassMean(5, 4)
+    ncm.update(x[y < 2], y[y < 2])
+    means = torch.stack([x[y == c].mean(0) for c in range(2)])
+    torch.testing.assert_close(ncm.scores(x)[:, :2], -torch.cdist(x, means).square())
+    assert set(ncm.scores(x).argmax(1).tolist()) <= {0, 1}
+
+
+# --------------------------------------------------------------------------- behaviour
+
+
+def _two_tasks(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor]]:  # fmt: skip
+    """Four well-separated blobs around random centres in 8 dimensions; task 1 holds
+    classes 0, 1, task 2 classes 2, 3: (x_train, y_train, x_test, y_test) per task."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = 2 * torch.randn(4, 8, generator=gen)
+
+    def draw(n: int, classes: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.tensor(classes).repeat(n // 2)
+        return centres[y] + 0.3 * torch.randn(n, 8, generator=gen), y
+
+    return [(*draw(96, c), *draw(40, c)) for c in ((0, 1), (2, 3))]
+
+
+def _task_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+def test_a_growing_net_keeps_the_first_task_where_an_sgd_mlp_loses_it():
+    tasks = _two_tasks()
+    torch.manual_seed(0)
+    rbf = GrowingRBFNet(8, 4, 1, temperature=0.5, rule=FunctionalSGD(1.0))
+    mlp = MLP(8, 32, 4, depth=2)
+    grower, sgd = Grower(rbf), torch.optim.SGD(mlp.parameters(), lr=0.1)
+    after_first = {}
+    for t, (x, y, *_) in enumerate(tasks):
+        for i in range(0, len(x), 8):  # one pass, batch 8
+            train_step(rbf, x[i:i + 8], y[i:i + 8], F.cross_entropy, grower=grower)
+            train_step(mlp, x[i:i + 8], y[i:i + 8], F.cross_entropy, optimizer=sgd)
+        if t == 0:
+            after_first = {m: _task_accuracy(net, *tasks[0][2:])
+                           for m, net in (("rbf", rbf), ("mlp", mlp))}
+    assert after_first == {"rbf": 1.0, "mlp": 1.0}  # both learnt the first task
+    for net in (rbf, mlp):
+        assert _task_accuracy(net, *tasks[1][2:]) == 1.0  # and the second
+    assert _task_accuracy(rbf, *tasks[0][2:]) == 1.0  # the growing net still knows the first
+    # the MLP's answers moved to task 2's classes: here all of them (seeds 1-4 of the
+    # blobs: one of the two classes, accuracy 0.5)
+    assert _task_accuracy(mlp, *tasks[0][2:]) <= 0.5
+    assert len(rbf.blocks[0].store) == 192  # every sample's entry, none overwritten
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_the_command_runs_every_kind_of_model_and_reports(data_dir, tmp_path, monkeypatch):
+    from rcdl.app.experiments import cifar10_models as zoo
+
+    # the ResNet-MLP's blocks at width 64 (at the paper's 3 072 its trainings take minutes)
+    monkeypatch.setattr(zoo, "ResNetMLP", functools.partial(zoo.ResNetMLP, width=64))
+    out = tmp_path / "run"
+    main(["reproduce", "continual", "--quick", "--models", "gws", "mlp-ewc", "knn-l2",
+          "ncm", "--orders", "0", "random-1", "--train-size", "64",
+          "--test-size", "32", "--data-dir", str(data_dir), "--out", str(out),
+          "--no-progress", "--device", "cpu"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"]
+    assert {"results.md", "results.csv", "continual_matrix.png", "continual_curves.png",
+            "silent_memories.png"} <= {p.name for p in out.iterdir()}
+    runs = {(r["model"], r["order"]): r for r in summary["runs"]}
+    # the i.i.d. references: EWC and LwF share mlp-adam's
+    assert {m for m, o in runs if o == "iid"} == {"gws", "mlp-adam", "knn-l2", "ncm"}
+    gws = runs["gws", "random-1"]
+    assert gws["tasks"] == [list(t) for t in task_split("random-1")]
+    assert len(gws["matrix"]) == 5 and all(len(row) == 5 for row in gws["matrix"])
+    # a growing model removes nothing: every entry a task wrote is still stored
+    assert gws["silent"]["entries_stored"] == gws["entries_written"]
+    assert sum(gws["entries_written"]) == 3 * 64  # one entry per image in each of 3 layers
+    assert "silent" not in runs["mlp-ewc", "0"]
+    for name in ("knn-l2", "ncm"):  # the order changes nothing
+        assert runs[name, "0"]["acc"] == runs[name, "random-1"]["acc"] == runs[name, "iid"]["acc"]
+    cfg = ContinualConfig.from_dict(json.loads((out / "config.json").read_text()))
+    assert cfg.orders == ("0", "random-1")
+    rows = {(r["model"], r["order"]): r for r in summary["rows"]}
+    assert rows["knn-l2", "all"]["gap"] == 0 and rows["gws", "all"]["runs"] == 2
+    assert {r["model"] for r in summary["silent"]} == {"gws", "mlp-ewc"}
+    assert "Silent memories" in (out / "results.md").read_text()
