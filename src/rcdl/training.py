@@ -39,7 +39,7 @@ from rcdl.provenance import samples
 from rcdl.store import format_bytes
 
 __all__ = ["Checkpointer", "Evaluator", "GrowerLike", "MetricLog", "Schedule", "accuracy",
-           "epoch_permutation", "evaluate", "train_one_pass", "train_step"]
+           "epoch_permutation", "evaluate", "predict", "train_one_pass", "train_step"]
 
 Metric = Callable[[Tensor, Tensor], Tensor]  # (predictions, targets) -> scalar
 # the keys of an evaluation record besides the metrics (see ``train_one_pass``)
@@ -77,6 +77,19 @@ def accuracy(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 @torch.no_grad()
+def predict(model: nn.Module, x: Tensor, *, batch_size: int = 1000,
+            device: torch.device | str = "cpu") -> Tensor:  # (N, D_out) on ``device``
+    """``model(x)`` in eval mode, ``batch_size`` rows at a time (each moved to ``device``),
+    without gradients; the model's mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        return torch.cat([model(xb.to(device)) for xb in x.split(batch_size)])
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
 def evaluate(
     model: nn.Module,
     x: Tensor,
@@ -92,14 +105,9 @@ def evaluate(
         x: inputs ``(N, D_in)``; y: targets ``(N, ...)``; both moved to ``device`` per batch.
         metrics: ``{name: (predictions, targets) -> scalar}`` over all ``N`` samples at once.
     """
-    was_training = model.training
-    model.eval()
-    try:
-        preds = torch.cat([model(xb.to(device)) for xb in x.split(batch_size)])  # (N, D_out)
-        y = y.to(device)
-        return {name: float(fn(preds, y)) for name, fn in metrics.items()}
-    finally:
-        model.train(was_training)
+    preds = predict(model, x, batch_size=batch_size, device=device)  # (N, D_out)
+    y = y.to(device)
+    return {name: float(fn(preds, y)) for name, fn in metrics.items()}
 
 
 @contextmanager

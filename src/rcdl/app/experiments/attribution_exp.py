@@ -66,7 +66,7 @@ from rcdl.app.runner import Experiment, Session
 from rcdl.attribution import explain
 from rcdl.layers import growing_layers
 from rcdl.provenance import UNKNOWN
-from rcdl.training import accuracy, train_one_pass
+from rcdl.training import accuracy, predict, train_one_pass
 
 __all__ = [
     "COLUMNS", "EXPERIMENT", "EXPERIMENT_SPEC", "KRONFLUENCE_FOUND", "LDS_ANCHORS",
@@ -164,11 +164,9 @@ def train_model(name: str, seed: int, x: Tensor, y: Tensor, evaluation: tuple[Te
     return model, result
 
 
-@torch.no_grad()
 def _logits(model: nn.Module, x: Tensor, device: torch.device | str,
             batch_size: int = 500) -> Tensor:  # (n, C) on the CPU
-    model.eval()
-    return torch.cat([model(xb.to(device)).cpu() for xb in x.split(batch_size)])
+    return predict(model, x, batch_size=batch_size, device=device).cpu()
 
 
 def margins(model: nn.Module, x: Tensor, y: Tensor, *, device: torch.device | str = "cpu",

@@ -84,7 +84,7 @@ from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
 from rcdl.layers import growing_layers
 from rcdl.provenance import UNKNOWN, entry_samples, samples
-from rcdl.training import epoch_permutation, train_step
+from rcdl.training import epoch_permutation, predict, train_step
 
 __all__ = ["ANCHORS", "EXPERIMENT", "EXPERIMENT_SPEC", "ContinualConfig",
            "average_incremental_accuracy", "backward_transfer", "class_order",
@@ -303,15 +303,9 @@ def _accuracies(scores: Tensor, y: Tensor, tasks: Sequence[Sequence[int]]) -> di
     return {"acc": pct(predicted == y), "per_task": per_task, "task_aware": aware}
 
 
-@torch.no_grad()
 def _scores(model: nn.Module, x: Tensor, batch_size: int, device: torch.device) -> Tensor:
     """The model's logits ``(M, 10)`` on ``x``, in eval mode, on the CPU."""
-    was_training = model.training
-    model.eval()
-    try:
-        return torch.cat([model(xb.to(device)).float().cpu() for xb in x.split(batch_size)])
-    finally:
-        model.train(was_training)
+    return predict(model, x, batch_size=batch_size, device=device).float().cpu()
 
 
 def _learner(name: str, seed: int, cfg: ContinualConfig, device: torch.device,

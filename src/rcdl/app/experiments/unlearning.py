@@ -61,7 +61,7 @@ from rcdl.app.report import csv_text, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, read_config
 from rcdl.app.runner import Combine, Experiment, Session
 from rcdl.provenance import forget
-from rcdl.training import accuracy, train_one_pass
+from rcdl.training import accuracy, predict, train_one_pass
 
 __all__ = ["ANCHORS", "EXPERIMENT", "EXPERIMENT_SPEC", "SCENARIOS", "UnlearningConfig",
            "combine_runs", "forget_indices", "mia_score", "per_sample_losses", "unlearn_one"]
@@ -140,23 +140,14 @@ def forget_indices(scenario: str, y_train: Tensor, cfg: UnlearningConfig,
     return order[:size].sort().values
 
 
-@torch.no_grad()
 def per_sample_losses(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 500,
                       device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
     """Per-sample cross-entropy losses ``(n,)`` and whether each prediction is right
-    ``(n,)`` (bool), in eval mode."""
-    was_training = model.training
-    model.eval()
-    try:
-        losses, right = [], []
-        for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True):
-            logits = model(xb.to(device)).float()
-            yb = yb.to(device)
-            losses.append(F.cross_entropy(logits, yb, reduction="none").cpu())
-            right.append((logits.argmax(1) == yb).cpu())
-        return torch.cat(losses), torch.cat(right)
-    finally:
-        model.train(was_training)
+    ``(n,)`` (bool), in eval mode, on the CPU."""
+    logits = predict(model, x, batch_size=batch_size, device=device).float()  # (n, C)
+    y = y.to(logits.device)
+    losses = F.cross_entropy(logits, y, reduction="none")
+    return losses.cpu(), (logits.argmax(1) == y).cpu()
 
 
 def mia_score(member_losses: Tensor, other_losses: Tensor, *, seed: int = 0,
