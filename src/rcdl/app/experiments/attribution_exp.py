@@ -152,9 +152,10 @@ load_data = partial(load_subsets, "cifar10")  # the subsets of cfg (rcdl.app.cif
 def train_model(name: str, seed: int, x: Tensor, y: Tensor, evaluation: tuple[Tensor, Tensor],
                 *, batch_size: int = 16, device: torch.device | str = "cpu",
                 ) -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
-    """Growing model ``name`` built from ``seed`` and trained one pass over ``x (n, 3072)``,
-    ``y (n,)`` in ``seed``'s order; its entries remember their samples as indices into
-    ``x``. ``evaluation = (x_eval, y_eval)`` is scored (``"acc"``) before and after.
+    """Model ``name`` of the one-epoch comparison built from ``seed`` and trained one pass
+    over ``x (n, 3072)``, ``y (n,)`` in ``seed``'s order; a growing model's entries remember
+    their samples as indices into ``x``. ``evaluation = (x_eval, y_eval)`` is scored
+    (``"acc"``) before and after.
     Returns the model and :func:`rcdl.training.train_one_pass`'s result."""
     model, optimizer, grower = build_model(name, seed, device=device, reserve=len(x))
     result = train_one_pass(model, (x, y, *evaluation), batch_size=batch_size, seed=seed,

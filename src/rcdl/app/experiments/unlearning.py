@@ -56,8 +56,9 @@ from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
+from rcdl.app.experiments.attribution_exp import train_model
 from rcdl.app.experiments.cifar10_models import build_model, model_spec
-from rcdl.app.report import csv_text, mean_sd, pm, write_outputs
+from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, read_config
 from rcdl.app.runner import Combine, Experiment, Session
 from rcdl.provenance import forget
@@ -208,15 +209,13 @@ def _measure(model: nn.Module, sets: _Sets, cfg: UnlearningConfig, seed: int,
 
 
 def _train(name: str, seed: int, x: Tensor, y: Tensor, cfg: UnlearningConfig,
-           session: Session) -> tuple[nn.Module, Any, float]:  # fmt: skip
-    """Model ``name`` trained one pass over ``(x, y)`` from ``seed``; with its optimizer and
-    the training seconds. The entries remember their samples as indices into ``x``."""
-    model, optimizer, grower = build_model(name, seed, device=session.device, reserve=len(x))
-    result = train_one_pass(
-        model, (x, y, x[:1], y[:1]), batch_size=cfg.batch_size, seed=seed,
-        optimizer=optimizer, grower=grower, loss_fn=F.cross_entropy,
-        metrics={"acc": accuracy}, eval_every=10**9, device=session.device, progress=False)
-    return model, optimizer, result["train_seconds"]
+           session: Session) -> tuple[nn.Module, float]:  # fmt: skip
+    """Model ``name`` trained one pass over ``(x, y)`` from ``seed``
+    (:func:`rcdl.app.experiments.attribution_exp.train_model`, nothing evaluated), with
+    its training seconds. The entries remember their samples as indices into ``x``."""
+    model, result = train_model(name, seed, x, y, (x[:1], y[:1]), batch_size=cfg.batch_size,
+                                device=session.device)
+    return model, result["train_seconds"]
 
 
 def unlearn_one(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
@@ -226,7 +225,7 @@ def unlearn_one(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
     growing = model_spec(name).growing
     device = session.device
     x, y = data.x_train, data.y_train
-    original, _, original_seconds = _train(name, seed, x, y, cfg, session)
+    original, original_seconds = _train(name, seed, x, y, cfg, session)
     out: dict[str, Any] = {"model": name, "seed": seed, "growing": growing,
                            "original_train_seconds": original_seconds, "scenarios": {}}
     for scenario in cfg.scenarios:
@@ -264,7 +263,7 @@ def unlearn_one(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
             variants["fine-tune"] = {**_measure(copy_, sets, cfg, seed, device),
                                      "seconds": result["train_seconds"], "images": len(part)}
         del copy_
-        retrained, _, seconds = _train(name, seed, x[retain_idx], y[retain_idx], cfg,
+        retrained, seconds = _train(name, seed, x[retain_idx], y[retain_idx], cfg,
                                        session)
         variants["retrain"] = {**_measure(retrained, sets, cfg, seed, device),
                                "seconds": seconds}
@@ -316,8 +315,6 @@ def _finish(cfg: UnlearningConfig, summary: dict[str, Any]) -> None:
 
 
 def _table(rows_: list[dict[str, Any]], scenario: str) -> str:
-    from rcdl.app.report import markdown_table
-
     body = [(r["model"], r["variant"], r["seeds"], pm(r["forget_acc"], r["forget_acc_sd"], 1),
              pm(r["retain_acc"], r["retain_acc_sd"], 1), pm(r["test_acc"], r["test_acc_sd"], 1),
              pm(r["mia"], r["mia_sd"], 3), pm(r["seconds"], r["seconds_sd"], ".3g"))
