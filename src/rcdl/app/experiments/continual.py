@@ -83,7 +83,7 @@ from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
 from rcdl.layers import growing_layers
-from rcdl.provenance import UNKNOWN, entry_samples, samples
+from rcdl.provenance import UNKNOWN, entry_samples, forget, samples
 from rcdl.training import epoch_permutation, predict, train_step
 
 __all__ = ["ANCHORS", "EXPERIMENT", "EXPERIMENT_SPEC", "ContinualConfig",
@@ -425,17 +425,14 @@ def _pixels_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequ
 
 def own_entries_copy(model: nn.Module, keep: Tensor) -> tuple[nn.Module, dict[str, int]]:
     """A deep copy of ``model`` whose growing layers keep only the entries written by the
-    training samples ``keep`` (indices) and those of unknown origin (initial entries), via
-    :meth:`rcdl.layers.GrowingLayer.remove_entries`; with the entries each layer kept."""
+    training samples ``keep`` (indices) and those of unknown origin (initial entries): in
+    the copy, :func:`rcdl.provenance.forget` removes every other sample's entries; with the
+    entries each layer kept."""
     restricted = copy.deepcopy(model)
-    kept = {}
-    for name, layer in growing_layers(restricted):
-        owners = entry_samples(layer)  # (N,)
-        mine = torch.isin(owners, keep.to(owners.device)) | (owners == UNKNOWN)
-        if not bool(mine.all()):
-            layer.remove_entries(~mine)
-        kept[name] = len(layer.store)
-    return restricted, kept
+    layers = growing_layers(restricted)
+    owners = torch.cat([entry_samples(layer) for _, layer in layers]).unique()  # (S,)
+    forget(restricted, owners[~torch.isin(owners, keep.to(owners.device))])  # UNKNOWN stays
+    return restricted, {name: len(layer.store) for name, layer in layers}
 
 
 def entries_by_task(model: nn.Module, task_of_sample: Tensor, tasks: int) -> list[int]:
