@@ -85,12 +85,17 @@ class SampleMap(nn.Module):
         if samples is not None:
             self._samples[ids] = samples.to(self._samples.device, torch.long)
 
+    @staticmethod
+    def _lookup(table: Tensor, ids: Tensor, missing: int) -> Tensor:  # (...,) int64
+        """``table[ids]``, ``missing`` for ids past its end (handed out by no write yet)."""
+        known = ids < table.shape[0]
+        out = torch.full_like(ids, missing)
+        out[known] = table.to(ids.device)[ids[known]]
+        return out
+
     def of(self, ids: Tensor) -> Tensor:  # (...,) int64
         """The samples that wrote the entries ``ids`` (:data:`UNKNOWN` where not known)."""
-        known = ids < self._samples.shape[0]
-        out = torch.full_like(ids, UNKNOWN)
-        out[known] = self._samples.to(ids.device)[ids[known]]
-        return out
+        return self._lookup(self._samples, ids, UNKNOWN)
 
     def absorb(self, into: Tensor, merged: Tensor) -> None:
         """The entries ``merged (E,)`` (ids) were folded into the entries ``into (E,)``
@@ -109,10 +114,7 @@ class SampleMap(nn.Module):
 
     def absorbed(self, ids: Tensor) -> Tensor:  # (...,) int64
         """How many entries were merged into each of the entries ``ids`` (0 where none)."""
-        known = ids < self._merged.shape[0]
-        out = torch.zeros_like(ids)
-        out[known] = self._merged.to(ids.device)[ids[known]]
-        return out
+        return self._lookup(self._merged, ids, 0)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001
         super()._save_to_state_dict(destination, prefix, keep_vars)
