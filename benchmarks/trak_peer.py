@@ -76,9 +76,9 @@ from tqdm import tqdm
 from rcdl.app.experiments.attribution_exp import (
     EVAL_IMAGES,
     FIRST_HALF_SEED,
-    FLIP_SEED,
     FULL_SEED,
     auc,
+    flip_labels,
     found_in_top,
     half_masks,
     load_data,
@@ -307,13 +307,10 @@ def measure_lds(cfg: PeerConfig, data: SimpleNamespace) -> list[dict[str, Any]]:
 def measure_mislabel(cfg: PeerConfig, data: SimpleNamespace) -> list[dict[str, Any]]:
     """Mislabel detection by TRAK-1 and TRAK-M self-influence, against the seed-0 model's
     loss and random, on the labels rcdl's measurement flips (module docstring)."""
-    x, y = data.x_train, data.y_train.clone()
-    n = len(x)
-    gen = torch.Generator().manual_seed(FLIP_SEED)  # the draws of attribution_exp.mislabel_one
-    flipped = torch.zeros(n, dtype=torch.bool)
-    flipped[torch.randperm(n, generator=gen)[: int(cfg.flip * n)]] = True
+    x, n = data.x_train, len(data.x_train)
+    # the labels attribution_exp.mislabel_one flips
+    y, flipped, gen = flip_labels(data.y_train, cfg.flip, CLASSES)
     count = int(flipped.sum())
-    y[flipped] = (y[flipped] + torch.randint(1, CLASSES, (count,), generator=gen)) % CLASSES
     models, accs, train_s = _ensemble(cfg, x, y, data.x_test, data.y_test, "mislabel")
     rankings: dict[str, tuple[Tensor, float]] = {}
     for size in sorted({1, cfg.ensemble}):

@@ -72,8 +72,8 @@ __all__ = [
     "COLUMNS", "EXPERIMENT", "EXPERIMENT_SPEC", "KRONFLUENCE_FOUND", "LDS_ANCHORS",
     "MEASUREMENTS", "RANKINGS", "TRAK_AUC", "VARIANTS", "AttributionConfig",
     "attribution_scores", "auc", "detection", "draw_explanations", "draw_results",
-    "found_in_top", "half_masks", "half_sums", "lds_full", "lds_halves", "lds_score",
-    "load_data", "margins", "mislabel_one", "rows", "self_influence", "spearman",
+    "flip_labels", "found_in_top", "half_masks", "half_sums", "lds_full", "lds_halves",
+    "lds_score", "load_data", "margins", "mislabel_one", "rows", "self_influence", "spearman",
     "to_pixels", "train_model", "write_report",
 ]  # fmt: skip
 
@@ -388,18 +388,29 @@ def self_influence(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 
     return out
 
 
+def flip_labels(y: Tensor, share: float, classes: int, *, seed: int = FLIP_SEED,
+                ) -> tuple[Tensor, Tensor, torch.Generator]:  # fmt: skip
+    """``y (n,)`` with ``int(share · n)`` labels, drawn from ``seed``, moved to another
+    class at random; the mask of those ``(n,)``; and the generator, to draw on from (the
+    random ranking)."""
+    n = len(y)
+    gen = torch.Generator().manual_seed(seed)
+    flipped = torch.zeros(n, dtype=torch.bool)
+    flipped[torch.randperm(n, generator=gen)[: int(share * n)]] = True
+    count = int(flipped.sum())
+    noisy = y.clone()
+    noisy[flipped] = (y[flipped] + torch.randint(1, classes, (count,), generator=gen)) % classes
+    return noisy, flipped, gen
+
+
 def mislabel_one(name: str, cfg: AttributionConfig, data: CifarData,
                  session: Session) -> dict[str, Any]:  # fmt: skip
     """Sub-run ``<name>-mislabel``: flip ``cfg.flip`` of the labels, train once, rank the
     training images by self-influence, their loss and at random (module docstring)."""
-    device, classes = session.device, data.num_classes
-    x, y = data.x_train, data.y_train.clone()
+    device, x = session.device, data.x_train
     n = len(x)
-    gen = torch.Generator().manual_seed(FLIP_SEED)
-    flipped = torch.zeros(n, dtype=torch.bool)
-    flipped[torch.randperm(n, generator=gen)[: int(cfg.flip * n)]] = True
+    y, flipped, gen = flip_labels(data.y_train, cfg.flip, data.num_classes)
     count = int(flipped.sum())
-    y[flipped] = (y[flipped] + torch.randint(1, classes, (count,), generator=gen)) % classes
     start = time.perf_counter()
     model, result = train_model(name, 0, x, y, (data.x_test, data.y_test),
                                 batch_size=cfg.batch_size, device=device)
