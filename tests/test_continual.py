@@ -130,6 +130,34 @@ def test_restriction_keeps_exactly_the_entries_of_the_tasks_samples_and_the_init
     assert entries_by_task(net, task_of_sample, 3) == [20, 20, 20]  # 10 per layer, 2 layers
 
 
+def test_restriction_to_the_first_task_is_the_model_as_it_was_after_that_task():
+    # a growing layer never rewrites an entry, so keeping only the first task's entries
+    # (and the initial ones) gives back the network as it stood after the first task:
+    # the silent-memory accuracy of task 1 is then exactly R[1][1]
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = GrowingSoftmaxNet(6, 3, 1, temperature=1.0, rule=ClippedSoftmaxRule(0.1, 3.0),
+                                initial_entries=4, seed=0)
+        grower = Grower(net)
+        gen = torch.Generator().manual_seed(1)
+        x, y = torch.randn(40, 6, generator=gen), torch.randint(0, 3, (40,), generator=gen)
+        probe = torch.randn(16, 6, generator=gen)
+        for i in range(0, 40, 5):
+            if i == 20:  # the end of the first task
+                with torch.no_grad():
+                    after_first = net.eval()(probe)
+                net.train()
+            with samples(net, torch.arange(i, i + 5)):
+                train_step(net, x[i:i + 5], y[i:i + 5], F.cross_entropy, grower=grower)
+        restricted, _ = own_entries_copy(net, torch.arange(20))
+        with torch.no_grad():
+            torch.testing.assert_close(restricted.eval()(probe), after_first, rtol=1e-12,
+                                       atol=1e-12)
+            assert not torch.allclose(net.eval()(probe), after_first)  # the later task told
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 # --------------------------------------------------------------------------- baselines
 
 
@@ -304,6 +332,10 @@ def test_the_command_runs_every_kind_of_model_and_reports(data_dir, tmp_path, mo
     gws = runs["gws", "random-1"]
     assert gws["tasks"] == [list(t) for t in task_split("random-1")]
     assert len(gws["matrix"]) == 5 and all(len(row) == 5 for row in gws["matrix"])
+    # the task-aware head can only turn a wrong 10-way answer right, never the reverse
+    for row, aware in zip(gws["matrix"], gws["aware_matrix"], strict=True):
+        assert all(a >= r for r, a in zip(row, aware, strict=True) if r is not None)
+    assert gws["aware_matrix"][-1] == gws["task_aware"]
     # a growing model removes nothing: every entry a task wrote is still stored
     assert gws["silent"]["entries_stored"] == gws["entries_written"]
     assert sum(gws["entries_written"]) == 3 * 64  # one entry per image in each of 3 layers
@@ -314,5 +346,6 @@ def test_the_command_runs_every_kind_of_model_and_reports(data_dir, tmp_path, mo
     assert cfg.orders == ("0", "random-1")
     rows = {(r["model"], r["order"]): r for r in summary["rows"]}
     assert rows["knn-l2", "all"]["gap"] == 0 and rows["gws", "all"]["runs"] == 2
+    assert rows["ncm", "all"]["aware_bwt"] == 0  # a class mean never moves
     assert {r["model"] for r in summary["silent"]} == {"gws", "mlp-ewc"}
     assert "Silent memories" in (out / "results.md").read_text()

@@ -26,12 +26,12 @@ Models (``models``):
 Measured, for each (model, order, seed) — one sub-run:
 
 - the accuracy matrix ``R[i][j]``: accuracy (percent, 10-way) on the test images of task
-  ``j``'s classes after learning task ``i`` (all ``j``; the metrics use ``j ≤ i``);
+  ``j``'s classes after learning task ``i`` (all ``j``; the metrics use ``j ≤ i``), and the
+  same with a task-aware head (the argmax over task ``j``'s own classes only);
 - the final accuracy on all ten classes; the average incremental accuracy
   (:func:`average_incremental_accuracy`); the backward transfer
-  (:func:`backward_transfer`) and the forgetting (:func:`forgetting`);
-- after the last task, per task: its accuracy with a task-aware head as well (the argmax
-  over its own classes only), and for a growing model the *silent memories*: how many of
+  (:func:`backward_transfer`) of both matrices and the forgetting (:func:`forgetting`);
+- after the last task, for a growing model, per task, the *silent memories*: how many of
   the entries the task wrote are still stored, and the accuracy on its test images of a
   copy of the model that keeps, in every growing layer, only the entries its training
   images wrote (and the initial entries, which no image wrote): :func:`own_entries_copy`.
@@ -47,11 +47,9 @@ Scale. The whole CIFAR-10 is far beyond two CPU cores: the defaults train networ
 class-incremental sub-runs and 18 i.i.d. ones (and fit the raw-pixel classifiers in 36 and
 12 more), and one full-width ResNet-MLP pass over 50 000 images alone takes 20–30 minutes
 there. The defaults are 2 000 training and 1 000 test images (random subsets: about 200
-training images per class, 25 steps per task). Estimated from timings taken here at 300
-and 3 000 images, they take 1–1.5 hours on two quiet cores, three quarters of it the
-ResNet-MLPs' passes, and two to three times that with other jobs on the cores
-(docs/continual.md, "Time"). ``--train-size all --test-size all`` is the whole CIFAR-10,
-for a GPU.
+training images per class, 25 steps per task). They took 30 minutes on two quiet cores
+(AMD EPYC), 85 % of it the ResNet-MLPs' passes (docs/continual.md, "Time").
+``--train-size all --test-size all`` is the whole CIFAR-10, for a GPU.
 """
 
 from __future__ import annotations
@@ -215,9 +213,8 @@ def _size(text: str) -> int | None:
 
 @dataclass(frozen=True)
 class ContinualConfig(ExperimentConfig):
-    """Settings of the class-incremental experiment (module docstring). The defaults take
-    1–1.5 hours on two quiet CPU cores (estimated; module docstring); ``--quick`` a few
-    minutes."""
+    """Settings of the class-incremental experiment (module docstring). The defaults took
+    30 minutes on two quiet CPU cores (module docstring); ``--quick`` a few minutes."""
 
     QUICK = {"train_size": 300, "test_size": 300, "seeds": (0,), "orders": ("0",),
              "models": ("gws", "gauge", "rbf", "hybrid", "mlp-adam", "mlp-ewc", "mlp-lwf",
@@ -336,15 +333,16 @@ def run_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequence
                  log: Any = None) -> tuple[nn.Module | None, dict[str, Any]]:  # fmt: skip
     """Model ``name`` trained on ``tasks`` one after another (one task holding every class:
     the i.i.d. run), measured after each. Returns the model (``None`` for a raw-pixel
-    classifier) and a JSON-able result: ``matrix`` (``R[i][j]``), ``task_aware`` (after the
-    last task), ``acc`` (final, every test image), ``entries_written`` (per task, growing
-    models), ``train_seconds``, ``eval_seconds``."""
+    classifier) and a JSON-able result: ``matrix`` (``R[i][j]``), ``aware_matrix`` (the same
+    with the task-aware head), ``task_aware`` (its last row), ``acc`` (final, every test
+    image), ``entries_written`` (per task, growing models), ``train_seconds``,
+    ``eval_seconds``."""
     if model_kind(name) == "pixels":
         return None, _pixels_sequence(name, seed, data, tasks, cfg)
     x, y = data.x_train, data.y_train
     model, optimizer, grower, method = _learner(name, seed, cfg, device, reserve=len(y))
-    out: dict[str, Any] = {"matrix": [], "entries_written": [], "train_seconds": 0.0,
-                           "eval_seconds": 0.0}
+    out: dict[str, Any] = {"matrix": [], "aware_matrix": [], "entries_written": [],
+                           "train_seconds": 0.0, "eval_seconds": 0.0}
     seen: list[int] = []
     for t, classes in enumerate(tasks):
         idx = torch.isin(y, torch.tensor(classes)).nonzero().squeeze(1)  # (n_t,) global
@@ -367,6 +365,7 @@ def run_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequence
                                data.y_test, tasks)
         out["eval_seconds"] += time.perf_counter() - start
         out["matrix"].append(measured["per_task"])
+        out["aware_matrix"].append(measured["task_aware"])
         out["acc"], out["task_aware"] = measured["acc"], measured["task_aware"]
         if log is not None:
             log.log(task=t, classes=list(classes), acc=measured["acc"],
@@ -401,7 +400,8 @@ def _pixels_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequ
         model = NearestClassMean(d, CLASSES)
     elif name == "slda":
         model = StreamingLDA(d, CLASSES, cfg.slda_shrinkage)
-    out: dict[str, Any] = {"matrix": [], "train_seconds": 0.0, "eval_seconds": 0.0}
+    out: dict[str, Any] = {"matrix": [], "aware_matrix": [], "train_seconds": 0.0,
+                           "eval_seconds": 0.0}
     seen: list[int] = []
     for classes in tasks:
         seen += list(classes)
@@ -419,6 +419,7 @@ def _pixels_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequ
         out["eval_seconds"] += time.perf_counter() - start
         measured = _accuracies(scores, data.y_test, tasks)
         out["matrix"].append(measured["per_task"])
+        out["aware_matrix"].append(measured["task_aware"])
         out["acc"], out["task_aware"] = measured["acc"], measured["task_aware"]
     return out
 
@@ -507,7 +508,7 @@ def _start(cfg: ContinualConfig, data: CifarData) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- reporting
 
-METRICS = ("acc", "aia", "bwt", "forgetting", "iid_acc", "gap", "kept")
+METRICS = ("acc", "aia", "bwt", "aware_bwt", "forgetting", "iid_acc", "gap", "kept")
 
 
 def _per_run(run: dict[str, Any], iid: dict[int, float | None]) -> dict[str, float | None]:
@@ -515,7 +516,10 @@ def _per_run(run: dict[str, Any], iid: dict[int, float | None]) -> dict[str, flo
     reference = iid.get(run["seed"])
     final = run["acc"]
     return {"acc": final, "aia": average_incremental_accuracy(run["matrix"]),
-            "bwt": backward_transfer(run["matrix"]), "forgetting": forgetting(run["matrix"]),
+            "bwt": backward_transfer(run["matrix"]),
+            "aware_bwt": (backward_transfer(run["aware_matrix"]) if "aware_matrix" in run
+                          else None),
+            "forgetting": forgetting(run["matrix"]),
             "iid_acc": reference,
             "gap": None if reference is None else reference - final,
             "kept": None if not reference else 100 * final / reference}
@@ -556,10 +560,10 @@ def _mean_matrix(done: list[dict[str, Any]], key: str = "matrix") -> list[list[f
 
 
 def silent_rows(cfg: ContinualConfig, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per model trained by passes and task position: after the last task, the accuracy
-    on the task's images with the whole model (10-way and task-aware) and, for a growing
-    model, from its own entries alone, and the share of its entries still stored (means
-    over seeds and orders)."""
+    """Per model trained by passes and task position: the accuracy on the task's images
+    just after learning it (10-way and task-aware), after the last task with the whole
+    model (the same two) and, for a growing model, from its own entries alone, and the
+    share of its entries still stored (means over seeds and orders)."""
     out = []
     for name in cfg.models:
         done = [r for r in runs if r["model"] == name and r["order"] != "iid"
@@ -573,7 +577,13 @@ def silent_rows(cfg: ContinualConfig, runs: list[dict[str, Any]]) -> list[dict[s
             own = mean_sd([v for s in silent if (v := s["own_entries"][t]) is not None])
             full = mean_sd([v for r in done if (v := r["matrix"][-1][t]) is not None])
             aware = mean_sd([v for r in done if (v := r["task_aware"][t]) is not None])
+            learnt = mean_sd([v for r in done if (v := r["matrix"][t][t]) is not None])
+            learnt_aware = mean_sd([v for r in done if "aware_matrix" in r
+                                    and (v := r["aware_matrix"][t][t]) is not None])
             out.append({"model": name, "task": t + 1, "runs": len(done),
+                        "learnt_acc": learnt[0], "learnt_acc_sd": learnt[1],
+                        "learnt_aware_acc": learnt_aware[0],
+                        "learnt_aware_acc_sd": learnt_aware[1],
                         "full_acc": full[0], "full_acc_sd": full[1],
                         "task_aware_acc": aware[0], "task_aware_acc_sd": aware[1],
                         "own_entries_acc": own[0], "own_entries_acc_sd": own[1],
@@ -619,13 +629,14 @@ def _finish(cfg: ContinualConfig, summary: dict[str, Any]) -> None:
 def _main_table(rows_: list[dict[str, Any]]) -> str:
     body = [(f"{r['model']} ({r['label']})", pm(r["acc"], r["acc_sd"], 1),
              pm(r["aia"], r["aia_sd"], 1), pm(r["bwt"], r["bwt_sd"], 1),
+             pm(r["aware_bwt"], r["aware_bwt_sd"], 1),
              pm(r["forgetting"], r["forgetting_sd"], 1), pm(r["iid_acc"], r["iid_acc_sd"], 1),
              pm(r["gap"], r["gap_sd"], 1), pm(r["kept"], r["kept_sd"], 0),
              pm(r["train_seconds"], None, ".3g"), pm(r["eval_seconds"], None, ".3g"))
             for r in rows_ if r["order"] == "all"]
     return markdown_table(("model", "final acc %", "avg incremental acc %", "BWT (pp)",
-                           "forgetting (pp)", "i.i.d. one pass %", "gap (pp)",
-                           "kept % of i.i.d.", "train s", "eval s"), body)
+                           "task-aware BWT (pp)", "forgetting (pp)", "i.i.d. one pass %",
+                           "gap (pp)", "kept % of i.i.d.", "train s", "eval s"), body)
 
 
 def _order_table(cfg: ContinualConfig, rows_: list[dict[str, Any]]) -> str:
@@ -641,12 +652,16 @@ def _silent_table(silent: list[dict[str, Any]]) -> str:
     body = [(r["model"], r["task"],
              "—" if r["stored_pct"] is None else
              f"{r['entries_stored']:,.0f} of {r['entries_written']:,.0f}",
+             pm(r["learnt_acc"], r["learnt_acc_sd"], 1),
+             pm(r["learnt_aware_acc"], r["learnt_aware_acc_sd"], 1),
              pm(r["full_acc"], r["full_acc_sd"], 1),
              pm(r["task_aware_acc"], r["task_aware_acc_sd"], 1),
              "— (nothing to restrict)" if r["own_entries_acc"] is None and r["stored_pct"] is None
              else pm(r["own_entries_acc"], r["own_entries_acc_sd"], 1)) for r in silent]
-    return markdown_table(("model", "task", "entries stored", "full model, 10-way %",
-                           "full model, task-aware %", "own entries only, 10-way %"), body)
+    return markdown_table(("model", "task", "entries stored", "just after it, 10-way %",
+                           "just after it, task-aware %", "at the end, 10-way %",
+                           "at the end, task-aware %", "at the end, own entries only, "
+                           "10-way %"), body)
 
 
 def _verdict_lines(verdicts: dict[str, dict[str, Any]]) -> str:
@@ -682,7 +697,9 @@ def write_report(run: RunDir, cfg: ContinualConfig, summary: dict[str, Any],
         "accuracy on every test image after the last task; *avg incremental*: the mean over "
         "the tasks of the accuracy on the classes seen so far; *BWT*: mean change on each "
         "earlier task from just after learning it to the end (negative: forgotten); "
-        "*forgetting*: mean drop from each earlier task's best to its last accuracy; "
+        "*task-aware BWT*: the same with the argmax over each task's own classes (what is "
+        "lost within a task, not to the competition with later classes); *forgetting*: "
+        "mean drop from each earlier task's best to its last accuracy; "
         "*i.i.d.*: one pass over the same images shuffled over all classes (EWC and LwF: "
         f"{cfg.regularised_base}'s); *gap*: i.i.d. minus final; *kept*: final / i.i.d.; "
         "seconds per class-incremental run (kNN's fits count as evaluation).",
@@ -690,12 +707,13 @@ def write_report(run: RunDir, cfg: ContinualConfig, summary: dict[str, Any],
         "## Final accuracy per class order (%)",
         _order_table(cfg, rows_),
         "## Silent memories: kept, but retrieved?",
-        "After the last task, per task (by position in its order): the entries its training "
-        "images wrote that are still stored (every growing layer), the accuracy on its test "
-        "images with the whole model (10-way, and task-aware: the argmax over its own "
-        "classes), and with a copy of the model whose growing layers keep only the entries "
-        "its images wrote (plus the initial ones), 10-way. A parametric network has nothing "
-        "to restrict.",
+        "Per task (by position in its order): the entries its training images wrote that "
+        "are still stored after the last task (every growing layer); the accuracy on its "
+        "test images just after learning it and after the last task, with the whole model "
+        "(10-way, and task-aware: the argmax over its own classes); and after the last task "
+        "with a copy of the model whose growing layers keep only the entries its images "
+        "wrote (plus the initial ones), 10-way. A parametric network has nothing to "
+        "restrict.",
         _silent_table(silent),
         "## Verdict",
         "Goal: every growing model above every non-replay MLP method and above raw-pixel "
@@ -792,8 +810,9 @@ def plot_curves(path: Any, matrices: dict[str, list[list[float | None]]]) -> Non
 
 
 def plot_silent(path: Any, silent: list[dict[str, Any]]) -> None:
-    """Per model, per task: accuracy on its test images with the whole model (10-way),
-    from its own entries alone (growing models) and with the whole model, task-aware."""
+    """Per model, per task: accuracy on its test images after the last task with the
+    whole model (10-way), from its own entries alone (growing models) and with the whole
+    model, task-aware; and task-aware just after learning the task."""
     from matplotlib.figure import Figure
 
     from rcdl._io import save_figure
@@ -803,18 +822,21 @@ def plot_silent(path: Any, silent: list[dict[str, Any]]) -> None:
     grid = math.ceil(len(names) / cols) if names else 1
     fig = Figure(figsize=(3.6 * cols, 3.0 * grid), layout="constrained")
     axes = fig.subplots(grid, cols, squeeze=False)
-    bars = (("full_acc", "whole model, 10-way", "#1f77b4"),
-            ("own_entries_acc", "own entries only, 10-way", "#ff7f0e"),
-            ("task_aware_acc", "whole model, task-aware", "#bbbbbb"))
+    bars = (("full_acc", "at the end: whole model, 10-way", "#1f77b4"),
+            ("own_entries_acc", "at the end: own entries only, 10-way", "#ff7f0e"),
+            ("task_aware_acc", "at the end: whole model, task-aware", "#999999"),
+            ("learnt_aware_acc", "just after the task: task-aware", "#dddddd"))
+    width = 0.8 / len(bars)
     for ax, name in zip(axes.flat, names, strict=False):
         mine = [r for r in silent if r["model"] == name]
         for k, (key, label, colour) in enumerate(bars):
             for i, r in enumerate(mine):
                 if r[key] is not None:
-                    ax.bar(i + (k - 1) * 0.27, r[key], 0.26, yerr=r[key + "_sd"] or 0,
+                    ax.bar(i + (k - 1.5) * width, r[key], width * 0.95,
+                           yerr=r[key + "_sd"] or 0,
                            color=colour, label=label if i == 0 else None)
                 if key == "full_acc" and r[key] is not None:  # a 0 % bar is no bar: say it
-                    ax.text(i - 0.27, r[key] + 1.5, f"{r[key]:.0f}", ha="center",
+                    ax.text(i - 1.5 * width, r[key] + 1.5, f"{r[key]:.0f}", ha="center",
                             va="bottom", fontsize=6, color=colour)
         ax.set_xticks(range(len(mine)),
                       [f"{r['task']}" + (" (last)" if r is mine[-1] else "") for r in mine],
@@ -832,7 +854,7 @@ def plot_silent(path: Any, silent: list[dict[str, Any]]) -> None:
             handles.setdefault(label, h)
     if handles:
         fig.legend(list(handles.values()), list(handles), loc="outside lower center",
-                   ncols=3, fontsize="small")
+                   ncols=2, fontsize="small")
     save_figure(fig, path)
 
 
