@@ -239,9 +239,12 @@ class ContinualConfig(ExperimentConfig):
     eval_batch_size: int = setting(500, "images per prediction batch", metavar="N")
     regularised_base: str = setting("mlp-adam", "the network and optimizer EWC and LwF train "
                                     "(a ResNet-MLP of the zoo)", metavar="NAME")
-    ewc_lambda: float = setting(1e4, "EWC's penalty strength λ", positive=True, metavar="λ")
-    lwf_alpha: float = setting(1.0, "LwF's distillation weight λ_o", positive=True,
-                               metavar="λ_o")
+    ewc_lambda: float = setting(1e8, "EWC's penalty strength λ (1e8: the best final "
+                                "accuracy of 1e2-1e9 at the default size; docs/continual.md)",
+                                positive=True, metavar="λ")
+    lwf_alpha: float = setting(100.0, "LwF's distillation weight λ_o (100: the best final "
+                               "accuracy of 1-1000 at the default size; docs/continual.md)",
+                               positive=True, metavar="λ_o")
     lwf_temperature: float = setting(2.0, "LwF's temperature T", positive=True, metavar="T")
     slda_shrinkage: float = setting(0.5, "streaming LDA's shrinkage ε towards the identity "
                                     "(0.5: chosen on held-out training images at the "
