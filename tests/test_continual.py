@@ -335,7 +335,6 @@ def test_the_command_runs_every_kind_of_model_and_reports(data_dir, tmp_path, mo
     # the task-aware head can only turn a wrong 10-way answer right, never the reverse
     for row, aware in zip(gws["matrix"], gws["aware_matrix"], strict=True):
         assert all(a >= r for r, a in zip(row, aware, strict=True) if r is not None)
-    assert gws["aware_matrix"][-1] == gws["task_aware"]
     # a growing model removes nothing: every entry a task wrote is still stored
     assert gws["silent"]["entries_stored"] == gws["entries_written"]
     assert sum(gws["entries_written"]) == 3 * 64  # one entry per image in each of 3 layers

@@ -47,8 +47,8 @@ Scale. The whole CIFAR-10 is far beyond two CPU cores: the defaults train networ
 class-incremental sub-runs and 18 i.i.d. ones (and fit the raw-pixel classifiers in 36 and
 12 more), and one full-width ResNet-MLP pass over 50 000 images alone takes 20–30 minutes
 there. The defaults are 2 000 training and 1 000 test images (random subsets: about 200
-training images per class, 25 steps per task). They took 30 minutes on two quiet cores
-(AMD EPYC), 85 % of it the ResNet-MLPs' passes (docs/continual.md, "Time").
+training images per class, 25 steps per task). They took 32 minutes on two quiet cores
+(AMD EPYC), four fifths of it the ResNet-MLPs' passes (docs/continual.md, "Time").
 ``--train-size all --test-size all`` is the whole CIFAR-10, for a GPU.
 """
 
@@ -214,7 +214,7 @@ def _size(text: str) -> int | None:
 @dataclass(frozen=True)
 class ContinualConfig(ExperimentConfig):
     """Settings of the class-incremental experiment (module docstring). The defaults took
-    30 minutes on two quiet CPU cores (module docstring); ``--quick`` a few minutes."""
+    32 minutes on two quiet CPU cores (module docstring); ``--quick`` a few minutes."""
 
     QUICK = {"train_size": 300, "test_size": 300, "seeds": (0,), "orders": ("0",),
              "models": ("gws", "gauge", "rbf", "hybrid", "mlp-adam", "mlp-ewc", "mlp-lwf",
@@ -327,6 +327,14 @@ def _task_order(n: int, seed: int, task: int) -> Tensor:  # (n,)
     return epoch_permutation(n, seed if task < 0 else 7919 * (seed + 1) + task, 0)
 
 
+def _record(out: dict[str, Any], measured: dict[str, Any]) -> None:
+    """Add one evaluation (:func:`_accuracies`, after a task) to a sequence's result: a row
+    of each matrix, and the accuracy on every test image (the last one is the final)."""
+    out["matrix"].append(measured["per_task"])
+    out["aware_matrix"].append(measured["task_aware"])
+    out["acc"] = measured["acc"]
+
+
 def _store_entries(model: nn.Module) -> int:
     return sum(len(layer.store) for _, layer in growing_layers(model))
 
@@ -337,9 +345,8 @@ def run_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequence
     """Model ``name`` trained on ``tasks`` one after another (one task holding every class:
     the i.i.d. run), measured after each. Returns the model (``None`` for a raw-pixel
     classifier) and a JSON-able result: ``matrix`` (``R[i][j]``), ``aware_matrix`` (the same
-    with the task-aware head), ``task_aware`` (its last row), ``acc`` (final, every test
-    image), ``entries_written`` (per task, growing models), ``train_seconds``,
-    ``eval_seconds``."""
+    with the task-aware head), ``acc`` (final, every test image), ``entries_written`` (per
+    task, growing models), ``train_seconds``, ``eval_seconds``."""
     if model_kind(name) == "pixels":
         return None, _pixels_sequence(name, seed, data, tasks, cfg)
     x, y = data.x_train, data.y_train
@@ -367,9 +374,7 @@ def run_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequence
         measured = _accuracies(_scores(model, data.x_test, cfg.eval_batch_size, device),
                                data.y_test, tasks)
         out["eval_seconds"] += time.perf_counter() - start
-        out["matrix"].append(measured["per_task"])
-        out["aware_matrix"].append(measured["task_aware"])
-        out["acc"], out["task_aware"] = measured["acc"], measured["task_aware"]
+        _record(out, measured)
         if log is not None:
             log.log(task=t, classes=list(classes), acc=measured["acc"],
                     per_task=measured["per_task"], entries=_store_entries(model))
@@ -421,9 +426,7 @@ def _pixels_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequ
                                  seed)
         out["eval_seconds"] += time.perf_counter() - start
         measured = _accuracies(scores, data.y_test, tasks)
-        out["matrix"].append(measured["per_task"])
-        out["aware_matrix"].append(measured["task_aware"])
-        out["acc"], out["task_aware"] = measured["acc"], measured["task_aware"]
+        _record(out, measured)
     return out
 
 
@@ -520,8 +523,7 @@ def _per_run(run: dict[str, Any], iid: dict[int, float | None]) -> dict[str, flo
     final = run["acc"]
     return {"acc": final, "aia": average_incremental_accuracy(run["matrix"]),
             "bwt": backward_transfer(run["matrix"]),
-            "aware_bwt": (backward_transfer(run["aware_matrix"]) if "aware_matrix" in run
-                          else None),
+            "aware_bwt": backward_transfer(run["aware_matrix"]),
             "forgetting": forgetting(run["matrix"]),
             "iid_acc": reference,
             "gap": None if reference is None else reference - final,
@@ -573,26 +575,21 @@ def silent_rows(cfg: ContinualConfig, runs: list[dict[str, Any]]) -> list[dict[s
                 and r["kind"] != "pixels"]
         if not done:
             continue
+        grown = [r for r in done if "silent" in r]  # growing models: their own entries
         for t in range(len(done[0]["tasks"])):
-            silent = [r["silent"] for r in done if "silent" in r]
-            written = [r["entries_written"][t] for r in done if "silent" in r]
-            stored = [s["entries_stored"][t] for s in silent]
-            own = mean_sd([v for s in silent if (v := s["own_entries"][t]) is not None])
-            full = mean_sd([v for r in done if (v := r["matrix"][-1][t]) is not None])
-            aware = mean_sd([v for r in done if (v := r["task_aware"][t]) is not None])
-            learnt = mean_sd([v for r in done if (v := r["matrix"][t][t]) is not None])
-            learnt_aware = mean_sd([v for r in done if "aware_matrix" in r
-                                    and (v := r["aware_matrix"][t][t]) is not None])
-            out.append({"model": name, "task": t + 1, "runs": len(done),
-                        "learnt_acc": learnt[0], "learnt_acc_sd": learnt[1],
-                        "learnt_aware_acc": learnt_aware[0],
-                        "learnt_aware_acc_sd": learnt_aware[1],
-                        "full_acc": full[0], "full_acc_sd": full[1],
-                        "task_aware_acc": aware[0], "task_aware_acc_sd": aware[1],
-                        "own_entries_acc": own[0], "own_entries_acc_sd": own[1],
-                        "entries_written": _mean(written), "entries_stored": _mean(stored),
-                        "stored_pct": (100 * sum(stored) / sum(written)
-                                       if silent and sum(written) else None)})
+            row: dict[str, Any] = {"model": name, "task": t + 1, "runs": len(done)}
+            for key, values in (
+                    ("learnt_acc", [r["matrix"][t][t] for r in done]),
+                    ("learnt_aware_acc", [r["aware_matrix"][t][t] for r in done]),
+                    ("full_acc", [r["matrix"][-1][t] for r in done]),
+                    ("task_aware_acc", [r["aware_matrix"][-1][t] for r in done]),
+                    ("own_entries_acc", [r["silent"]["own_entries"][t] for r in grown])):
+                row[key], row[key + "_sd"] = mean_sd([v for v in values if v is not None])
+            written = [r["entries_written"][t] for r in grown]
+            stored = [r["silent"]["entries_stored"][t] for r in grown]
+            out.append({**row, "entries_written": _mean(written),
+                        "entries_stored": _mean(stored),
+                        "stored_pct": 100 * sum(stored) / sum(written) if sum(written) else None})
     return out
 
 
