@@ -254,8 +254,10 @@ def bench_cifar(args: argparse.Namespace) -> dict[str, Any]:
 def load_trained(model: torch.nn.Module, path: Path) -> dict[str, Any]:
     """Load a checkpoint of ``rcdl reproduce cifar10-1epoch --keep-checkpoints`` (the last
     one written: every ``eval_every`` steps before the end) into ``model``."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
+    from rcdl.checkpoint import load_checkpoint, load_model_state
+
+    state = load_checkpoint(path)  # verified, and loads tensors and plain containers only
+    load_model_state(model, state["model"])
     step, samples = state["loop"]["step"], state["loop"].get("samples")
     return {"training": f"checkpoint {path} (step {step})", "train_seconds": None,
             "note": f"loaded {path}: the model after step {step}"

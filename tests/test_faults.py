@@ -72,6 +72,76 @@ def test_a_damaged_checkpoint_file_is_refused_naming_it(damage, tmp_path):
     assert str(path) in str(err.value)
 
 
+class _RunsCode:
+    """Pickles as a call of ``os.system``: what a doctored checkpoint would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _doctored(path, obj):
+    """``obj`` pickled by torch behind a valid rcdl header: the digest is a checksum, not a
+    signature, so anyone can write one."""
+    import hashlib
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    payload = buffer.getvalue()
+    path.write_bytes(b"RCDLCKP1" + hashlib.sha256(payload).digest() + payload)
+    return hashlib.sha256(payload).hexdigest()
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    from rcdl.checkpoint import UnsafeCheckpoint
+
+    marker, path = tmp_path / "ran", tmp_path / "state.pt"
+    net, _ = build()
+    _doctored(path, {"model": net.state_dict(), "extra": _RunsCode(marker)})
+    with pytest.raises(UnsafeCheckpoint, match=r"refused: it asks to build \S*system") as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value) and not marker.exists()
+    assert isinstance(err.value, DamagedCheckpoint)  # handled wherever a damaged file is
+
+
+def test_a_resume_never_runs_a_doctored_checkpoint(interrupted, tmp_path, capsys):
+    """The newest checkpoint replaced by one that runs code, its manifest updated to match:
+    the resume refuses it, says why, runs nothing and resumes from the one before."""
+    import json
+
+    expected = reference()
+    ckpt = interrupted(7)  # checkpoints at steps 4 and 6
+    marker, newest = tmp_path / "ran", checkpoint_files(ckpt, 6)
+    state = load_checkpoint(newest)
+    digest = _doctored(newest, state | {"loop": _RunsCode(marker)})
+    manifest = ckpt.with_name("ckpt.manifest.json")
+    listed = json.loads(manifest.read_text())
+    listed["checkpoints"][-1]["sha256"] = [digest]
+    manifest.write_text(json.dumps(listed))
+    net, grower = build()
+    resumed = train_one_pass(net, DATA, grower=grower, checkpoint_path=ckpt, **KW)
+    err = capsys.readouterr().err
+    assert "ckpt.step00000006.pt is refused" in err and "could run code" in err
+    assert not marker.exists()
+    assert resumed["resumed"] and resumed["history"] == expected["history"]
+
+
+def test_save_checkpoint_refuses_what_could_not_be_loaded_safely(tmp_path):
+    from collections import OrderedDict
+
+    path = tmp_path / "state.pt"
+    with pytest.raises(TypeError, match=r"\['opt'\]\['rule'\] is a .*ClippedSoftmaxRule"):
+        save_checkpoint({"opt": {"rule": ClippedSoftmaxRule(1.0, 2.0)}}, path)
+    assert not path.exists()
+    plain = {"a": OrderedDict(w=torch.ones(2)), "b": [1, 2.5, "x", None, (True,)],
+             "c": {torch.float16, torch.Size([2])}, 3: b"raw"}
+    save_checkpoint(plain, path)
+    assert load_checkpoint(path)["b"] == plain["b"]
+
+
 @pytest.fixture
 def interrupted(tmp_path, interrupt_after):
     """``interrupted(steps)``: a run stopped after ``steps`` growth steps, checkpointing
@@ -115,15 +185,99 @@ def test_with_every_checkpoint_damaged_the_run_starts_afresh_and_says_so(interru
     assert not resumed["resumed"] and resumed["history"] == expected["history"]
 
 
-def test_a_damaged_manifest_starts_afresh_and_says_so(interrupted, capsys):
+@pytest.mark.parametrize("damage", ["one-byte", "cut", "missing"])
+def test_without_a_usable_manifest_the_newest_verifying_step_file_is_used(damage, interrupted,
+                                                                         capsys):
+    """The manifest lists which files are whole, but each file also verifies on its own: one
+    byte of the manifest overwritten, the manifest cut or lost, the run resumes from the
+    newest step file that verifies (the newest one, flipped, is skipped and said so), and the
+    saves after it delete no file the run still needs."""
     expected = reference()
-    ckpt = interrupted(5)
+    ckpt = interrupted(7)  # checkpoints at steps 4 and 6
     manifest = ckpt.with_name("ckpt.manifest.json")
-    manifest.write_text(manifest.read_text()[:40])  # cut mid-way
+    if damage == "one-byte":
+        text = bytearray(manifest.read_bytes())
+        text[0] = ord("x")
+        manifest.write_bytes(bytes(text))
+    elif damage == "cut":
+        manifest.write_text(manifest.read_text()[:40])
+    else:
+        manifest.unlink()
+    flip(checkpoint_files(ckpt, 6))
     net, grower = build()
     resumed = train_one_pass(net, DATA, grower=grower, checkpoint_path=ckpt, **KW)
-    assert "ckpt.manifest.json is damaged" in capsys.readouterr().err
-    assert not resumed["resumed"] and resumed["history"] == expected["history"]
+    err = capsys.readouterr().err
+    assert ("manifest.json is damaged" in err) == (damage != "missing")
+    assert "checkpoints of steps 4, 6 were found on disk" in err
+    assert "step 6 is not used" in err and "resuming from the checkpoint of step 4" in err
+    assert resumed["resumed"] and resumed["history"] == expected["history"]
+
+
+def _checkpointer(path, keep=2):
+    from rcdl.checkpoint import Checkpointer
+
+    net, grower = build()
+    return Checkpointer(path, 2, {"name": "t"}, net, None, grower, keep=keep)
+
+
+def test_a_failed_manifest_read_during_a_save_deletes_no_checkpoint(tmp_path, monkeypatch):
+    """A transient error (EMFILE) reading the manifest once a save has committed: the files
+    to keep are those of the manifest just written, held in memory, so every committed file
+    stays (before, the failed read kept nothing and deleted every step file)."""
+    import json
+
+    path = tmp_path / "ckpt.pt"
+    saver = _checkpointer(path)
+    assert saver.restore() is None
+    saver.save({"step": 2})
+    saver.save({"step": 4})
+    real = json.loads
+
+    def failing(text, *args, **kwargs):  # every manifest read fails from now on
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(json, "loads", failing)
+    saver.save({"step": 6})
+    monkeypatch.setattr(json, "loads", real)
+    assert sorted(p.name for p in tmp_path.glob("ckpt.step*")) == [
+        "ckpt.step00000004.pt", "ckpt.step00000006.pt"]
+    listed = json.loads(path.with_name("ckpt.manifest.json").read_text())
+    assert [e["step"] for e in listed["checkpoints"]] == [4, 6]
+    assert _checkpointer(path).restore() == {"step": 6}
+
+
+def test_a_newer_checkpoint_that_verifies_is_not_deleted_by_an_older_save(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    saver = _checkpointer(path, keep=1)
+    saver.restore()
+    saver.save({"step": 8})
+    first = _checkpointer(path, keep=1)
+    path.with_name("ckpt.manifest.json").unlink()  # the manifest lost
+    checkpoint_files(path, 6).write_bytes(b"")  # a damaged one: removed by the next save
+    assert first.restore() == {"step": 8}
+    again = _checkpointer(path, keep=1)
+    again._committed = []  # as a run resumed from an older step: it saves step 2 next
+    again.save({"step": 2})
+    names = sorted(p.name for p in tmp_path.glob("ckpt.step*"))
+    assert names == ["ckpt.step00000002.pt", "ckpt.step00000008.pt"]
+
+
+def test_the_manifest_records_its_format_and_an_unknown_one_is_refused(tmp_path):
+    import json
+
+    from rcdl import __version__
+
+    path = tmp_path / "ckpt.pt"
+    saver = _checkpointer(path)
+    saver.restore()
+    saver.save({"step": 2})
+    manifest = path.with_name("ckpt.manifest.json")
+    written = json.loads(manifest.read_text())
+    assert written["format"] == 1 and written["rcdl_version"] == __version__
+    manifest.write_text(json.dumps(written | {"format": 99, "rcdl_version": "9.0"}))
+    with pytest.raises(ValueError, match=r"format 99, written by rcdl 9.0; this rcdl .* reads"):
+        _checkpointer(path).restore()
+    assert checkpoint_files(path, 2).exists()  # refused, nothing deleted
 
 
 def test_temporaries_of_interrupted_writes_are_removed(interrupted, tmp_path):
@@ -172,14 +326,14 @@ def _sharded(rank, world, init_file, folder, fault, result_file):
 
                 checkpoint.atomic_write_json = commit
             if fault == "cleanup" and rank == 1:  # committed, older files not deleted yet
-                real_kept = checkpoint.Checkpointer._kept_files
+                real_remove = checkpoint.Checkpointer._remove_older
 
-                def kept(self, rank, world):
+                def remove(self, step, kept, rank, world):
                     if json_step(self.manifest) == 6:
                         os._exit(9)
-                    return real_kept(self, rank, world)
+                    return real_remove(self, step, kept, rank, world)
 
-                checkpoint.Checkpointer._kept_files = kept
+                checkpoint.Checkpointer._remove_older = remove
         torch.manual_seed(0)
         net = GrowingSoftmaxNet(5, 2, 1, temperature=1.0, rule=ClippedSoftmaxRule(0.3, 2.0),
                                 initial_entries=4).double()

@@ -22,7 +22,7 @@ Optimizers from dual forms (docs/reference.md §7)
 Training
     train_one_pass, evaluate
 Checkpoints (checksummed, all-or-nothing; docs/faults.md)
-    save_checkpoint, load_checkpoint, load_model_state, DamagedCheckpoint
+    save_checkpoint, load_checkpoint, load_model_state, DamagedCheckpoint, UnsafeCheckpoint
 
 Internals stay importable from their modules and are not listed here: the streaming
 attention and its partials (:mod:`rcdl.attention`), kernels and the dense reference
@@ -33,7 +33,13 @@ attention and its partials (:mod:`rcdl.attention`), kernels and the dense refere
 
 from rcdl._version import __version__
 from rcdl.attribution import explain
-from rcdl.checkpoint import DamagedCheckpoint, load_checkpoint, load_model_state, save_checkpoint
+from rcdl.checkpoint import (
+    DamagedCheckpoint,
+    UnsafeCheckpoint,
+    load_checkpoint,
+    load_model_state,
+    save_checkpoint,
+)
 from rcdl.dual_optim import FOOF, DeltaNetDecay
 from rcdl.entry_adam import EntryAdam
 from rcdl.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate, default_tau
@@ -94,5 +100,6 @@ __all__ = [
     # attribution and forgetting
     "explain", "forget",
     # checkpoints
-    "DamagedCheckpoint", "load_checkpoint", "load_model_state", "save_checkpoint",
+    "DamagedCheckpoint", "UnsafeCheckpoint", "load_checkpoint", "load_model_state",
+    "save_checkpoint",
 ]  # fmt: skip

@@ -8,6 +8,15 @@ refused with :class:`DamagedCheckpoint`, naming the file and what is wrong, inst
 loading a wrong model (torch checks no checksum itself). Hashing costs one pass over the
 bytes at save and at load.
 
+**Nothing in a checkpoint runs code.** The digest is a checksum, not a signature: anyone can
+write a file with a valid header. So the payload is read with ``torch.load(...,
+weights_only=True)``, whose unpickler builds only tensors, numbers, strings, ``None``,
+``torch.Size``/``dtype``/``device`` and the plain containers (``dict``, ``list``,
+``tuple``, ``set``, ``OrderedDict``) — never an arbitrary class or function. A file that
+asks for anything else is refused (:class:`UnsafeCheckpoint`) before any of it is built.
+:func:`save_checkpoint` refuses to write such an object in the first place (``TypeError``
+naming the key), so every file it writes loads back.
+
 **A training checkpoint** (:class:`Checkpointer`) is a set of such files and a manifest,
 ``<stem>.manifest.json`` beside ``<stem><suffix>``, the path it is given:
 
@@ -22,7 +31,15 @@ bytes at save and at load.
 - a restore takes the newest checkpoint of the manifest whose files every rank can read and
   verify (one small ``all_gather`` of yes/no decides, so all ranks take the same one), and
   says on stderr which it skipped and why; with none usable it says so and the run
-  starts afresh. A manifest of another world size is refused before any file is read.
+  starts afresh. A manifest of another world size is refused before any file is read, and
+  so is one of a format this rcdl does not know (the manifest records its ``format`` and
+  the ``rcdl_version`` that wrote it);
+- without a readable manifest (missing, or damaged) a restore does not give up the files
+  that are whole: it takes the newest step whose files every rank has and can verify by
+  their own checksums, and says so;
+- a save deletes only files that the manifest it has just written (held in memory, never
+  re-read) no longer lists and that are older than the step it writes: a failed read can
+  never delete a checkpoint, and a newer checkpoint that verifies is kept.
 
 Leftover temporary files of interrupted writes (``.<name>.*.tmp``) are removed at each
 restore and save.
@@ -34,8 +51,10 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import re
 import sys
+from collections import OrderedDict
 from pathlib import Path
 from typing import IO, Any
 
@@ -44,15 +63,18 @@ import torch.distributed as dist
 from torch import nn
 
 from rcdl._io import atomic_write, atomic_write_json
+from rcdl._version import __version__
 from rcdl.distributed import is_sharded, rank_and_world
 from rcdl.retrieval import load_retrieval_state, retrieval_state
 
-__all__ = ["Checkpointer", "DamagedCheckpoint", "checkpoint_files", "load_checkpoint",
-           "load_model_state", "model_state_problems", "remove_checkpoint", "save_checkpoint"]
+__all__ = ["Checkpointer", "DamagedCheckpoint", "UnsafeCheckpoint", "checkpoint_files",
+           "load_checkpoint", "load_model_state", "model_state_problems", "remove_checkpoint",
+           "save_checkpoint"]
 
 MAGIC = b"RCDLCKP1"
 _HEADER = len(MAGIC) + 32  # magic, SHA-256 of the payload
 _BLOCK = 1 << 20
+MANIFEST_FORMATS = (1,)  # the manifest formats this rcdl reads; it writes the last
 
 
 class DamagedCheckpoint(ValueError):
@@ -62,6 +84,45 @@ class DamagedCheckpoint(ValueError):
     def __init__(self, path: str | os.PathLike, problem: str) -> None:
         self.path = Path(path)
         super().__init__(f"checkpoint {self.path} is damaged: {problem}")
+
+
+class UnsafeCheckpoint(DamagedCheckpoint):
+    """A checkpoint file whose payload asks to build something other than tensors and plain
+    containers (a class, a function such as ``os.system``): loading it could run code, so
+    it is refused before any of it is built. ``path`` is the file."""
+
+    def __init__(self, path: str | os.PathLike, problem: str) -> None:
+        self.path = Path(path)
+        ValueError.__init__(self, f"checkpoint {self.path} is refused: {problem}")
+
+
+# what a checkpoint may hold: the types torch.load(weights_only=True) builds
+_PLAIN_LEAVES = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype,
+                 torch.device, torch.Size)
+_PLAIN_CONTAINERS = (dict, OrderedDict, list, tuple, set, frozenset)
+
+
+def _plain_problem(obj: Any, where: str = "the object") -> str | None:
+    """Where ``obj`` holds something :func:`load_checkpoint` would refuse (``None`` if
+    nothing): the path of keys to the first such value and its type."""
+    if isinstance(obj, _PLAIN_LEAVES):
+        if isinstance(obj, torch.Tensor) and type(obj) not in (torch.Tensor, nn.Parameter):
+            return f"{where} is a {type(obj).__qualname__} (a tensor subclass)"
+        return None
+    if type(obj) not in _PLAIN_CONTAINERS:
+        return f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}"
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            problem = _plain_problem(key, f"a key of {where}") or _plain_problem(
+                value, f"{where}[{key!r}]")
+            if problem is not None:
+                return problem
+        return None
+    for i, value in enumerate(obj):
+        problem = _plain_problem(value, f"{where}[{i}]")
+        if problem is not None:
+            return problem
+    return None
 
 
 class _HashingWriter:
@@ -107,7 +168,20 @@ class _Window(io.RawIOBase):
 
 def save_checkpoint(obj: Any, path: str | os.PathLike) -> str:
     """``torch.save(obj)`` to ``path`` atomically, behind its SHA-256; returns the digest
-    (hex). Read it back with :func:`load_checkpoint`."""
+    (hex). Read it back with :func:`load_checkpoint`.
+
+    ``obj`` may hold tensors, numbers, strings, ``None``, ``torch.Size``/``dtype``/``device``
+    and dicts, lists, tuples and sets of them (state dicts are such); anything else could
+    not be loaded without running code, so it is refused here.
+
+    Raises:
+        TypeError: naming the first value of another type (nothing is written then).
+    """
+    problem = _plain_problem(obj)
+    if problem is not None:
+        raise TypeError(f"save_checkpoint({os.fspath(path)!r}): {problem}; a checkpoint holds "
+                        "only tensors, numbers, strings and plain containers of them (store "
+                        "an object as its state_dict())")
     digest: list[str] = []
 
     def write(f: IO[bytes]) -> None:
@@ -128,9 +202,14 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu",
     """The object :func:`save_checkpoint` wrote to ``path``, after verifying its digest
     (and, if given, that it is ``expected_sha256``, a manifest's record of it).
 
+    The payload is read with ``torch.load(weights_only=True)``: it builds tensors and plain
+    containers only, never a class or function named in the file.
+
     Raises:
         FileNotFoundError: ``path`` does not exist.
         DamagedCheckpoint: the file is empty, cut short, changed, or not an rcdl checkpoint.
+        UnsafeCheckpoint: (a :class:`DamagedCheckpoint`) the file asks to build something
+            other than tensors and plain containers; nothing of it was built.
     """
     path = Path(path)
     with open(path, "rb") as f:
@@ -151,7 +230,15 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu",
                                     "digest): it was replaced after the manifest was written")
         try:
             return torch.load(_Window(f, _HEADER),  # type: ignore[arg-type]  # any reader works
-                              map_location=map_location, weights_only=False)
+                              map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as err:  # weights_only refused a global: say what
+            found = re.search(r"GLOBAL (\S+)", str(err))
+            what = found.group(1) if found else "an object torch's safe loader does not build"
+            raise UnsafeCheckpoint(
+                path, f"it asks to build {what}, which is not a tensor or plain container: "
+                "loading it could run code, so nothing of it was built (rcdl writes only "
+                "tensors and plain containers; do not load this file from an untrusted "
+                "source)") from err
         except Exception as err:  # a verified file that torch cannot read: say which
             raise DamagedCheckpoint(path, f"torch cannot read it ({err})") from err
 
@@ -269,6 +356,8 @@ class Checkpointer:
         self.path, self.every, self.identity, self.keep = Path(path), every, identity, keep
         self.model, self.optimizer, self.grower = model, optimizer, grower
         self._checked = False
+        self._committed: list[dict[str, Any]] | None = None  # the manifest's list, once known
+        self._scanned = False  # whether that list was found on disk, without a manifest
 
     @property
     def manifest(self) -> Path:
@@ -290,19 +379,28 @@ class Checkpointer:
             self._checked = True
         return rank, world
 
-    # ---------------------------------------------------------------- restore
+    # ---------------------------------------------------------------- the committed list
     def _read_manifest(self, world: int) -> dict[str, Any] | None:
+        """The manifest, checked; ``None`` if there is none or it is damaged (said on
+        stderr). Raises ``ValueError`` for another world size or an unknown format."""
         if not self.manifest.exists():
             return None
         try:
             manifest = json.loads(self.manifest.read_text(encoding="utf-8"))
             entries = manifest["checkpoints"]
-            if not isinstance(entries, list):
-                raise TypeError("checkpoints is not a list")
-        except (ValueError, KeyError, TypeError) as err:
-            _warn(f"{self.manifest} is damaged ({err}): it says which checkpoint files are "
-                  "whole, so none is used; this run starts from step 0")
+            if not isinstance(entries, list) or not all(
+                    isinstance(e, dict) and isinstance(e.get("step"), int) for e in entries):
+                raise TypeError("checkpoints is not a list of steps")
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as err:
+            _warn(f"{self.manifest} is damaged or unreadable ({type(err).__name__}: {err}); "
+                  "looking for the newest checkpoint files that verify on their own")
             return None
+        if manifest.get("format") not in MANIFEST_FORMATS:
+            raise ValueError(
+                f"{self.manifest} has format {manifest.get('format')!r}, written by rcdl "
+                f"{manifest.get('rcdl_version', '(unknown)')}; this rcdl ({__version__}) reads "
+                f"format {', '.join(map(str, MANIFEST_FORMATS))}: resume with that rcdl, or "
+                "delete the checkpoint")
         if manifest.get("world_size") != world:
             raise ValueError(
                 f"{self.manifest} was written by another number of processes "
@@ -310,27 +408,70 @@ class Checkpointer:
                 "torchrun --nproc-per-node (1: without torchrun), or delete the checkpoint")
         return manifest
 
+    def _scan(self, rank: int, world: int) -> list[dict[str, Any]]:
+        """Without a manifest: the steps whose files every rank has, as manifest entries
+        (names and the digests their headers carry; each is verified when read)."""
+        mine = {}
+        for p in _own_files(self.path, rank, world):
+            digest = _header_digest(p)
+            if digest is not None:
+                mine[_step_of(self.path, p)] = (p.name, digest)
+        every: list[Any] = [mine]
+        if world > 1:
+            every = [None] * world
+            dist.all_gather_object(every, mine)
+        common = set.intersection(*(set(files) for files in every))
+        return [{"step": step, "files": [files[step][0] for files in every],
+                 "sha256": [files[step][1] for files in every]} for step in sorted(common)]
+
+    def _committed_entries(self, rank: int, world: int) -> list[dict[str, Any]]:
+        """The committed checkpoints, oldest first: the manifest's list, or without a usable
+        manifest the steps found on disk (:meth:`_scan`). A collective under sharding: rank
+        0 reads the manifest and every rank gets its verdict."""
+        verdict: tuple[Any, str | None] = (None, None)
+        if rank == 0:
+            try:
+                verdict = (self._read_manifest(world), None)
+            except ValueError as err:  # refused: every rank raises it
+                verdict = (None, str(err))
+        if world > 1:
+            shared: list[Any] = [verdict]
+            dist.broadcast_object_list(shared, src=0)
+            verdict = shared[0]
+        manifest, refused = verdict
+        if refused is not None:
+            raise ValueError(refused)
+        self._scanned = manifest is None
+        if manifest is not None:
+            return sorted(manifest["checkpoints"], key=lambda e: e["step"])
+        found = self._scan(rank, world)
+        if found:
+            _warn(f"{self.path}: without a usable manifest, the checkpoints of steps "
+                  f"{', '.join(str(e['step']) for e in found)} were found on disk")
+        return found
+
+    # ---------------------------------------------------------------- restore
     def restore(self) -> dict[str, Any] | None:
         """The saved loop state after loading the rest into the model and learners; ``None``
         if there is no usable checkpoint (this run then starts from step 0)."""
         rank, world = self._place()
         _remove_temporaries(self.path, rank, world)
-        manifest = self._read_manifest(world)
-        if manifest is None:
-            return None
-        entries = sorted(manifest["checkpoints"], key=lambda e: e["step"])
-        for entry in reversed(entries):
+        entries = self._committed_entries(rank, world)
+        for i in range(len(entries) - 1, -1, -1):
+            entry = entries[i]
             state, problem = self._read(entry, rank)
-            agreed = self._all_agree(problem is None, world)
-            if agreed:
+            if self._all_agree(problem is None, world):
                 self._check_identity(state, self.path.parent / entry["files"][rank])
-                if entry is not entries[-1]:
+                if i != len(entries) - 1 or self._scanned:
                     _warn(f"{self.path}: resuming from the checkpoint of step {entry['step']}, "
                           "the newest that every rank could read")
+                self._committed = entries[: i + 1]
                 return self._load(state)
             reason = problem or "another rank could not read its file of this checkpoint"
             _warn(f"{self.path}: the checkpoint of step {entry['step']} is not used: {reason}")
-        _warn(f"{self.path}: no checkpoint could be read; this run starts from step 0")
+        if entries:
+            _warn(f"{self.path}: no checkpoint could be read; this run starts from step 0")
+        self._committed = []
         return None
 
     def _read(self, entry: dict[str, Any], rank: int) -> tuple[Any, str | None]:
@@ -377,6 +518,8 @@ class Checkpointer:
         """Write this rank's file of ``loop["step"]``, then commit it (see the module
         docstring)."""
         rank, world = self._place()
+        if self._committed is None:  # saving without a restore first: what is on disk
+            self._committed = self._committed_entries(rank, world)
         grower = self.grower
         state = {
             "run": self.identity,
@@ -393,26 +536,54 @@ class Checkpointer:
         if world > 1:
             written = [None] * world
             dist.all_gather_object(written, (file.name, digest))
+        entries = [e for e in self._committed if e["step"] != step]
+        entries.append({"step": step, "files": [n for n, _ in written],
+                        "sha256": [d for _, d in written]})
+        entries = sorted(entries, key=lambda e: e["step"])[-self.keep :]
         if rank == 0:  # the commit: the manifest lists the new checkpoint
-            old = self._read_manifest(world)
-            entries = [] if old is None else [e for e in old["checkpoints"] if e["step"] != step]
-            entries.append({"step": step, "files": [n for n, _ in written],
-                            "sha256": [d for _, d in written]})
-            entries = sorted(entries, key=lambda e: e["step"])[-self.keep :]
-            atomic_write_json({"format": 1, "name": self.identity.get("name"), "step": step,
+            atomic_write_json({"format": MANIFEST_FORMATS[-1], "rcdl_version": __version__,
+                               "name": self.identity.get("name"), "step": step,
                                "world_size": world, "files": [n for n, _ in written],
                                "checkpoints": entries}, self.manifest)
         if world > 1:
             dist.barrier()  # phase 2: no rank deletes a file before the commit
-        kept = self._kept_files(rank, world)
+        self._committed = entries  # what the manifest now lists, never re-read from disk
+        self._remove_older(step, {e["files"][rank] for e in entries}, rank, world)
+
+    def _remove_older(self, step: int, kept: set[str], rank: int, world: int) -> None:
+        """Delete this rank's step files that the committed manifest does not list (``kept``)
+        and that are older than ``step``. A newer one is kept if it verifies (the files of a
+        run resumed from an older step, say because another rank had lost its newer file)."""
         for p in _own_files(self.path, rank, world):
-            if p.name not in kept:
-                p.unlink(missing_ok=True)
+            if p.name in kept:
+                continue
+            if _step_of(self.path, p) > step:
+                try:
+                    load_checkpoint(p)
+                except (DamagedCheckpoint, OSError):
+                    pass  # damaged: nothing worth keeping
+                else:
+                    continue
+            p.unlink(missing_ok=True)
         _remove_temporaries(self.path, rank, world)
 
-    def _kept_files(self, rank: int, world: int) -> set[str]:
-        try:
-            manifest = json.loads(self.manifest.read_text(encoding="utf-8"))
-            return {e["files"][rank] for e in manifest["checkpoints"]}
-        except (OSError, ValueError, KeyError, IndexError):
-            return set()
+
+def _step_of(path: Path, file: Path) -> int:
+    """The step of one of ``path``'s data files (named by :func:`checkpoint_files`)."""
+    found = re.search(r"\.step(\d+)", file.name[len(path.stem):])
+    if found is None:
+        raise ValueError(f"{file} is not a step file of the checkpoint {path}")
+    return int(found.group(1))
+
+
+def _header_digest(file: Path) -> str | None:
+    """The SHA-256 (hex) a checkpoint file's header records, or ``None`` if it has no rcdl
+    header (not verified here: :func:`load_checkpoint` does that)."""
+    try:
+        with open(file, "rb") as f:
+            head = f.read(_HEADER)
+    except OSError:
+        return None
+    if len(head) < _HEADER or head[: len(MAGIC)] != MAGIC:
+        return None
+    return head[len(MAGIC):].hex()

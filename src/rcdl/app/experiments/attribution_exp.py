@@ -333,9 +333,10 @@ def lds_score(name: str, cfg: AttributionConfig, session: Session) -> dict[str, 
     """Sub-run ``<name>-lds``: per test image, the Spearman correlation over the halves of
     the predicted sums and the retrained margins; the LDS (their mean) and their sd."""
     run = session.run
-    predicted = torch.load(_file(run, f"lds-{name}-predicted.pt", f"{name}-lds-full"))
+    predicted = torch.load(_file(run, f"lds-{name}-predicted.pt", f"{name}-lds-full"),
+                           weights_only=True)
     margin = torch.cat([torch.load(_file(run, f"lds-{name}-margins-{first}.pt",
-                                         f"{name}-lds-halves-{first}"))
+                                         f"{name}-lds-halves-{first}"), weights_only=True)
                         for first in _firsts(cfg)])  # (M, T)
     variants = {}
     for v, variant in enumerate(VARIANTS):
@@ -650,8 +651,8 @@ def write_report(run: RunDir, cfg: AttributionConfig, summary: dict[str, Any],
     shown = {r["model"]: r["shown"] for r in runs if r["measurement"] == "lds-full"
              and r["shown"]}  # fmt: skip
     if shown:
-        pixels = {name: torch.load(_file(run, f"lds-{name}-shown.pt", f"{name}-lds-full"))
-                  for name in shown}
+        pixels = {name: torch.load(_file(run, f"lds-{name}-shown.pt", f"{name}-lds-full"),
+                                   weights_only=True) for name in shown}
         figures["explanations.png"] = partial(draw_explanations, shown=shown, pixels=pixels,
                                               class_names=summary["class_names"])
         parts.append(f"`explanations.png`: the first {cfg.shown} test images, each beside "
