@@ -409,6 +409,43 @@ def test_a_refused_load_leaves_the_whole_model_as_it_was():
     assert torch.equal(fresh.state_dict()["blocks.0.store.keys"], state["blocks.0.store.keys"])
 
 
+def _trained_state(depth):
+    torch.manual_seed(0)
+    net = GrowingRBFNet(5, 2, depth, temperature=1.0, rule=FunctionalSGD(0.3)).double()
+    grower = Grower(net)
+    F.mse_loss(net.train()(DATA[0][:8]), DATA[1][:8]).backward()
+    grower.step()
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("fault", ["deeper-model", "merged-length", "samples-float",
+                                   "next-id-float"])
+def test_load_model_state_refuses_every_fault_before_loading_anything(fault):
+    """A state of a deeper model (unexpected keys), a provenance map whose merge counts do
+    not match its ids, float sample ids, a float next_id: each is refused before any module
+    loads (torch's load_state_dict loads the matching modules and raises at the end)."""
+    from rcdl.checkpoint import load_model_state
+
+    state = _trained_state(2 if fault == "deeper-model" else 1)
+    if fault == "merged-length":
+        state["readout.provenance.merged"] = torch.zeros(3, dtype=torch.long)
+    elif fault == "samples-float":
+        state["readout.provenance.samples"] = state["readout.provenance.samples"].double()
+    elif fault == "next-id-float":
+        state["readout.store.next_id"] = torch.tensor(8.0)
+    fresh, _ = build()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    expected = {"deeper-model": r"unexpected keys .*blocks\.1\.store\.keys",
+                "merged-length": "merged must have one count per id",
+                "samples-float": "samples must be a 1-D integer tensor",
+                "next-id-float": "next_id is torch.float32"}[fault]
+    with pytest.raises(ValueError, match=f"nothing was: .*{expected}"):
+        load_model_state(fresh, state)
+    after = fresh.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert len(fresh.blocks[0].store) == 0
+
+
 def test_a_single_step_at_a_huge_learning_rate_writes_nothing():
     """A scheduler sets η = 1e6 for one step: the outputs that step would leave on its batch
     are checked before it writes, so it is refused and writes nothing; the next steps, at

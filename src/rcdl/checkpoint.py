@@ -245,16 +245,27 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu",
 
 def model_state_problems(model: nn.Module, state: dict[str, Any]) -> list[str]:
     """Everything that would make ``model.load_state_dict(state)`` refuse a part of
-    ``state``, found before anything is loaded: a growing store's rows (shapes, dtypes, NaN
-    or inf), a parameter or buffer of another shape, a missing one. Empty if it loads."""
-    from rcdl.store import EntryStore
+    ``state``, found before anything is loaded: a module's own check of its part (a growing
+    store's rows: shapes, dtypes, NaN or inf; a provenance map's ids and merge counts), a
+    parameter or buffer of another shape, a missing one, and a key the model has no place
+    for (a state of a deeper model, say). Empty if it loads.
 
-    problems = []
+    A module whose ``_load_from_state_dict`` validates its part states that check as
+    ``state_problem(state, prefix) -> str | None`` and the keys it reads as
+    ``state_keys() -> tuple[str, ...]`` (relative to its prefix)."""
+    problems, expected = [], set()
     for name, module in model.named_modules():
-        if isinstance(module, EntryStore):
-            problem = module.state_problem(state, f"{name}." if name else "")
+        prefix = f"{name}." if name else ""
+        check = getattr(module, "state_problem", None)
+        if callable(check):
+            problem = check(state, prefix)
             if problem is not None:
                 problems.append(f"{type(module).__name__} {name!r}: {problem}")
+        keys = getattr(module, "state_keys", None)
+        if callable(keys):
+            expected.update(prefix + key for key in keys())
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            expected.add(prefix + "_extra_state")
     persistent = dict(model.named_parameters())
     for prefix, module in model.named_modules():
         for key, buffer in module._buffers.items():
@@ -266,6 +277,12 @@ def model_state_problems(model: nn.Module, state: dict[str, Any]) -> list[str]:
         elif isinstance(state[key], torch.Tensor) and state[key].shape != tensor.shape:
             problems.append(f"{key}: shape {tuple(state[key].shape)}, the model has "
                             f"{tuple(tensor.shape)}")
+    unexpected = sorted(str(k) for k in state if k not in expected and k not in persistent)
+    if unexpected:
+        shown = ", ".join(unexpected[:6]) + (f" and {len(unexpected) - 6} more"
+                                             if len(unexpected) > 6 else "")
+        problems.append(f"unexpected keys (the model has no place for them: a state of "
+                        f"another architecture?): {shown}")
     return problems
 
 

@@ -121,26 +121,39 @@ class SampleMap(nn.Module):
         destination[prefix + "samples"] = self._samples.clone()
         destination[prefix + "merged"] = self._merged.clone()
 
+    def state_keys(self) -> tuple[str, ...]:
+        """The keys (relative to the map's prefix) its state dict part holds."""
+        return ("samples", "merged")
+
+    def state_problem(self, state_dict: dict[str, Tensor], prefix: str = "") -> str | None:
+        """What would make :meth:`load_state_dict` refuse this map's part of ``state_dict``
+        (``None`` if nothing): ``samples`` and ``merged`` must be 1-D integer tensors with
+        one element per id (either may be absent: a state saved before it existed)."""
+        saved, merged = state_dict.get(prefix + "samples"), state_dict.get(prefix + "merged")
+        for key, t in (("samples", saved), ("merged", merged)):
+            if t is not None and (not isinstance(t, Tensor) or t.dim() != 1
+                                  or t.is_floating_point() or t.is_complex()):
+                return (f"{key} must be a 1-D integer tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if saved is not None and merged is not None and merged.shape != saved.shape:
+            return (f"merged must have one count per id, as samples has: got "
+                    f"{tuple(merged.shape)} counts for {tuple(saved.shape)} samples")
+        return None
+
     def _load_from_state_dict(  # noqa: ANN001, PLR0913
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
         saved = state_dict.get(prefix + "samples")
         merged = state_dict.get(prefix + "merged")
         device = self._samples.device
+        problem = self.state_problem(state_dict, prefix)
+        if problem is not None:
+            errors.append(f"SampleMap {prefix!r}: {problem}")
+            return
         if saved is None:  # an older state: every entry's origin is unknown
             self._samples = torch.full((0,), UNKNOWN, dtype=torch.long, device=device)
             self._merged = torch.zeros((0,), dtype=torch.long, device=device)
             self.loaded_without_samples = True
-            return
-        for key, t in (("samples", saved), ("merged", merged)):
-            if t is not None and (t.dim() != 1 or t.is_floating_point()):
-                errors.append(f"SampleMap {prefix!r}: {key} must be a 1-D integer tensor, got "
-                              f"{t.dtype} {tuple(t.shape)}")
-                return
-        if merged is not None and merged.shape != saved.shape:
-            errors.append(f"SampleMap {prefix!r}: merged must have one count per id, as "
-                          f"samples has: got {tuple(merged.shape)} counts for "
-                          f"{tuple(saved.shape)} samples")
             return
         self._samples = saved.to(device, torch.long).clone()
         self._merged = (torch.zeros_like(self._samples) if merged is None  # saved before

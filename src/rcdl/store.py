@@ -391,16 +391,17 @@ class EntryStore(nn.Module):
         if not all(present):
             missing_keys.extend(prefix + n for n, p in zip(names, present, strict=True) if not p)
             return
-        rows = [state_dict[prefix + n] for n in self._ROWS]
-        problem = self._checkpoint_problem(*rows)
-        next_id = state_dict[prefix + "next_id"]
-        if problem is None and (next_id.dim() != 0 or next_id.is_floating_point()):
-            problem = f"checkpoint next_id is {next_id.dtype} {tuple(next_id.shape)}, expected " \
-                      "an integer scalar"
+        problem = self.state_problem(state_dict, prefix)
         if problem is not None:  # refused before anything changes: the store stays as it was
             errors.append(f"EntryStore {prefix!r}: {problem}")
             return
+        rows = [state_dict[prefix + n] for n in self._ROWS]
+        next_id = state_dict[prefix + "next_id"]
         self._replace(*rows, next_id=int(next_id))
+
+    def state_keys(self) -> tuple[str, ...]:
+        """The keys (relative to the store's prefix) its state dict part holds."""
+        return (*self._ROWS, "next_id") if self.persistent else ()
 
     def state_problem(self, state_dict: dict[str, Tensor], prefix: str = "") -> str | None:
         """What would make :meth:`load_state_dict` refuse the rows of ``state_dict`` under
@@ -412,7 +413,13 @@ class EntryStore(nn.Module):
         missing = [prefix + n for n in names if prefix + n not in state_dict]
         if missing:
             return f"missing {', '.join(missing)}"
-        return self._checkpoint_problem(*(state_dict[prefix + n] for n in self._ROWS))
+        problem = self._checkpoint_problem(*(state_dict[prefix + n] for n in self._ROWS))
+        next_id = state_dict[prefix + "next_id"]
+        if problem is None and (not isinstance(next_id, Tensor) or next_id.dim() != 0
+                                or next_id.is_floating_point()):
+            problem = (f"checkpoint next_id is {getattr(next_id, 'dtype', type(next_id))} "
+                       f"{tuple(getattr(next_id, 'shape', ()))}, expected an integer scalar")
+        return problem
 
     def _checkpoint_problem(self, keys: Tensor, values: Tensor, weights: Tensor,
                             written_at: Tensor, ids: Tensor) -> str | None:
