@@ -92,6 +92,59 @@ def test_integer_inputs_say_floating_point_is_needed(where):
         model(torch.ones(3, 4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("kind", ["rbf", "hybrid"])
+def test_accumulating_from_the_first_step_warns_at_the_users_line(kind):
+    """Two micro-batches before the very first step: the first is dropped, and the warning
+    says so from the start (it was held back until a step had committed) and points at the
+    line of the forward pass that dropped it, not inside torch (for the hybrid, inside
+    torch._dynamo)."""
+    import inspect
+    import warnings
+
+    from rcdl import ClippedSoftmaxRule, HybridGrower, HybridSoftmaxNet, UnsteppedBatchWarning
+
+    def build():
+        torch.manual_seed(0)
+        if kind == "rbf":
+            net = GrowingRBFNet(4, 2, 1, temperature=1.0, rule=FunctionalSGD(1.0))
+            return net, Grower(net)
+        net = HybridSoftmaxNet(4, 2, 1, temperature=5.0, rule=ClippedSoftmaxRule(3.0, 30.0))
+        return net, HybridGrower(net, lr=1e-3)
+
+    net, opt = build()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    opt.zero_grad()
+    F.mse_loss(net(x[:3]), y[:3]).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        F.mse_loss(net(x[3:]), y[3:]).backward()  # the second micro-batch's forward
+    opt.step()
+    dropped = [w for w in caught if issubclass(w.category, UnsteppedBatchWarning)]
+    assert dropped and all(w.filename == __file__ and w.lineno == line for w in dropped)
+    assert "that batch is dropped" in str(dropped[0].message)
+    alone, alone_opt = build()  # stepped on the second micro-batch only: the same entries
+    F.mse_loss(alone(x[3:]), y[3:]).backward()
+    alone_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(),
+                                                 alone.state_dict().values(), strict=True))
+
+
+def test_a_hybrid_trained_by_adam_alone_drops_its_records_silently():
+    """Nothing grows the layers: records whose step never comes are not a mistake."""
+    from rcdl import ClippedSoftmaxRule, HybridSoftmaxNet
+    from rcdl.entry_adam import EntryAdam
+
+    torch.manual_seed(0)
+    net = HybridSoftmaxNet(4, 2, 1, temperature=5.0, rule=ClippedSoftmaxRule(3.0, 30.0),
+                           initial_entries=4)
+    adam = EntryAdam(net, lr=1e-3)
+    for _ in range(2):  # warnings are errors here
+        adam.zero_grad()
+        F.mse_loss(net(torch.randn(3, 4)), torch.randn(3, 2)).backward()
+        adam.step()
+
+
 def test_two_backwards_before_one_step_warn_that_the_first_batch_is_dropped():
     from rcdl import UnsteppedBatchWarning
 

@@ -75,6 +75,7 @@ class Grower(torch.optim.Optimizer):
         self.layers: list[GrowingLayer] = []
         for name, layer in growing_layers(model):
             layer.bind_name(name)
+            layer.expect_steps()  # a backward without a step is warned of from the start
             self.layers.append(layer)
         if not self.layers:
             raise ValueError(f"Grower: {type(model).__name__} has no growing layers")

@@ -131,6 +131,12 @@ class GrowingLayer(nn.Module):
         the optimizer that steps it: :class:`~rcdl.grower.Grower`, ``EntryAdam``)."""
         self.name = name or type(self).__name__
 
+    def expect_steps(self) -> None:
+        """Say that an optimizer grows this layer (:class:`~rcdl.grower.Grower` calls it):
+        from its first batch on, a backward without a ``step()`` before the next training
+        forward is warned of (:class:`~rcdl.records.UnsteppedBatchWarning`)."""
+        self.recorder.expects_steps = True
+
     def set_learning_rate(self, lr: float) -> None:
         """Replace the rule by the same rule with learning rate ``lr`` (a scheduler's step,
         through the grower's ``param_groups``)."""

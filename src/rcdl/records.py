@@ -20,6 +20,8 @@ PyTorch loop do not break it:
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -27,12 +29,29 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+import rcdl
+
 __all__ = ["Record", "Recorder", "UnsteppedBatchWarning"]
 
 
 class UnsteppedBatchWarning(UserWarning):
     """A training forward pass began while an earlier batch's backward had run without a
     ``step()``: that batch is dropped (growing layers do not accumulate gradients)."""
+
+
+# the packages whose frames a warning skips, to point at the user's line instead
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (rcdl, torch)
+                      if m.__file__ is not None)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller point at the first frame
+    outside rcdl and torch: the user's line, through however many of their frames (a
+    compiled model's included) the call went."""
+    frame, level = sys._getframe(1), 1  # the caller: what stacklevel=1 names
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclass(eq=False)
@@ -75,6 +94,7 @@ class Recorder:
         self._pending: list[weakref.ref[Record]] = []  # records awaiting backward
         self._generation = 0  # bumped by discard: older records are never written
         self.stepped = False  # a step has committed (then dropped batches are warned of)
+        self.expects_steps = False  # an optimizer steps this layer (warn from the start)
         self._samples: Tensor | None = None  # the batch's sample indices (rcdl.provenance)
 
     def set_samples(self, indices: Tensor | None) -> None:
@@ -133,18 +153,21 @@ class Recorder:
     def drop_unstepped(self, where: str) -> bool:
         """Forget records whose backward ran but whose step never came: a new training
         forward pass starts a new step. Says so (:class:`UnsteppedBatchWarning`, naming the
-        layer ``where``) once a step has committed here (a growing layer does not accumulate
-        over batches as parameters' gradients do); before any step, e.g. for a hybrid
-        trained by Adam alone, the records go silently. Returns whether any went."""
+        layer ``where``, pointing at the user's line) where the layer is stepped: once a
+        :class:`~rcdl.grower.Grower` drives it (:attr:`expects_steps`), from its first
+        batch on, or once a step has committed here (a growing layer does not accumulate
+        over batches as parameters' gradients do). A layer that nothing grows, e.g. a
+        hybrid trained by Adam alone, drops them silently. Returns whether any went."""
         if not self._ready:
             return False
-        if self.stepped and self.ready():
+        if (self.stepped or self.expects_steps) and self.ready():
             warnings.warn(
                 f"{where}: a batch's backward() ran but no step() followed before this "
                 "training forward pass; that batch is dropped and writes no entries. Growing "
                 "layers do not accumulate gradients over batches: call step() after every "
-                "backward() (for a larger batch, concatenate the inputs)",
-                UnsteppedBatchWarning, stacklevel=5)
+                "backward() (for a larger batch, concatenate the inputs into one forward; "
+                "docs/faults.md, 'Gradient accumulation')",
+                UnsteppedBatchWarning, stacklevel=user_stacklevel())
         self._ready.clear()
         self._generation += 1
         return True
