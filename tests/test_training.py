@@ -250,3 +250,29 @@ def test_checkpointer_saves_between_steps_only_and_refuses_another_run(tmp_path)
     again = Checkpointer(tmp_path / "c.pt", 2, {"name": "m", "seed": 0}, fresh, None, None)
     assert again.restore() == {"step": 2, "history": []}
     assert torch.equal(fresh.weight, model.weight)
+
+
+@pytest.mark.parametrize("call", ["predict", "evaluate", "explain"])
+def test_evaluation_restores_every_submodules_own_mode(call):
+    """A BatchNorm frozen with .eval() inside a model in training mode stays frozen after an
+    evaluation (model.train(was_training) put it back in training mode)."""
+    import torch.nn.functional as F
+
+    from rcdl import explain
+    from rcdl.training import predict
+
+    torch.manual_seed(0)
+    net = GrowingRBFNet(4, 1, 1, temperature=1.0, rule=FunctionalSGD(0.5))
+    model = nn.Sequential(nn.BatchNorm1d(4), net)
+    grower = Grower(model)
+    x, y = DATA[0][:8], DATA[1][:8]
+    F.mse_loss(model(x), y).backward()
+    grower.step()
+    model[0].eval()  # frozen statistics, the rest trains
+    if call == "predict":
+        predict(model, x)
+    elif call == "evaluate":
+        evaluate(model, x, y, {"mse": F.mse_loss})
+    else:
+        explain(model, x, target=torch.zeros(8, dtype=torch.long), k=2)
+    assert model.training and net.training and not model[0].training

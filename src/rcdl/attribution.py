@@ -40,6 +40,7 @@ from rcdl.distributed import Shard, model_shard
 from rcdl.kernels import guard_denominator, softmax_scale
 from rcdl.layers import GrowingLayer, growing_layers
 from rcdl.provenance import UNKNOWN, entry_samples
+from rcdl.training import eval_mode
 
 __all__ = ["Explanation", "entry_contributions", "explain"]
 
@@ -142,10 +143,8 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
     handles = [h for name, layer in layers for h in (
         layer.register_forward_pre_hook(keep_input(name)),
         layer.register_forward_hook(keep_output(name)))]
-    was_training = model.training
-    model.eval()
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), eval_mode(model):
             x = x.detach().requires_grad_()  # the layers' outputs then carry a graph
             logits = model(x)  # (B, C)
             chosen = logits.argmax(dim=1) if target is None else target.to(logits.device)
@@ -154,7 +153,6 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
     finally:
         for handle in handles:
             handle.remove()
-        model.train(was_training)
     found = {}
     per_sample: list[tuple[Tensor, Tensor]] = []  # (contributions (B, n), samples (n,))
     for name, layer in layers:

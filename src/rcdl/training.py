@@ -39,7 +39,8 @@ from rcdl.provenance import samples
 from rcdl.store import format_bytes
 
 __all__ = ["Checkpointer", "Evaluator", "GrowerLike", "MetricLog", "Schedule", "accuracy",
-           "epoch_permutation", "evaluate", "predict", "train_one_pass", "train_step"]
+           "epoch_permutation", "eval_mode", "evaluate", "predict", "train_one_pass",
+           "train_step"]
 
 Metric = Callable[[Tensor, Tensor], Tensor]  # (predictions, targets) -> scalar
 # the keys of an evaluation record besides the metrics (see ``train_one_pass``)
@@ -76,17 +77,27 @@ def accuracy(logits: Tensor, targets: Tensor) -> Tensor:
     return (logits.argmax(dim=1) == targets).float().mean()
 
 
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model.eval()`` within the block; after it, every submodule is back in its own mode
+    (``model.train(was_training)`` would put a ``BatchNorm`` frozen by ``.eval()`` back in
+    training mode)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 @torch.no_grad()
 def predict(model: nn.Module, x: Tensor, *, batch_size: int = 1000,
             device: torch.device | str = "cpu") -> Tensor:  # (N, D_out) on ``device``
     """``model(x)`` in eval mode, ``batch_size`` rows at a time (each moved to ``device``),
-    without gradients; the model's mode is restored after."""
-    was_training = model.training
-    model.eval()
-    try:
+    without gradients; every submodule's mode is restored after (:func:`eval_mode`)."""
+    with eval_mode(model):
         return torch.cat([model(xb.to(device)) for xb in x.split(batch_size)])
-    finally:
-        model.train(was_training)
 
 
 @torch.no_grad()

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rcdl.training import eval_mode
+
 __all__ = ["EWC", "LwF", "NearestClassMean", "PlainLoss", "StreamingLDA", "fisher_diagonal",
            "fisher_diagonal_naive"]
 
@@ -107,25 +109,23 @@ def fisher_diagonal(model: nn.Module, x: Tensor, *, batch_size: int = 64,
 
     for name, module in linears:
         handles.append(module.register_forward_hook(hook(name)))
-    was_training = model.training
-    model.eval()
     try:
-        for xb in x.split(batch_size):
-            logits = model(xb)  # (B, C)
-            labels = _sample_labels(logits, generator)
-            # the sum over the batch: each row's gradient is that sample's own
-            F.cross_entropy(logits, labels, reduction="sum").backward()
-            for name, module in linears:
-                a, g = seen[name]
-                assert g is not None, name  # every linear layer is on the loss's path
-                fisher[f"{name}.weight" if name else "weight"] += g.square().T @ a.square()
-                if module.bias is not None:
-                    fisher[f"{name}.bias" if name else "bias"] += g.square().sum(0)
-            model.zero_grad(set_to_none=True)
+        with eval_mode(model):
+            for xb in x.split(batch_size):
+                logits = model(xb)  # (B, C)
+                labels = _sample_labels(logits, generator)
+                # the sum over the batch: each row's gradient is that sample's own
+                F.cross_entropy(logits, labels, reduction="sum").backward()
+                for name, module in linears:
+                    a, g = seen[name]
+                    assert g is not None, name  # every linear layer is on the loss's path
+                    fisher[f"{name}.weight" if name else "weight"] += g.square().T @ a.square()
+                    if module.bias is not None:
+                        fisher[f"{name}.bias" if name else "bias"] += g.square().sum(0)
+                model.zero_grad(set_to_none=True)
     finally:
         for handle in handles:
             handle.remove()
-        model.train(was_training)
     return {n: f / len(x) for n, f in fisher.items()}
 
 
@@ -137,9 +137,7 @@ def fisher_diagonal_naive(model: nn.Module, x: Tensor, *,
     ``fisher_diagonal``'s batch holds every image."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     fisher = {n: torch.zeros_like(p) for n, p in params.items()}
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         with torch.no_grad():
             labels = _sample_labels(model(x), generator)  # (n,)
         for xi, yi in zip(x, labels, strict=True):
@@ -147,8 +145,6 @@ def fisher_diagonal_naive(model: nn.Module, x: Tensor, *,
             grads = torch.autograd.grad(loss, list(params.values()))
             for n, g in zip(params, grads, strict=True):
                 fisher[n] += g.square()
-    finally:
-        model.train(was_training)
     return {n: f / len(x) for n, f in fisher.items()}
 
 
