@@ -238,12 +238,15 @@ def test_a_failed_manifest_read_during_a_save_deletes_no_checkpoint(tmp_path, mo
 
     monkeypatch.setattr(json, "loads", failing)
     saver.save({"step": 6})
+    saver.close()
     monkeypatch.setattr(json, "loads", real)
     assert sorted(p.name for p in tmp_path.glob("ckpt.step*")) == [
         "ckpt.step00000004.pt", "ckpt.step00000006.pt"]
     listed = json.loads(path.with_name("ckpt.manifest.json").read_text())
     assert [e["step"] for e in listed["checkpoints"]] == [4, 6]
-    assert _checkpointer(path).restore() == {"step": 6}
+    reader = _checkpointer(path)
+    assert reader.restore() == {"step": 6}
+    reader.close()
 
 
 def test_a_newer_checkpoint_that_verifies_is_not_deleted_by_an_older_save(tmp_path):
@@ -251,13 +254,16 @@ def test_a_newer_checkpoint_that_verifies_is_not_deleted_by_an_older_save(tmp_pa
     saver = _checkpointer(path, keep=1)
     saver.restore()
     saver.save({"step": 8})
+    saver.close()
     first = _checkpointer(path, keep=1)
     path.with_name("ckpt.manifest.json").unlink()  # the manifest lost
     checkpoint_files(path, 6).write_bytes(b"")  # a damaged one: removed by the next save
     assert first.restore() == {"step": 8}
+    first.close()
     again = _checkpointer(path, keep=1)
     again._committed = []  # as a run resumed from an older step: it saves step 2 next
     again.save({"step": 2})
+    again.close()
     names = sorted(p.name for p in tmp_path.glob("ckpt.step*"))
     assert names == ["ckpt.step00000002.pt", "ckpt.step00000008.pt"]
 
@@ -271,6 +277,7 @@ def test_the_manifest_records_its_format_and_an_unknown_one_is_refused(tmp_path)
     saver = _checkpointer(path)
     saver.restore()
     saver.save({"step": 2})
+    saver.close()
     manifest = path.with_name("ckpt.manifest.json")
     written = json.loads(manifest.read_text())
     assert written["format"] == 1 and written["rcdl_version"] == __version__
@@ -278,6 +285,57 @@ def test_the_manifest_records_its_format_and_an_unknown_one_is_refused(tmp_path)
     with pytest.raises(ValueError, match=r"format 99, written by rcdl 9.0; this rcdl .* reads"):
         _checkpointer(path).restore()
     assert checkpoint_files(path, 2).exists()  # refused, nothing deleted
+
+
+def _train_on(path, queue):
+    """In another process: train with checkpoints at ``path``; put what happened."""
+    from rcdl.checkpoint import CheckpointInUse
+
+    net, grower = build()
+    try:
+        train_one_pass(net, DATA, grower=grower, checkpoint_path=path, checkpoint_every=2, **KW)
+        queue.put("trained")
+    except CheckpointInUse as err:
+        queue.put(str(err))
+
+
+def test_a_second_process_on_the_same_checkpoint_path_is_refused(tmp_path):
+    """Two runs given one checkpoint_path would overwrite each other's step files: while one
+    holds it, a second process is refused with a message naming the holder; once the first
+    ends, the path is free again."""
+    path = tmp_path / "ckpt.pt"
+    saver = _checkpointer(path)
+    saver.restore()  # this process holds the path from here on
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    other = context.Process(target=_train_on, args=(path, queue))
+    other.start()
+    said = queue.get(timeout=60)
+    other.join(timeout=60)
+    assert f"checkpoint {path} is in use by process {os.getpid()}" in said
+    assert not checkpoint_files(path, 2).exists()  # it wrote nothing
+    saver.close()
+    net, grower = build()  # free again (in this process too)
+    train_one_pass(net, DATA, grower=grower, checkpoint_path=path, **KW)
+
+
+def test_a_lock_that_fails_closes_its_descriptor(tmp_path, monkeypatch):
+    """flock raising something other than 'busy' (ENOLCK on a network file system, say)
+    leaves no descriptor open, and the run folder says which folder could not be locked."""
+    import errno
+    import fcntl
+
+    from rcdl.app.rundir import RunDir
+
+    def refuse(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    opened = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    run = RunDir.create("t", path=tmp_path / "run")
+    with pytest.raises(OSError, match=r"cannot lock .*run .*may not support flock"):
+        run.lock()
+    assert set(os.listdir("/proc/self/fd")) <= opened
 
 
 def test_temporaries_of_interrupted_writes_are_removed(interrupted, tmp_path):

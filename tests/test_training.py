@@ -242,10 +242,12 @@ def test_checkpointer_saves_between_steps_only_and_refuses_another_run(tmp_path)
     assert [s for s in range(1, 7) if saver.due(s, 6)] == [2, 4]  # never after the last step
     assert saver.restore() is None
     saver.save({"step": 2, "history": []})
+    saver.close()  # each holds a lock on the path from its first restore or save
     other = Checkpointer(tmp_path / "c.pt", 2, {"name": "m", "seed": 1}, nn.Linear(2, 1), None,
                          None)  # fmt: skip
     with pytest.raises(ValueError, match="different run: seed=0"):
         other.restore()
+    other.close()
     fresh = nn.Linear(2, 1)
     again = Checkpointer(tmp_path / "c.pt", 2, {"name": "m", "seed": 0}, fresh, None, None)
     assert again.restore() == {"step": 2, "history": []}

@@ -22,7 +22,8 @@ Optimizers from dual forms (docs/reference.md §7)
 Training
     train_one_pass, evaluate
 Checkpoints (checksummed, all-or-nothing; docs/faults.md)
-    save_checkpoint, load_checkpoint, load_model_state, DamagedCheckpoint, UnsafeCheckpoint
+    save_checkpoint, load_checkpoint, load_model_state, DamagedCheckpoint, UnsafeCheckpoint,
+    CheckpointInUse
 
 Internals stay importable from their modules and are not listed here: the streaming
 attention and its partials (:mod:`rcdl.attention`), kernels and the dense reference
@@ -34,6 +35,7 @@ attention and its partials (:mod:`rcdl.attention`), kernels and the dense refere
 from rcdl._version import __version__
 from rcdl.attribution import explain
 from rcdl.checkpoint import (
+    CheckpointInUse,
     DamagedCheckpoint,
     UnsafeCheckpoint,
     load_checkpoint,
@@ -100,6 +102,6 @@ __all__ = [
     # attribution and forgetting
     "explain", "forget",
     # checkpoints
-    "DamagedCheckpoint", "UnsafeCheckpoint", "load_checkpoint", "load_model_state",
+    "CheckpointInUse", "DamagedCheckpoint", "UnsafeCheckpoint", "load_checkpoint", "load_model_state",
     "save_checkpoint",
 ]  # fmt: skip

@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader, or a resumed run, never sees half a file.
+"""Atomic file writes: a reader, or a resumed run, never sees half a file; and the OS lock
+that keeps a second process out of a run's files.
 
 Every whole-file write goes to a temporary file in the same folder, is fsynced and then
 moved into place with ``os.replace``. Training checkpoints (:mod:`rcdl.training`) and the
@@ -8,8 +9,10 @@ run folders of :mod:`rcdl.app.rundir` write through these.
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
 import json
 import os
+import socket
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,6 +26,8 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "holder",
+    "lock_exclusively",
     "save_figure",
     "to_jsonable",
 ]
@@ -62,6 +67,44 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def lock_exclusively(path: str | os.PathLike, *, create: bool = False) -> int | None:
+    """An exclusive, non-blocking ``flock`` on ``path`` (a folder, or a file, made if
+    ``create``); returns the descriptor that holds it (close it to release; the OS releases
+    it when the process ends, so a SIGKILL leaves no stale lock), or ``None`` where the
+    platform has no ``flock``. The descriptor is closed on every failure.
+
+    Raises:
+        BlockingIOError: another process holds the lock.
+        OSError: the file system refuses locks (``ENOLCK``, say), or ``path`` cannot be
+            opened; the message names ``path``.
+    """
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: unguarded
+        return None
+    flags = os.O_RDONLY if not create else os.O_RDWR | os.O_CREAT
+    fd = os.open(path, flags, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError as err:
+        os.close(fd)
+        raise OSError(err.errno, f"cannot lock {os.fspath(path)} ({err.strerror}): the file "
+                      "system may not support flock") from err
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def holder() -> str:
+    """This process as a lock's holder is described to the next one: pid, host, start."""
+    return (f"process {os.getpid()} on {socket.gethostname()}, started "
+            f"{_dt.datetime.now().astimezone().isoformat(timespec='seconds')}")
 
 
 def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:

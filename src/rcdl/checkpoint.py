@@ -62,12 +62,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rcdl._io import atomic_write, atomic_write_json
+from rcdl._io import atomic_write, atomic_write_json, holder, lock_exclusively
 from rcdl._version import __version__
 from rcdl.distributed import is_sharded, rank_and_world
 from rcdl.retrieval import load_retrieval_state, retrieval_state
 
-__all__ = ["Checkpointer", "DamagedCheckpoint", "UnsafeCheckpoint", "checkpoint_files",
+__all__ = ["CheckpointInUse", "Checkpointer", "DamagedCheckpoint", "UnsafeCheckpoint",
+           "checkpoint_files",
            "load_checkpoint", "load_model_state", "model_state_problems", "remove_checkpoint",
            "save_checkpoint"]
 
@@ -94,6 +95,11 @@ class UnsafeCheckpoint(DamagedCheckpoint):
     def __init__(self, path: str | os.PathLike, problem: str) -> None:
         self.path = Path(path)
         ValueError.__init__(self, f"checkpoint {self.path} is refused: {problem}")
+
+
+class CheckpointInUse(RuntimeError):
+    """Another process trains on the same checkpoint path: the two would overwrite each
+    other's step files and manifest."""
 
 
 # what a checkpoint may hold: the types torch.load(weights_only=True) builds
@@ -343,6 +349,8 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
     for p in _own_files(path, rank, world):
         p.unlink(missing_ok=True)
     _remove_temporaries(path, rank, world)
+    rank_part = "" if world == 1 else f".rank{rank}of{world}"
+    path.with_name(f"{path.stem}{rank_part}.lock").unlink(missing_ok=True)
     if rank == 0:
         _manifest_path(path).unlink(missing_ok=True)
 
@@ -374,11 +382,49 @@ class Checkpointer:
         self.model, self.optimizer, self.grower = model, optimizer, grower
         self._checked = False
         self._committed: list[dict[str, Any]] | None = None  # the manifest's list, once known
+        self._lock_fd: int | None = None  # this rank's OS lock on the path (see _lock)
         self._scanned = False  # whether that list was found on disk, without a manifest
 
     @property
     def manifest(self) -> Path:
         return _manifest_path(self.path)
+
+    def _lock(self, rank: int, world: int) -> None:
+        """Hold an OS lock (``flock``) on ``<stem>[.rank<r>of<W>].lock`` beside the path
+        from the first restore or save until :meth:`close`, so that a second process given
+        the same path is refused instead of overwriting this one's files. The OS drops the
+        lock when the process ends; the file stays, naming the last holder."""
+        if self._lock_fd is not None:
+            return
+        rank_part = "" if world == 1 else f".rank{rank}of{world}"
+        lock = self.path.with_name(f"{self.path.stem}{rank_part}.lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = lock_exclusively(lock, create=True)
+        except BlockingIOError:
+            try:
+                held_by = lock.read_text(encoding="utf-8").strip() or "another process"
+            except OSError:
+                held_by = "another process"
+            raise CheckpointInUse(
+                f"checkpoint {self.path} is in use by {held_by}: two runs on one checkpoint "
+                "path would overwrite each other's files; wait for it to finish, or give this "
+                "run another checkpoint_path") from None
+        if fd is None:
+            return
+        self._lock_fd = fd  # held from here: close() releases it whatever follows
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{holder()}\n".encode())
+
+    def close(self) -> None:
+        """Release the lock on the path (:func:`rcdl.training.train_one_pass` calls it when
+        the loop ends, however it ends)."""
+        if getattr(self, "_lock_fd", None) is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __del__(self) -> None:
+        self.close()
 
     def _place(self) -> tuple[int, int]:
         """``(rank, world size)`` the stores are sharded over (``(0, 1)`` if they are not);
@@ -412,7 +458,8 @@ class Checkpointer:
             _warn(f"{self.manifest} is damaged or unreadable ({type(err).__name__}: {err}); "
                   "looking for the newest checkpoint files that verify on their own")
             return None
-        if manifest.get("format") not in MANIFEST_FORMATS:
+        # A manifest without a format predates the field and has format 1's layout.
+        if manifest.get("format", 1) not in MANIFEST_FORMATS:
             raise ValueError(
                 f"{self.manifest} has format {manifest.get('format')!r}, written by rcdl "
                 f"{manifest.get('rcdl_version', '(unknown)')}; this rcdl ({__version__}) reads "
@@ -472,6 +519,7 @@ class Checkpointer:
         """The saved loop state after loading the rest into the model and learners; ``None``
         if there is no usable checkpoint (this run then starts from step 0)."""
         rank, world = self._place()
+        self._lock(rank, world)
         _remove_temporaries(self.path, rank, world)
         entries = self._committed_entries(rank, world)
         for i in range(len(entries) - 1, -1, -1):
@@ -535,6 +583,7 @@ class Checkpointer:
         """Write this rank's file of ``loop["step"]``, then commit it (see the module
         docstring)."""
         rank, world = self._place()
+        self._lock(rank, world)
         if self._committed is None:  # saving without a restore first: what is on disk
             self._committed = self._committed_entries(rank, world)
         grower = self.grower

@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-import rcdl
-
 __all__ = ["Record", "Recorder", "UnsteppedBatchWarning"]
 
 
@@ -40,8 +38,8 @@ class UnsteppedBatchWarning(UserWarning):
 
 
 # the packages whose frames a warning skips, to point at the user's line instead
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (rcdl, torch)
-                      if m.__file__ is not None)
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,  # rcdl
+                  *(os.path.dirname(f) + os.sep for f in [torch.__file__] if f is not None))
 
 
 def user_stacklevel() -> int:

@@ -87,8 +87,9 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     try:
         yield model
     finally:
+        # Pre-order: each module's own train() comes after its ancestors' and sets it last.
         for module, training in modes:
-            module.training = training
+            module.train(training)
 
 
 @torch.no_grad()
@@ -396,40 +397,44 @@ def train_one_pass(
     identity = {"name": name, "seed": seed, "batch_size": batch_size, "train_samples": schedule.n}
     checkpoints = None if checkpoint_path is None else Checkpointer(
         checkpoint_path, checkpoint_every or eval_every, identity, model, optimizer, grower)
-    loop = None if checkpoints is None else checkpoints.restore()
-    resumed = loop is not None
-    if loop is not None and loop["step"] > schedule.steps:  # resumed
-        raise ValueError(
-            f"{name}: checkpoint {checkpoint_path} is at step {loop['step']}, past the "
-            f"{schedule.steps} steps of {epochs} epoch(s); delete it or train for more epochs"
-        )
-    loop = loop or _new_loop()
-    bar = tqdm(total=epochs * schedule.n, initial=schedule.seen(loop["step"]), unit="sample",
-               desc=name, disable=not progress, dynamic_ncols=True)  # fmt: skip
-    cached = [layer for _, layer in growing_layers(model)] if incremental_eval else []
-    record = Evaluator(model, (x_test, y_test), metrics, schedule=schedule,
-                       batch_size=eval_batch_size, device=device, name=name, grower=grower,
-                       run=run, bar=bar, on_epoch_end=on_epoch_end, cached=cached)  # fmt: skip
-    model.train()
-    with bar, _eval_caches(cached):
-        final = loop["history"][-1] if loop["history"] else record(0, loop)
-        for step, idx in schedule.batches(loop["step"]):
-            t0 = time.perf_counter()
-            xb, yb = x_train[idx].to(device), y_train[idx].to(device)
-            with samples(model, idx):  # the entries written remember their samples
-                loss_value = train_step(model, xb, yb, loss_fn, optimizer, grower)
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"{name}: training loss is {loss_value} at step {step}")
-            loop["loss_sum"] += loss_value
-            loop["loss_count"] += 1
-            loop["step"] = step + 1
-            loop["clock"]["train"] += time.perf_counter() - t0
-            bar.update(len(idx))
-            if (step + 1) % eval_every == 0 or schedule.ends_epoch(step + 1):
-                final = record(step + 1, loop)
-            if checkpoints is not None and checkpoints.due(step + 1, schedule.steps):
-                checkpoints.save(loop)
-
+    try:
+        loop = None if checkpoints is None else checkpoints.restore()
+        resumed = loop is not None
+        if loop is not None and loop["step"] > schedule.steps:  # resumed
+            raise ValueError(
+                f"{name}: checkpoint {checkpoint_path} is at step {loop['step']}, past the "
+                f"{schedule.steps} steps of {epochs} epoch(s); delete it or train for more epochs"
+            )
+        loop = loop or _new_loop()
+        bar = tqdm(total=epochs * schedule.n, initial=schedule.seen(loop["step"]), unit="sample",
+                   desc=name, disable=not progress, dynamic_ncols=True)  # fmt: skip
+        cached = [layer for _, layer in growing_layers(model)] if incremental_eval else []
+        record = Evaluator(model, (x_test, y_test), metrics, schedule=schedule,
+                           batch_size=eval_batch_size, device=device, name=name, grower=grower,
+                           run=run, bar=bar, on_epoch_end=on_epoch_end, cached=cached)  # fmt: skip
+        model.train()
+        with bar, _eval_caches(cached):
+            final = loop["history"][-1] if loop["history"] else record(0, loop)
+            for step, idx in schedule.batches(loop["step"]):
+                t0 = time.perf_counter()
+                xb, yb = x_train[idx].to(device), y_train[idx].to(device)
+                with samples(model, idx):  # the entries written remember their samples
+                    loss_value = train_step(model, xb, yb, loss_fn, optimizer, grower)
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(
+                        f"{name}: training loss is {loss_value} at step {step}")
+                loop["loss_sum"] += loss_value
+                loop["loss_count"] += 1
+                loop["step"] = step + 1
+                loop["clock"]["train"] += time.perf_counter() - t0
+                bar.update(len(idx))
+                if (step + 1) % eval_every == 0 or schedule.ends_epoch(step + 1):
+                    final = record(step + 1, loop)
+                if checkpoints is not None and checkpoints.due(step + 1, schedule.steps):
+                    checkpoints.save(loop)
+    finally:
+        if checkpoints is not None:
+            checkpoints.close()  # the lock on the checkpoint path
     entries, nbytes = _store_size(grower)
     return {
         **{k: final[k] for k in metrics},

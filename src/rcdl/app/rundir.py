@@ -44,6 +44,8 @@ from rcdl._io import (  # noqa: F401 - re-exported: the run folder writes throug
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
+    holder,
+    lock_exclusively,
     save_figure,
     to_jsonable,
 )
@@ -223,28 +225,26 @@ class RunDir:
         Raises:
             RunFolderBusy: another process holds the folder; the message names it.
         """
-        try:
-            import fcntl
-        except ImportError:  # no flock on this platform: unguarded
-            return
         if self._lock_fd is not None:
             return
-        fd = os.open(self.path, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = lock_exclusively(self.path)
         except BlockingIOError:
-            os.close(fd)
             try:
-                holder = self.file(self.LOCK).read_text(encoding="utf-8").strip()
+                holder_text = self.file(self.LOCK).read_text(encoding="utf-8").strip()
             except OSError:
-                holder = "another process"
+                holder_text = "another process"
             raise RunFolderBusy(
-                f"{self.path} is in use by {holder}: one process at a time runs in a run "
+                f"{self.path} is in use by {holder_text}: one process at a time runs in a run "
                 "folder. Wait for it to finish (or stop it), then resume") from None
+        if fd is None:  # no flock on this platform: unguarded
+            return
         self._lock_fd = fd
-        atomic_write_text(f"process {os.getpid()} on {socket.gethostname()}, started "
-                          f"{_dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n",
-                          self.file(self.LOCK))
+        try:
+            atomic_write_text(f"{holder()}\n", self.file(self.LOCK))
+        except BaseException:  # the lock is not kept by a run that could not start
+            self.unlock()
+            raise
 
     def unlock(self) -> None:
         """Release :meth:`lock` (and remove ``.lock``)."""
