@@ -102,6 +102,6 @@ __all__ = [
     # attribution and forgetting
     "explain", "forget",
     # checkpoints
-    "CheckpointInUse", "DamagedCheckpoint", "UnsafeCheckpoint", "load_checkpoint", "load_model_state",
-    "save_checkpoint",
+    "CheckpointInUse", "DamagedCheckpoint", "UnsafeCheckpoint", "load_checkpoint",
+    "load_model_state", "save_checkpoint",
 ]  # fmt: skip
