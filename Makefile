@@ -11,15 +11,16 @@ setup:
 demo: setup
 	$(PYTHON) -m rcdl demo
 
-# RCDL_REQUIRE_FAISS: the retrieval tests fail, not skip, if the faiss extra did not install.
+# RCDL_REQUIRE_EXTRAS: the tests of these extras (which setup installs) fail, not skip, if one
+# did not install; without it they skip, naming the install command (tests/conftest.py).
 # Under 5 minutes on 2 cores, no test over 20 s; the 15 slowest are printed.
 test: setup
-	RCDL_REQUIRE_FAISS=1 $(PYTHON) -m pytest -q --durations=15
+	RCDL_REQUIRE_EXTRAS=classical,faiss $(PYTHON) -m pytest -q --durations=15
 
 # The tests marked `long` (over 20 s on 2 cores, left out of `make test`), e.g. the quick
 # cifar10-1epoch outcome with the ResNet-MLP baselines at the paper's width.
 test-long: setup
-	RCDL_REQUIRE_FAISS=1 $(PYTHON) -m pytest -q -m long --durations=15
+	RCDL_REQUIRE_EXTRAS=classical,faiss $(PYTHON) -m pytest -q -m long --durations=15
 
 bench:
 	$(PYTHON) benchmarks/bench_attention.py

@@ -1,5 +1,6 @@
 """Fixtures shared by the test modules."""
 
+import importlib
 import os
 
 import numpy as np
@@ -48,6 +49,46 @@ def interrupt_after():
         return TrainingInterrupted
 
     return patch
+
+
+# A test that needs an optional extra is marked @pytest.mark.extra("classical"): where the
+# extra's module does not import it skips, naming the install command, unless the test
+# command requires the extra (RCDL_REQUIRE_EXTRAS=classical,faiss, as `make test` sets; the
+# older RCDL_REQUIRE_FAISS=1 requires faiss): there it fails, so a broken install cannot pass.
+EXTRA_MODULES = {"classical": "sklearn", "faiss": "faiss", "peers": "dattri"}
+_IMPORT_PROBLEMS: dict[str, str | None] = {}
+
+
+def required_extras() -> set[str]:
+    named = {e.strip() for e in os.environ.get("RCDL_REQUIRE_EXTRAS", "").split(",")}
+    return (named - {""}) | ({"faiss"} if os.environ.get("RCDL_REQUIRE_FAISS") == "1" else set())
+
+
+def _import_problem(module: str) -> str | None:
+    if module not in _IMPORT_PROBLEMS:
+        try:
+            importlib.import_module(module)
+            _IMPORT_PROBLEMS[module] = None
+        except ImportError as err:  # missing, or installed but broken
+            _IMPORT_PROBLEMS[module] = f"{type(err).__name__}: {err}"
+    return _IMPORT_PROBLEMS[module]
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("extra"):
+        for extra in mark.args:
+            if extra not in EXTRA_MODULES:
+                raise ValueError(f"{item.nodeid}: unknown extra {extra!r} (known: "
+                                 f"{', '.join(EXTRA_MODULES)})")
+            problem = _import_problem(EXTRA_MODULES[extra])
+            if problem is None:
+                continue
+            message = (f"needs the {extra} extra ({EXTRA_MODULES[extra]} does not import: "
+                       f"{problem}): pip install -e '.[{extra}]'")
+            if extra in required_extras():
+                pytest.fail(f"the test command requires the {extra} extra, but {message}",
+                            pytrace=False)
+            pytest.skip(message)
 
 
 # RCDL_MAX_TEST_SECONDS=S fails any test whose call phase takes longer than S seconds (CI

@@ -207,6 +207,7 @@ def test_registry_builds_the_hybrid_of_spec_6():
         model_spec("hybrid-tau")
 
 
+@pytest.mark.extra("classical")
 def test_classical_baselines_join_the_table(data_dir, tmp_path):
     out = tmp_path / "run"
     assert _reproduce(data_dir, "--out", str(out), "--models", "knn-cosine", "svm-linear") == 0

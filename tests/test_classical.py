@@ -31,6 +31,7 @@ def test_vote_is_the_majority_with_ties_to_the_nearest():
     assert _vote(labels, 1, 3).tolist() == [2, 0]
 
 
+@pytest.mark.extra("classical")
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
 def test_knn_separates_blobs_and_keeps_every_training_point(metric):
     data = (*_blobs(300, 0), *_blobs(100, 1))
@@ -40,6 +41,7 @@ def test_knn_separates_blobs_and_keeps_every_training_point(metric):
     assert result.settings["k"] in (1, 3, 5, 7, 9, 11, 15, 21, 31)
 
 
+@pytest.mark.extra("classical")
 def test_one_nearest_neighbour_matches_scikit_learn():
     from sklearn.neighbors import KNeighborsClassifier
 
@@ -51,6 +53,7 @@ def test_one_nearest_neighbour_matches_scikit_learn():
     assert result.test_acc == pytest.approx(reference)
 
 
+@pytest.mark.extra("classical")
 def test_rbf_svm_separates_rings_where_the_linear_one_cannot():
     data = (*_rings(400, 0), *_rings(200, 1))
     linear = fit_linear_svm(*data)
@@ -59,6 +62,7 @@ def test_rbf_svm_separates_rings_where_the_linear_one_cannot():
     assert rbf.entries is None and rbf.settings["n_components"] == 100
 
 
+@pytest.mark.extra("classical")
 def test_bad_input_is_refused():
     data = (*_blobs(50, 0), *_blobs(20, 1))
     with pytest.raises(ValueError, match="unknown kNN metric"):

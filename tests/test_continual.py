@@ -312,6 +312,7 @@ def test_a_growing_net_keeps_the_first_task_where_an_sgd_mlp_loses_it():
 # --------------------------------------------------------------------------- the command
 
 
+@pytest.mark.extra("classical")
 def test_the_command_runs_every_kind_of_model_and_reports(data_dir, tmp_path, monkeypatch):
     from rcdl.app.experiments import cifar10_models as zoo
 

@@ -604,11 +604,13 @@ def test_a_step_with_huge_values_writes_nothing_in_a_softmax_layer():
             assert [len(layer.store) for layer in grower.layers] == [12, 12]
 
 
+@pytest.mark.extra("classical")
 def test_a_sharp_kernel_whose_first_answers_are_tiny_is_not_refused_as_diverging():
     """A sharp RBF net's first outputs are its kernel's far tail (about 1e−7 here); measured
     against them, ordinary growth looked like divergence. The reference scale is floored at
     1e−3 of the inputs' RMS (GrowingLayer.SCALE_FLOOR), and the net learns (digits: 97 %)."""
-    datasets = pytest.importorskip("sklearn.datasets")
+    from sklearn import datasets
+
     x, y = (torch.as_tensor(a) for a in datasets.load_digits(return_X_y=True))
     x = ((x - x.mean(0)) / x.std(0).clamp_min(1e-6)).float()
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))

@@ -121,6 +121,8 @@ NO_DATA = {"demo", "teacher-student"}
 CASES = FULL if FULL_DATA else TINY
 LONG = set() if FULL_DATA else {"cifar10-1epoch"}  # over 20 s: `make test-long` runs them
 # the ResNet-MLPs' blocks at this width
+# the membership-inference score and the classical baselines need scikit-learn
+NEEDS_SKLEARN = {"unlearning", "continual"}
 SMALL_WIDTH = {"cifar10-1epoch-baselines": 64, "unlearning": 64, "continual": 64}
 
 
@@ -208,8 +210,10 @@ def _floatish(text: str) -> bool:
     return "." in text or "e" in text or math.isnan(value)
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.long] * (name in LONG))
-                                  for name in CASES])
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[pytest.mark.long] * (name in LONG)
+                 + [pytest.mark.extra("classical")] * (name in NEEDS_SKLEARN))
+    for name in CASES])
 def test_command_outcome_is_unchanged(name, data_dir, tmp_path, monkeypatch):
     path = RECORDED_FULL if FULL_DATA else RECORDED
     if name in SMALL_WIDTH:

@@ -4,12 +4,11 @@ FAISS against the exact index, the layer mode following its store, its index sav
 checkpoint, and the hybrid trained on top-k attention against dense twins.
 
 The FAISS tests skip where the ``faiss`` extra is not installed, except under ``make test``
-(which installs it and sets ``RCDL_REQUIRE_FAISS=1``: there a missing faiss fails, so the CI
-runs them); everything else runs on the torch index."""
+(which installs it and sets ``RCDL_REQUIRE_EXTRAS=classical,faiss``: there a missing faiss
+fails, so the CI runs them; tests/conftest.py); everything else runs on the torch index."""
 
 import copy
 import io
-import os
 import sys
 
 import pytest
@@ -55,14 +54,7 @@ try:
     import faiss  # noqa: F401
 except ImportError:
     faiss = None
-requires_faiss = pytest.mark.skipif(faiss is None, reason="needs the faiss extra: "
-                                    "pip install 'rcdl[faiss]'")
-
-
-def test_faiss_is_installed_where_the_test_command_requires_it():
-    """``make test`` installs the faiss extra: its retrieval tests must run, not skip."""
-    if os.environ.get("RCDL_REQUIRE_FAISS") == "1":
-        assert faiss is not None, "RCDL_REQUIRE_FAISS=1 but faiss does not import"
+requires_faiss = pytest.mark.extra("faiss")  # skips without faiss unless it is required
 
 KERNELS = [name for name, k in REGISTRY.items() if k.index_metric]  # those with top-k
 TEMPERATURE = {name: 1.0 for name in KERNELS} | {"rbf": 2.0, "softmax": 0.7}

@@ -23,8 +23,7 @@ def test_notebook_is_saved_without_outputs():
 def run_notebook(tmp_path, monkeypatch):
     """The notebook's cells executed in a python3 kernel working in ``tmp_path``: the
     printed ``RESULT name value`` lines and every output text."""
-    for module, extra in (("nbclient", "dev"), ("nbformat", "dev"), ("ipykernel", "dev"),
-                          ("sklearn", "classical")):  # the kernel is this interpreter
+    for module, extra in (("nbclient", "dev"), ("nbformat", "dev"), ("ipykernel", "dev")):
         pytest.importorskip(
             module, reason=f"{module} is in the {extra} extra (pip install -e '.[{extra}]')")
     import nbformat
@@ -54,6 +53,7 @@ def run_notebook(tmp_path, monkeypatch):
     return results, printed, nb
 
 
+@pytest.mark.extra("classical")
 @pytest.mark.slow
 def test_tutorial_runs_and_learns(tmp_path, monkeypatch):
     r, printed, nb = run_notebook(tmp_path, monkeypatch)

@@ -34,6 +34,7 @@ def test_class_forget_set_is_every_image_of_the_class():
         forget_indices("half", y, UnlearningConfig(), 0)
 
 
+@pytest.mark.extra("classical")
 def test_mia_is_chance_on_one_distribution_and_certain_on_separated_ones():
     g = torch.Generator().manual_seed(0)
     same = mia_score(torch.rand(400, generator=g), torch.rand(400, generator=g))
@@ -51,6 +52,7 @@ def test_config_refuses_what_cannot_be_forgotten():
         UnlearningConfig(forget_class=10)
 
 
+@pytest.mark.extra("classical")
 def test_the_command_forgets_what_the_samples_wrote_and_reports(data_dir, tmp_path,
                                                                monkeypatch):
     from rcdl.app.experiments import cifar10_models as zoo
@@ -86,6 +88,7 @@ def test_the_command_forgets_what_the_samples_wrote_and_reports(data_dir, tmp_pa
     assert "MIA" in (out / "results.md").read_text()
 
 
+@pytest.mark.extra("classical")
 def test_combine_merges_seeds_run_apart_and_refuses_a_seed_twice(data_dir, tmp_path):
     common = ["--quick", "--models", "gws", "--scenarios", "random", "--train-size", "48",
               "--test-size", "24", "--retain-eval-size", "24", "--data-dir", str(data_dir),
