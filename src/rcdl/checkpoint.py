@@ -259,7 +259,8 @@ def model_state_problems(model: nn.Module, state: dict[str, Any]) -> list[str]:
     A module whose ``_load_from_state_dict`` validates its part states that check as
     ``state_problem(state, prefix) -> str | None`` and the keys it reads as
     ``state_keys() -> tuple[str, ...]`` (relative to its prefix)."""
-    problems, expected = [], set()
+    problems: list[str] = []
+    expected: set[str] = set()
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         check = getattr(module, "state_problem", None)
@@ -419,8 +420,9 @@ class Checkpointer:
     def close(self) -> None:
         """Release the lock on the path (:func:`rcdl.training.train_one_pass` calls it when
         the loop ends, however it ends)."""
-        if getattr(self, "_lock_fd", None) is not None:
-            os.close(self._lock_fd)
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            os.close(fd)
             self._lock_fd = None
 
     def __del__(self) -> None:

@@ -20,7 +20,9 @@ as its out-of-place twin does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -50,6 +52,24 @@ __all__ = [
     "GrowingLaplacian", "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax",
     "ParametricSoftmax", "growing_layers", "set_store_dtype",
 ]
+
+
+
+def _run_eagerly(method: Callable) -> Callable:
+    """``method``, never traced by ``torch.compile``: inside a compiled model dynamo breaks
+    the graph at its call and runs it eagerly (``torch.compiler.disable``). Importing
+    ``torch._dynamo`` costs more than the rest of ``import rcdl``; until something has
+    imported it (``torch.compile`` does, before it traces), nothing can be compiling, and
+    ``method`` is called directly."""
+    disabled = torch._disable_dynamo(method)  # torch's lazy disable, known to dynamo
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        if "torch._dynamo" not in sys.modules:
+            return method(*args, **kwargs)
+        return disabled(*args, **kwargs)
+
+    return call
 
 
 class GrowingLayer(nn.Module):
@@ -291,7 +311,7 @@ class GrowingLayer(nn.Module):
         """The layer's function ``s(q)`` (subclasses add their parametric part)."""
         return self.attend(q)
 
-    @torch.compiler.disable  # records and hooks are Python side effects: run eagerly
+    @_run_eagerly  # records and hooks are Python side effects
     def forward(self, x: Tensor) -> Tensor:  # (..., d_in) -> (..., d_out)
         q = self._check_input(x).reshape(-1, self.d_in)  # (B, d_in)
         recording = self.training and torch.is_grad_enabled()
