@@ -6,6 +6,14 @@ import os
 import numpy as np
 import pytest
 
+# Under pytest-xdist (`-n 2`) each worker computes on one thread, and so do the processes it
+# starts: two workers of two threads each would oversubscribe two cores.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
                    "ship", "truck")  # fmt: skip
 
@@ -49,6 +57,15 @@ def interrupt_after():
         return TrainingInterrupted
 
     return patch
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist with ``--dist loadgroup`` (``make test``), the tests marked
+    ``spawns`` (they start processes of their own: torchrun-like ranks, a second run) run one
+    after another on one worker, so that no two of them share the cores and time out."""
+    for item in items:
+        if item.get_closest_marker("spawns") is not None:
+            item.add_marker(pytest.mark.xdist_group("spawns"))
 
 
 # A test that needs an optional extra is marked @pytest.mark.extra("classical"): where the

@@ -32,6 +32,8 @@ from rcdl import (
     to_dual_form,
 )
 
+pytestmark = pytest.mark.spawns  # processes of its own: one such test at a time
+
 D_IN, D_OUT = 5, 3
 BATCHES = [1, 7, 7, 5, 7, 6]  # the first batch leaves most shards empty
 RESUME_AT = 3

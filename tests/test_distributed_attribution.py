@@ -18,6 +18,8 @@ from rcdl.attribution import explain
 from rcdl.layers import growing_layers
 from rcdl.provenance import entry_samples, forget, samples
 
+pytestmark = pytest.mark.spawns  # processes of its own: one such test at a time
+
 D_IN, CLASSES, WIDTH = 6, 3, 8
 BATCHES = [1, 7, 7, 5, 7, 6]  # 33 samples; the first batch leaves most shards empty
 KINDS = ["gws", "rbf"]

@@ -18,12 +18,14 @@ def _pytest_without_sklearn(tmp_path, **env):
     hidden = tmp_path / "hidden" / "sklearn"
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text('raise ImportError("scikit-learn is hidden here")\n')
-    environ = {k: v for k, v in os.environ.items()
-               if k not in ("RCDL_REQUIRE_EXTRAS", "RCDL_REQUIRE_FAISS")}
+    environ = {k: v for k, v in os.environ.items()  # not this run's pytest-xdist worker
+               if k not in ("RCDL_REQUIRE_EXTRAS", "RCDL_REQUIRE_FAISS")
+               and not k.startswith("PYTEST_")}
     path = [str(hidden.parent), environ.get("PYTHONPATH", "")]
     environ |= {"PYTHONPATH": os.pathsep.join(p for p in path if p), **env}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", TEST],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-p", "no:benchmark", TEST],
         cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
 
 

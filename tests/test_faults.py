@@ -299,6 +299,7 @@ def _train_on(path, queue):
         queue.put(str(err))
 
 
+@pytest.mark.spawns
 def test_a_second_process_on_the_same_checkpoint_path_is_refused(tmp_path):
     """Two runs given one checkpoint_path would overwrite each other's step files: while one
     holds it, a second process is refused with a message naming the holder; once the first
@@ -425,6 +426,7 @@ def sharded_reference(tmp_path_factory):
     return _spawn(folder, "reference", folder / "run", None)[1]
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_rank_killed_at_each_phase_of_a_sharded_checkpoint_resumes(fault, tmp_path,
                                                                      sharded_reference):

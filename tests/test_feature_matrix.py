@@ -100,6 +100,8 @@ from rcdl import (
 )
 from rcdl.training import Checkpointer, train_step
 
+pytestmark = pytest.mark.spawns  # processes of its own: one such test at a time
+
 try:
     import faiss  # noqa: F401
 except ImportError:

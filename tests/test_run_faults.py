@@ -178,6 +178,7 @@ def test_out_pointing_at_a_folder_of_other_files_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.spawns
 def test_a_folder_another_process_runs_in_is_refused_until_that_process_dies(tmp_path,
                                                                             monkeypatch,
                                                                             capsys):
