@@ -101,3 +101,50 @@ def test_a_hybrid_layer_steps_alike_on_the_compiled_and_the_eager_path():
     for eager, compiled in zip(stores["eager"], stores["compiled"], strict=True):
         torch.testing.assert_close(compiled, eager, rtol=2.0**-7, atol=1e-6)
     assert float((stores["compiled"][0] != stores["eager"][0]).float().mean()) < 0.01
+
+
+def test_rounding_to_float16_saturates_instead_of_overflowing_to_inf():
+    """float16's largest finite number is 65 504; a finite number past it rounds to it (a cast
+    would give inf), while inf and NaN stay what they are."""
+    from rcdl.rounding import round_stochastically, rounding_noise
+
+    x = torch.tensor([65_519.0, 65_520.0, 7e4, -7e4, 65_000.0, float("inf"), float("nan")])
+    noise = rounding_noise(seed=0, step=1, ids=torch.arange(1), width=len(x))[0]
+    for bits in (None, noise):
+        got = round_stochastically(x, torch.float16, bits).float()
+        assert got[:4].tolist() == [65_504.0, 65_504.0, 65_504.0, -65_504.0]
+        assert got[4].item() in (64_992.0, 65_024.0)  # its two neighbours
+        assert got[5].item() == float("inf") and got[6].isnan()
+
+
+def test_adam_past_the_float16_range_keeps_the_entry_finite_and_warns():
+    from rcdl.hybrid import HybridSoftmax
+    from rcdl.rules import ClippedSoftmaxRule
+
+    layer = HybridSoftmax(4, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 30.0),
+                          initial_entries=2, store_dtype=torch.float16, seed=0)
+    layer.store.values[0, 0] = 65_504.0
+    keys, values, weights = layer.entry_leaves()
+    for leaf in (keys, values, weights):
+        leaf.grad = torch.zeros_like(leaf)
+    values.grad[0, 0] = -1.0  # Adam moves that value up by lr = 100, past 65 504
+    with pytest.warns(RuntimeWarning, match=r"1 of its entries \(the first: id 0\) to ±65504, "
+                                            r"the largest finite torch.float16.*bfloat16"):
+        layer.adam_step(100.0, (0.9, 0.999), 1e-8)
+    assert torch.isfinite(layer.store.values).all()
+    assert layer.store.values[0, 0].item() == 65_504.0
+
+
+@pytest.mark.long
+def test_the_compiled_float16_step_saturates_as_the_eager_one():
+    """A compiled kernel may keep a float16 cast in float32, so overflow is tested on the
+    float32 value: both paths keep an entry moved past 65 504 at 65 504, not inf."""
+    stepped = {}
+    for compiled in (False, True):
+        param = torch.full((8, 16), 65_500.0).to(torch.float16)
+        m, v = torch.zeros(8, 16), torch.zeros(8, 16)
+        grad = -torch.ones(8, 16)  # Adam's first step moves every number up by lr = 100
+        a, c = torch.full((8,), 1e-2), torch.full((8,), 1e-8)
+        stepped[compiled] = _step(param, m, v, grad, a, c, compiled=compiled)
+    assert torch.equal(stepped[True], stepped[False])
+    assert (stepped[True] == 65_504.0).all()

@@ -441,3 +441,44 @@ def test_the_default_gate_follows_the_width_the_layers_see():
     net = HybridSoftmaxNet(32, 1, 1, temperature=5.0, rule=ClippedSoftmaxRule(3.0, 30.0),
                            width=128)
     assert {net.blocks[0].trigger, net.readout.trigger} == {DistanceGate(default_tau(128))}
+
+
+# --------------------------------------------------------------------------- step sizes
+
+
+def _readme_hybrid(eta, seed):
+    """The README's hybrid (d = 32, two blocks, T = 5, β = 30) on its teacher task."""
+    from rcdl.data import TeacherConfig, make_teacher_data
+    from rcdl.hybrid_grower import HybridGrower
+
+    x, y, _, _ = make_teacher_data(TeacherConfig(d_in=32, n_train=160))
+    net = HybridSoftmaxNet(32, 1, 2, temperature=5.0, rule=ClippedSoftmaxRule(eta, 30.0),
+                           seed=seed)
+    return net, HybridGrower(net, lr=1e-3), zip(x.split(16), y.split(16), strict=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_smaller_eta_alone_is_refused_early_saying_to_lower_beta(seed):
+    """η = 0.3 with β = 30 writes values ṽ/w ∝ β/η too large for the task: the outputs blow
+    up within a few steps (docs/reference.md §3), and the step is refused, saying that β/η is
+    what to change, not left to end 50 times worse than predicting zero."""
+    net, opt, batches = _readme_hybrid(0.3, seed)
+    steps = 0
+    with pytest.raises(ValueError, match=r"values ṽ/w grow as β/η \(here 100\).*lower β or "
+                                         r"raise η") as refused:
+        for x, y in batches:
+            opt.zero_grad()
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            steps += 1
+    assert steps <= 3, f"refused only at step {steps}"
+    assert "over 100 times its reference scale" in str(refused.value)
+
+
+def test_the_readme_eta_trains_past_the_divergence_check():
+    net, opt, batches = _readme_hybrid(3.0, 0)
+    for x, y in batches:  # ten steps, none refused
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+    assert all(len(layer.store) > 16 for layer in (*net.blocks, net.readout))

@@ -556,7 +556,7 @@ def build_run(kind, backend):
     else:  # Adam moves the entries every step; the index follows every fourth move
         model = HybridSoftmaxNet(4, 1, 1, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 3.0),
                                  trigger=DistanceGate(1.0), initial_entries=4)
-        learner = {"optimizer": EntryAdam(model, lr=0.1), "grower": Grower(model)}
+        learner = {"optimizer": EntryAdam(model, lr=0.01), "grower": Grower(model)}
         refresh = {"refresh_every": 4}
     use_topk(model, 3, backend=backend, train=True, **refresh, **INDEX_KW[backend])
     return model, learner

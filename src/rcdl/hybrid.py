@@ -91,6 +91,15 @@ class HybridSoftmax(GrowingSoftmax):
             stochastic rounding of a half-precision store (:mod:`rcdl.rounding`; default: a
             number drawn from torch's global generator). Saved with the model as the buffer
             ``rounding_seed``.
+        max_output_growth: a step is refused, with an error naming the layer and saying
+            which of the rule's η and β to change, once the RMS of the layer's outputs
+            exceeds this multiple of their RMS at the first step (default 100, where other
+            growing layers use 1e4; ``None`` turns the check off). With non-negative
+            weights a weighted softmax outputs a weighted mean of its entries' values
+            ``v_j = ṽ_j / w_j``, so its outputs grow only where the rule writes values far
+            beyond the store's (they scale as β/η, docs/reference.md §3) or entries of
+            zero weight pile up in the numerator: a hundredfold growth is such a run, not
+            learning (docs/reference.md §4 compares runs that learn and runs that do not).
 
     Other arguments as :class:`~rcdl.layers.GrowingSoftmax` (docs/reference.md §6: T = 5).
 
@@ -107,9 +116,11 @@ class HybridSoftmax(GrowingSoftmax):
 
     def __init__(self, d_in: int, d_out: int, *, temperature: float, rule: LearningRule,
                  trigger: GrowthTrigger | None = None, initial_entries: int = 16,
-                 seed: int | None = None, **kw) -> None:
+                 seed: int | None = None, max_output_growth: float | None = 100.0,
+                 **kw) -> None:
         super().__init__(d_in, d_out, temperature=temperature, rule=rule,
-                         initial_entries=initial_entries, seed=seed, **kw)
+                         initial_entries=initial_entries, seed=seed,
+                         max_output_growth=max_output_growth, **kw)
         if rule.needs_log_normalizer:
             raise ValueError(
                 "HybridSoftmax: the 1/Z-normalised rule needs Z(q) > 0, but Adam may drive "
@@ -138,6 +149,7 @@ class HybridSoftmax(GrowingSoftmax):
         self._dry_steps = 0  # growth steps in a row that wrote nothing (host-side count)
         self._last_sq_distance: Tensor | None = None  # (B,) of the last gated batch
         self._adam_skipped = False  # a growth step dropped entry gradients Adam never used
+        self._saturation_warned = False  # a float16 store's entries reached ±65 504 (warned)
 
     # ---------------------------------------------------------------- forward
     def attend(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, d_out)
@@ -222,7 +234,10 @@ class HybridSoftmax(GrowingSoftmax):
         (:func:`rcdl.rounding.round_stochastically`): an Adam step is often smaller than half
         a bfloat16 ulp, and rounding to nearest would drop it every time. The random bits
         are :func:`rcdl.rounding.rounding_noise` of ``(rounding_seed, Adam step, entry id)``,
-        so a resumed or sharded run rounds exactly as one uninterrupted process does.
+        so a resumed or sharded run rounds exactly as one uninterrupted process does. A
+        float16 entry moved past ±65 504 (float16's largest finite number) saturates there
+        instead of becoming ``inf``, with a ``RuntimeWarning`` (once per layer) naming the
+        entry and suggesting bfloat16 or float32.
         """
         leaves, self._leaves = self._leaves, None
         if leaves is None or all(t.grad is None for t in leaves):
@@ -268,9 +283,30 @@ class HybridSoftmax(GrowingSoftmax):
                 v_c.mul_(b2).addcmul_(g, g, value=1 - b2)
                 torch.sqrt(v_c, out=denom).mul_(a[rows].view(shape)).add_(c[rows].view(shape))
                 param[rows].addcdiv_(m_c, denom, value=-1.0)
+        narrow = torch.finfo(self.store.keys.dtype).max < torch.finfo(self.store.dtype).max / 2
+        if narrow and not self._saturation_warned:  # float16: finite x can pass its range
+            self._warn_saturated()
         self.store.touch()  # every entry moved: cached partials over them are stale
         if self.retrieval is not None:  # a top-k index follows in-place moves lazily
             self.retrieval.entries_moved(self)
+
+    def _warn_saturated(self) -> None:
+        """Warn (once) if the Adam step left keys or values of a float16 store at its largest
+        finite number, where stochastic rounding saturates instead of writing ``inf``."""
+        largest = torch.finfo(self.store.keys.dtype).max
+        at_edge = ((self.store.keys.abs() == largest).any(1)
+                   | (self.store.values.abs() == largest).any(1))  # (N,)
+        count = int(at_edge.sum())  # one device sync, float16 stores only
+        if not count:
+            return
+        self._saturation_warned = True
+        first = int(self.store.ids[at_edge][0])
+        warnings.warn(
+            f"{self.where}: the Adam step moved keys or values of {count} of its entries (the "
+            f"first: id {first}) to ±{largest:g}, the largest finite {self.store.keys.dtype}; "
+            "they are kept there (rounding saturates instead of writing inf), so whatever "
+            "Adam moves beyond it is lost. Keep this store in torch.bfloat16 (float32's range) "
+            "or float32 (store_dtype=)", RuntimeWarning, stacklevel=4)
 
     # ---------------------------------------------------------------- growth
     def make_entries(self, record: Record) -> Entries:

@@ -41,7 +41,14 @@ from rcdl.records import (
     Recorder,
     UnsteppedBatchWarning,  # noqa: F401 - importable from here as before
 )
-from rcdl.rules import Entries, FunctionalSGD, LearningRule, Step
+from rcdl.rules import (
+    ClippedSoftmaxRule,
+    Entries,
+    FunctionalSGD,
+    GaugeSoftmaxRule,
+    LearningRule,
+    Step,
+)
 from rcdl.store import EntryStore
 
 if TYPE_CHECKING:
@@ -426,9 +433,8 @@ class GrowingLayer(nn.Module):
             raise ValueError(
                 f"{self.where}: this step would raise the output RMS on its own batch to "
                 f"{after:.3g}, over {limit:g} times the layer's reference scale "
-                f"{reference:.3g}; the layer is diverging: lower the learning rate (rule "
-                f"{self.rule}) or raise the temperature (T = {self.temperature}), or "
-                "normalise its inputs; no entry written (or raise max_output_growth)")
+                f"{reference:.3g}; the layer is diverging: {self.divergence_advice()}; no "
+                "entry written (or raise max_output_growth)")
 
     @torch.no_grad()
     def outputs_after(self, records: list[Record], keys: Tensor, values: Tensor,
@@ -476,15 +482,19 @@ class GrowingLayer(nn.Module):
 
     SCALE_FLOOR = 1e-3  # the reference scale is at least this fraction of the inputs' RMS
 
+    def divergence_advice(self) -> str:
+        """What a refusal for divergence tells the user to change (a rule whose step size is
+        not simply its learning rate says so in an override)."""
+        return (f"lower the learning rate (rule {self.rule}) or raise the temperature "
+                f"(T = {self.temperature}), or normalise its inputs")
+
     def _check_output_scale(self, rms: float, floor: float = 0.0) -> None:
         """Refuse a diverging layer: non-finite outputs, or outputs whose RMS grew past
         ``max_output_growth`` times the reference scale: the RMS at the first step where
         they were non-zero, but at least ``floor`` (``SCALE_FLOOR`` times the inputs' RMS
         then). Without the floor, a sharp kernel whose first answers are nearly zero (the
         far tail of an RBF, 1e−7) would refuse ordinary growth as divergence."""
-        advice = (f"the layer is diverging: lower the learning rate (rule {self.rule}) or raise "
-                  f"the temperature (T = {self.temperature}), or normalise its inputs; "
-                  "no entry written")
+        advice = f"the layer is diverging: {self.divergence_advice()}; no entry written"
         if not math.isfinite(rms):
             raise ValueError(f"{self.where}: outputs contain NaN or inf; {advice}")
         if self.output_scale is None:
@@ -734,6 +744,18 @@ class GrowingSoftmax(GrowingLayer):
         part = self.backend.partial(self, q, (self.store.keys, self.store.values[:, :0],
                                               self.store.weights))
         return part.m + torch.log(part.den)
+
+    def divergence_advice(self) -> str:
+        """For gws and the gauge rule η is the weights' step, not the values': the written
+        values ``ṽ/w`` scale as β/η, so a smaller η alone makes every write larger
+        (docs/reference.md §3)."""
+        rule, t = self.rule, self.temperature
+        if not isinstance(rule, (ClippedSoftmaxRule, GaugeSoftmaxRule)):
+            return super().divergence_advice()
+        ratio = f" (here {rule.beta / rule.eta:.3g})" if rule.eta > 0 else ""
+        return (f"{rule} writes entries whose values ṽ/w grow as β/η{ratio}, so a smaller η "
+                "alone makes every write larger: lower β or raise η (docs/reference.md §3), "
+                f"or raise the temperature (T = {t})")
 
     def make_entries(self, record: Record) -> Entries:
         def log_z() -> Tensor:  # (B,) the forward's normaliser, else one pass to find it

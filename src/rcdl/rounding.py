@@ -90,17 +90,28 @@ def round_stochastically(x: Tensor, dtype: torch.dtype, noise: Tensor | None = N
     float32 to bfloat16 (a bfloat16 is the top 16 bits of a float32) adds 16 random bits
     below the kept ones and truncates: the magnitude rounds up exactly when the random
     number exceeds what truncation drops, with that probability (5x faster than the general
-    path, which finds both neighbours with ``nextafter``)."""
+    path, which finds both neighbours with ``nextafter``).
+
+    A finite ``x`` beyond the largest finite number of ``dtype`` (65 504 for float16) rounds
+    to that number with its sign: it saturates, where a cast would give ``inf`` (float16 has
+    no finite neighbour above it, so ``[65 504, 65 520)`` already rounded down). ``inf`` and
+    NaN stay what they are. (bfloat16 has float32's range, so only float32 numbers within
+    0.4 % of float32's largest could round up to ``inf`` on the fast path.)"""
     if x.dtype == torch.float32 and dtype == torch.bfloat16:
         bits = x.view(torch.int32)  # sign and magnitude: adding grows the magnitude
         low = torch.randint_like(bits, 0, 1 << 16) if noise is None else noise & 0xFFFF
         return (bits + low).bitwise_and_(-(1 << 16)).view(torch.float32).to(dtype)
     nearest = x.to(dtype)
-    error = x - nearest.to(x.dtype)  # |error| <= half the gap
+    largest = torch.finfo(dtype).max
+    if largest < torch.finfo(x.dtype).max:  # a narrower range: finite x may overflow to inf
+        # tested on x itself: a compiled kernel may keep the cast value in x's dtype
+        overflow = x.isfinite() & (x.abs() > largest)
+        nearest = torch.where(overflow, torch.where(x > 0, largest, -largest).to(dtype), nearest)
+    error = x - nearest.to(x.dtype)  # |error| <= half the gap, except where x saturated
     toward = torch.where(error > 0, torch.inf, -torch.inf).to(dtype)
     farther = torch.nextafter(nearest, toward)
     gap = farther.to(x.dtype) - nearest.to(x.dtype)  # 0 only where error is 0
-    p_farther = torch.where(gap != 0, error / gap, 0.0)  # in [0, 1/2]
+    p_farther = torch.where(gap != 0, error / gap, 0.0)  # in [0, 1/2]; 0 where farther is inf
     if noise is None:
         uniform = torch.rand_like(x)
     else:  # the top 24 bits as a number in [0, 1), exact in float32 and wider

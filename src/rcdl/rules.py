@@ -8,7 +8,9 @@ batch-mean loss w.r.t. those outputs ``ḡ (B, d_out)`` — into ``B`` new entri
 
 Every rule satisfies :class:`LearningRule`: its step size η is ``rule.lr``, and
 ``rule.with_lr(lr)`` is the same rule with another η (what a learning-rate scheduler driving
-:class:`rcdl.grower.Grower` changes).
+:class:`rcdl.grower.Grower` changes). For the weighted-softmax rules η is the step of the
+weights only, and a smaller η alone makes the written values *larger* (they scale as β/η);
+their value step is β (docs/reference.md §3, "What η and β do in a written step").
 """
 
 from __future__ import annotations
@@ -147,13 +149,23 @@ class ClippedSoftmaxRule:
     ``c(q) = e^{⟨q,k⟩/τ}/Z(q) > 0``; for this rule that is ``−ε c (β‖g‖² + w⟨g, s⟩) ≤ 0``
     because ``w`` has the sign of ``⟨s, g⟩`` or is zero. docs/reference.md §6: T = 6, β = 3,
     η = 0.003.
+
+    The entry is written whole, not at first order: at its own query the output becomes
+    ``s' = (s + c ṽ) / (1 + c w)``, a move from ``s`` toward the entry's value
+    ``v = ṽ / w = −β g / (η clip(⟨s, g⟩, −B, B))`` (``s + c ṽ`` where ``w = 0``). β is the
+    step size of the values; η that of the weights, which sets how far the output moves
+    toward ``v`` and ``v``'s scale β/η. Where the clip acts, ``v = −(β / (ηB)) g``: a
+    functional-SGD step from zero at rate β/(ηB), larger for a *smaller* η. To take smaller
+    steps, lower β (docs/reference.md §3).
     """
 
     eta: float
     beta: float
     normalize: bool = False
     needs_log_normalizer = property(lambda self: self.normalize)
-    lr = property(lambda self: self.eta, doc="The step size η of the weights.")
+    lr = property(lambda self: self.eta, doc=(
+        "The step size η of the weights (what a scheduler's ``lr`` replaces; β stays, so "
+        "lowering it raises the written values ṽ/w ∝ β/η)."))
     ages = None  # entries do not age
 
     def with_lr(self, lr: float) -> ClippedSoftmaxRule:
@@ -180,14 +192,17 @@ class GaugeSoftmaxRule:
     the gws step taken in the frame shifted by ``b = (α − ⟨s, ĝ⟩) ĝ``, where
     ``⟨s + b, ḡ⟩ = α‖ḡ‖ > 0``, and mapped back. Existing entries are untouched and the new
     weight is never negative. First-order change of the loss: ``−c (β + ηα²)‖ḡ‖²``.
-    docs/reference.md §6: T = 5, α = 10, η = 0.03, β = 100.
+    docs/reference.md §6: T = 5, α = 10, η = 0.03, β = 100. In the shifted frame the entry's
+    value ``ṽ/w`` has the scale β/(ηα): as for gws, a smaller η alone makes it larger
+    (docs/reference.md §3).
     """
 
     alpha: float
     eta: float
     beta: float
     needs_log_normalizer = False
-    lr = property(lambda self: self.eta, doc="The step size η.")
+    lr = property(lambda self: self.eta, doc=(
+        "The step size η of the weights (what a scheduler's ``lr`` replaces; β stays)."))
     ages = None  # entries do not age
 
     def with_lr(self, lr: float) -> GaugeSoftmaxRule:
