@@ -10,10 +10,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from rank_pool import RankFailed, run_ranks
 from rcdl import (
     MLP,
     AlwaysGrow,
@@ -168,8 +168,7 @@ def references():
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_sharded_training_equals_one_process(world, references, tmp_path):
     result_file = tmp_path / "result.pt"
-    mp.start_processes(_worker, args=(world, tmp_path / "init", result_file), nprocs=world,
-                       join=True, start_method="spawn")
+    run_ranks(_worker, (world, tmp_path / "init", result_file), world=world)
     saved = torch.load(result_file, weights_only=False)
     for kind in KINDS:
         expected_stores, expected_out = references[kind]
@@ -263,8 +262,7 @@ def _budget_worker(rank, world, init_file, result_file):
 def test_memory_budgets_are_per_shard(tmp_path):
     """Each rank keeps at most ``capacity`` entries of its shard (choosing among its own)."""
     result_file = tmp_path / "budget.pt"
-    mp.start_processes(_budget_worker, args=(2, tmp_path / "init", result_file), nprocs=2,
-                       join=True, start_method="spawn")
+    run_ranks(_budget_worker, (2, tmp_path / "init", result_file), world=2)
     ranks = torch.load(result_file, weights_only=False)
     for r in ranks:
         assert all(size <= 6 for sizes in r["sizes"] for size in sizes)
@@ -309,8 +307,7 @@ def test_the_cifar10_experiment_sharded_over_two_ranks_equals_one_process(data_d
     _, single = run_cifar10(_experiment_cfg(data_dir), out=tmp_path / "single",
                             progress=False, download=False)
     out = tmp_path / "sharded"
-    mp.start_processes(_experiment_worker, args=(2, tmp_path / "init", data_dir, out),
-                       nprocs=2, join=True, start_method="spawn")
+    run_ranks(_experiment_worker, (2, tmp_path / "init", data_dir, out), world=2)
     sharded = json.loads((out / "summary.json").read_text())
     assert sharded["sessions"][-1]["world_size"] == 2
     manifest = json.loads((out / "checkpoints" / "gws-seed0.manifest.json").read_text())
@@ -356,10 +353,9 @@ def _mismatch_worker(rank, world, init_file, what):
 def test_ranks_with_different_models_are_refused(what, named, tmp_path):
     """Another temperature, or the same settings with other initial entries (another seed):
     the error names what differs."""
-    with pytest.raises(mp.ProcessRaisedException,
+    with pytest.raises(RankFailed,
                        match=rf"models of ranks \[1\] differ(.|\n)*{named}"):
-        mp.start_processes(_mismatch_worker, args=(2, tmp_path / "init", what), nprocs=2,
-                           join=True, start_method="spawn")
+        run_ranks(_mismatch_worker, (2, tmp_path / "init", what), world=2)
 
 
 def test_rows_rotate_over_the_ranks_from_step_to_step():
@@ -432,8 +428,7 @@ def test_a_sharded_checkpointer_given_one_path_writes_one_file_per_rank(tmp_path
 
     folder, result_file = tmp_path / "run", tmp_path / "result.pt"
     folder.mkdir()
-    mp.start_processes(_one_path_worker, args=(2, tmp_path / "init", folder, result_file),
-                       nprocs=2, join=True, start_method="spawn")
+    run_ranks(_one_path_worker, (2, tmp_path / "init", folder, result_file), world=2)
     manifest = json.loads((folder / "ckpt.manifest.json").read_text())
     assert manifest["files"] == ["ckpt.rank0of2.step00000004.pt", "ckpt.rank1of2.step00000004.pt"]
     assert [e["step"] for e in manifest["checkpoints"]] == [2, 4]

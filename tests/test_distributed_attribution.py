@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from rank_pool import run_ranks
 from rcdl import ClippedSoftmaxRule, FunctionalSGD, Grower, GrowingRBFNet, GrowingSoftmaxNet
 from rcdl.attribution import explain
 from rcdl.layers import growing_layers
@@ -169,8 +169,7 @@ def assert_same_explanation(got, want, full, what):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_sharded_explain_and_forget_equal_one_process(world, references, tmp_path):
     result_file = tmp_path / "result.pt"
-    mp.start_processes(_worker, args=(world, tmp_path / "init", result_file), nprocs=world,
-                       join=True, start_method="spawn")
+    run_ranks(_worker, (world, tmp_path / "init", result_file), world=world)
     ranks = torch.load(result_file, weights_only=False)
     forgotten = sample_index(torch.tensor(FORGOTTEN))
     for kind in KINDS:

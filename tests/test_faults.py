@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from rank_pool import run_ranks
 from rcdl import FunctionalSGD, Grower, GrowingRBFNet, GrowingSoftmaxNet
 from rcdl.checkpoint import (
     DamagedCheckpoint,
@@ -413,9 +414,13 @@ def json_step(path):
 
 
 def _spawn(tmp_path, tag, folder, fault):
+    """Two ranks: freshly spawned ones where a rank is to die, else the session's pool."""
     result = tmp_path / f"{tag}.pt"
-    mp.start_processes(_sharded, args=(2, tmp_path / f"{tag}.init", folder, fault, result),
-                       nprocs=2, join=True, start_method="spawn")
+    args = (2, tmp_path / f"{tag}.init", folder, fault, result)
+    if fault is None:
+        run_ranks(_sharded, args, world=2)
+    else:
+        mp.start_processes(_sharded, args=args, nprocs=2, join=True, start_method="spawn")
     return torch.load(result, weights_only=False)
 
 

@@ -73,10 +73,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from rank_pool import run_ranks
 from rcdl import (
     AlwaysGrow,
     CapacityGate,
@@ -548,9 +548,8 @@ def run_cases(cases: list[Case], world: int, folder: Path) -> list[dict]:
     if world == 1:
         return _run_all(cases, folder)
     result_file = folder / "results.pt"
-    mp.start_processes(_worker, nprocs=world, join=True, start_method="spawn",
-                       args=(world, folder / "init", folder, [c.to_json() for c in cases],
-                             result_file))
+    run_ranks(_worker, (world, folder / "init", folder, [c.to_json() for c in cases],
+                        result_file), world=world)
     return torch.load(result_file, weights_only=False)
 
 
