@@ -168,8 +168,8 @@ def fit_linear_svm(x_train: Tensor, y_train: Tensor, x_test: Tensor, y_test: Ten
                    alphas: Sequence[float] = (1e-4, 1e-3, 1e-2), holdout: float = 0.1,
                    epochs: int = 20, seed: int = 0) -> ClassicalResult:
     """A linear SVM: hinge loss with an L2 penalty ``alpha``, one-vs-rest, trained by SGD
-    (``SGDClassifier``: linear in N, where exact solvers such as liblinear took over 15
-    minutes on 5 000 images of 3 072 pixels here). ``alpha`` is chosen on a held-out
+    (``SGDClassifier``: linear in N, where exact solvers such as liblinear grow much faster
+    with N; docs/cifar10.md). ``alpha`` is chosen on a held-out
     ``holdout`` fraction of the training set."""
     _sklearn()
     _check(x_train, y_train, x_test, y_test)

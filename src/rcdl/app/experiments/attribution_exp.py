@@ -99,10 +99,9 @@ CURVE = tuple(i / 50 for i in range(1, 51))  # shares inspected, for the detecti
 
 @dataclass(frozen=True)
 class AttributionConfig(ExperimentConfig):
-    """Settings of the attribution measurements (module docstring). The defaults (5 000
-    training / 500 test images, 50 halves, gws and RBF) take about 15 minutes on two CPU
-    cores (estimated from their parts); ``quick()``: 500 / 50 images and 8 halves, 140 s
-    on two CPU cores shared with another run."""
+    """Settings of the attribution measurements (module docstring). The defaults: 5 000
+    training / 500 test images, 50 halves, gws and RBF; ``quick()``: 500 / 50 images and 8
+    halves (run times in docs/attribution.md)."""
 
     QUICK = {"train_size": 500, "test_size": 50, "halves": 8}
 

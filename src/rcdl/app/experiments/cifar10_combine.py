@@ -1,6 +1,6 @@
 """One table from several runs of the one-epoch CIFAR-10 comparison
-(``rcdl reproduce cifar10-1epoch --combine``; docs/cifar10.md): full-scale models take an hour
-each on a CPU, so the comparison is made over several invocations and machines."""
+(``rcdl reproduce cifar10-1epoch --combine``; docs/cifar10.md): full-scale models are long
+on a CPU, so the comparison is made over several invocations and machines."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def combine_runs(run_dirs: list[str | Path], out: str | Path,
                  ) -> tuple[Path, dict[str, Any]]:
     """One table and figure from the finished (model, seed) pairs of several run folders.
 
-    Full-scale models take an hour each on a CPU, so the comparison is made over several
+    Full-scale models are long on a CPU, so the comparison is made over several
     invocations, sessions and machines. This merges their ``summary.json`` files after
     checking that they share the protocol (:func:`_protocol`); a (model, seed) pair finished
     in two folders is an error, an unfinished one is not in its summary. ``models`` keeps

@@ -34,8 +34,8 @@ class Cifar10Config(ExperimentConfig):
     ``models`` are names :func:`model_spec` knows. The subsets (``train_size``,
     ``test_size``) depend on ``data_seed`` only, so every model and seed sees the same
     images; a seed fixes a model's initialisation and the order of the training images.
-    Each parametric baseline updates 75–770 M parameters per step; on two shared CPU cores
-    ``--quick``'s ``mlp-adam`` alone took 5.6 minutes here.
+    Each parametric baseline updates 75–770 M parameters per step, so on a CPU they take
+    most of a ``--quick`` run's time (docs/cifar10.md).
     """
 
     QUICK = {"models": ("gws", "gauge", "rbf", "mlp-adam"), "train_size": 2000,
@@ -58,7 +58,7 @@ class Cifar10Config(ExperimentConfig):
     dtype: str = setting("float32", "the models' dtype", choices=DTYPES)
     store_dtype: str | None = setting(
         None, "keep the growing layers' keys and values in half precision: half the memory, "
-        "and several times the speed on CPUs with avx512_bf16 or AMX (docs/precision.md)",
+        "and faster on CPUs with avx512_bf16 or AMX (measured speeds: docs/precision.md)",
         choices=STORE_DTYPES, default_text="the model's float32")
     incremental_eval: bool = setting(
         True, "the first layer folds only the entries written since the last evaluation "

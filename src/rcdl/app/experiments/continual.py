@@ -45,10 +45,10 @@ training with one task). The gap is i.i.d. minus class-incremental final accurac
 
 Scale. The whole CIFAR-10 is far beyond two CPU cores: the defaults train networks in 72
 class-incremental sub-runs and 18 i.i.d. ones (and fit the raw-pixel classifiers in 36 and
-12 more), and one full-width ResNet-MLP pass over 50 000 images alone takes 20–30 minutes
-there. The defaults are 2 000 training and 1 000 test images (random subsets: about 200
-training images per class, 25 steps per task). They took 32 minutes on two quiet cores
-(AMD EPYC), four fifths of it the ResNet-MLPs' passes (docs/continual.md, "Time").
+12 more), each full-width ResNet-MLP pass over all 50 000 images. The defaults are 2 000
+training and 1 000 test images (random subsets: about 200 training images per class, 25
+steps per task); most of their time is the ResNet-MLPs' passes (run times in
+docs/continual.md, "Time").
 ``--train-size all --test-size all`` is the whole CIFAR-10, for a GPU.
 """
 
@@ -213,8 +213,8 @@ def _size(text: str) -> int | None:
 
 @dataclass(frozen=True)
 class ContinualConfig(ExperimentConfig):
-    """Settings of the class-incremental experiment (module docstring). The defaults took
-    32 minutes on two quiet CPU cores (module docstring); ``--quick`` a few minutes."""
+    """Settings of the class-incremental experiment (module docstring; run times in
+    docs/continual.md, "Time")."""
 
     QUICK = {"train_size": 300, "test_size": 300, "seeds": (0,), "orders": ("0",),
              "models": ("gws", "gauge", "rbf", "hybrid", "mlp-adam", "mlp-ewc", "mlp-lwf",

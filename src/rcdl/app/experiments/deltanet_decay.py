@@ -29,8 +29,8 @@ Decisions:
   rate, momentum nor decay rates; ``paper()`` keeps this module's (batch 64, SGD lr 0.03,
   momentum 0.9 and the decay rates below) and the report says so.
 - **The reduced default** cuts the training set to 2 000 images, the width to 256 and the
-  epochs to 150 (4 800 steps at batch 64), so that the three variants run in an estimated
-  10–15 minutes on two shared CPU cores (docs/optimizer_experiments.md). The regime is the
+  epochs to 150 (4 800 steps at batch 64), so that the three variants fit a CPU (run times
+  in docs/optimizer_experiments.md). The regime is the
   paper's: far more passes than needed to fit the training subset (the training loss
   reaches about 1e−4), so what is measured is what a decay does to an over-fitting network.
 - **Rates** were chosen by a sweep on 2 000 *other* training images with 1 000 more as
@@ -99,8 +99,8 @@ class DeltaNetDecayConfig(ProjectedConfig):
 
     The defaults are the reduced run and ``paper()`` the paper's (module docstring,
     "Decisions"): 1.56 M steps per variant at batch 64 with rates swept at width 256, a GPU
-    job of days. ``quick()``: 300 train / 300 test images, width 64, 10 blocks, 5 epochs
-    (about 20 s on two shared CPU cores, one thread); the numbers mean little.
+    job of days. ``quick()``: 300 train / 300 test images, width 64, 10 blocks, 5 epochs, a
+    smoke test; the numbers mean little.
     """
 
     QUICK = {"train_size": 300, "test_size": 300, "width": 64, "epochs": 5}

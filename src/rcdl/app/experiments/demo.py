@@ -39,7 +39,7 @@ __all__ = ["DemoConfig", "run_demo"]
 
 @dataclass(frozen=True)
 class DemoConfig(ExperimentConfig):
-    """The demo's settings; the defaults run in about a minute on two CPU cores.
+    """The demo's settings; the defaults are sized for a laptop CPU (README, "Quick start").
 
     ``rcdl demo`` sets only ``seed`` (``--seed``, which also sets the task's own seed,
     ``teacher.seed``) and the scale (``--quick``); the other settings have no flag.

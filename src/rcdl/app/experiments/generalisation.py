@@ -102,16 +102,13 @@ class GeneralisationConfig(ExperimentConfig):
     """Settings of the parametric-vs-growing comparison (docs/reference.md §8).
 
     The defaults (1 000 train / 1 000 test images, 15 epochs, 945 steps, one seed) were
-    chosen from measured step costs: an estimated 18 minutes on this project's two shared
-    CPU cores (one thread; see docs/generalisation.md). The growing model's step attends over
-    every entry written so far (about 0.055 ms per entry per layer here, 15 016 per layer at
-    the end), so its cost grows with the square of the steps: about 7 minutes of training
-    and 4 of measuring. The parametric one (a 1 016-entry table per layer, 15.6 M parameters)
-    costs about 0.4 ms per entry per Adam step: about 6 minutes. A short probe showed the
+    chosen from measured step costs (docs/generalisation.md gives them and the run times).
+    The growing model's step attends over every entry written so far (15 016 per layer at
+    the end), so its cost grows with the square of the steps; the parametric one (a
+    1 016-entry table per layer, 15.6 M parameters) costs the same every Adam step. The
     parametric model needs several hundred Adam steps at lr 1e−3 to leave chance level, so
     the budget goes to steps (epochs) rather than to images. ``--quick``: 200 train / 200
-    test images, 3 epochs (20 s measured on two shared CPU cores, one thread); the numbers
-    mean little at this size.
+    test images, 3 epochs, a smoke test; the numbers mean little at this size.
     """
 
     QUICK = {"train_size": 200, "test_size": 200, "epochs": 3}

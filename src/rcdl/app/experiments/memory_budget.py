@@ -66,9 +66,8 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 class MemoryBudgetConfig(ExperimentConfig):
     """Settings of the accuracy-against-capacity sweep.
 
-    The defaults: 19 runs, about 30 minutes on this machine's CPU by estimate (measured
-    parts in docs/memory.md); ``--quick`` (480 train / 200 test images, capacities 60 and
-    240, every default policy) took 15 s.
+    The defaults: 19 runs (run times in docs/memory.md); ``--quick`` (480 train / 200 test
+    images, capacities 60 and 240, every default policy) is a smoke test.
 
     ``policies`` are :meth:`rcdl.memory.MemoryBudget.from_policy` names, each trained at
     every capacity. ``slack`` is :class:`~rcdl.memory.MemoryBudget`'s, as a fraction of the

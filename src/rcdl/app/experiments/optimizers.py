@@ -43,8 +43,8 @@ Decisions (measured numbers in docs/optimizer_experiments.md):
   docs/reference.md §6's tuned values are for the 3072-wide, 8-block ResNet-MLP and one epoch
   (``paper()`` uses them), and FOOF has none.
 - **Muon's precision.** ``torch.optim.Muon`` runs Newton–Schulz in bfloat16, which a CPU
-  computes about 25× slower than float32 (measured: 0.45 s against 0.018 s for one 256 × 256
-  matrix). ``muon_ns_dtype="auto"`` uses :class:`Float32Muon` (the same update, float32
+  computes far more slowly than float32 (docs/optimizer_experiments.md gives the timing).
+  ``muon_ns_dtype="auto"`` uses :class:`Float32Muon` (the same update, float32
   iteration) on a CPU and ``torch.optim.Muon`` itself on CUDA.
 - **Training loss** is the mean of the batch losses over the epoch, each computed before
   that batch's update (for a growing model: before its entries are written). Test accuracy
@@ -136,12 +136,11 @@ class OptimizerComparisonConfig(ProjectedConfig):
     """Settings of the multi-epoch optimizer comparison (docs/reference.md §8).
 
     The defaults (5 000 train / 2 000 test images, width 256, a 4-block MLP, 10 epochs,
-    3 130 steps, one seed) were chosen from measured step costs on this project's two shared
-    CPU cores (one thread; docs/optimizer_experiments.md): an estimated 17–25 minutes per
-    data set, dominated by the two growing models (each step attends over every entry
+    3 130 steps, one seed) were chosen from measured step costs (docs/optimizer_experiments.md):
+    the time is dominated by the two growing models (each step attends over every entry
     written so far, 50 000 per layer at the end) and by Muon's Newton–Schulz iteration.
 
-    ``quick()``: a smoke test, under a minute per data set; the numbers mean little.
+    ``quick()``: a smoke test; the numbers mean little.
 
     ``paper()``: the paper's scale as far as docs/reference.md states it: the whole data
     sets, no projection, §6's backbones (the ResNet-MLP's 8 blocks, its one-epoch baseline;

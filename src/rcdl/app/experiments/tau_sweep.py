@@ -70,8 +70,8 @@ class TauSweepConfig(ExperimentConfig):
     """Settings of the τ sweep: a one-epoch comparison (:meth:`comparison`) of the hybrid at
     each threshold beside the reference models, one seed.
 
-    The default 2 000 / 1 000 images took 14.5 minutes on one CPU thread here, ``--quick``
-    about a minute.
+    The defaults are 2 000 / 1 000 images; ``--quick`` is a smoke test (run times in
+    docs/hybrid.md, "Cost").
     """
 
     QUICK = {"taus": (None, 50.0, 65.0), "references": ("gws",), "train_size": 300,
@@ -148,7 +148,7 @@ def combine_sweep(
 ) -> tuple[Path, dict[str, Any]]:
     """One sweep table and figure from the finished models of several run folders.
 
-    A full-size sweep takes hours per threshold on a CPU, so its thresholds and reference
+    A full-size sweep is long on a CPU, so its thresholds and reference
     models may come from different invocations, sessions or machines: any run folders of
     the one-epoch comparison with the same protocol (:func:`~rcdl.app.experiments.cifar10.
     combine_runs` checks it). ``taus`` keeps the hybrids of those thresholds and
@@ -272,6 +272,7 @@ EXPERIMENT_SPEC = replace(
     saved_config=Cifar10Config, to_saved=TauSweepConfig.comparison, start=_start,
     finish=_finish, report=write_report,
     combine=Combine(combine_sweep, keep=("taus", "references")),
-    switches={"full": ("the paper's scale: all 50 000 / 10 000 images (hours per threshold "
-                       "on a CPU)", {"train_size": None, "test_size": None, "eval_every": 250})},
+    switches={"full": ("the paper's scale: all 50 000 / 10 000 images (for a GPU; run "
+                       "times in docs/hybrid.md)",
+                       {"train_size": None, "test_size": None, "eval_every": 250})},
 )  # fmt: skip

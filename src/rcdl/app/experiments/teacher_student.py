@@ -107,13 +107,11 @@ MODELS = {
 class TeacherStudentConfig(ExperimentConfig):
     """Settings of the teacher–student comparison (docs/reference.md §8).
 
-    The defaults (a 32 → 64 × 2 → 1 tanh teacher, 16 000 training samples, three seeds) ran
-    in 7.1 minutes (measured) on this project's two shared, loaded CPU cores at one thread:
-    per seed about 25 + 5 s (training + evaluation) for the growing student, whose step
-    attends over every entry so far, so its cost grows with the square of ``n_train``;
-    92 + 12 s for the parametric one (1 000 Adam steps on three tables of 16 016 entries,
-    2.6 M parameters); 5 s for the MLP. See docs/teacher_student.md. ``--quick``: 512 train
-    / 256 test samples, three seeds (a few seconds); the numbers mean little at this size.
+    The defaults: a 32 → 64 × 2 → 1 tanh teacher, 16 000 training samples, three seeds. The
+    growing student's step attends over every entry so far, so its cost grows with the
+    square of ``n_train``; the parametric one takes 1 000 Adam steps on three tables of
+    16 016 entries (2.6 M parameters). Run times in docs/teacher_student.md. ``--quick``: 512
+    train / 256 test samples, three seeds; the numbers mean little at this size.
     """
 
     QUICK = {"n_train": 512, "n_test": 256, "eval_every": 4}

@@ -78,9 +78,9 @@ MIA_SPLITS = 10
 
 @dataclass(frozen=True)
 class UnlearningConfig(ExperimentConfig):
-    """Settings of the unlearning experiment (module docstring). On two CPU cores shared
-    with other runs (2026-12-02), one seed of the three default models took about 45
-    minutes, most of it the ResNet-MLP's three trainings; ``--quick`` took 12 s."""
+    """Settings of the unlearning experiment (module docstring). Most of a default run's
+    time is the ResNet-MLP's three trainings (run times in docs/attribution.md, "Measured:
+    forgetting against retraining")."""
 
     QUICK = {"models": ("gws", "rbf"), "train_size": 1000, "test_size": 500, "seeds": (0,),
              "retain_eval_size": 500}

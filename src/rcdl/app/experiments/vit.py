@@ -88,18 +88,16 @@ class ViTConfig(ExperimentConfig):
     """Settings of the ViT comparison (docs/reference.md §8).
 
     The defaults follow the paper's protocol (one pass over all 50 000 training images, all
-    10 000 test images) with a ViT small enough for this project's two shared CPU cores:
-    patch 8 (17 tokens), width 64, 4 blocks; both models together in an estimated 15
-    minutes at one thread (docs/vit.md). The patch side must divide 32 and the heads the
+    10 000 test images) with a ViT small enough for a CPU: patch 8 (17 tokens), width 64,
+    4 blocks (run times in docs/vit.md). The patch side must divide 32 and the heads the
     width.
 
     ``--quick`` (:meth:`quick`): 500 train / 200 test images, width 32, two blocks, two
-    heads, an evaluation every 10 steps: a smoke test (seconds; the numbers mean little at
-    this size). ``--paper`` (:meth:`paper`): all of CIFAR-10 (50 000 / 10 000 images),
+    heads, an evaluation every 10 steps: a smoke test (the numbers mean little at this
+    size). ``--paper`` (:meth:`paper`): all of CIFAR-10 (50 000 / 10 000 images),
     patch 4 (65 tokens), width 128, 6 blocks, 4 heads, T scaled with the width so that
     ``√d / T`` stays 4. docs/reference.md does not give the paper's ViT size; this is a
-    common small CIFAR ViT, not the paper's model. It needs a GPU (hours on this project's
-    CPUs; see docs/vit.md).
+    common small CIFAR ViT, not the paper's model. It needs a GPU (docs/vit.md).
     """
 
     QUICK = {"train_size": 500, "test_size": 200, "width": 32, "depth": 2, "heads": 2,
