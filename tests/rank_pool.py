@@ -1,14 +1,13 @@
 """Ranks for multi-process tests, started once per test session and reused.
 
-``torch.multiprocessing.spawn`` starts fresh interpreters for every call, and each one
-imports torch and rcdl again (about 2 s of a two-core machine per call, more at world size
-3). The tests that only need *some* ranks — not fresh ones — run on :func:`run_ranks`
-instead: up to :data:`MAX_WORLD` spawned processes that wait for work, run
-``fn(rank, *args)`` together, and stay for the next test. Each rank starts a task with no
-process group and leaves none behind (it destroys one its function left), and its
-environment variables, thread count and default dtype are restored after every task, so a
-test sees what a freshly spawned rank sees (imports aside). Tests that kill ranks, or that
-test start-up itself, still spawn their own.
+``torch.multiprocessing.spawn`` starts fresh interpreters for every call, and each one imports
+torch and rcdl again, which costs more than most of these tests' work. The tests that only need
+*some* ranks — not fresh ones — run on :func:`run_ranks` instead: up to :data:`MAX_WORLD`
+spawned processes that wait for work, run ``fn(rank, *args)`` together, and stay for the next
+test. Each rank starts a task with no process group and leaves none behind (it destroys one its
+function left), and its environment variables, thread count and default dtype are restored
+after every task, so a test sees what a freshly spawned rank sees (imports aside). Tests that
+kill ranks, or that test start-up itself, still spawn their own.
 
 A task that fails on any rank raises :class:`RankFailed` with that rank's traceback; one
 that does not finish within ``timeout`` seconds kills the ranks (the next call starts new
@@ -97,7 +96,7 @@ class _Pool:
                 raise TimeoutError(f"ranks {sorted(waiting.values())} of {world} did not "
                                    f"finish {fn.__name__} within {timeout:g} s")
             for conn in ready:
-                rank = waiting.pop(conn)  # type: ignore[call-overload]
+                rank = waiting.pop(conn)
                 try:
                     replies[rank] = conn.recv()
                 except EOFError:

@@ -482,3 +482,16 @@ def test_the_readme_eta_trains_past_the_divergence_check():
         F.mse_loss(net(x), y).backward()
         opt.step()
     assert all(len(layer.store) > 16 for layer in (*net.blocks, net.readout))
+
+
+def test_a_refusal_names_beta_for_weighted_softmax_rules_and_the_learning_rate_otherwise():
+    from rcdl import FunctionalSGD, GaugeSoftmaxRule, GrowingRBF, GrowingSoftmax
+
+    gws = GrowingSoftmax(4, 2, temperature=5.0, rule=ClippedSoftmaxRule(0.3, 30.0))
+    gauge = GrowingSoftmax(4, 2, temperature=5.0, rule=GaugeSoftmaxRule(10.0, 0.03, 3.0))
+    rbf = GrowingRBF(4, 2, temperature=1.0, rule=FunctionalSGD(0.1))
+    assert "β/η (here 100)" in gws.divergence_advice()
+    assert "lower β or raise η" in gauge.divergence_advice()
+    assert rbf.divergence_advice().startswith("lower the learning rate (rule FunctionalSGD")
+    assert all("raise the temperature" in layer.divergence_advice()
+               for layer in (gws, gauge, rbf))

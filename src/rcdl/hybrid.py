@@ -236,8 +236,9 @@ class HybridSoftmax(GrowingSoftmax):
         are :func:`rcdl.rounding.rounding_noise` of ``(rounding_seed, Adam step, entry id)``,
         so a resumed or sharded run rounds exactly as one uninterrupted process does. A
         float16 entry moved past ±65 504 (float16's largest finite number) saturates there
-        instead of becoming ``inf``, with a ``RuntimeWarning`` (once per layer) naming the
-        entry and suggesting bfloat16 or float32.
+        instead of becoming ``inf``, with a ``RuntimeWarning`` (once per layer, looked for at
+        the first Adam step and every ``SATURATION_CHECK_EVERY`` after) naming the entry and
+        suggesting bfloat16 or float32.
         """
         leaves, self._leaves = self._leaves, None
         if leaves is None or all(t.grad is None for t in leaves):
@@ -283,16 +284,20 @@ class HybridSoftmax(GrowingSoftmax):
                 v_c.mul_(b2).addcmul_(g, g, value=1 - b2)
                 torch.sqrt(v_c, out=denom).mul_(a[rows].view(shape)).add_(c[rows].view(shape))
                 param[rows].addcdiv_(m_c, denom, value=-1.0)
-        narrow = torch.finfo(self.store.keys.dtype).max < torch.finfo(self.store.dtype).max / 2
-        if narrow and not self._saturation_warned:  # float16: finite x can pass its range
-            self._warn_saturated()
+        if (self.store.keys.dtype == torch.float16 and not self._saturation_warned
+                and self.adam_steps % self.SATURATION_CHECK_EVERY == 1):
+            self._warn_saturated()  # a scan of the store: not every step
         self.store.touch()  # every entry moved: cached partials over them are stale
         if self.retrieval is not None:  # a top-k index follows in-place moves lazily
             self.retrieval.entries_moved(self)
 
+    SATURATION_CHECK_EVERY = 64  # Adam steps between scans of a float16 store for ±65 504
+
     def _warn_saturated(self) -> None:
         """Warn (once) if the Adam step left keys or values of a float16 store at its largest
-        finite number, where stochastic rounding saturates instead of writing ``inf``."""
+        finite number, where stochastic rounding saturates instead of writing ``inf``. An
+        entry stays there while Adam pushes it outward, so a scan at the first Adam step and
+        every ``SATURATION_CHECK_EVERY`` after finds it at the price of one pass in 64."""
         largest = torch.finfo(self.store.keys.dtype).max
         at_edge = ((self.store.keys.abs() == largest).any(1)
                    | (self.store.values.abs() == largest).any(1))  # (N,)

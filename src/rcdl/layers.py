@@ -41,14 +41,7 @@ from rcdl.records import (
     Recorder,
     UnsteppedBatchWarning,  # noqa: F401 - importable from here as before
 )
-from rcdl.rules import (
-    ClippedSoftmaxRule,
-    Entries,
-    FunctionalSGD,
-    GaugeSoftmaxRule,
-    LearningRule,
-    Step,
-)
+from rcdl.rules import Entries, FunctionalSGD, LearningRule, Step
 from rcdl.store import EntryStore
 
 if TYPE_CHECKING:
@@ -483,10 +476,12 @@ class GrowingLayer(nn.Module):
     SCALE_FLOOR = 1e-3  # the reference scale is at least this fraction of the inputs' RMS
 
     def divergence_advice(self) -> str:
-        """What a refusal for divergence tells the user to change (a rule whose step size is
-        not simply its learning rate says so in an override)."""
-        return (f"lower the learning rate (rule {self.rule}) or raise the temperature "
-                f"(T = {self.temperature}), or normalise its inputs")
+        """What a refusal for divergence tells the user to change: the rule's own advice
+        where it has one (a rule whose step size is not simply its learning rate, such as
+        gws's η, says what to change instead), else its learning rate; or the temperature."""
+        advice = getattr(self.rule, "divergence_advice", None)
+        step = advice() if advice is not None else f"lower the learning rate (rule {self.rule})"
+        return f"{step}, or raise the temperature (T = {self.temperature}), or normalise its inputs"
 
     def _check_output_scale(self, rms: float, floor: float = 0.0) -> None:
         """Refuse a diverging layer: non-finite outputs, or outputs whose RMS grew past
@@ -744,18 +739,6 @@ class GrowingSoftmax(GrowingLayer):
         part = self.backend.partial(self, q, (self.store.keys, self.store.values[:, :0],
                                               self.store.weights))
         return part.m + torch.log(part.den)
-
-    def divergence_advice(self) -> str:
-        """For gws and the gauge rule η is the weights' step, not the values': the written
-        values ``ṽ/w`` scale as β/η, so a smaller η alone makes every write larger
-        (docs/reference.md §3)."""
-        rule, t = self.rule, self.temperature
-        if not isinstance(rule, (ClippedSoftmaxRule, GaugeSoftmaxRule)):
-            return super().divergence_advice()
-        ratio = f" (here {rule.beta / rule.eta:.3g})" if rule.eta > 0 else ""
-        return (f"{rule} writes entries whose values ṽ/w grow as β/η{ratio}, so a smaller η "
-                "alone makes every write larger: lower β or raise η (docs/reference.md §3), "
-                f"or raise the temperature (T = {t})")
 
     def make_entries(self, record: Record) -> Entries:
         def log_z() -> Tensor:  # (B,) the forward's normaliser, else one pass to find it

@@ -171,6 +171,10 @@ class ClippedSoftmaxRule:
     def with_lr(self, lr: float) -> ClippedSoftmaxRule:
         return dataclasses.replace(self, eta=lr)
 
+    def divergence_advice(self) -> str:
+        """What a diverging layer should change: β, not η alone (class docstring)."""
+        return _smaller_steps(self, self.beta, self.eta)
+
     def entries(self, step: Step) -> Entries:
         q, n_samples = step.q, step.n_samples
         g = step.grad  # (B, d_out) per-sample gradient
@@ -208,6 +212,11 @@ class GaugeSoftmaxRule:
     def with_lr(self, lr: float) -> GaugeSoftmaxRule:
         return dataclasses.replace(self, eta=lr)
 
+    def divergence_advice(self) -> str:
+        """What a diverging layer should change: β, not η alone (class docstring)."""
+        return _smaller_steps(self, self.beta, self.eta)
+
+
     def entries(self, step: Step) -> Entries:
         q, grad_mean = step.q, step.grad_mean
         g_norm = grad_mean.norm(dim=1)  # (B,)
@@ -216,3 +225,10 @@ class GaugeSoftmaxRule:
         coef = -self.eta * self.alpha**2 - self.beta + self.eta * self.alpha * s_dot_g / (
             g_norm + _GAUGE_EPS)
         return q, coef[:, None] * grad_mean, weights
+
+
+def _smaller_steps(rule: object, beta: float, eta: float) -> str:
+    """The advice of the weighted-softmax rules, whose written values ṽ/w scale as β/η."""
+    ratio = f" (here {beta / eta:.3g})" if eta > 0 else ""
+    return (f"{rule} writes entries whose values ṽ/w grow as β/η{ratio}, so a smaller η alone "
+            "makes every write larger: lower β or raise η (docs/reference.md §3)")
