@@ -13,11 +13,15 @@ demo: setup
 
 # RCDL_REQUIRE_EXTRAS: the tests of these extras (which setup installs) fail, not skip, if one
 # did not install; without it they skip, naming the install command (tests/conftest.py).
-# Under 5 minutes on 2 cores, no test over 20 s; the 15 slowest are printed.
+# The tests run on TEST_WORKERS pytest-xdist workers of one thread each (one per core the
+# process may use, at most 4; 0 runs them in this process), the tests that start processes of
+# their own one after another on one worker (--dist loadgroup, tests/conftest.py). No test
+# over 15 s on 2 cores; the 15 slowest are printed.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1; print(min(n, 4) if n > 1 else 0)")
 test: setup
-	RCDL_REQUIRE_EXTRAS=classical,faiss $(PYTHON) -m pytest -q --durations=15
+	RCDL_REQUIRE_EXTRAS=classical,faiss $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
-# The tests marked `long` (over 20 s on 2 cores, left out of `make test`), e.g. the quick
+# The tests marked `long` (over 15 s on 2 cores, left out of `make test`), e.g. the quick
 # cifar10-1epoch outcome with the ResNet-MLP baselines at the paper's width.
 test-long: setup
 	RCDL_REQUIRE_EXTRAS=classical,faiss $(PYTHON) -m pytest -q -m long --durations=15

@@ -109,7 +109,7 @@ def pytest_runtest_setup(item):
 
 
 # RCDL_MAX_TEST_SECONDS=S fails any test whose call phase takes longer than S seconds (CI
-# sets a generous limit: the suite's rule is 20 s on 2 cores; what needs more is marked
+# sets a generous limit: the suite's rule is 15 s on 2 cores; what needs more is marked
 # `long` and left out of `make test`)
 _MAX_SECONDS = float(os.environ.get("RCDL_MAX_TEST_SECONDS") or "inf")
 

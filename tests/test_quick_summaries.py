@@ -119,7 +119,7 @@ FULL: dict[str, list[str]] = {
 
 NO_DATA = {"demo", "teacher-student"}
 CASES = FULL if FULL_DATA else TINY
-LONG = set() if FULL_DATA else {"cifar10-1epoch"}  # over 20 s: `make test-long` runs them
+LONG = set() if FULL_DATA else {"cifar10-1epoch"}  # over 15 s: `make test-long` runs them
 # the ResNet-MLPs' blocks at this width
 # the membership-inference score and the classical baselines need scikit-learn
 NEEDS_SKLEARN = {"unlearning", "continual"}
