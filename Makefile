@@ -4,9 +4,16 @@ PYTHON ?= python3
 .PHONY: setup demo test test-long bench lint typecheck check-results docs
 
 # torch==2.13.0 is installed only when no torch is importable, so a user's own (CUDA) build is kept.
+# The editable install is skipped when .setup-stamp says it was made by this interpreter from
+# this pyproject.toml and this checkout's rcdl and the extras are still found (rm .setup-stamp to force it).
+SETUP_KEY = $(shell $(PYTHON) -c "import hashlib, sys; print(sys.executable, hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])")
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==2.13.0"
-	$(PYTHON) -m pip install -e ".[dev,classical,faiss]"
+	@if [ "$$(cat .setup-stamp 2>/dev/null)" = "$(SETUP_KEY)" ] && $(PYTHON) -c "import os, sys; from importlib.util import find_spec as f; sys.exit(not all(map(f, ('sklearn', 'faiss', 'pytest', 'xdist'))) or not f('rcdl').origin.startswith(os.path.abspath('src')))" 2>/dev/null; then \
+		echo "setup: rcdl is installed from this checkout and pyproject.toml is unchanged (rm .setup-stamp to reinstall)"; \
+	else \
+		$(PYTHON) -m pip install -e ".[dev,classical,faiss]" && echo "$(SETUP_KEY)" > .setup-stamp; \
+	fi
 
 demo: setup
 	$(PYTHON) -m rcdl demo

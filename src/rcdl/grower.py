@@ -5,6 +5,7 @@ like a ``torch.optim.Optimizer``::
 
     grower = Grower(model)
     for x, y in batches:
+        grower.zero_grad()                    # as with any optimizer
         loss = F.cross_entropy(model(x), y)   # batch-mean loss
         loss.backward()
         grower.step()
@@ -63,9 +64,12 @@ class Grower(torch.optim.Optimizer):
             entries after each step (:mod:`rcdl.memory`); ``None`` lets the stores grow.
 
     Attributes:
-        layers: the growing layers, in module order (their ``name`` is set to the path).
-        param_groups: one ``{"params": [], "lr": η, "layer": name}`` per layer.
-        evicted: ``{layer name: entries evicted so far}`` (all zeros without a budget).
+        layers (list[GrowingLayer]): the growing layers, in module order (their ``name`` is
+            set to the path).
+        param_groups (list[dict[str, Any]]): one dict per layer, with keys ``params`` (an
+            empty list), ``lr`` (the η of its rule) and ``layer`` (its name).
+        evicted (dict[str, int]): entries evicted so far, by layer name (all zeros without a
+            budget).
     """
 
     def __init__(self, model: nn.Module, budget: MemoryBudget | None = None) -> None:
