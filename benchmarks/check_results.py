@@ -10,13 +10,26 @@ under ``results/``, in two files side by side:
 For each configuration the checker:
 
 1. checks that the table in the markdown is the one the JSON renders (no run needed);
-2. runs the command into a temporary run folder, with ``--data-dir`` (from ``--data-dir``,
-   else ``$RCDL_DATA``, else ``../shared/data`` beside the repository), ``--no-progress``
-   and ``--out``;
+2. runs the command into the run folder ``<out>/<name>``, adding ``--out``,
+   ``--no-progress``, ``--no-download`` and ``--data-dir`` with the folder that holds
+   CIFAR-10, found as the ``rcdl`` command finds it (:func:`resolve_data_dir`: the
+   checker's ``--data-dir``, then ``$RCDL_DATA``, then the loader's cache folder
+   ``~/.cache/rcdl``; docs/data.md). It runs at ``--threads`` threads, by default torch's
+   own default on this machine (``$OMP_NUM_THREADS``, else the core count);
 3. reads the run's ``summary.json`` and ``config.json`` and compares them with the JSON:
    the run's settings and data must be the same, every committed model must be there (and
    no other), and each number must agree within its tolerance. Timings are recorded and
-   shown, never compared.
+   shown, never compared. The last lines say how many numbers matched exactly: on another
+   machine class, where the tolerances are loose, numbers that all match to every digit
+   mean the tight check would have passed too.
+
+The run folders are kept: ``<out>`` is ``--out DIR``, by default
+``runs/check-results-<timestamp>/`` in the repository (``runs/`` is git-ignored), and the
+checker prints where it is and that it may be deleted. Kept rather than made in a temporary
+folder and deleted, because a run folder is the evidence behind the verdict (the run's
+``summary.json``, ``metrics.jsonl`` and ``environment.json``): a mismatch can be looked
+into, and a good run adopted with ``--update --run-dir``, without running it again, and
+a folder that is printed must still be there to be read.
 
 Tolerances depend on the machine (why: docs/results.md). The expected JSON records the
 machine class it was made on (:func:`machine_key`: the CPU's widest vector ISA from its
@@ -37,14 +50,16 @@ Usage (from the repository root; ``make check-results`` runs the first line)::
     python benchmarks/check_results.py --static        # tables against their JSON only, no runs
     python benchmarks/check_results.py --update        # re-run, rewrite the JSON and the tables
     python benchmarks/check_results.py --only NAME --run-dir RUN   # use a finished run folder
+    python benchmarks/check_results.py --threads 1 --out DIR       # one thread, runs in DIR
 
 Exit status: 0 when everything matches (or ``--update`` wrote its files), 1 on a mismatch
-or a failed run, 2 on a usage error (unknown name, missing data).
+or a failed run, 2 on a usage error (unknown name, no CIFAR-10 found, a taken ``--out``).
 
 It is a script beside the other measurement scripts, not a module of ``rcdl``: it depends
-on this repository's layout (``results/``, the shared data folder) and only drives the
-``rcdl`` command line in a subprocess, so it imports nothing from the package and checks
-the installed command exactly as a reader would run it.
+on this repository's layout (``results/``, ``runs/``). It runs the ``rcdl`` command line in
+a subprocess, so it checks the installed command exactly as a reader would run it, and
+takes from the package only the machine class (:mod:`rcdl.app.rundir`) and the data
+search (:mod:`rcdl.app.cifar`), so that both are the command's own.
 """
 
 from __future__ import annotations
@@ -55,21 +70,21 @@ import json
 import math
 import os
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+import torch
 
 from rcdl.app import rundir
+from rcdl.app.cifar import ENV_VAR as DATA_ENV
+from rcdl.app.cifar import cache_dir, candidate_paths, find_cifar
 
 REPO = Path(__file__).resolve().parent.parent
-DATA_ENV = "RCDL_DATA"
-DEFAULT_DATA = Path("..") / "shared" / "data"  # relative to the repository root
-CIFAR10_FILES = ("cifar10.npz", "cifar-10-batches-py", "cifar-10-python.tar.gz")
+RUNS = Path("runs")  # the default parent of the run folders, in the repository
 SCHEMA = 1
 BEGIN = "<!-- check-results:begin"
 END = "<!-- check-results:end -->"
@@ -133,7 +148,8 @@ INFO = ("possible_entries", "train_seconds", "eval_seconds", "paper")
 # Run settings that may differ between the committed run and a check.
 PER_RUN_SETTINGS = ("data_dir", "device", "checkpoint", "checkpoint_every")
 # Flags the checker adds to a configuration's command (with their values, if any).
-ADDED_FLAGS = {"--data-dir": 1, "--out": 1, "--no-progress": 0, "--no-download": 0}
+ADDED_FLAGS = {"--data-dir": 1, "--out": 1, "--no-progress": 0, "--no-download": 0,
+               "--threads": 1}
 
 
 def _is_number(x: Any) -> bool:
@@ -192,7 +208,6 @@ class QuickConfig:
         table: the markdown holding the rendered table, relative to the repository root.
         title: the markdown's heading when ``--update`` writes it afresh.
         note: prose below the generated block when ``--update`` writes the file afresh.
-        minutes: the run time to expect on the 2-core development VM.
         rows: turns the run's ``summary.json`` into the model rows that are compared.
         needs_data: the command reads CIFAR-10 (``--data-dir`` is passed).
     """
@@ -203,12 +218,12 @@ class QuickConfig:
     table: str
     title: str
     note: str
-    minutes: str
     rows: Callable[[Mapping[str, Any]], list[dict[str, Any]]] = cifar10_rows
     needs_data: bool = True
 
-    def command(self, data_dir: str | None = "../shared/data") -> str:
-        """The command as a reader types it."""
+    def command(self, data_dir: str | None = None) -> str:
+        """The command as a reader types it (with ``--data-dir`` when ``data_dir`` is given;
+        without, ``rcdl`` looks in ``$RCDL_DATA`` and its cache folder)."""
         extra = ("--data-dir", data_dir) if self.needs_data and data_dir else ()
         return shlex.join(("rcdl", *self.args, *extra))
 
@@ -224,8 +239,8 @@ CONFIGS: tuple[QuickConfig, ...] = (
         title="One-epoch CIFAR-10, quick configuration (2 000 train / 1 000 test images)",
         note=(
             "125 steps of batch 16 on a random 2 000-image subset of the JPEG-decoded copy of "
-            "CIFAR-10 in `../shared/data` (lossy, about 30 dB PSNR from the original pixels; "
-            "docs/data.md), evaluation on 1 000 random test images every 50 steps; the full "
+            "CIFAR-10 (lossy, about 30 dB PSNR from the original pixels; docs/data.md), "
+            "evaluation on 1 000 random test images every 50 steps; the full "
             "protocol is docs/reference.md §6. At this size the numbers only show that every "
             "model trains through the command; they are not comparable with the paper's "
             "full-data figures (given for orientation). `psoftmax-5000` is still at chance "
@@ -240,8 +255,6 @@ CONFIGS: tuple[QuickConfig, ...] = (
             "command and compares it with `quick.json`: tightly on this machine class, "
             "loosely elsewhere. Timings are this run's and are not compared."
         ),
-        minutes="6",  # 5.4 min on the 2-core VM, beside another job: the 4 MLPs and
-        # psoftmax-5000 about 40-60 s each, gws, gauge, rbf a few s, hybrid-tau50 ~13 s
     ),
 )
 
@@ -379,22 +392,71 @@ def compare(committed: Mapping[str, Any], now: Mapping[str, Any],
             out.append(Mismatch(name, "—", f"data {key}", value, theirs.get(key)))
     rows = {r["model"]: r for r in now.get("models") or []}
     expected_models = [r["model"] for r in committed.get("models") or []]
-    for row in committed.get("models") or []:
-        model = row["model"]
+    for model in expected_models:
         if model not in rows:
             out.append(Mismatch(name, model, "model missing from the new run", "row", None))
-            continue
-        for key, tolerance in tolerances.items():
-            value = row.get(key)
-            if value is None:
-                continue
-            new = rows[model].get(key)
-            if not tolerance.allows(value, new):
-                out.append(Mismatch(name, model, key, value, new, tolerance.describe()))
+    for model, key, value, new, tolerance in _numbers(committed, now, tolerances):
+        if not tolerance.allows(value, new):
+            out.append(Mismatch(name, model, key, value, new, tolerance.describe()))
     for model in rows:
         if model not in expected_models:
             out.append(Mismatch(name, model, "model not in the committed table", None, "row"))
     return out
+
+
+def _numbers(committed: Mapping[str, Any], now: Mapping[str, Any],
+             tolerances: Mapping[str, Tolerance]
+             ) -> Iterator[tuple[str, str, Any, Any, Tolerance]]:
+    """``(model, key, committed value, new value, tolerance)`` for every number of the model
+    rows that :func:`compare` compares: the committed rows also in the new run, the keys of
+    ``tolerances`` whose committed value is not ``None``."""
+    rows = {r["model"]: r for r in now.get("models") or []}
+    for row in committed.get("models") or []:
+        if row["model"] not in rows:
+            continue
+        for key, tolerance in tolerances.items():
+            if row.get(key) is not None:
+                yield row["model"], key, row[key], rows[row["model"]].get(key), tolerance
+
+
+@dataclass(frozen=True)
+class Tally:
+    """How the compared numbers of one or more configurations agreed: ``exact`` of the
+    ``compared`` ones matched to every digit, ``within`` more within their tolerance."""
+
+    compared: int = 0
+    exact: int = 0
+    within: int = 0
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(self.compared + other.compared, self.exact + other.exact,
+                     self.within + other.within)
+
+    def describe(self) -> str:
+        """E.g. ``all 58 numbers matched exactly``, ``40 of 58 numbers matched exactly, 18
+        within tolerance``, ``... 2 did not``."""
+        if self.compared and self.exact == self.compared:
+            return f"all {self.compared} numbers matched exactly"
+        text = f"{self.exact} of {self.compared} numbers matched exactly, {self.within} within " \
+            "tolerance"
+        failed = self.compared - self.exact - self.within
+        return text + (f", {failed} did not" if failed else "")
+
+
+def tally(committed: Mapping[str, Any], now: Mapping[str, Any],
+          tolerances: Mapping[str, Tolerance] | None = None) -> Tally:
+    """The numbers :func:`compare` compares (same default tolerances), counted by how they
+    agreed: exactly equal, within tolerance, or not."""
+    if tolerances is None:
+        tolerances = TIGHT if same_machine(committed, now) else LOOSE
+    compared = exact = within = 0
+    for _, _, value, new, tolerance in _numbers(committed, now, tolerances):
+        compared += 1
+        if value == new:
+            exact += 1
+        elif tolerance.allows(value, new):
+            within += 1
+    return Tally(compared, exact, within)
 
 
 def _describe(tolerances: Mapping[str, Tolerance]) -> str:
@@ -412,8 +474,14 @@ def machine_note(committed: Mapping[str, Any], now: Mapping[str, Any]) -> str:
         return (f"{name}: same machine class as {name}'s expected JSON ({here}): the run is "
                 f"deterministic here, tight tolerances ({_describe(TIGHT)}).")
     made = "a machine class it does not record" if mine is None else f"class {mine}"
-    tight = ("" if mine is None else f"For a tight check, run it on a machine of class "
-             f"{mine}. ")
+    then, here_made = committed.get("made") or {}, now.get("made") or {}
+    if mine is None:
+        tight = ""
+    elif (then.get("isa"), then.get("torch")) == (here_made.get("isa"), here_made.get("torch")) \
+            and then.get("threads") is not None:  # only the thread count differs
+        tight = f"For a tight check, run it with --threads {then['threads']}. "
+    else:
+        tight = f"For a tight check, run it on a machine of class {mine}. "
     return (f"{name}: MACHINE DIFFERS. The expected JSON was made on {made}; this check "
             f"runs on {here}. Quick numbers move between CPU types, so it compares with "
             f"loose tolerances ({_describe(LOOSE)}) and catches only large changes. {tight}"
@@ -576,43 +644,84 @@ class CheckError(Exception):
     """A problem that stops the check before any comparison (exit status 2)."""
 
 
-def resolve_data_dir(given: str | None, root: Path = REPO) -> Path:
-    """``--data-dir``, else ``$RCDL_DATA``, else ``../shared/data`` beside ``root``; an
-    error if it holds no CIFAR-10 copy."""
-    if given:
-        where, how = Path(given), "--data-dir"
-    elif os.environ.get(DATA_ENV):
-        where, how = Path(os.environ[DATA_ENV]), f"${DATA_ENV}"
-    else:
-        where, how = root / DEFAULT_DATA, "the default ../shared/data"
-    where = where.expanduser().resolve()
-    if not where.is_dir():
-        raise CheckError(f"no data folder at {where} ({how}). Give --data-dir DIR or set "
-                         f"{DATA_ENV} to a folder holding {' or '.join(CIFAR10_FILES)} "
-                         f"(see docs/data.md); the checker never downloads.")
-    if not any((where / name).exists() for name in CIFAR10_FILES):
-        raise CheckError(f"{where} ({how}) holds none of {', '.join(CIFAR10_FILES)}. Give "
-                         f"--data-dir DIR or set {DATA_ENV} (see docs/data.md).")
-    return where
+def _data_folders(given: str | None) -> list[tuple[Path, str]]:
+    """The folders the loader searches for CIFAR-10 (:func:`rcdl.app.cifar.candidate_paths`,
+    in its order), each with where it came from."""
+    names = {cache_dir(): "the loader's cache folder"}
+    if os.environ.get(DATA_ENV):
+        names[Path(os.environ[DATA_ENV]).expanduser()] = f"${DATA_ENV}"
+    if given is not None:
+        names[Path(given).expanduser()] = "--data-dir"  # the first of a folder named twice
+    folders = dict.fromkeys(path.parent for path in candidate_paths("cifar10", given))
+    return [(folder, names.get(folder, "?")) for folder in folders]
 
 
-def run_config(config: QuickConfig, out: Path, data_dir: Path | None, threads: int) -> int:
-    """Run the configuration's command into ``out``; returns its exit status."""
+def resolve_data_dir(given: str | None) -> Path:
+    """The folder holding CIFAR-10, found as the ``rcdl`` command finds it
+    (:func:`rcdl.app.cifar.find_cifar`): ``--data-dir``, then ``$RCDL_DATA``, then the
+    loader's cache folder. An error names every folder searched when none holds a copy;
+    the checker never downloads (a run it compares reads what is there)."""
+    names = [path.name + ("/" if i == 1 else "")
+             for i, path in enumerate(candidate_paths("cifar10", given)[:3])]
+    wanted = f"{', '.join(names[:-1])} or {names[-1]}"
+    if given is not None and not Path(given).expanduser().is_dir():
+        raise CheckError(f"--data-dir {given} is not a folder: give the folder that holds "
+                         f"{wanted} (docs/data.md)")
+    found = find_cifar("cifar10", given)
+    if found is not None:
+        return found.parent.resolve()
+    folders = _data_folders(given)
+    where = [f"{folder} ({how})" for folder, how in folders]
+    searched = where[0] if len(where) == 1 else f"{', '.join(where[:-1])} or {where[-1]}"
+    unset = "" if os.environ.get(DATA_ENV) else f"; ${DATA_ENV} is not set"
+    raise CheckError(f"CIFAR-10 not found: no {wanted} in {searched}{unset}. Give "
+                     f"--data-dir DIR or set {DATA_ENV}=DIR, where DIR holds one of them, or "
+                     f"put the official archive {names[-1]} in {cache_dir()} (docs/data.md). "
+                     "The checker never downloads.")
+
+
+def data_source(given: str | None, data_dir: Path) -> str:
+    """Where :func:`resolve_data_dir` found ``data_dir``: ``--data-dir``, ``$RCDL_DATA`` or
+    the loader's cache folder."""
+    return next((how for folder, how in _data_folders(given)
+                 if folder.expanduser().resolve() == data_dir), "?")
+
+
+def committed_time(expected: Mapping[str, Any] | None) -> str | None:
+    """How long the committed run took, with the machine it ran on (from the expected
+    JSON's ``made``), e.g. ``6.1 min on Intel(R) Xeon(R) Processor, 2 CPUs, 1 thread``."""
+    made = (expected or {}).get("made") or {}
+    if not made.get("seconds"):
+        return None
+    machine = ", ".join(x for x in (
+        made.get("cpu"),
+        f"{made['cpu_count']} CPUs" if made.get("cpu_count") else None,
+        rundir.count(made["threads"], "thread") if made.get("threads") else None,
+    ) if x) or "a machine not recorded"
+    return f"{made['seconds'] / 60:.1f} min on {machine}"
+
+
+def run_config(config: QuickConfig, out: Path, data_dir: Path | None, threads: int,
+               expected: Mapping[str, Any] | None = None) -> int:
+    """Run the configuration's command into ``out`` at ``threads`` threads; returns its exit
+    status. ``expected`` (the committed JSON) gives the run time it took when made."""
     args = [*config.args, "--no-progress", "--out", str(out)]
     if config.needs_data:
         args += ["--data-dir", str(data_dir), "--no-download"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    took = committed_time(expected)
     print(f"== {config.name}: {config.command(str(data_dir) if data_dir else None)} "
-          f"({threads} thread{'s' if threads != 1 else ''}; about {config.minutes} min)",
-          flush=True)
+          f"({rundir.count(threads, 'thread')}"
+          f"{f'; the committed run took {took}' if took else ''})", flush=True)
     return subprocess.run([sys.executable, "-m", "rcdl", *args], env=env, cwd=REPO).returncode
 
 
-def _default_threads() -> int:
-    try:
-        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
-    except ValueError:
-        return 1
+def machine_line(threads: int, given: bool) -> str:
+    """This machine and the thread count the runs use, for the check's first line."""
+    key = machine_key(cpu_isa(), torch.__version__, threads)
+    how = "--threads" if given else "torch's default here; --threads N to change it"
+    return (f"Machine: {cpu_model()}, {rundir.count(os.cpu_count(), 'CPU')}, "
+            f"{rundir.count(threads, 'thread')} ({how}); machine class {key}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -625,22 +734,30 @@ def build_parser() -> argparse.ArgumentParser:
                    "JSON and the table's generated block from the new run")
     p.add_argument("--static", action="store_true", help="only check that each table is the "
                    "one its JSON renders (no runs, no data)")
-    p.add_argument("--data-dir", metavar="DIR", help=f"CIFAR-10 folder (default: ${DATA_ENV}, "
-                   f"then {DEFAULT_DATA} beside the repository)")
+    p.add_argument("--data-dir", metavar="DIR", help="the folder holding CIFAR-10; searched "
+                   f"first, then ${DATA_ENV}, then the loader's cache folder {cache_dir()}, as "
+                   "rcdl does (docs/data.md)")
     p.add_argument("--run-dir", metavar="RUN", help="compare (or --update from) this finished "
                    "run folder instead of running; needs exactly one --only NAME")
-    p.add_argument("--threads", type=int, default=_default_threads(), metavar="N",
-                   help="OMP_NUM_THREADS of the runs (default: $OMP_NUM_THREADS, else 1)")
-    p.add_argument("--keep", action="store_true",
-                   help="keep the temporary run folders (kept anyway on a mismatch)")
+    p.add_argument("--threads", type=int, metavar="N", help="CPU threads of the runs "
+                   "(OMP_NUM_THREADS; default: torch's default here, from $OMP_NUM_THREADS or "
+                   "the core count). The thread count is part of the machine class: the "
+                   "check is tight only at the expected JSON's count")
+    p.add_argument("--out", metavar="DIR", help="the folder for the run folders, one per "
+                   "configuration (DIR/NAME), kept afterwards (default: "
+                   f"{RUNS}/check-results-<timestamp> in the repository)")
+    # the run folders are always kept now; accepted so that older command lines still run
+    p.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
 def _list(configs: Sequence[QuickConfig], root: Path) -> None:
     for c in configs:
         state = "committed" if (root / c.expected).is_file() else "missing: run --update"
+        expected = _read_json(root / c.expected, missing_ok=True)
+        took = committed_time(expected) or "not recorded"
         print(f"{c.name}\n    command:  {c.command()}\n    expected: {c.expected} ({state})"
-              f"\n    table:    {c.table}\n    time:     about {c.minutes} min on 2 CPU cores")
+              f"\n    table:    {c.table}\n    time:     {took} (the committed run)")
 
 
 def main(argv: Sequence[str] | None = None, configs: Sequence[QuickConfig] = CONFIGS,
@@ -663,8 +780,10 @@ def _main(args: argparse.Namespace, configs: Sequence[QuickConfig], root: Path) 
     if args.list:
         _list(chosen, root)
         return 0
-    if args.threads < 1:
-        raise CheckError("--threads must be >= 1")
+    threads_given = args.threads is not None
+    threads = args.threads if threads_given else torch.get_num_threads()
+    if threads < 1:
+        raise CheckError(f"--threads must be >= 1, got {threads}")
     if args.run_dir and len(chosen) != 1:
         raise CheckError("--run-dir compares one run folder: give --only NAME with it")
     if args.static and (args.update or args.run_dir):
@@ -687,19 +806,34 @@ def _main(args: argparse.Namespace, configs: Sequence[QuickConfig], root: Path) 
     missing_expected = {m.config for m in problems if m.what.endswith("(run --update)")}
     to_run = [c for c in chosen if c.name not in missing_expected]  # else nothing to compare
     needs_data = any(c.needs_data for c in to_run) and not args.run_dir
-    data_dir = resolve_data_dir(args.data_dir, root) if needs_data else None
+    data_dir = resolve_data_dir(args.data_dir) if needs_data else None
+    runs = None  # the parent of this check's run folders, when it runs anything
+    if to_run and not args.run_dir:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        runs = Path(args.out).resolve() if args.out else root / RUNS / f"check-results-{stamp}"
+        if runs.exists() and not runs.is_dir():
+            raise CheckError(f"--out {runs} is a file, not a folder: give --out a new folder "
+                             "for the run folders")
+        taken = [str(runs / c.name) for c in to_run if (runs / c.name).exists()]
+        if taken:
+            raise CheckError(f"--out {runs} already holds {', '.join(taken)}: choose another "
+                             "--out (or delete those folders)")
+        print(machine_line(threads, threads_given), flush=True)
+        if data_dir is not None:
+            print(f"Data: CIFAR-10 from {data_dir} ({data_source(args.data_dir, data_dir)})",
+                  flush=True)
+        print(f"Run folders: {runs}/NAME (kept afterwards)", flush=True)
 
+    tallies: dict[str, Tally] = {}
     for c in to_run:
-        keep = args.keep or bool(args.run_dir)
-        out = Path(args.run_dir) if args.run_dir else \
-            Path(tempfile.mkdtemp(prefix=f"check-{c.name}-")) / "run"
+        out = Path(args.run_dir) if args.run_dir else cast(Path, runs) / c.name
         if not args.run_dir:
-            status = run_config(c, out, data_dir, args.threads)
+            status = run_config(c, out, data_dir, threads, committed[c.name])
             if status != 0:
                 problems.append(Mismatch(c.name, "—", f"run failed (exit status {status}); "
                                          f"folder {out}"))
                 continue
-        now = expected_from_run(c, out, None if args.run_dir else args.threads)
+        now = expected_from_run(c, out, None if args.run_dir else threads)
         if args.run_dir and now["args"] != list(c.args):
             raise CheckError(f"{out} was made by `rcdl {shlex.join(now['args'])}`, not by "
                              f"{c.name}'s `{c.command(None)}`")
@@ -707,6 +841,7 @@ def _main(args: argparse.Namespace, configs: Sequence[QuickConfig], root: Path) 
         if args.update:  # list every move beyond float noise on one machine class
             found = [] if old_json is None else compare(old_json, now, TIGHT)
         else:
+            assert old_json is not None  # a configuration without one is not run
             print(machine_note(old_json, now), flush=True)
             if not same_machine(old_json, now):
                 loose.append(c.name)
@@ -714,7 +849,6 @@ def _main(args: argparse.Namespace, configs: Sequence[QuickConfig], root: Path) 
         if args.update and now.get("complete") is False:
             problems.append(Mismatch(c.name, "—", f"run did not finish; nothing written; "
                                      f"folder {out}"))
-            print(f"{c.name}: run folder kept at {out}")
             continue
         if args.update:
             write_expected(now, root / c.expected)
@@ -730,21 +864,25 @@ def _main(args: argparse.Namespace, configs: Sequence[QuickConfig], root: Path) 
                      f"{format_mismatches(found)}" if found else "; no number moved"))
         else:
             problems += found
-            keep = keep or bool(found)
-        if keep:
-            print(f"{c.name}: run folder kept at {out}")
-        else:
-            shutil.rmtree(out.parent, ignore_errors=True)
+            tallies[c.name] = tally(cast(dict[str, Any], old_json), now)
+    if runs is not None and runs.is_dir():
+        print(f"\nRun folders kept in {runs} (one per configuration); delete the folder "
+              "when you no longer need it.")
     if args.update:
         return 1 if problems else 0
-    return _report(problems, len(chosen), ran=True, loose=loose)
+    return _report(problems, len(chosen), ran=True, loose=loose, tallies=tallies)
 
 
 def _report(problems: Sequence[Mismatch], count: int, ran: bool,
-            loose: Sequence[str] = ()) -> int:
+            loose: Sequence[str] = (), tallies: Mapping[str, Tally] | None = None) -> int:
+    tallies = tallies or {}
+    total = sum(tallies.values(), Tally())
+    loose_total = sum((t for name, t in tallies.items() if name in loose), Tally())
     if problems:
         print(f"\n{len(problems)} mismatch(es) against the committed results:\n")
         print(format_mismatches(problems))
+        if total.compared:
+            print(f"\nOf the numbers compared: {total.describe()}.")
         print("\nIf the change is intended, regenerate with "
               "`python benchmarks/check_results.py --update [--only NAME]` (docs/results.md).")
         if loose:
@@ -752,8 +890,13 @@ def _report(problems: Sequence[Mismatch], count: int, ran: bool,
                   f"{', '.join(loose)}.")
         return 1
     what = "re-run and match" if ran else "tables match their expected JSON"
-    print(f"\nAll {count} committed quick configuration(s) {what}.")
-    if loose:
+    numbers = f": {total.describe()}" if total.compared else ""
+    print(f"\nAll {count} committed quick configuration(s) {what}{numbers}.")
+    if loose and loose_total.compared and loose_total.exact == loose_total.compared:
+        print(f"{', '.join(loose)} compared with loose tolerances, as this machine's class "
+              f"differs from the one recorded, yet {loose_total.describe()}: the tight "
+              "tolerances hold too.")
+    elif loose:
         print(f"Only loosely for {', '.join(loose)}: this machine's class differs from the "
               f"one recorded, so only large changes would have been caught (see above).")
     return 0

@@ -25,7 +25,7 @@ cr = _load_checker()
 CONFIG = cr.QuickConfig(
     name="tiny", args=("reproduce", "cifar10-1epoch", "--quick", "--models", "gws", "mlp-adam"),
     expected="results/tiny/quick.json", table="results/tiny/quick.md", title="Tiny quick run",
-    note="Prose a reader wrote.", minutes="1",
+    note="Prose a reader wrote.",
 )
 LOSSY = ("the JPEG-decoded copy of CIFAR-10 (lossy, about 30 dB PSNR from the original "
          "pixels; see docs/data.md)")
@@ -219,6 +219,38 @@ def test_tolerances(tolerance, committed, now, ok):
     assert tolerance.allows(committed, now) is ok
 
 
+def test_numbers_are_counted_by_how_they_matched():
+    """Per row: seeds, accuracy, loss and parameters, and entries and store bytes where the
+    committed row has them (gws); the sds are None here, so not compared."""
+    committed = _expected(_summary())
+    same = cr.tally(committed, _expected(_summary(), isa="avx2"))
+    assert same == cr.Tally(compared=10, exact=10, within=0)
+    assert same.describe() == "all 10 numbers matched exactly"
+    moved = cr.tally(committed, _expected(_summary(gws=(28.8, 2.481)), isa="avx2"))
+    assert moved.describe() == "9 of 10 numbers matched exactly, 1 within tolerance"
+    far = cr.tally(committed, _expected(_summary(gws=(28.8, 2.481), adam=(35.0, 1.998))))
+    # tight (one machine class): 28.8 is within ±0.1 of 28.7, 35.0 is not
+    assert far.describe() == "8 of 10 numbers matched exactly, 1 within tolerance, 1 did not"
+    assert (same + moved).describe() == "19 of 20 numbers matched exactly, 1 within tolerance"
+
+
+def test_the_thread_count_alone_is_named_as_the_fix():
+    committed = _expected(_summary())
+    two = _expected(_summary(), environment={**ENVIRONMENT, "num_threads": 2})
+    note = cr.machine_note(committed, two)
+    assert "MACHINE DIFFERS" in note and "run it with --threads 1" in note
+    other = cr.machine_note(committed, _expected(_summary(), isa="avx2"))
+    assert "--threads" not in other and "on a machine of class avx512_bf16" in other
+
+
+def test_the_machine_line_names_the_threads():
+    line = cr.machine_line(3, given=True)
+    assert line.startswith(f"Machine: {cr.cpu_model()}, ") and "3 threads (--threads)" in line
+    assert line.endswith(cr.machine_key(cr.cpu_isa(), cr.torch.__version__, 3))
+    assert "1 thread (torch's default here; --threads N to change it)" in \
+        cr.machine_line(1, given=False)
+
+
 def test_loose_differs_from_tight_only_in_accuracies_and_losses():
     assert cr.LOOSE.keys() == cr.TIGHT.keys()
     assert {k for k in cr.TIGHT if cr.TIGHT[k] != cr.LOOSE[k]} == {
@@ -330,29 +362,68 @@ def test_usage_errors(tmp_path, capsys, monkeypatch):
     assert "quick.json missing (run --update)" in capsys.readouterr().out
 
 
-def test_missing_data_is_a_clear_error(tmp_path, capsys, monkeypatch):
+def _no_data_anywhere(tmp_path, monkeypatch):
+    """No $RCDL_DATA and an empty loader's cache, whatever this machine has."""
     monkeypatch.delenv(cr.DATA_ENV, raising=False)
-    with pytest.raises(cr.CheckError, match="no data folder at .*the default ../shared/data"):
-        cr.resolve_data_dir(None, root=tmp_path / "repo")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "rcdl"
+
+
+def test_data_is_found_as_the_loader_finds_it(tmp_path, monkeypatch):
+    """--data-dir, then $RCDL_DATA, then the loader's cache folder (docs/data.md)."""
+    cache = _no_data_anywhere(tmp_path, monkeypatch)
+    for name in ("given", "env", "empty"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "given" / "cifar10.npz").touch()
+    (tmp_path / "env" / "cifar-10-batches-py").mkdir()
+    cache.mkdir(parents=True)
+    (cache / "cifar-10-python.tar.gz").touch()
+    assert cr.resolve_data_dir(None) == cache.resolve()
+    assert cr.data_source(None, cache.resolve()) == "the loader's cache folder"
+    monkeypatch.setenv(cr.DATA_ENV, str(tmp_path / "env"))
+    assert cr.resolve_data_dir(None) == (tmp_path / "env").resolve()
+    assert cr.data_source(None, (tmp_path / "env").resolve()) == "$RCDL_DATA"
+    given = str(tmp_path / "given")
+    assert cr.resolve_data_dir(given) == (tmp_path / "given").resolve()
+    assert cr.data_source(given, (tmp_path / "given").resolve()) == "--data-dir"
+    # a --data-dir without a copy falls through to the next folder, as in rcdl
+    assert cr.resolve_data_dir(str(tmp_path / "empty")) == (tmp_path / "env").resolve()
+
+
+def test_missing_data_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    cache = _no_data_anywhere(tmp_path, monkeypatch)
     (tmp_path / "empty").mkdir()
-    monkeypatch.setenv(cr.DATA_ENV, str(tmp_path / "empty"))
-    with pytest.raises(cr.CheckError, match=r"\$RCDL_DATA\) holds none of cifar10.npz"):
+    with pytest.raises(cr.CheckError) as error:
         cr.resolve_data_dir(None)
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "cifar10.npz").touch()
-    assert cr.resolve_data_dir(str(tmp_path / "data")) == (tmp_path / "data").resolve()
-    # through the command: exit status 2 before any run
+    assert str(error.value) == (
+        f"CIFAR-10 not found: no cifar10.npz, cifar-10-batches-py/ or cifar-10-python.tar.gz "
+        f"in {cache} (the loader's cache folder); $RCDL_DATA is not set. Give --data-dir DIR "
+        f"or set RCDL_DATA=DIR, where DIR holds one of them, or put the official archive "
+        f"cifar-10-python.tar.gz in {cache} (docs/data.md). The checker never downloads.")
+    monkeypatch.setenv(cr.DATA_ENV, str(tmp_path / "env"))
+    with pytest.raises(cr.CheckError, match=r"no cifar10.npz.* in .*empty \(--data-dir\), "
+                       r".*env \(\$RCDL_DATA\) or .*rcdl \(the loader's cache folder\)\. "):
+        cr.resolve_data_dir(str(tmp_path / "empty"))
+    with pytest.raises(cr.CheckError, match="--data-dir .*nope is not a folder"):
+        cr.resolve_data_dir(str(tmp_path / "nope"))
+    # through the command: exit status 2 before any run, nothing about a shared folder
     root = tmp_path / "repo"
     run = _run_folder(tmp_path / "run", _summary())
     assert cr.main(["--only", "tiny", "--run-dir", str(run), "--update"], (CONFIG,), root) == 0
+    capsys.readouterr()
     assert cr.main(["--data-dir", str(tmp_path / "empty")], (CONFIG,), root) == 2
-    assert "holds none of" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "CIFAR-10 not found" in err and "shared" not in err
+    assert not (root / "runs").exists()
 
 
 def test_list(capsys):
     assert cr.main(["--list"]) == 0
     out = capsys.readouterr().out
-    assert "rcdl reproduce cifar10-1epoch --quick" in out and "--data-dir ../shared/data" in out
+    assert "rcdl reproduce cifar10-1epoch --quick" in out and "--data-dir" not in out
+    assert "shared" not in out
+    assert "time:     6.1 min on Intel(R) Xeon(R) Processor, 2 CPUs, 1 thread (the " \
+        "committed run)" in out
 
 
 def test_committed_expected_files_are_well_formed():
@@ -392,37 +463,87 @@ raise SystemExit(spec.get("status", 0))
 '''
 
 
-def test_runs_the_command_in_a_subprocess(tmp_path, capsys, monkeypatch):
-    """The whole path through a stand-in ``rcdl`` package that writes a run folder."""
+def _fake_rcdl(tmp_path, monkeypatch):
     fake = tmp_path / "fake" / "rcdl"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "__main__.py").write_text(FAKE_RCDL)
     monkeypatch.setenv("PYTHONPATH", str(fake.parent))
-    monkeypatch.setattr(cr.tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "cifar10.npz").touch()
-    root, configs = tmp_path / "repo", (CONFIG,)
-    argv = ["--data-dir", str(tmp_path / "data"), "--threads", "2"]
 
     def fake_run(summary, status=0):
         monkeypatch.setenv("FAKE_RCDL_RUN", json.dumps(
             {"summary": summary, "config": RUN_CONFIG, "environment": dict(ENVIRONMENT),
              "status": status}))
 
+    return fake_run
+
+
+def test_runs_the_command_in_a_subprocess(tmp_path, capsys, monkeypatch):
+    """The whole path through a stand-in ``rcdl`` package that writes a run folder."""
+    fake_run = _fake_rcdl(tmp_path, monkeypatch)
+    root, configs = tmp_path / "repo", (CONFIG,)
+    argv = ["--data-dir", str(tmp_path / "data"), "--threads", "2"]
+
     fake_run(_summary())
-    assert cr.main([*argv, "--update"], configs, root) == 0
+    assert cr.main([*argv, "--update", "--out", str(tmp_path / "first")], configs, root) == 0
     written = json.loads((root / CONFIG.expected).read_text())
     assert written["args"] == list(CONFIG.args) and written["made"]["threads"] == 2
-    assert cr.main(argv, configs, root) == 0
-    assert list((tmp_path / "tmp").iterdir()) == []  # a matching run's folder is removed
     capsys.readouterr()
+    assert cr.main([*argv, "--out", str(tmp_path / "out")], configs, root) == 0
+    out = capsys.readouterr().out
+    # the run folder is kept where --out says, and the check says where and that it may go
+    assert (tmp_path / "out" / "tiny" / "summary.json").is_file()
+    assert f"Run folders kept in {tmp_path / 'out'} (one per configuration); delete the " \
+        "folder when you no longer need it." in out
+    assert "2 threads (--threads)" in out.splitlines()[0]
+    assert f"Data: CIFAR-10 from {(tmp_path / 'data').resolve()} (--data-dir)" in out
+    assert "the committed run took" in out and "all 10 numbers matched exactly" in out
+    # an --out that already holds the configuration's folder, or is a file: refused
+    assert cr.main([*argv, "--out", str(tmp_path / "out")], configs, root) == 2
+    assert "already holds" in capsys.readouterr().err
+    (tmp_path / "file").touch()
+    assert cr.main([*argv, "--out", str(tmp_path / "file")], configs, root) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
 
+    # without --out: runs/check-results-<timestamp>/NAME in the repository, kept
     fake_run(_summary(gws=(28.80, 2.361)))
     assert cr.main(argv, configs, root) == 1
     out = capsys.readouterr().out
-    assert "test_loss" in out and "run folder kept at" in out
+    kept = list((root / "runs").glob("check-results-*/tiny"))
+    assert len(kept) == 1 and (kept[0] / "summary.json").is_file()
+    assert "test_loss" in out and f"Run folders kept in {kept[0].parent}" in out
+    assert "Of the numbers compared: 8 of 10 numbers matched exactly, 1 within tolerance, " \
+        "1 did not." in out
     fake_run(_summary(), status=3)
-    assert cr.main(argv, configs, root) == 1
+    assert cr.main([*argv, "--out", str(tmp_path / "failed")], configs, root) == 1
     assert "run failed (exit status 3)" in capsys.readouterr().out
+
+
+def test_a_loose_check_that_matched_exactly_says_so(tmp_path, capsys, monkeypatch):
+    """On another machine class the tolerances are loose; numbers equal to every digit
+    are reported as such, and the thread count of the runs is torch's default."""
+    fake_run = _fake_rcdl(tmp_path, monkeypatch)
+    root, configs = tmp_path / "repo", (CONFIG,)
+    run = _run_folder(tmp_path / "run", _summary())
+    assert cr.main(["--only", "tiny", "--run-dir", str(run), "--update"], configs, root) == 0
+    written = json.loads((root / CONFIG.expected).read_text())
+    written["made"]["machine_key"] = OTHER_CLASS
+    (root / CONFIG.expected).write_text(json.dumps(written))
+    (root / CONFIG.table).write_text(cr.render_markdown(CONFIG, written))
+    monkeypatch.setattr(cr.torch, "get_num_threads", lambda: 3)
+    fake_run(_summary())
+    capsys.readouterr()
+    assert cr.main(["--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "out")],
+                   configs, root) == 0
+    out = capsys.readouterr().out
+    assert "3 threads (torch's default here; --threads N to change it)" in out
+    assert json.loads((tmp_path / "out" / "tiny" / "environment.json").read_text())[
+        "num_threads"] == 3  # OMP_NUM_THREADS of the run
+    assert "MACHINE DIFFERS" in out
+    assert "re-run and match: all 10 numbers matched exactly." in out
+    assert "tiny compared with loose tolerances, as this machine's class differs from the " \
+        "one recorded, yet all 10 numbers matched exactly: the tight tolerances hold too." \
+        in out
+    assert "Only loosely" not in out

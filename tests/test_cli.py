@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 from rcdl.app import cifar
 from rcdl.app.cli import main
@@ -279,3 +280,76 @@ def test_readme_lists_every_experiment_command():
     commands = re.findall(r"^rcdl reproduce ([a-z0-9-]+)", README.read_text(encoding="utf-8"),
                           flags=re.MULTILINE)
     assert set(commands) == set(EXPERIMENTS)
+
+
+# --------------------------------------------------------------------------- --threads
+
+TINY_TEACHER_STUDENT = ["reproduce", "teacher-student", "--n-train", "48", "--n-test", "24",
+                        "--d-in", "8", "--teacher-width", "16", "--seeds", "0",
+                        "--eval-every", "4", "--device", "cpu", "--no-progress"]  # fmt: skip
+
+
+@pytest.fixture
+def torch_threads():
+    """torch's thread count, put back after the test (``--threads`` sets it for the process);
+    the test starts from 2 threads, so that ``--threads 1`` visibly changes it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_are_set_before_the_run_and_recorded_as_environment(tmp_path, monkeypatch,
+                                                                    torch_threads):  # fmt: skip
+    from rcdl.app.experiments import teacher_student
+    from rcdl.app.rundir import cpu_isa, machine_key
+
+    seen, real = [], teacher_student._train
+
+    def train(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(teacher_student, "_train", train)
+    run = tmp_path / "run"
+    assert main([*TINY_TEACHER_STUDENT, "--threads", "1", "--out", str(run)]) == 0
+    assert seen and set(seen) == {1}  # every sub-run trained on one thread
+    environment = json.loads((run / "environment.json").read_text())
+    assert environment["num_threads"] == 1
+    assert machine_key(cpu_isa(), environment["torch"], environment["num_threads"]).endswith(
+        "/ 1 thread")
+    assert ", 1 thread." in (run / "results.md").read_text()  # the report's machine line
+    assert "threads" not in json.loads((run / "config.json").read_text())  # no setting
+
+    # not a setting of the run: --resume takes it (a finished run has nothing left to do)
+    assert main(["reproduce", "teacher-student", "--resume", str(run), "--threads", "2",
+                 "--no-progress"]) == 0  # fmt: skip
+    assert torch.get_num_threads() == 2
+
+
+def test_demo_takes_threads(tmp_path, torch_threads, capsys):
+    assert main(["demo", "--quick", "--threads", "1", "--no-progress",
+                 "--out", str(tmp_path / "demo")]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "demo" / "environment.json").read_text())["num_threads"] == 1
+
+
+@pytest.mark.parametrize("command", [["reproduce", "teacher-student"], ["demo"]],
+                         ids=lambda c: c[-1])
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_threads_below_one_is_a_usage_error_naming_the_flag(command, value, tmp_path,
+                                                            torch_threads, capsys):  # fmt: skip
+    err = _usage_error([*command, "--threads", value, "--out", str(tmp_path / "run")], capsys)
+    prog = "rcdl " + " ".join(command)
+    assert_message_first(err, prog)
+    assert _error_message(err, prog) == f"argument --threads: must be an int >= 1, got {value}"
+    assert torch.get_num_threads() == 2 and not (tmp_path / "run").exists()
+
+
+def test_threads_help_suggests_one_thread_on_a_shared_machine(capsys):
+    for command in (["reproduce", "vit"], ["demo"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--threads N the number of CPU threads torch computes with" in text
+        assert "one thread per process is often faster than two" in text
+        assert "--threads 1, or OMP_NUM_THREADS=1" in text

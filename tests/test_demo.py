@@ -7,7 +7,7 @@ import pytest
 
 from rcdl._version import __version__
 from rcdl.app.cli import main
-from rcdl.app.experiments.demo import DemoConfig
+from rcdl.app.experiments.demo import DemoConfig, reading
 
 MODELS = {"growing RBF", "MLP + SGD", "MLP + Adam"}
 
@@ -47,6 +47,47 @@ def test_demo_logs_every_model_and_summarises(quick_run):
     assert all(f"| {name} |" in table for name in MODELS) and "Machine:" in table
 
 
+def test_the_reading_under_the_table_is_true(quick_run):
+    """The line under the table names the models that beat predicting 0 (and only those),
+    and at --quick size says that the MLPs had too few steps, with their own numbers."""
+    summary = json.loads((quick_run / "summary.json").read_text())
+    zero, models = summary["zero_predictor_mse"], summary["models"]
+    table = (quick_run / "results.md").read_text()
+    line = next(line for line in table.splitlines() if line.startswith("Reading: "))
+    assert table.index("| MLP + Adam |") < table.index(line) < table.index("Machine:")
+    beat = sorted(name for name, r in models.items() if r["test_mse"] < zero)
+    assert 0 < len(beat) < len(models)  # at this seed the quick Adam row is worse than zero
+    said = line.split(" beat")[0].removeprefix("Reading: ")
+    assert sorted(said.replace(" and ", ", ").split(", ")) == beat
+    assert f"predicting 0 (test MSE {zero:.4f})" in line
+    steps = models["MLP + Adam"]["steps"]
+    assert f"At --quick size the MLP baselines have had {steps} steps" in line
+    for name in ("MLP + SGD", "MLP + Adam"):
+        r = models[name]
+        assert f"{name} {r['history'][0]['test_mse']:.4f} → {r['test_mse']:.4f}" in line
+
+
+def _result(mse, entries=None, steps=1000):
+    return {"test_mse": mse, "entries": entries, "steps": steps,
+            "history": [{"test_mse": 1.0}, {"test_mse": mse}]}
+
+
+def test_the_reading_follows_the_numbers():
+    cfg = DemoConfig()
+    every = {"growing RBF": _result(0.06, entries=48_000), "MLP + SGD": _result(0.12),
+             "MLP + Adam": _result(0.13)}
+    assert reading(cfg, every, 0.94) == "Reading: every model beats predicting 0 (test MSE 0.9400)."
+    worse = {**every, "MLP + Adam": _result(0.98)}
+    line = reading(cfg, worse, 0.94)
+    assert line.startswith("Reading: growing RBF and MLP + SGD beat predicting 0 (test MSE "
+                           "0.9400); MLP + Adam does not. At this size the MLP baselines "
+                           "have had 1000 steps (one pass of 16000 samples in batches of 16)")
+    none = reading(cfg, {name: _result(1.5, r["entries"]) for name, r in every.items()}, 0.94)
+    assert none.startswith("Reading: no model beats predicting 0")
+    one = reading(DemoConfig.quick(seed=5), {"growing RBF": _result(0.1, entries=384)}, 0.94)
+    assert one == "Reading: every model beats predicting 0 (test MSE 0.9400)."
+
+
 def test_saved_config_reads_back(quick_run):
     saved = json.loads((quick_run / "config.json").read_text())
     quick = DemoConfig.quick()
@@ -67,7 +108,7 @@ def test_bad_settings_are_errors(settings, message):
 def test_demo_refuses_to_overwrite_a_run(quick_run, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--quick", "--no-progress", "--out", str(quick_run)])
-    assert exc.value.code == 2 and "already holds a run" in capsys.readouterr().err
+    assert exc.value.code == 2 and "already holds a finished run" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

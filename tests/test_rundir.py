@@ -48,6 +48,72 @@ def test_exact_path_refuses_an_existing_run(tmp_path):
         RunDir.create("exp", path=tmp_path / "run", config=_Config())
 
 
+def test_out_at_a_file_is_refused_by_name(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError) as error:
+        RunDir.create("exp", path=tmp_path / "notes.txt")
+    assert str(error.value) == (f"--out {tmp_path / 'notes.txt'} is a file, not a folder: "
+                                "give --out a new (or empty) folder for the run")
+    with pytest.raises(FileExistsError, match=r"notes.txt is a file, not a folder"):
+        RunDir.create("exp", path=tmp_path / "notes.txt" / "run")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_out_at_an_earlier_run_says_where_to_go(tmp_path):
+    folder = tmp_path / "run"
+    run = RunDir.create("exp", path=folder, config=_Config())
+    # no summary yet, or one that says the run is not complete: unfinished
+    for summary in (None, {"complete": False}):
+        if summary is not None:
+            run.write_summary(summary)
+        with pytest.raises(FileExistsError) as error:
+            RunDir.create("exp", path=folder, resume_with="rcdl reproduce exp")
+        assert str(error.value) == (
+            f"--out {folder} already holds a run that did not finish: continue it with "
+            f"`rcdl reproduce exp --resume {folder.resolve()}`, or choose another --out for "
+            "a new run")
+        # a command that cannot resume (the demo) is not told to
+        with pytest.raises(FileExistsError, match="already holds a run .config.json exists.: "
+                           "choose another --out") as error:
+            RunDir.create("exp", path=folder)
+        assert "--resume" not in str(error.value)
+    for summary in ({"complete": True}, {"models": {}}):  # the demo's has no "complete"
+        run.write_summary(summary)
+        with pytest.raises(FileExistsError) as error:
+            RunDir.create("exp", path=folder, resume_with="rcdl reproduce exp")
+        assert str(error.value) == (
+            f"--out {folder} already holds a finished run: choose another --out for a new "
+            "run, or delete that folder to redo it")
+
+
+def test_the_command_line_reports_a_taken_out_as_a_usage_error(tmp_path, capsys):
+    from rcdl.app.cli import main
+
+    teacher = ["reproduce", "teacher-student", "--n-train", "48", "--n-test", "24", "--d-in",
+               "8", "--teacher-width", "16", "--seeds", "0", "--eval-every", "4", "--device",
+               "cpu", "--no-progress"]  # fmt: skip
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_:
+        main([*teacher, "--out", str(tmp_path / "notes.txt")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Errno" not in err
+    assert f"--out {tmp_path / 'notes.txt'} is a file, not a folder" in err
+    folder = tmp_path / "run"
+    assert main([*teacher, "--out", str(folder)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main([*teacher, "--out", str(folder)])
+    assert exit_.value.code == 2
+    assert f"--out {folder} already holds a finished run" in capsys.readouterr().err
+    summary = json.loads((folder / "summary.json").read_text())
+    (folder / "summary.json").write_text(json.dumps({**summary, "complete": False}))
+    with pytest.raises(SystemExit) as exit_:
+        main([*teacher, "--out", str(folder)])
+    assert exit_.value.code == 2
+    assert (f"continue it with `rcdl reproduce teacher-student --resume {folder.resolve()}`"
+            in capsys.readouterr().err)
+
+
 def test_attach_to_missing_folder_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         RunDir(tmp_path / "nope")

@@ -7,8 +7,17 @@ its config declared with ``cli=True`` (:func:`rcdl.app.config.setting`) becomes 
 the help; a bool that defaults to true becomes ``--no-field-name``. Beside those, every
 experiment takes ``--quick`` (and ``--paper`` where the config has that scale; both help
 texts list the settings they change), its ``switches``, and the common ``--data-dir``,
-``--no-download``, ``--out``, ``--resume``, ``--device`` and ``--no-progress``. Nothing is
-written twice: a default or a help text lives in the config only.
+``--no-download``, ``--out``, ``--resume``, ``--device``, ``--no-progress`` and
+``--threads`` (which ``rcdl demo`` takes too). Nothing is written twice: a default or a help
+text lives in the config only.
+
+Building a command's flags imports its experiment's module, and with it what that
+experiment trains with. So :func:`main` builds only the subcommands the command line can
+reach (:func:`_experiments_reached`): no experiment for ``rcdl --help``, ``rcdl demo`` or
+``rcdl info``, the one named for ``rcdl reproduce NAME ...``, and every one where ``rcdl
+reproduce`` answers itself (its ``--help`` lists them, and so does the error for a missing or
+unknown name). The experiment modules import plotting libraries only inside the functions
+that draw.
 
 The generator is a few dozen lines over ``argparse`` rather than a library such as
 ``tyro`` or ``simple-parsing``: the commands' flag names, the ``--no-NAME`` form, presets
@@ -17,9 +26,11 @@ flags that would change a run, and errors phrased in flags were all fixed before
 generator existed, and each library would have needed overrides for most of them.
 
 ``--data-dir`` must name an existing folder and is saved as an absolute path, so ``--resume
-RUN_DIR`` works from any working folder. ``main`` returns the exit status: 0 on success, 2
-for a usage error (bad flag or value, reported in terms of the subcommand's flags, then a
-line pointing to its ``--help``), 1 for a failed run.
+RUN_DIR`` works from any working folder. ``--threads N`` sets torch's CPU threads before
+anything runs; it is no setting of the run (not in ``config.json``, free to change on
+``--resume``), and ``environment.json`` records the count the run used. ``main`` returns
+the exit status: 0 on success, 2 for a usage error (bad flag or value, reported in terms of
+the subcommand's flags, then a line pointing to its ``--help``), 1 for a failed run.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -76,6 +87,32 @@ def _data_dir(text: str) -> str:
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a file; give the folder holding it")
     return str(path)
+
+
+def _threads(text: str) -> int:
+    """``--threads``: a number of threads, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
+_THREADS_HELP = (
+    "the number of CPU threads torch computes with (torch.set_num_threads), set before "
+    "anything runs and recorded in the run folder's environment.json{resume} (default: "
+    "torch's, from $OMP_NUM_THREADS or the core count). On a machine other processes are "
+    "using, one thread per process is often faster than two (docs/install.md): --threads 1, "
+    "or OMP_NUM_THREADS=1"
+)
+
+
+def _add_threads(parser: argparse.ArgumentParser, resume: bool) -> None:
+    resume_note = "; not a setting of the run, so --resume takes it too" if resume else ""
+    parser.add_argument("--threads", type=_threads, metavar="N",
+                        help=_THREADS_HELP.format(resume=resume_note))
 
 
 def _flag(name: str, negated: bool = False) -> str:
@@ -148,6 +185,7 @@ def _add_common(parser: argparse.ArgumentParser, spec: Any) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"),
                         help="default: auto (CUDA when available)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    _add_threads(parser, resume=True)
     for flag, text in spec.options.items():
         parser.add_argument(_flag(flag), action="store_true", help=text)
     if spec.combine is not None:
@@ -368,8 +406,11 @@ class _Parser(argparse.ArgumentParser):
                      f"Run '{self.prog} --help' for its usage and flags.\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``rcdl`` and its subcommands."""
+def build_parser(experiments: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser of ``rcdl`` and its subcommands.
+
+    ``experiments`` limits the ``rcdl reproduce`` subcommands to those named (default: all
+    of them); each one built imports its experiment's module."""
     parser = _Parser(
         prog="rcdl",
         description="Retrieval-Centric Deep Learning: growing nonparametric networks.",
@@ -384,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, help="seed of the task, data order and models")
     demo.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    _add_threads(demo, resume=False)
     demo.set_defaults(func=_cmd_demo, command_parser=demo)
 
     reproduce = sub.add_parser(
@@ -393,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     which = reproduce.add_subparsers(title="experiments", dest="experiment",
                                      metavar="EXPERIMENT", required=True)
-    for name in EXPERIMENTS:
+    for name in EXPERIMENTS if experiments is None else experiments:
         _add_experiment(which, name)
 
     info = sub.add_parser("info", help=_COMMANDS["info"], description=_COMMANDS["info"])
@@ -410,12 +452,30 @@ def entry() -> int:
     return main()
 
 
+def _experiments_reached(argv: Sequence[str]) -> list[str] | None:
+    """The experiments whose subcommands parsing ``argv`` can reach, for
+    :func:`build_parser`: none unless the command is ``reproduce``; the one named right
+    after ``reproduce``; all of them (``None``) where ``rcdl reproduce`` itself answers (its
+    ``--help``, a missing or unknown name), whose message lists them."""
+    words = iter(argv)
+    command = next((w for w in words if not w.startswith("-")), None)
+    if command != "reproduce":  # rcdl takes no option with a value before its command
+        return []
+    name = next(words, None)
+    return [name] if name in EXPERIMENTS else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rcdl`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_experiments_reached(argv))
     args, unknown = parser.parse_known_args(argv)  # exits with status 2 on a usage error
     if unknown:  # reported with the subcommand's usage, not that of rcdl
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if getattr(args, "threads", None) is not None:  # before anything runs, the data included
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         return args.func(args)
     except CLIError as e:

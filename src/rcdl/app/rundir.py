@@ -293,6 +293,7 @@ class RunDir:
         path: str | os.PathLike | None = None,
         config: Any = None,
         device: str | torch.device | None = None,
+        resume_with: str | None = None,
     ) -> RunDir:
         """Make a new run folder and write its ``config.json`` and ``environment.json``.
 
@@ -300,22 +301,22 @@ class RunDir:
             name: run name; the folder is ``root/<name>-<YYYYmmdd-HHMMSS>`` (with ``-2``,
                 ``-3``... appended if that exists) unless ``path`` is given.
             root: parent folder for named runs.
-            path: exact folder to use; it may exist but must not already hold a run.
+            path: exact folder to use (the command line's ``--out``); it may exist, as an
+                empty folder.
             config: the resolved config, a dataclass (or a mapping).
             device: the device the run uses, recorded in ``environment.json``.
+            resume_with: the command that continues a run of this kind (e.g. ``rcdl
+                reproduce vit``), when there is one: if ``path`` holds an unfinished run,
+                the error then gives the command that continues it.
+
+        Raises:
+            FileExistsError: ``path`` (or a folder above it) is a file, or ``path`` holds a
+                run or other files. The message names ``path`` as ``--out``, where it comes
+                from on the command line, and says what to do instead.
         """
         if path is not None:
             folder = Path(path)
-            if (folder / cls.CONFIG).exists():
-                raise FileExistsError(
-                    f"{folder} already holds a run ({cls.CONFIG} exists); choose another folder"
-                )
-            if folder.is_dir() and any(folder.iterdir()):
-                held = sorted(p.name for p in folder.iterdir())
-                listed = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
-                raise FileExistsError(
-                    f"{folder} is not empty ({listed}) and holds no run: a run's files would "
-                    "be mixed with them; choose a new or empty folder")
+            _refuse_taken(folder, resume_with)
             folder.mkdir(parents=True, exist_ok=True)
         else:
             if not name or os.sep in name:
@@ -443,6 +444,47 @@ class RunDir:
         return f"RunDir({str(self.path)!r})"
 
 
+def _refuse_taken(folder: Path, resume_with: str | None) -> None:
+    """Raise ``FileExistsError`` when ``folder`` cannot become a new run's folder: it (or a
+    folder above it) is a file, or it holds an earlier run or other files. A run writes
+    several files, and mixing them with another run's would make both unreadable, so the
+    message says where to go instead (and, for an unfinished run that ``resume_with``
+    continues, how to continue it)."""
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"--out {folder} is a file, not a folder: give --out a new (or "
+                              "empty) folder for the run")
+    above = next((p for p in folder.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise FileExistsError(f"--out {folder}: {above} is a file, not a folder: give --out "
+                              "a new (or empty) folder for the run")
+    if (folder / RunDir.CONFIG).exists():
+        try:
+            summary = json.loads((folder / RunDir.SUMMARY).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            summary = None  # no summary yet (or a torn one): the run did not finish
+        # a run's summary says "complete": false until it finishes (the demo's has no
+        # such key and is written only at the end)
+        finished = isinstance(summary, dict) and summary.get("complete", True) is not False
+        if finished:
+            raise FileExistsError(
+                f"--out {folder} already holds a finished run: choose another --out for a "
+                "new run, or delete that folder to redo it")
+        if resume_with is not None:
+            raise FileExistsError(
+                f"--out {folder} already holds a run that did not finish: continue it with "
+                f"`{resume_command(resume_with, folder)}`, or choose another --out for a "
+                "new run")
+        raise FileExistsError(
+            f"--out {folder} already holds a run ({RunDir.CONFIG} exists): choose another "
+            "--out for a new run, or delete that folder to redo it")
+    if folder.is_dir() and any(folder.iterdir()):
+        held = sorted(p.name for p in folder.iterdir())
+        listed = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise FileExistsError(
+            f"--out {folder} is not empty ({listed}) and holds no run: a run's files would "
+            "be mixed with them; choose a new or empty folder")
+
+
 class RunFailed(RuntimeError):
     """A run failed after its folder was made; what failed, where, and the command that
     continues it were printed on stderr (:meth:`RunDir.resumable`)."""
@@ -564,11 +606,14 @@ def open_run(
         ValueError: both ``out`` and ``resume``, or ``config`` differs from the saved one
             (the message lists the differences, saved then given).
         FileNotFoundError: ``resume`` holds no run (see :func:`read_config`).
+        FileExistsError: ``out`` is a file or holds files; for an unfinished run the
+            message gives the ``--resume`` command that continues it (:meth:`RunDir.create`).
     """
     if out is not None and resume is not None:
         raise ValueError("give either out (a new run) or resume (an existing one), not both")
     if resume is None:
-        return RunDir.create(name, path=out, config=config, device=device)
+        return RunDir.create(name, path=out, config=config, device=device,
+                             resume_with=f"rcdl reproduce {name}")
     saved = to_jsonable(read_config(resume, type(config)))
     given = to_jsonable(config)
     diff = {k: (saved[k], v) for k, v in given.items() if k not in may_differ and saved[k] != v}

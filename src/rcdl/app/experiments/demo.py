@@ -9,11 +9,13 @@ training set once, in batches, and are evaluated on held-out test MSE as they go
 
 Everything lands in one run folder: ``config.json``, ``environment.json``,
 ``metrics.jsonl`` (every evaluation of every model), ``summary.json``, ``results.md`` (the
-table below plus the machine) and ``test_mse.png`` (test MSE against samples seen).
+table below, a line reading it (:func:`reading`), and the machine) and ``test_mse.png`` (test
+MSE against samples seen).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ from rcdl.rules import FunctionalSGD
 from rcdl.store import format_bytes
 from rcdl.training import train_one_pass
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "reading", "run_demo"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,45 @@ def results_table(results: dict[str, dict[str, Any]]) -> str:
     ] for name, r in results.items()])  # fmt: skip
 
 
+def reading(cfg: DemoConfig, results: dict[str, dict[str, Any]], zero_mse: float) -> str:
+    """One line under the table saying which students beat predicting 0, from the numbers.
+
+    A row worse than the zero predictor needs its reason beside it: at the ``--quick`` size
+    one pass is only a handful of optimizer steps, too few for the MLP baselines to move far
+    from their untrained output, which scores worse than predicting 0. So when an
+    MLP does not beat predicting 0, or at the ``--quick`` size, the line adds their steps and
+    their test MSE before and after training.
+    """
+    beat = [name for name, r in results.items() if r["test_mse"] < zero_mse]
+    worse = [name for name in results if name not in beat]
+    zero = f"test MSE {zero_mse:.4f}"
+    if not worse:
+        line = f"Reading: every model beats predicting 0 ({zero})."
+    elif not beat:
+        line = f"Reading: no model beats predicting 0 ({zero})."
+    else:
+        line = (f"Reading: {_and(beat)} beat{'s' if len(beat) == 1 else ''} predicting 0 "
+                f"({zero}); {_and(worse)} do{'es' if len(worse) == 1 else ''} not.")
+    mlps = [name for name, r in results.items() if r["entries"] is None]  # parametric ones
+    base = DemoConfig.quick()
+    quick = dataclasses.replace(
+        cfg, seed=base.seed, teacher=dataclasses.replace(cfg.teacher, seed=base.teacher.seed)
+    ) == base  # the --quick size, whatever the seed
+    if mlps and (quick or any(name in worse for name in mlps)):
+        steps = max(results[name]["steps"] for name in mlps)
+        moves = ", ".join(f"{name} {results[name]['history'][0]['test_mse']:.4f} → "
+                          f"{results[name]['test_mse']:.4f}" for name in mlps)
+        line += (f" {'At --quick size' if quick else 'At this size'} the MLP baselines have "
+                 f"had {steps} steps (one pass of {cfg.teacher.n_train} samples in batches "
+                 f"of {cfg.batch_size}), too few to train them: {moves} (test MSE untrained "
+                 "→ after the pass).")
+    return line
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def plot_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
     """Plot test MSE against samples seen for every student (log scale) to ``path``."""
     curves = [Curve([h["samples"] for h in r["history"]], [h["test_mse"] for h in r["history"]],
@@ -165,7 +206,7 @@ def run_demo(
     report = write_outputs(run, (
         f"# rcdl demo: teacher–student regression\n\n{task}.\n"
         f"Predicting 0 everywhere scores test MSE {zero_mse:.4f}.\n\n{results_table(results)}"
-        f"\n\nMachine: {describe_machine(device)}.\n"
+        f"\n\n{reading(cfg, results, zero_mse)}\n\nMachine: {describe_machine(device)}.\n"
     ), figures={"test_mse.png": partial(plot_curves, results,
                                         title=f"one pass, {t.n_train} samples")})
     total = time.perf_counter() - start

@@ -67,7 +67,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, CifarNotFoundError, cifar_summary, load_subsets
@@ -551,6 +550,8 @@ def plot_curves(rows: list[dict[str, Any]], path: Path, *, title: str,
     """Left: the training loss (mean batch loss of each epoch, log scale) against epochs;
     right: test accuracy against epochs (epoch 0: before training); one line per method,
     the mean over seeds with a ± sd band when there are several."""
+    from matplotlib.figure import Figure  # only where a figure is drawn: `rcdl --help` skips it
+
     fig = Figure(figsize=(11, 4.4), layout="constrained")
     loss_ax, acc_ax = fig.subplots(1, 2)
     for name, label in labels.items():

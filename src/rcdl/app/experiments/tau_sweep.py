@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from matplotlib.figure import Figure
 
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.experiments import cifar10
@@ -235,6 +234,8 @@ def write_sweep_report(run: RunDir, rows: list[dict[str, Any]],
 
 
 def _plot(rows: list[dict[str, Any]], path: Path, *, title: str) -> Path:
+    from matplotlib.figure import Figure  # only where a figure is drawn: `rcdl --help` skips it
+
     fig = Figure(figsize=(7.2, 4.6), layout="constrained")
     ax = fig.add_subplot()
     hybrids = [r for r in rows if r["hybrid"]]
