@@ -15,6 +15,9 @@ import rcdl
 from rcdl.app.cli import _experiments_reached
 from rcdl.app.experiments import COMMANDS
 
+# each probe starts an interpreter of its own: one at a time with the other spawning tests
+spawns = pytest.mark.spawns
+
 # imported only where a figure is drawn, something is compiled or a tensor is sharded
 LAZY = ("matplotlib", "torch._dynamo", "torch._inductor", "torch.distributed.tensor")
 EXPERIMENT_MODULES = {f"rcdl.app.experiments.{module}" for module in COMMANDS.values()}
@@ -50,12 +53,14 @@ def lazy_loaded(modules: set[str]) -> list[str]:
     return sorted(m for m in modules if m in LAZY or m.startswith(tuple(f"{n}." for n in LAZY)))
 
 
+@spawns
 def test_import_rcdl_loads_no_plotting_compiler_distributed_tensors_or_application():
     modules = loaded_modules(None)
     assert not lazy_loaded(modules), lazy_loaded(modules)
     assert not any(m.startswith("rcdl.app") for m in modules)  # the library never imports it
 
 
+@spawns
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["info"]],
                          ids=lambda a: " ".join(a))
 def test_commands_other_than_reproduce_load_no_experiment(argv):
@@ -64,12 +69,14 @@ def test_commands_other_than_reproduce_load_no_experiment(argv):
     assert not modules & EXPERIMENT_MODULES, sorted(modules & EXPERIMENT_MODULES)
 
 
+@spawns
 def test_an_experiments_help_loads_that_experiment_alone():
     modules = loaded_modules(["reproduce", "teacher-student", "--help"])
     assert not lazy_loaded(modules), lazy_loaded(modules)
     assert modules & EXPERIMENT_MODULES == {"rcdl.app.experiments.teacher_student"}
 
 
+@spawns
 def test_the_list_of_experiments_loads_them_all_without_plotting():
     # every experiment module imported at once: none may import a plotting library at the top
     modules = loaded_modules(["reproduce", "--help"])
