@@ -49,7 +49,7 @@ def test_demo_logs_every_model_and_summarises(quick_run):
 
 def test_the_reading_under_the_table_is_true(quick_run):
     """The line under the table names the models that beat predicting 0 (and only those),
-    and at --quick size says that the MLPs had too few steps, with their own numbers."""
+    and, as an MLP is worse, says that the MLPs had too few steps, with their own numbers."""
     summary = json.loads((quick_run / "summary.json").read_text())
     zero, models = summary["zero_predictor_mse"], summary["models"]
     table = (quick_run / "results.md").read_text()
@@ -61,7 +61,7 @@ def test_the_reading_under_the_table_is_true(quick_run):
     assert sorted(said.replace(" and ", ", ").split(", ")) == beat
     assert f"predicting 0 (test MSE {zero:.4f})" in line
     steps = models["MLP + Adam"]["steps"]
-    assert f"At --quick size the MLP baselines have had {steps} steps" in line
+    assert f"At this size the MLP baselines have had {steps} steps" in line
     for name in ("MLP + SGD", "MLP + Adam"):
         r = models[name]
         assert f"{name} {r['history'][0]['test_mse']:.4f} → {r['test_mse']:.4f}" in line

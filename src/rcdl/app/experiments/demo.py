@@ -15,7 +15,6 @@ MSE against samples seen).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -127,8 +126,8 @@ def reading(cfg: DemoConfig, results: dict[str, dict[str, Any]], zero_mse: float
     A row worse than the zero predictor needs its reason beside it: at the ``--quick`` size
     one pass is only a handful of optimizer steps, too few for the MLP baselines to move far
     from their untrained output, which scores worse than predicting 0. So when an
-    MLP does not beat predicting 0, or at the ``--quick`` size, the line adds their steps and
-    their test MSE before and after training.
+    MLP does not beat predicting 0, the line adds their steps and their test MSE before and
+    after training.
     """
     beat = [name for name, r in results.items() if r["test_mse"] < zero_mse]
     worse = [name for name in results if name not in beat]
@@ -141,15 +140,11 @@ def reading(cfg: DemoConfig, results: dict[str, dict[str, Any]], zero_mse: float
         line = (f"Reading: {_and(beat)} beat{'s' if len(beat) == 1 else ''} predicting 0 "
                 f"({zero}); {_and(worse)} do{'es' if len(worse) == 1 else ''} not.")
     mlps = [name for name, r in results.items() if r["entries"] is None]  # parametric ones
-    base = DemoConfig.quick()
-    quick = dataclasses.replace(
-        cfg, seed=base.seed, teacher=dataclasses.replace(cfg.teacher, seed=base.teacher.seed)
-    ) == base  # the --quick size, whatever the seed
-    if mlps and (quick or any(name in worse for name in mlps)):
+    if any(name in worse for name in mlps):
         steps = max(results[name]["steps"] for name in mlps)
         moves = ", ".join(f"{name} {results[name]['history'][0]['test_mse']:.4f} → "
                           f"{results[name]['test_mse']:.4f}" for name in mlps)
-        line += (f" {'At --quick size' if quick else 'At this size'} the MLP baselines have "
+        line += (" At this size the MLP baselines have "
                  f"had {steps} steps (one pass of {cfg.teacher.n_train} samples in batches "
                  f"of {cfg.batch_size}), too few to train them: {moves} (test MSE untrained "
                  "→ after the pass).")
