@@ -129,3 +129,22 @@ def test_version_and_info(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"rcdl {__version__}" in out and "torch" in out
+
+
+def test_info_reports_the_machine_class_for_the_threads_asked(capsys):
+    import torch
+
+    from rcdl.app.rundir import cpu_isa
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["info", "--threads", "1"]) == 0
+        out = capsys.readouterr().out
+        assert "threads: 1\n" in out
+        assert f"machine class: {cpu_isa()} / torch {torch.__version__} / 1 thread " in out
+        assert "cpu: " in out
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SystemExit) as exc:
+        main(["info", "--threads", "0"])
+    assert exc.value.code == 2 and "must be an int >= 1, got 0" in capsys.readouterr().err

@@ -346,14 +346,18 @@ def _in_flag_terms(message: str, parser: argparse.ArgumentParser) -> str:
 def _cmd_info(args: argparse.Namespace) -> int:
     import torch
 
-    from rcdl.app.rundir import resolve_device
+    from rcdl.app.rundir import cpu_flags, cpu_isa, cpu_model, machine_key, resolve_device
 
     device = resolve_device("auto")
+    threads = torch.get_num_threads()  # --threads, when given, is set before this runs
     print(f"rcdl {__version__}")
     print(f"torch {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
     print(f"device: {device}"
           + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""))
-    print(f"threads: {torch.get_num_threads()}")
+    print(f"cpu: {cpu_model()} ({os.cpu_count()} CPUs; flags {' '.join(cpu_flags()) or 'none'})")
+    print(f"threads: {threads}")
+    print(f"machine class: {machine_key(cpu_isa(), torch.__version__, threads)} "
+          "(quick results reproduce exactly within one class: docs/results.md)")
     return 0
 
 
@@ -387,7 +391,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "demo": "teacher–student regression: a growing RBF net vs MLPs (SGD, Adam), one pass",
     "reproduce": "reproduce an experiment of the paper (see `rcdl reproduce --help`)",
-    "info": "print the rcdl and torch versions and the device rcdl would use",
+    "info": "print the rcdl and torch versions, the device, CPU, threads and machine class "
+            "rcdl would use",
 }
 
 
@@ -439,6 +444,9 @@ def build_parser(experiments: Iterable[str] | None = None) -> argparse.ArgumentP
         _add_experiment(which, name)
 
     info = sub.add_parser("info", help=_COMMANDS["info"], description=_COMMANDS["info"])
+    info.add_argument("--threads", type=_threads, metavar="N",
+                      help="report for N CPU threads, as `--threads N` on a run would set them "
+                      "(default: torch's, from $OMP_NUM_THREADS or the core count)")
     info.set_defaults(func=_cmd_info, command_parser=info)
     return parser
 
