@@ -36,10 +36,11 @@ machine class it was made on (:func:`machine_key`: the CPU's widest vector ISA f
 flags, the torch version and the thread count). On one machine class a quick run is
 deterministic, so when the class matches the comparison is tight (:data:`TIGHT`: accuracy
 ±0.1 point, one of 1 000 test images; losses 0.1 % relative). Across CPU types the same
-command has moved an accuracy by up to 1.4 points and a loss by up to 4.9 % (gws: 28.7 % /
+command has moved an accuracy by up to 1.4 points and a loss by up to 16.3 % (gws: 28.7 % /
 2.481, 29.30 / 2.483 and 28.80 / 2.361 on three machines; gauge: 31.1 / 2.212 and 29.70 /
-2.254 on two), so otherwise it is loose (:data:`LOOSE`: ±2.5 points, 8 % relative) and the
-checker says so: only large changes are caught there. Entry counts, store bytes, parameter
+2.254 on two, and a loss of 2.477 against 2.129 on a third), so otherwise it is loose
+(:data:`LOOSE`: ±2.5 points, 25 % relative) and the checker says so: only large changes
+are caught there. Entry counts, store bytes, parameter
 counts and seeds are always exact.
 
 Usage (from the repository root; ``make check-results`` runs the first line)::
@@ -134,14 +135,15 @@ TIGHT: dict[str, Tolerance] = {
 }
 # On another machine class (or an unknown one). Sized from the same quick runs on different
 # CPUs (docs/results.md): gws 28.7 % / 2.481, 29.30 / 2.483, 28.80 / 2.361 on three machines,
-# gauge 31.1 / 2.212 and 29.70 / 2.254 on two, i.e. accuracy within 1.4 points and loss within
-# 4.9 %; these leave a margin of about 1.6-1.8x over that.
+# gauge 31.1 / 2.212 and 29.70 / 2.254 on two, i.e. accuracy within 1.4 points; the gauge
+# model's loss 2.477 on an avx512_bf16 CPU without AMX against 2.129 on the AMX class, where
+# the same code reproduces 2.129 exactly: +16.3 %. About 1.5x that margin.
 LOOSE: dict[str, Tolerance] = TIGHT | {
     "test_acc_pct": Tolerance(abs=2.5),
     "test_acc_pct_sd": Tolerance(abs=2.5),
-    "test_loss": Tolerance(rel=0.08),
-    "test_loss_sd": Tolerance(abs=0.08),
-    "test_mse": Tolerance(rel=0.08),
+    "test_loss": Tolerance(rel=0.25),
+    "test_loss_sd": Tolerance(abs=0.25),
+    "test_mse": Tolerance(rel=0.25),
 }
 # Kept beside the compared numbers to render the table; never compared.
 INFO = ("possible_entries", "train_seconds", "eval_seconds", "paper")

@@ -106,11 +106,11 @@ def test_another_machine_class_is_compared_loosely():
     unknown["made"]["machine_key"] = None
     assert not cr.same_machine(unknown, unknown)
     # large changes are still caught
-    far = _expected(_summary(gws=(26.1, 2.481 * 1.081), adam=(31.6, 1.998)), isa="avx2")
+    far = _expected(_summary(gws=(26.1, 2.481 * 1.251), adam=(31.6, 1.998)), isa="avx2")
     mismatches = cr.compare(committed, far)
     assert _whats(mismatches) == [("gws", "test_acc_pct"), ("gws", "test_loss"),
                                   ("mlp-adam", "test_acc_pct")]
-    assert {m.tolerance for m in mismatches} == {"±2.5", "±8 % rel."}
+    assert {m.tolerance for m in mismatches} == {"±2.5", "±25 % rel."}
 
 
 def test_a_stale_accuracy_is_flagged():
@@ -158,7 +158,7 @@ def test_machine_key_and_note():
     assert "same machine class" in same and "tight" in same and "±0.1" in same
     differs = cr.machine_note(committed, _expected(_summary(), isa="avx2"))
     assert "MACHINE DIFFERS" in differs and "avx2 / torch" in differs
-    assert "only large changes" in differs and "±2.5" in differs and "±8 % rel." in differs
+    assert "only large changes" in differs and "±2.5" in differs and "±25 % rel." in differs
     assert "--update" in differs and "class avx512_bf16 / torch 2.13.0+cpu / 1 thread" in differs
 
 
@@ -208,8 +208,9 @@ def test_cells_the_committed_table_never_had_are_not_compared():
     (cr.TIGHT["test_loss"], 2.0, None, False),
     (cr.LOOSE["test_acc_pct"], 28.7, 31.2, True),
     (cr.LOOSE["test_acc_pct"], 28.7, 26.19, False),
-    (cr.LOOSE["test_loss"], 2.0, 2.159, True),
-    (cr.LOOSE["test_loss"], 2.0, 1.839, False),
+    (cr.LOOSE["test_loss"], 2.0, 2.499, True),
+    (cr.LOOSE["test_loss"], 2.0, 1.499, False),
+    (cr.LOOSE["test_loss"], 2.129, 2.477, True),  # gauge on avx512_bf16 against AMX
     (cr.LOOSE["entries"], 6048, 6047, False),  # counts are exact on any machine
     (cr.TIGHT["entries"], 6048, 6048, True),
     (cr.TIGHT["entries"], 6048, 6047, False),
@@ -338,10 +339,10 @@ def test_update_then_check_a_run_folder(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "MACHINE DIFFERS" in out and "only large changes" in out
     assert "Only loosely for tiny" in out
-    far = _run_folder(tmp_path / "far", _summary(gws=(28.80, 2.7)))
+    far = _run_folder(tmp_path / "far", _summary(gws=(28.80, 3.2)))
     assert cr.main(["--only", "tiny", "--run-dir", str(far)], configs, root) == 1
     out = capsys.readouterr().out
-    assert "±8 % rel." in out and "Compared loosely" in out
+    assert "±25 % rel." in out and "Compared loosely" in out
     # --update there records this machine's class again and lists the tight moves
     assert cr.main(["--only", "tiny", "--run-dir", str(stale), "--update"], configs, root) == 0
     out = capsys.readouterr().out
@@ -422,8 +423,9 @@ def test_list(capsys):
     out = capsys.readouterr().out
     assert "rcdl reproduce cifar10-1epoch --quick" in out and "--data-dir" not in out
     assert "shared" not in out
-    assert "time:     6.1 min on Intel(R) Xeon(R) Processor, 2 CPUs, 1 thread (the " \
-        "committed run)" in out
+    made = json.loads((cr.REPO / "results" / "cifar10-1epoch" / "quick.json").read_text())["made"]
+    assert (f"time:     {made['seconds'] / 60:.1f} min on {made['cpu']}, 2 CPUs, 1 thread "
+            "(the committed run)") in out
 
 
 def test_committed_expected_files_are_well_formed():
