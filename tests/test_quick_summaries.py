@@ -118,6 +118,8 @@ FULL: dict[str, list[str]] = {
 }  # fmt: skip
 
 NO_DATA = {"demo", "teacher-student"}
+# commands with no case, and why: every other experiment has one (checked below)
+NOT_RECORDED = {"attention-bench": "its results are times, which differ from run to run"}
 CASES = FULL if FULL_DATA else TINY
 LONG = set() if FULL_DATA else {"cifar10-1epoch"}  # over 15 s: `make test-long` runs them
 # the ResNet-MLPs' blocks at this width
@@ -238,3 +240,20 @@ def test_command_outcome_is_unchanged(name, data_dir, tmp_path, monkeypatch):
     if not recorded:
         pytest.skip(f"{name} is not recorded in {path}")
     _same_structure(_outcome(recorded[0]), now, name)
+
+
+@pytest.mark.parametrize(("cases", "where"), [(TINY, "TINY"), (FULL, "FULL")])
+def test_every_experiment_has_a_recorded_case(cases, where):
+    """Each command the experiments' package finds is among the cases, so its outcome is
+    recorded from its first commit on (docs/adding_an_experiment.md)."""
+    from rcdl.app.experiments import COMMANDS
+
+    covered = {argv[1] for argv in cases.values() if argv[0] == "reproduce"}
+    missing = sorted(set(COMMANDS) - covered - set(NOT_RECORDED))
+    assert not missing, (
+        f"tests/test_quick_summaries.py: {where} has no case running `rcdl reproduce` "
+        f"{missing}; add one ({'at a tiny size, ' if where == 'TINY' else ''}"
+        "'NAME': ['reproduce', 'NAME', '--quick', ...]) and record it with "
+        "RCDL_RECORD_SUMMARIES=1 pytest tests/test_quick_summaries.py -k NAME")
+    unknown = sorted((covered | set(NOT_RECORDED)) - set(COMMANDS))
+    assert not unknown, f"tests/test_quick_summaries.py: {where} names unknown commands {unknown}"

@@ -9,6 +9,8 @@
 - :mod:`rcdl.app.cifar`, :mod:`rcdl.app.classical`: CIFAR loaders, kNN and SVM baselines;
 - :mod:`rcdl.app.allocator`: the command's malloc tuning;
 - :mod:`rcdl.app.experiments`: one module per experiment, holding only what is its own.
+- :mod:`rcdl.app.recipes`: what several experiments train and report with (experiments
+  import it, never each other).
 
 The library (``rcdl``, the package above) never imports from here.
 """

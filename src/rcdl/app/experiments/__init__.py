@@ -1,5 +1,11 @@
-"""Experiments: one module per experiment, each declaring its config and its
-``EXPERIMENT_SPEC`` (:class:`rcdl.app.runner.Experiment`); docs/adding_an_experiment.md.
+"""Experiments: one module per experiment, each declaring its command (``EXPERIMENT =
+"name"``), its config and its ``EXPERIMENT_SPEC`` (:class:`rcdl.app.runner.Experiment`);
+docs/adding_an_experiment.md. The package finds them itself (:data:`COMMANDS`), reading each
+module's source rather than importing it. What several experiments train with is in
+:mod:`rcdl.app.recipes`; the one-epoch comparison's model zoo, settings, report and
+``--combine`` are in ``cifar10_models``, ``cifar10_config``, ``cifar10_report`` and
+``cifar10_combine`` beside it, and the continual study's baselines in
+``continual_baselines``.
 
 - :mod:`rcdl.app.experiments.demo` — teacher–student regression: a growing RBF network against
   MLPs trained by SGD and by Adam, one pass over the data (``rcdl demo``).
@@ -33,20 +39,45 @@
   an earlier task's entries still classify its images (``rcdl reproduce continual``).
 """
 
-# The experiments, in the order `rcdl reproduce --help` lists them: command -> module. This is
-# the package's index: adding an experiment is its module and one line here
-# (docs/adding_an_experiment.md). The modules are imported only when a command needs them.
-COMMANDS = {
-    "cifar10-1epoch": "cifar10",
-    "hybrid-tau-sweep": "tau_sweep",
-    "generalisation": "generalisation",
-    "memory-budget": "memory_budget",
-    "optimizers": "optimizers",
-    "deltanet-decay": "deltanet_decay",
-    "teacher-student": "teacher_student",
-    "vit": "vit",
-    "attention-bench": "attention_bench",
-    "attribution": "attribution_exp",
-    "unlearning": "unlearning",
-    "continual": "continual",
-}
+import re
+from pathlib import Path
+
+__all__ = ["COMMANDS", "MAIN", "declared_commands"]
+
+# An experiment module declares its command on a line of its own, `EXPERIMENT = "name"`, and
+# its spec as `EXPERIMENT_SPEC = ...`; the index reads those lines from the source, so that
+# the command line knows every command without importing an experiment it does not run.
+_COMMAND = re.compile(r'^EXPERIMENT = "([a-z0-9][a-z0-9-]*)"', re.MULTILINE)
+_SPEC = re.compile(r"^EXPERIMENT_SPEC = ", re.MULTILINE)
+
+
+def declared_commands(folder: Path = Path(__file__).parent) -> dict[str, str]:
+    """``{command: module}`` for every module of ``folder`` that declares an experiment (an
+    ``EXPERIMENT_SPEC`` and its ``EXPERIMENT = "command"`` line), sorted by command.
+
+    Raises:
+        ImportError: a module declares a spec without its command line, or two modules
+            declare the same command.
+    """
+    found: dict[str, str] = {}
+    for path in sorted(folder.glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if not _SPEC.search(text):
+            continue  # a module the experiments share, not an experiment
+        match = _COMMAND.search(text)
+        if match is None:
+            raise ImportError(f"{path} declares EXPERIMENT_SPEC but not its command: add the "
+                              'line EXPERIMENT = "<command>" and give the spec name=EXPERIMENT '
+                              "(docs/adding_an_experiment.md)")
+        command = match.group(1)
+        if command in found:
+            raise ImportError(f"{path} and {folder / found[command]}.py both declare the "
+                              f"command {command!r}")
+        found[command] = path.stem
+    return dict(sorted(found.items()))
+
+
+# `rcdl reproduce NAME` -> the module of NAME, in the order `rcdl reproduce --help` lists them
+COMMANDS = declared_commands()
+# the paper's main experiment: `rcdl demo` ends by pointing to it
+MAIN = "cifar10-1epoch"

@@ -29,7 +29,9 @@ from rcdl.app.runner import Experiment, Session
 from rcdl.attention import attention
 from rcdl.kernels import check_kernel
 
-__all__ = ["EXPERIMENT_SPEC", "AttentionBenchConfig", "measure"]
+__all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "AttentionBenchConfig", "measure"]
+
+EXPERIMENT = "attention-bench"
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ def write_report(run: RunDir, cfg: AttentionBenchConfig, summary: dict[str, Any]
 
 
 EXPERIMENT_SPEC = Experiment(
-    name="attention-bench", config=AttentionBenchConfig,
+    name=EXPERIMENT, config=AttentionBenchConfig,
     help="the streaming attention's speed against the matrix products it is made of, per "
     "store dtype, batch and store size (docs/precision.md)",
     description="Times the streaming attention's forward + backward against the four plain "

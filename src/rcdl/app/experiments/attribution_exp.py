@@ -59,14 +59,15 @@ from torch import Tensor, nn
 from rcdl._io import atomic_save_torch, save_figure
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.experiments.cifar10_models import build_model, model_spec
+from rcdl.app.experiments.cifar10_models import model_spec
+from rcdl.app.recipes import train_model
 from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
 from rcdl.attribution import explain
 from rcdl.layers import growing_layers
 from rcdl.provenance import UNKNOWN
-from rcdl.training import accuracy, predict, train_one_pass
+from rcdl.training import predict
 
 __all__ = [
     "COLUMNS", "EXPERIMENT", "EXPERIMENT_SPEC", "KRONFLUENCE_FOUND", "LDS_ANCHORS",
@@ -145,23 +146,7 @@ class AttributionConfig(ExperimentConfig):
 load_data = partial(load_subsets, "cifar10")  # the subsets of cfg (rcdl.app.cifar)
 
 
-# --------------------------------------------------------------------------- training
-
-
-def train_model(name: str, seed: int, x: Tensor, y: Tensor, evaluation: tuple[Tensor, Tensor],
-                *, batch_size: int = 16, device: torch.device | str = "cpu",
-                ) -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
-    """Model ``name`` of the one-epoch comparison built from ``seed`` and trained one pass
-    over ``x (n, 3072)``, ``y (n,)`` in ``seed``'s order; a growing model's entries remember
-    their samples as indices into ``x``. ``evaluation = (x_eval, y_eval)`` is scored
-    (``"acc"``) before and after.
-    Returns the model and :func:`rcdl.training.train_one_pass`'s result."""
-    model, optimizer, grower = build_model(name, seed, device=device, reserve=len(x))
-    result = train_one_pass(model, (x, y, *evaluation), batch_size=batch_size, seed=seed,
-                            optimizer=optimizer, grower=grower, loss_fn=F.cross_entropy,
-                            metrics={"acc": accuracy}, eval_every=10**9, device=device,
-                            progress=False)  # fmt: skip
-    return model, result
+# --------------------------------------------------------------------------- scores
 
 
 def _logits(model: nn.Module, x: Tensor, device: torch.device | str,

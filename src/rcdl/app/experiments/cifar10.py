@@ -73,7 +73,6 @@ from rcdl.app.cifar import CifarData, cifar_summary
 from rcdl.app.classical import fit_classical
 from rcdl.app.experiments.cifar10_combine import combine_runs
 from rcdl.app.experiments.cifar10_config import (  # noqa: F401 - importable from here as before
-    EXPERIMENT,
     METRICS,
     Cifar10Config,
     load_data,
@@ -111,6 +110,8 @@ __all__ = [
     "Reference", "build_model", "combine_runs", "hybrid_name", "hybrid_tau", "load_data",
     "model_spec", "run_cifar10",
 ]  # fmt: skip
+
+EXPERIMENT = "cifar10-1epoch"  # also the run folders' `experiment` (cifar10_config.EXPERIMENT)
 
 # --------------------------------------------------------------------------- running
 

@@ -20,7 +20,8 @@ initialisation, over the same orders of the same images:
 The model is docs/reference.md §6's ResNet-MLP (:class:`rcdl.networks.ResNetMLP`) with
 ``depth = 10`` residual blocks (each one Linear ``w → w`` + tanh-GELU; "10-layer" is read as ten
 blocks, plus the linear readout), on the images seen through the fixed random projection of
-:mod:`rcdl.app.experiments.optimizers` (``width=None``: the 3072 pixel values).
+:mod:`rcdl.app.experiments.optimizers` (:func:`rcdl.app.recipes.project`; ``width=None``: the
+3072 pixel values).
 
 Decisions:
 
@@ -61,7 +62,7 @@ from torch import nn
 
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import data_dir_setting, device_setting, setting
-from rcdl.app.experiments.optimizers import (
+from rcdl.app.recipes import (
     ProjectedConfig,
     epoch_rows,
     epoch_table,
@@ -156,7 +157,7 @@ def build_variant(name: str, seed: int, cfg: DeltaNetDecayConfig, *,
 
 
 def _sub_runs(cfg: DeltaNetDecayConfig, data: CifarData, session: Session) -> Iterator:
-    """Every (seed, variant), trained by :func:`rcdl.app.experiments.optimizers.train_method`
+    """Every (seed, variant), trained by :func:`rcdl.app.recipes.train_method`
     on the projected images."""
     build = partial(build_variant, cfg=cfg, device=session.device)
     tensors = projected_tensors(data, cfg, session.device)

@@ -1,6 +1,8 @@
 """Accuracy against memory: growing layers under a bounded memory (docs/reference.md §8, "Known
 limits").
 
+Run it with ``rcdl reproduce memory-budget`` (see docs/memory.md).
+
 A growing model stores one entry per training sample per layer, so its memory grows
 linearly with the data. This experiment bounds it with a :class:`rcdl.memory.MemoryBudget`
 and measures what that costs on the one-epoch CIFAR-10 task (docs/reference.md §6, the ``gws`` model
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 
 from rcdl.app.cifar import CifarData, cifar_summary
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.experiments import cifar10
+from rcdl.app.experiments import cifar10_config, cifar10_models
 from rcdl.app.report import Curve, Panel, csv_text, markdown_table, plot_panels, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, run_experiment
@@ -54,7 +56,7 @@ __all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "GROWING_MODELS", "MemoryBudgetConfi
 
 EXPERIMENT = "memory-budget"
 # the models of rcdl.app.experiments.cifar10 that grow (a Grower to put a budget on)
-GROWING_MODELS = tuple(m for m in ("gws", "gauge", "rbf", "hybrid") if m in cifar10.MODELS)
+GROWING_MODELS = tuple(m for m in ("gws", "gauge", "rbf", "hybrid") if m in cifar10_models.MODELS)
 UNBOUNDED = "unbounded"  # the policy column of the reference run
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -121,12 +123,13 @@ class MemoryBudgetConfig(ExperimentConfig):
 
 
 def load_data(cfg: MemoryBudgetConfig, *, download: bool = True) -> CifarData:
-    """CIFAR-10 subset as ``cfg`` asks, exactly as :func:`rcdl.app.experiments.cifar10.load_data`
-    loads it (same files, standardisation and subsets)."""
-    as_cifar10 = cifar10.Cifar10Config(models=(cfg.model,), train_size=cfg.train_size,
-                                       test_size=cfg.test_size, data_dir=cfg.data_dir,
-                                       data_seed=cfg.data_seed)
-    return cifar10.load_data(as_cifar10, download=download)
+    """CIFAR-10 subset as ``cfg`` asks, exactly as the one-epoch comparison loads it
+    (:func:`rcdl.app.experiments.cifar10_config.load_data`: same files, standardisation and
+    subsets)."""
+    as_cifar10 = cifar10_config.Cifar10Config(models=(cfg.model,), train_size=cfg.train_size,
+                                              test_size=cfg.test_size, data_dir=cfg.data_dir,
+                                              data_seed=cfg.data_seed)
+    return cifar10_config.load_data(as_cifar10, download=download)
 
 
 # --------------------------------------------------------------------------- running
@@ -143,15 +146,15 @@ def _train(cfg: MemoryBudgetConfig, budget: MemoryBudget | None, data: tuple,
     n_train = len(data[0])
     # room for the whole pass, or for the budget plus one step's entries: memory stays bounded
     reserve = n_train if budget is None else min(n_train, budget.capacity + cfg.batch_size)
-    model, optimizer, _ = cifar10.build_model(cfg.model, cfg.seed, device=session.device,
-                                              dtype=cfg.torch_dtype, reserve=reserve)
+    model, optimizer, _ = cifar10_models.build_model(cfg.model, cfg.seed, device=session.device,
+                                                     dtype=cfg.torch_dtype, reserve=reserve)
     grower = Grower(model, budget=budget)
     initial = grower.num_entries
     policy = UNBOUNDED if budget is None else budget.policy
     capacity = None if budget is None else budget.capacity
     result = train_one_pass(
         model, data, batch_size=cfg.batch_size, seed=cfg.seed, optimizer=optimizer,
-        grower=grower, loss_fn=F.cross_entropy, metrics=cifar10.METRICS,
+        grower=grower, loss_fn=F.cross_entropy, metrics=cifar10_config.METRICS,
         eval_every=cfg.eval_every, eval_batch_size=cfg.eval_batch_size, device=session.device,
         run=session.log(policy=policy, capacity=capacity), name=_label(budget),
         progress=session.progress,

@@ -56,8 +56,8 @@ from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.experiments.attribution_exp import train_model
 from rcdl.app.experiments.cifar10_models import build_model, model_spec
+from rcdl.app.recipes import train_model
 from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, read_config
 from rcdl.app.runner import Combine, Experiment, Session
@@ -211,7 +211,7 @@ def _measure(model: nn.Module, sets: _Sets, cfg: UnlearningConfig, seed: int,
 def _train(name: str, seed: int, x: Tensor, y: Tensor, cfg: UnlearningConfig,
            session: Session) -> tuple[nn.Module, float]:  # fmt: skip
     """Model ``name`` trained one pass over ``(x, y)`` from ``seed``
-    (:func:`rcdl.app.experiments.attribution_exp.train_model`, nothing evaluated), with
+    (:func:`rcdl.app.recipes.train_model`, nothing evaluated), with
     its training seconds. The entries remember their samples as indices into ``x``."""
     model, result = train_model(name, seed, x, y, (x[:1], y[:1]), batch_size=cfg.batch_size,
                                 device=session.device)
