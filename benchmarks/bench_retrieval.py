@@ -48,12 +48,10 @@ import torch.nn.functional as F
 from rcdl.app.allocator import keep_freed_memory
 from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.attention import attention, attention_partial
+from rcdl.indices import ExactIndex, make_index, metric_for
 from rcdl.kernels import softmax_scale
 from rcdl.layers import growing_layers
 from rcdl.retrieval import (
-    ExactIndex,
-    make_index,
-    metric_for,
     recall_at_k,
     topk_attention,
     use_exact,

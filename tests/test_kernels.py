@@ -14,8 +14,9 @@ from torch.testing import assert_close
 
 from rcdl import FunctionalSGD, Grower, GrowingLayer
 from rcdl.attention import attention
+from rcdl.indices import ExactIndex
 from rcdl.kernels import KERNELS, Kernel, check_kernel, naive_attention, register_kernel
-from rcdl.retrieval import ExactIndex, topk_attention
+from rcdl.retrieval import topk_attention
 
 
 class CauchyKernel(Kernel):

@@ -312,11 +312,14 @@ def test_a_budgeted_rbf_net_still_learns(policy):
 
 
 def test_budget_on_a_hybrid_layer_keeps_its_moments_aligned():
-    hybrid = pytest.importorskip("rcdl.hybrid")
-    layer = hybrid.HybridSoftmax(8, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 3.0),
-                                 trigger=hybrid.AlwaysGrow(), seed=0).double()
+    from rcdl.entry_adam import EntryAdam
+    from rcdl.gates import AlwaysGrow
+    from rcdl.hybrid import HybridSoftmax
+
+    layer = HybridSoftmax(8, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 3.0),
+                          trigger=AlwaysGrow(), seed=0).double()
     net = torch.nn.Sequential(layer)
-    adam, grower = hybrid.EntryAdam(net), Grower(net, budget=MemoryBudget(20, "oldest"))
+    adam, grower = EntryAdam(net), Grower(net, budget=MemoryBudget(20, "oldest"))
     for step in range(3):
         x, y = blobs(8, step)
         F.cross_entropy(net(x), y).backward()

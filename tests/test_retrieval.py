@@ -32,16 +32,13 @@ from rcdl.entry_adam import EntryAdam
 from rcdl.gates import DistanceGate
 from rcdl.hybrid import HybridSoftmax, hybrid_layers
 from rcdl.hybrid_grower import HybridGrower
+from rcdl.indices import ExactIndex, FaissIndex, RetrievalIndex, metric_for
 from rcdl.kernels import KERNELS as REGISTRY
 from rcdl.kernels import naive_attention
 from rcdl.layers import growing_layers
 from rcdl.retrieval import (
-    ExactIndex,
-    FaissIndex,
-    RetrievalIndex,
     TopK,
     load_retrieval_state,
-    metric_for,
     recall_at_k,
     retrieval_state,
     topk_attention,

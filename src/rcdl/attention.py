@@ -74,9 +74,8 @@ class Combiner(Protocol):
 def default_chunk_size(batch: int, device: torch.device | str | None = None) -> int:
     """Entries per chunk.
 
-    On CPU: 2048 for small batches, 1024 beyond 128 queries (measured best on a 2-core AVX2
-    machine with d = 3072, see ``benchmarks/bench_attention.py``): a chunk's keys stay in
-    cache. On a GPU the cost is kernel launches, not cache misses, so chunks are large:
+    On CPU: 2048 for small batches, 1024 beyond 128 queries, so that a chunk's keys stay in
+    cache (``benchmarks/bench_attention.py`` compares sizes; docs/precision.md). On a GPU the cost is kernel launches, not cache misses, so chunks are large:
     65 536 entries, whose ``(c, B)`` block is 131 MB at B = 500 in float32.
     """
     if device is not None and torch.device(device).type == "cuda":
@@ -87,9 +86,9 @@ def default_chunk_size(batch: int, device: torch.device | str | None = None) -> 
 def _default_chunk(q: Tensor, keys: Tensor) -> int:
     """:func:`default_chunk_size`, or where a half store's chunks are converted to float32
     (:mod:`rcdl.half`) the rows whose float32 copy stays in cache while it is multiplied:
-    2 MiB of them for training batches, 4 MiB for larger ones (at least 256 rows). Measured on
-    a 2-core AMD EPYC at d = 1 024, B = 16: 2 048-row chunks made the converted training call
-    1.9x float32's, 512-row ones 1.0x (``benchmarks/bench_half_paths.py``)."""
+    2 MiB of them for training batches, 4 MiB for larger ones (at least 256 rows): a larger
+    converted chunk leaves the cache before its second product reads it
+    (``benchmarks/bench_half_paths.py``; the figures are in docs/precision.md)."""
     rows = default_chunk_size(q.shape[0], q.device)
     if not upcast_chunks(keys.dtype, keys.device):
         return rows
@@ -103,13 +102,12 @@ def _empty_partial(q: Tensor, d_out: int, kernel: Kernel) -> Partial:
     return Partial(m, q.new_zeros(b, d_out), q.new_zeros(b), q.new_zeros(b))
 
 
-# Blocks are entry-major, (c, B): ``keys_c @ q.T`` reads the store rows contiguously, which is
-# up to 1.5x faster than ``q @ keys_c.T`` at small B on CPU. The products that sum over the
-# chunk's entries (``blockᵀ @ values_c``, and ``gradᵀ @ keys_c`` backward) take the block
-# transposed into a contiguous (B, c) copy, the store chunk as it lies: measured 1.2-1.9x
-# faster than ``values_c.T @ block`` on an AVX512/AMX CPU in float32 and bfloat16, B = 16 and
-# 500. For a half-precision store and B > 128 (evaluation) the scores are formed as
-# ``q @ keys_c.T``, 2x faster there in bfloat16 than ``keys_c @ q.T`` (docs/precision.md).
+# Blocks are entry-major, (c, B): ``keys_c @ q.T`` reads the store rows contiguously, which
+# suits small B on CPU. The products that sum over the chunk's entries (``blockᵀ @ values_c``,
+# and ``gradᵀ @ keys_c`` backward) take the block transposed into a contiguous (B, c) copy and
+# the store chunk as it lies, rather than ``values_c.T @ block``. For a half-precision store
+# and B > 128 (evaluation) the scores are formed as ``q @ keys_c.T`` instead. Each order is
+# the faster one where it is used; docs/precision.md gives the measurements.
 
 
 def _chunk_kernel_values(

@@ -36,7 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.distributed import Shard, model_shard
+from rcdl.backends import ShardCollectives
+from rcdl.distributed import model_shard
 from rcdl.kernels import guard_denominator, softmax_scale
 from rcdl.layers import GrowingLayer, growing_layers
 from rcdl.provenance import UNKNOWN, entry_samples
@@ -172,7 +173,7 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
     return Explanation(chosen, f.detach(), found, samples)
 
 
-def _top_entries(contrib: Tensor, ids: Tensor, k: int, shard: Shard | None
+def _top_entries(contrib: Tensor, ids: Tensor, k: int, shard: ShardCollectives | None
                  ) -> tuple[Tensor, Tensor]:  # (B, k) each
     """The ``k`` largest of ``contrib (B, N)`` per row and their entry ids ``ids (N,)``;
     ``k`` is at most the entries of every rank. When sharded: each rank's top ``k``, padded
@@ -192,7 +193,7 @@ def _top_entries(contrib: Tensor, ids: Tensor, k: int, shard: Shard | None
 
 
 def _top_samples(parts: list[tuple[Tensor, Tensor]], batch: int, k: int,
-                 shard: Shard | None) -> tuple[Tensor, Tensor]:  # (B, k) each
+                 shard: ShardCollectives | None) -> tuple[Tensor, Tensor]:  # (B, k) each
     """Each sample's contributions summed over its entries in every layer (and, when
     sharded, over every rank), top ``k``."""
     empty = torch.zeros(batch, 0)
@@ -210,7 +211,7 @@ def _top_samples(parts: list[tuple[Tensor, Tensor]], batch: int, k: int,
     return top.values, unique[top.indices]
 
 
-def _sum_over_ranks(unique: Tensor, totals: Tensor, shard: Shard
+def _sum_over_ranks(unique: Tensor, totals: Tensor, shard: ShardCollectives
                     ) -> tuple[Tensor, Tensor]:  # (U,), (B, U)
     """Each rank's per-sample totals ``(B, S_r)`` over its samples ``unique (S_r,)``, summed
     over the ranks on the union ``(U,)`` of every rank's samples (sorted)."""

@@ -30,7 +30,7 @@ methods and an ``inner``; it wraps another without the others knowing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -43,13 +43,73 @@ from rcdl.attention import (
     nearest_sq_distance,
     resume_partial,
 )
+from rcdl.kernels import Kernel
+from rcdl.store import EntryStore
 
-if TYPE_CHECKING:
-    from rcdl.layers import GrowingLayer
-
-__all__ = ["Backend", "EvalCached", "Exact", "Sharded", "TopK", "Wrapper", "find"]
+__all__ = ["AttendingLayer", "Backend", "EvalCached", "Exact", "RetrievalMode", "ShardCollectives",
+           "Sharded", "TopK", "Wrapper", "find"]
 
 Entries = tuple[Tensor, Tensor, Tensor]  # keys (N, key_dim), values (N, d_out), weights (N,)
+
+
+class AttendingLayer(Protocol):
+    """What a backend reads of the layer it answers for (a
+    :class:`rcdl.layers.AttendingLayer` is one): the store, how its rows are attended over,
+    and the per-entry weights, age coefficients included."""
+
+    @property
+    def store(self) -> EntryStore: ...
+
+    @property
+    def kernel(self) -> Kernel: ...
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def chunk_size(self) -> int | None: ...
+
+    def entry_weights(self) -> Tensor: ...  # (N,)
+
+
+class ShardCollectives(Protocol):
+    """What :class:`Sharded`, the layers and the model-wide functions ask of the shard of a
+    store split over ranks (:class:`rcdl.distributed.Shard` is one): its place in the group
+    and its collectives."""
+
+    @property
+    def group(self) -> Any: ...  # torch.distributed.ProcessGroup | None
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_gather(self, t: Tensor) -> Tensor: ...
+
+    def attention(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, *,
+                  kernel: Kernel, temperature: float = 1.0, chunk_size: int | None = None,
+                  eps: float = 1e-6, stats: list | None = None) -> Tensor: ...
+
+    def partial(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, *,
+                kernel: Kernel, temperature: float = 1.0,
+                chunk_size: int | None = None) -> Partial: ...
+
+    def nearest_sq_distance(self, local: Tensor) -> Tensor: ...
+
+    def all_reduce(self, t: Tensor, op: Any = ...) -> Tensor: ...
+
+    def owned(self, count: int, device: torch.device, offset: int = 0) -> Tensor: ...
+
+
+class RetrievalMode(Protocol):
+    """What :class:`TopK` asks of a top-k mode (:class:`rcdl.retrieval.TopK` is one):
+    whether it applies to this call of the layer, and its attention."""
+
+    def applies(self, layer: Any) -> bool: ...
+
+    def attend(self, layer: Any, q: Tensor, entries: Entries | None = None) -> Tensor: ...
 
 
 class Backend(Protocol):
@@ -57,14 +117,14 @@ class Backend(Protocol):
 
     inner: Backend | None
 
-    def attend(self, layer: GrowingLayer, q: Tensor, entries: Entries | None = None,
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
                stats: list | None = None) -> Tensor: ...
 
-    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial: ...
+    def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial: ...
 
-    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor: ...
+    def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor: ...
 
-    def size(self, layer: GrowingLayer) -> int: ...
+    def size(self, layer: AttendingLayer) -> int: ...
 
 
 def find(backend: Backend | None, kind: type) -> Any:
@@ -76,7 +136,7 @@ def find(backend: Backend | None, kind: type) -> Any:
     return None
 
 
-def _store_entries(layer: GrowingLayer) -> Entries:
+def _store_entries(layer: AttendingLayer) -> Entries:
     return layer.store.keys, layer.store.values, layer.entry_weights()
 
 
@@ -85,21 +145,21 @@ class Exact:
 
     inner: Backend | None = None
 
-    def attend(self, layer: GrowingLayer, q: Tensor, entries: Entries | None = None,
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
                stats: list | None = None) -> Tensor:  # (B, d_out)
         keys, values, weights = entries if entries is not None else _store_entries(layer)
         return attention(q, keys, values, weights, kernel=layer.kernel,
                          temperature=layer.temperature, chunk_size=layer.chunk_size,
                          stats=stats)
 
-    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial:
+    def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial:
         return attention_partial(q, *entries, kernel=layer.kernel,
                                  temperature=layer.temperature, chunk_size=layer.chunk_size)
 
-    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor:  # (B,)
+    def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor:  # (B,)
         return nearest_sq_distance(q, layer.store.keys, chunk_size=layer.chunk_size)
 
-    def size(self, layer: GrowingLayer) -> int:
+    def size(self, layer: AttendingLayer) -> int:
         return len(layer.store)
 
 
@@ -109,25 +169,25 @@ class Sharded:
     attends over its rows, and the partials, query-gradient shares, nearest distances and
     sizes are reduced over the ranks by the shard's collectives."""
 
-    shard: Any  # rcdl.distributed.Shard (not imported: the library's layers import this)
+    shard: ShardCollectives
     inner: Backend | None = field(default_factory=Exact)
 
-    def attend(self, layer: GrowingLayer, q: Tensor, entries: Entries | None = None,
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
                stats: list | None = None) -> Tensor:  # (B, d_out)
         keys, values, weights = entries if entries is not None else _store_entries(layer)
         return self.shard.attention(q, keys, values, weights, kernel=layer.kernel,
                                     temperature=layer.temperature,
                                     chunk_size=layer.chunk_size, stats=stats)
 
-    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial:
+    def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial:
         return self.shard.partial(q, *entries, kernel=layer.kernel,
                                   temperature=layer.temperature, chunk_size=layer.chunk_size)
 
-    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor:  # (B,)
+    def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor:  # (B,)
         assert self.inner is not None
         return self.shard.nearest_sq_distance(self.inner.nearest_sq_distance(layer, q))
 
-    def size(self, layer: GrowingLayer) -> int:
+    def size(self, layer: AttendingLayer) -> int:
         count = torch.tensor([len(layer.store)], dtype=torch.long, device=layer.store.device)
         return int(self.shard.all_reduce(count)[0])
 
@@ -138,15 +198,15 @@ class Wrapper:
 
     inner: Backend | None
 
-    def partial(self, layer: GrowingLayer, q: Tensor, entries: Entries) -> Partial:
+    def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial:
         assert self.inner is not None
         return self.inner.partial(layer, q, entries)
 
-    def nearest_sq_distance(self, layer: GrowingLayer, q: Tensor) -> Tensor:
+    def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor:
         assert self.inner is not None
         return self.inner.nearest_sq_distance(layer, q)
 
-    def size(self, layer: GrowingLayer) -> int:
+    def size(self, layer: AttendingLayer) -> int:
         assert self.inner is not None
         return self.inner.size(layer)
 
@@ -163,7 +223,7 @@ class _CachedPartial:
 
 @dataclass(eq=False)
 class EvalCached(Wrapper):
-    """Incremental evaluation (:meth:`rcdl.layers.GrowingLayer.enable_eval_cache`): the
+    """Incremental evaluation (:meth:`rcdl.layers.AttendingLayer.enable_eval_cache`): the
     ``k``-th no-grad call after :meth:`start_evaluation` keeps its queries and the streaming
     fold's state after the store's last full chunk; the ``k``-th call of the next evaluation,
     if its queries are the same and the store only grew, folds only the chunks from there on
@@ -178,7 +238,7 @@ class EvalCached(Wrapper):
     def start_evaluation(self) -> None:
         self.calls = 0
 
-    def attend(self, layer: GrowingLayer, q: Tensor, entries: Entries | None = None,
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
                stats: list | None = None) -> Tensor:  # (B, d_out)
         assert self.inner is not None
         if self.slots is None or entries is not None or torch.is_grad_enabled():
@@ -205,10 +265,10 @@ class TopK(Wrapper):
     (:class:`rcdl.retrieval.TopK`: evaluation, or training too with ``train=True``);
     everything else goes to ``inner``."""
 
-    mode: Any  # rcdl.retrieval.TopK (not imported: retrieval imports the layers)
+    mode: RetrievalMode
     inner: Backend | None = field(default_factory=Exact)
 
-    def attend(self, layer: GrowingLayer, q: Tensor, entries: Entries | None = None,
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
                stats: list | None = None) -> Tensor:  # (B, d_out)
         assert self.inner is not None
         if self.mode.applies(layer):

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rcdl.attention import Partial, attention, attention_partial
+from rcdl.backends import ShardCollectives
 from rcdl.kernels import Kernel, check_kernel
 from rcdl.layers import growing_layers
 
@@ -216,8 +217,8 @@ def is_sharded(model: nn.Module) -> bool:
     return any(getattr(layer, "shard", None) is not None for _, layer in growing_layers(model))
 
 
-def model_shard(model: nn.Module, where: str = "model_shard") -> Shard | None:
-    """The :class:`Shard` that every growing layer of ``model`` is sharded by (as
+def model_shard(model: nn.Module, where: str = "model_shard") -> ShardCollectives | None:
+    """The shard (a :class:`Shard`) that every growing layer of ``model`` is sharded by (as
     :func:`shard` leaves them), or ``None`` when none is sharded. A model with some layers
     sharded and others not, or sharded over different groups, is refused (``where`` names
     the caller in the error): a total over the ranks would count its unsharded layers once

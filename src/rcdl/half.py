@@ -3,8 +3,8 @@
 
 A store kept in bfloat16 (or float16) halves its bytes. Its products with the queries can run
 in that dtype, which is fast where the hardware multiplies it natively (CPUs with
-``avx512_bf16`` or AMX, GPUs) and many times slower where it is emulated (an AVX2-only CPU:
-oneDNN then converts element by element). The other path converts each chunk of the store to
+``avx512_bf16`` or AMX, GPUs) and slow where it is emulated (an AVX2-only CPU: oneDNN then
+converts element by element; docs/precision.md). The other path converts each chunk of the store to
 float32 as it is read, so only a chunk-sized buffer is float32, and multiplies in float32:
 the store's memory saving stays, and the speed is float32's plus one conversion pass.
 

@@ -9,13 +9,12 @@ gives the per-entry scales ``a``, ``c``)::
 
 with the counter-based rounding noise of :mod:`rcdl.rounding`. Eager PyTorch runs this as
 about 25 element-wise passes over the block (the noise alone is ten), against eight for a
-float32 store: on a 2-core AMD EPYC the eager step of a bfloat16 store took 3.4× the
-float32 one's (docs/precision.md). ``torch.compile`` fuses the passes into one loop
-(15× faster there), at a one-time cost of about a minute of compilation on two cores.
+float32 store. ``torch.compile`` fuses the passes into one loop, at a one-time cost of
+compiling it (docs/precision.md gives both times).
 
 Which to run: ``"eager"``, ``"compiled"``, or ``"auto"`` (the default): compiled for a layer
 whose keys and values hold at least :data:`AUTO_ELEMENTS` numbers (a full-scale store, where
-the minute is repaid within a few hundred steps), eager below. Set it with
+the compilation is repaid within a few hundred steps), eager below. Set it with
 ``RCDL_HALF_ADAM`` (before the first import), :func:`set_half_adam` or ``with
 half_adam(mode):``. Where compilation fails (no C++ compiler), the eager path runs, with one
 warning. The two paths compute the same function; the compiled one may round a float32

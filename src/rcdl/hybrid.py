@@ -40,27 +40,20 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from rcdl.gates import (  # noqa: F401 - importable from here as before
-    PAPER_TAU,
-    PAPER_WIDTH,
-    AlwaysGrow,
-    CapacityGate,
+from rcdl.gates import (
     DistanceGate,
-    ErrorScaledGate,
     GrowthTrigger,
     default_tau,
 )
 from rcdl.half_adam import adam_rows, use_compiled
 from rcdl.layers import GrowingSoftmax
 from rcdl.records import Record
-from rcdl.rounding import round_stochastically, rounding_noise  # noqa: F401 - as before
 from rcdl.rules import Entries, LearningRule
 from rcdl.store import EntryStore
 
 __all__ = [
     "GrowthStalledWarning", "HybridSoftmax", "adam_block_elements", "hybrid_layers",
 ]  # fmt: skip
-# round_stochastically lives in rcdl.rounding; importable from here as before
 
 
 class GrowthStalledWarning(UserWarning):
@@ -287,9 +280,7 @@ class HybridSoftmax(GrowingSoftmax):
         if (self.store.keys.dtype == torch.float16 and not self._saturation_warned
                 and self.adam_steps % self.SATURATION_CHECK_EVERY == 1):
             self._warn_saturated()  # a scan of the store: not every step
-        self.store.touch()  # every entry moved: cached partials over them are stale
-        if self.retrieval is not None:  # a top-k index follows in-place moves lazily
-            self.retrieval.entries_moved(self)
+        self.store.moved()  # every entry moved: cached partials over them are stale
 
     SATURATION_CHECK_EVERY = 64  # Adam steps between scans of a float16 store for ±65 504
 
@@ -367,7 +358,7 @@ class HybridSoftmax(GrowingSoftmax):
             f"{self.trigger} refused every sample{seen}. A distance threshold is in the units "
             f"of the layer's queries (‖q‖ = √d = {math.sqrt(self.store.d_in):.3g} after the "
             f"networks' RMS norm); the default for this width is "
-            f"DistanceGate({default_tau(self.store.d_in):.3g}) (rcdl.hybrid.default_tau)",
+            f"DistanceGate({default_tau(self.store.d_in):.3g}) (rcdl.gates.default_tau)",
             GrowthStalledWarning, stacklevel=2)
 
     def _zero_moments(self, count: int) -> None:
@@ -405,15 +396,3 @@ def hybrid_layers(model: nn.Module) -> list[tuple[str, HybridSoftmax]]:
     """All hybrid layers of ``model`` with their module paths."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, HybridSoftmax)]
 
-
-def __getattr__(name: str) -> object:
-    """``EntryAdam`` and ``HybridGrower`` live in :mod:`rcdl.entry_adam` and
-    :mod:`rcdl.hybrid_grower`; importable from here as before (loaded on first use: those
-    modules import this one)."""
-    if name == "EntryAdam":
-        from rcdl.entry_adam import EntryAdam
-        return EntryAdam
-    if name == "HybridGrower":
-        from rcdl.hybrid_grower import HybridGrower
-        return HybridGrower
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

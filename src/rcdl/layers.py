@@ -24,29 +24,31 @@ import functools
 import math
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rcdl.attention import attention, attention_partial
-from rcdl.backends import Backend, EvalCached, Exact, Sharded, find
+from rcdl.backends import (
+    Backend,
+    EvalCached,
+    Exact,
+    RetrievalMode,
+    ShardCollectives,
+    Sharded,
+    find,
+)
 from rcdl.backends import TopK as _TopKBackend
 from rcdl.kernels import Kernel, check_kernel, softmax_scale
-from rcdl.provenance import UNKNOWN, SampleMap
 from rcdl.records import (
     EvalModeOutput,
     Record,
     Recorder,
-    UnsteppedBatchWarning,  # noqa: F401 - importable from here as before
 )
 from rcdl.rules import Entries, FunctionalSGD, LearningRule, Step
+from rcdl.sample_map import UNKNOWN, SampleMap
 from rcdl.store import EntryStore
-
-if TYPE_CHECKING:
-    from rcdl.distributed import Shard
-    from rcdl.retrieval import TopK
 
 __all__ = [
     "GrowingLaplacian", "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax",
@@ -169,37 +171,37 @@ class GrowingLayer(nn.Module):
         self.steps.fill_(steps)
         self.output_scale = output_scale
 
-    def use_shard(self, shard: Shard | None) -> None:
+    def use_shard(self, shard: ShardCollectives | None) -> None:
         """Attend over this rank's rows of a store split over ranks (``None``: the whole
         store here): the base of :attr:`backend` becomes :class:`~rcdl.backends.Sharded`
         (:func:`rcdl.distributed.shard` installs it). Drops an evaluation cache."""
         self._compose(base=Exact() if shard is None else Sharded(shard), cache=None,
                       mode=self.retrieval)
 
-    def use_retrieval(self, mode: TopK | None) -> None:
+    def use_retrieval(self, mode: RetrievalMode | None) -> None:
         """Attend by a top-k mode (``None``: exact streaming attention again): the outer
         :class:`~rcdl.backends.TopK` of :attr:`backend` (:func:`rcdl.retrieval.use_topk` and
         ``use_exact`` install it)."""
         self._compose(base=self._base(), cache=find(self.backend, EvalCached), mode=mode)
 
     @property
-    def shard(self) -> Shard | None:
+    def shard(self) -> ShardCollectives | None:
         """The shard of a store split over ranks (:mod:`rcdl.distributed`), else ``None``."""
         sharded = find(self.backend, Sharded)
         return None if sharded is None else sharded.shard
 
     @shard.setter
-    def shard(self, shard: Shard | None) -> None:  # as use_shard
+    def shard(self, shard: ShardCollectives | None) -> None:  # as use_shard
         self.use_shard(shard)
 
     @property
-    def retrieval(self) -> TopK | None:
+    def retrieval(self) -> RetrievalMode | None:
         """The top-k mode the layer attends by (:mod:`rcdl.retrieval`), else ``None``."""
         topk = find(self.backend, _TopKBackend)
         return None if topk is None else topk.mode
 
     @retrieval.setter
-    def retrieval(self, mode: TopK | None) -> None:  # as use_retrieval
+    def retrieval(self, mode: RetrievalMode | None) -> None:  # as use_retrieval
         self.use_retrieval(mode)
 
     def _base(self) -> Backend:
@@ -221,7 +223,7 @@ class GrowingLayer(nn.Module):
                             "inner is the backend it wraps")
         self.backend = wrapped
 
-    def _compose(self, base: Backend, cache: EvalCached | None, mode: TopK | None) -> None:
+    def _compose(self, base: Backend, cache: EvalCached | None, mode: RetrievalMode | None) -> None:
         """``backend = TopK(mode, EvalCached(base))`` with the absent parts left out, inside
         the backends of :meth:`wrap_backend` (kept, outermost, in their order)."""
         own = []  # the wrap_backend wrappers, outermost first

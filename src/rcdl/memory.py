@@ -142,7 +142,7 @@ def merge_into_nearest(layer: GrowingLayer, mask: Tensor) -> Tensor:  # (E,) tar
 
     Only the kept rows change, in place; the masked rows are left for the caller to remove
     (with ``layer.remove_entries(mask)``). Each kept entry keeps its id and sample, and its
-    provenance counts the entries it absorbed (:meth:`rcdl.provenance.SampleMap.absorb`;
+    provenance counts the entries it absorbed (:meth:`rcdl.sample_map.SampleMap.absorb`;
     :func:`rcdl.provenance.merged_counts`). Merging is refused for linear layers and for
     layers whose rules weight entries by age.
 

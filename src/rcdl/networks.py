@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.hybrid import GrowthTrigger, HybridSoftmax
+from rcdl.gates import GrowthTrigger
+from rcdl.hybrid import HybridSoftmax
 from rcdl.layers import GrowingLinear, GrowingRBF, GrowingSoftmax, ParametricSoftmax
 from rcdl.rules import FunctionalSGD, LearningRule
 

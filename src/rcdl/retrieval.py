@@ -49,12 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.indices import (  # noqa: F401 - importable from here as before
-    BACKENDS,
+from rcdl.indices import (
     Backend,
     ExactIndex,
     FaissIndex,
-    Metric,
     RetrievalIndex,
     check_count,
     make_index,
@@ -239,8 +237,8 @@ def _attend_candidates(
 def _sum_rows(coef: Tensor, rows: Tensor, table: Tensor) -> Tensor:  # (b, d)
     """``Σ_j coef[b, j] · table[rows[b, j]]`` for coefficients ``coef (b, k)`` and row numbers
     ``rows (b, k)``. ``F.embedding_bag`` reads each row once, without the ``(b, k, d)`` copy
-    that a gather and a batched product would write and read again (15× faster on CPU at
-    ``d = 3072``, ``k = 128``); a half-precision table is gathered and cast instead."""
+    that a gather and a batched product would write and read again (docs/retrieval.md
+    compares the two); a half-precision table is gathered and cast instead."""
     if table.dtype == coef.dtype:
         return F.embedding_bag(rows, table, per_sample_weights=coef, mode="sum")
     return torch.bmm(coef[:, None, :], table[rows].to(coef.dtype))[:, 0]
@@ -294,7 +292,8 @@ class TopK:
     whole store when the store is another one, lost rows, or changed otherwise
     (``store.version``: removals by a memory budget, a loaded state dict, a storage dtype
     change). An optimizer that moves the stored rows in place (the hybrid's Adam, every step)
-    says so by :meth:`entries_moved`; the index follows the ``R``-th such move
+    says so to the store (:meth:`rcdl.store.EntryStore.moved`, counted in ``store.moves``);
+    the index follows the ``R``-th such move
     (``refresh_every``) by a rebuild at the next call and keeps its keys between: it then
     searches keys up to ``R − 1`` moves old. The rows it finds are rescored and attended over
     with their current keys, values and weights, so staleness changes which rows are
@@ -342,14 +341,14 @@ class TopK:
     def _forget_index(self) -> None:
         self.index: ExactIndex | FaissIndex | None = None  # made by make_index
         self._store: weakref.ref[EntryStore] | None = None  # the store indexed
-        self._version = -1  # its version when indexed (moves reported are absorbed)
+        self._layout = -1  # its version less its moves when indexed: changed -> rebuild
+        self._moves_seen = 0  # its moves at the last call
         self._rows = 0  # its rows indexed
-        self._stale = 0  # in-place moves of its rows the index has not followed
-        self._moves = 0  # of which reported since the last call
+        self._stale = 0  # in-place moves of its rows the index had not followed then
 
     def __getstate__(self) -> dict[str, Any]:  # copies and pickles rebuild the index
         state = self.__dict__.copy()
-        state.update(index=None, _store=None, _version=-1, _rows=0, _stale=0, _moves=0)
+        state.update(index=None, _store=None, _layout=-1, _moves_seen=0, _rows=0, _stale=0)
         return state
 
     def applies(self, layer: GrowingLayer) -> bool:
@@ -357,24 +356,16 @@ class TopK:
         training too if ``train``."""
         return self.train or not (layer.training and torch.is_grad_enabled())
 
-    def entries_moved(self, layer: GrowingLayer) -> None:
-        """Note that an optimizer moved ``layer``'s stored rows in place and then called
-        ``store.touch()`` once (no row added, removed or reordered): the index may follow the
-        move lazily (``refresh_every``). A touch not reported here rebuilds at the next call."""
-        store = layer.store
-        if self._kept_staleness(store, store.version - 1) is not None:
-            self._version, self._moves = store.version, self._moves + 1
-
-    def _kept_staleness(self, store: EntryStore, version: int | None = None) -> int | None:
-        """The moves the index would lag behind ``store`` by if kept at the next call
-        (``store.version`` taken as ``version``), or ``None`` if that call must rebuild it:
-        another store, rows lost, a change other than appends and reported moves, or
+    def _kept_staleness(self, store: EntryStore) -> int | None:
+        """The moves the index would lag behind ``store`` by if kept at the next call, or
+        ``None`` if that call must rebuild it: another store, rows lost, a change other than
+        appends and in-place moves (:meth:`rcdl.store.EntryStore.moved`), or
         ``refresh_every`` moves not followed."""
         if self.index is None or self._store is None or self._store() is not store:
             return None
-        version = store.version if version is None else version
-        stale = self._stale + self._moves
-        if self._rows > len(store) or self._version != version or stale >= self.refresh_every:
+        stale = self._stale + store.moves - self._moves_seen
+        if (self._rows > len(store) or store.version - store.moves != self._layout
+                or stale >= self.refresh_every):
             return None
         return stale
 
@@ -392,7 +383,8 @@ class TopK:
             index = make_index(self.backend, metric_for(layer.kernel), **self.index_kw)
             self.index = index
             self._store, self._rows, stale = weakref.ref(store), 0, 0
-        self._version, self._stale, self._moves = store.version, stale, 0
+        self._layout, self._moves_seen = store.version - store.moves, store.moves
+        self._stale = stale
         if len(store) > self._rows:
             index.add(store.keys[self._rows :])
             if not rebuild:
@@ -478,9 +470,15 @@ class TopK:
             return
         index = make_index(self.backend, saved["metric"], **self.index_kw)
         index.load_state_dict(saved["index"], device=store.device)
-        self.index, self._store, self._version = index, weakref.ref(store), store.version
-        self._rows, self._stale, self._moves = saved["rows"], saved["stale"], 0
+        self.index, self._store = index, weakref.ref(store)
+        self._layout, self._moves_seen = store.version - store.moves, store.moves
+        self._rows, self._stale = saved["rows"], saved["stale"]
         self.restores += 1
+
+    def _pending_moves(self) -> int:
+        """In-place moves of the indexed store since the last call."""
+        store = None if self._store is None else self._store()
+        return 0 if store is None else store.moves - self._moves_seen
 
     # ---------------------------------------------------------------- reporting
     @property
@@ -493,7 +491,7 @@ class TopK:
                 "refresh_every": self.refresh_every, "calls": self.calls,
                 "rebuilds": self.rebuilds, "rows_added": self.rows_added,
                 "restores": self.restores, "rows_indexed": self._rows,
-                "stale_moves": self._stale + self._moves,
+                "stale_moves": self._stale + self._pending_moves(),
                 "index_bytes": 0 if self.index is None else self.index.nbytes,
                 "left_out": self.left_out}
 

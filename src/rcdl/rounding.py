@@ -89,8 +89,8 @@ def round_stochastically(x: Tensor, dtype: torch.dtype, noise: Tensor | None = N
 
     float32 to bfloat16 (a bfloat16 is the top 16 bits of a float32) adds 16 random bits
     below the kept ones and truncates: the magnitude rounds up exactly when the random
-    number exceeds what truncation drops, with that probability (5x faster than the general
-    path, which finds both neighbours with ``nextafter``).
+    number exceeds what truncation drops, with that probability (cheaper than the general
+    path, which finds both neighbours with ``nextafter``; docs/precision.md).
 
     A finite ``x`` beyond the largest finite number of ``dtype`` (65 504 for float16) rounds
     to that number with its sign: it saturates, where a cast would give ``inf`` (float16 has

@@ -70,9 +70,12 @@ class EntryStore(nn.Module):
     with theirs, so that an entry's id does not depend on the process holding it.
 
     ``version`` counts the changes other than appends (removals, clears, loads and in-place
-    edits, which must call :meth:`touch`): a cache of partial results over the first ``n``
-    rows (:meth:`rcdl.layers.GrowingLayer.enable_eval_cache`) stays valid while it is
-    unchanged, because an append only adds rows after them.
+    edits, which must call :meth:`touch` or :meth:`moved`): a cache of partial results over
+    the first ``n`` rows (:meth:`rcdl.layers.GrowingLayer.enable_eval_cache`) stays valid
+    while it is unchanged, because an append only adds rows after them. ``moves`` counts the
+    changes that only moved rows in place (:meth:`moved`: the hybrid's Adam step), so that
+    a reader can tell them from the rest, ``version − moves``: a top-k index keeps its
+    keys across a few moves (:class:`rcdl.retrieval.TopK`), never across a removal.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class EntryStore(nn.Module):
         self._storage_dtype = storage_dtype  # None: keys and values follow the weights' dtype
         self.size = 0
         self.version = 0  # bumped by every change other than an append (see touch)
+        self.moves = 0  # of which in-place moves of rows (see moved)
         self._keys = torch.empty(capacity, d_in, dtype=storage_dtype or dtype, device=device)
         self._values = torch.empty(capacity, d_out, dtype=storage_dtype or dtype, device=device)
         self._weights = torch.empty(capacity, dtype=dtype, device=device)
@@ -330,6 +334,13 @@ class EntryStore(nn.Module):
     def touch(self) -> None:
         """Record an in-place change of stored rows (what appends do not do)."""
         self.version += 1
+
+    def moved(self) -> None:
+        """Record that stored keys, values or weights were moved in place, no row added,
+        removed or reordered (an optimizer's step over the entries): a change like
+        :meth:`touch`'s, also counted in ``moves``."""
+        self.version += 1
+        self.moves += 1
 
     def compact(self) -> None:
         """Release the unused capacity (capacity becomes N)."""

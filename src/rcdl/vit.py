@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.hybrid import DistanceGate, GrowthTrigger, HybridSoftmax
+from rcdl.gates import DistanceGate, GrowthTrigger
+from rcdl.hybrid import HybridSoftmax
 from rcdl.networks import rms_norm
 from rcdl.rules import ClippedSoftmaxRule
 
