@@ -10,7 +10,7 @@ FILES = sorted((SRC / "rcdl").rglob("*.py"))
 # assignments to another object's attributes that stay inside the module that owns them
 OWN_OBJECTS = {
     ("rcdl/vit.py", "block.ffn"),  # the ViT fills its own blocks
-    ("rcdl/distributed.py", "sys.stdout"),  # ranks > 0 print nothing
+    ("rcdl/app/cli.py", "sys.stdout"),  # the command's ranks > 0 print nothing
 }
 
 # in-place writes into another object's tensors (``x.t[i] = ...``, ``x.t += ...``,

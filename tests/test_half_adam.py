@@ -148,3 +148,49 @@ def test_the_compiled_float16_step_saturates_as_the_eager_one():
         stepped[compiled] = _step(param, m, v, grad, a, c, compiled=compiled)
     assert torch.equal(stepped[True], stepped[False])
     assert (stepped[True] == 65_504.0).all()
+
+
+def test_the_mode_is_an_option_of_the_learner_saved_in_its_state(monkeypatch):
+    """EntryAdam(half_adam=...) overrides the process-wide default for its layers, and its
+    state dict carries the choice; None follows the default."""
+    from rcdl import EntryAdam
+    from rcdl.gates import AlwaysGrow
+    from rcdl.hybrid import HybridSoftmax
+    from rcdl.rules import ClippedSoftmaxRule
+
+    seen = []
+    monkeypatch.setattr("rcdl.hybrid.use_compiled",
+                        lambda elements, mode=None: seen.append(mode) or False)
+    layer = HybridSoftmax(8, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 3.0),
+                          trigger=AlwaysGrow(), seed=0, store_dtype=torch.bfloat16)
+    net = torch.nn.Sequential(layer)
+    adam = EntryAdam(net, half_adam="eager")
+    net(torch.randn(4, 8)).square().sum().backward()
+    adam.step()
+    assert seen and set(seen) == {"eager"}
+    state = adam.state_dict()
+    assert state["param_groups"][0]["half_adam"] == "eager"
+    other = EntryAdam(net)
+    assert other.param_groups[0]["half_adam"] is None  # the process-wide default
+    other.load_state_dict(state)
+    assert other.param_groups[0]["half_adam"] == "eager"
+    with pytest.raises(ValueError, match="must be one of auto, eager, compiled"):
+        EntryAdam(net, half_adam="fast")
+    bad = {**state, "param_groups": [{**state["param_groups"][0], "half_adam": "fast"}]}
+    with pytest.raises(ValueError, match="half_adam 'fast'"):
+        other.load_state_dict(bad)
+    assert other.param_groups[0]["half_adam"] == "eager"  # nothing changed
+
+
+def test_environment_variables_set_defaults_read_at_first_use(monkeypatch):
+    from rcdl.options import ProcessDefault
+
+    default = ProcessDefault("test mode", "RCDL_TEST_MODE", ("a", "b"), "a")
+    monkeypatch.setenv("RCDL_TEST_MODE", "b")
+    assert default.get() == "b" and default.resolve(None) == "b" and default.resolve("a") == "a"
+    with default.using("a"):
+        assert default.get() == "a"
+    assert default.get() == "b"
+    monkeypatch.setenv("RCDL_TEST_MODE", "c")
+    with pytest.raises(ValueError, match="test mode must be one of a, b, got 'c'"):
+        ProcessDefault("test mode", "RCDL_TEST_MODE", ("a", "b"), "a").get()

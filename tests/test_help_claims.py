@@ -7,12 +7,10 @@ import re
 import pytest
 
 from rcdl.app.cli import main
+from rcdl.app.experiments import COMMANDS as EXPERIMENTS
 
-COMMANDS = (["--help"], ["demo", "--help"], ["reproduce", "--help"],
-            *(["reproduce", name, "--help"] for name in (
-                "cifar10-1epoch", "hybrid-tau-sweep", "generalisation", "memory-budget",
-                "optimizers", "deltanet-decay", "teacher-student", "vit", "attention-bench",
-                "attribution", "unlearning", "continual")))  # fmt: skip
+COMMANDS = (["--help"], ["demo", "--help"], ["reproduce", "--help"], ["info", "--help"],
+            *(["reproduce", name, "--help"] for name in sorted(EXPERIMENTS)))
 FIGURE = re.compile(r"\d+(\.\d+)?\s*(s|sec|seconds|min|minutes|h|hours|x|×|times)\b"
                     r"|\btwice\b|several times", re.I)
 

@@ -283,7 +283,7 @@ def test_large_batches_of_a_half_store_take_the_other_score_layout(kernel):
 def test_the_product_path_follows_the_cpu_and_can_be_forced(monkeypatch):
     from rcdl import half
 
-    monkeypatch.setattr(half, "_mode", "auto")  # whatever RCDL_HALF_PRODUCTS says
+    monkeypatch.setattr(half.PRODUCTS, "_value", "auto")  # whatever RCDL_HALF_PRODUCTS says
     monkeypatch.setattr(half, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))  # AVX2 only
     assert half.upcast_chunks(torch.bfloat16, torch.device("cpu"))
     assert not half.upcast_chunks(torch.float32, torch.device("cpu"))

@@ -149,7 +149,7 @@ def machine_class() -> str:
 # the machine, the code's revision and the moment: they differ run to run, not outcomes
 _NOT_OUTCOMES = ("machine", "environment", "out", "started", "command", "git_revision",
                  "git_dirty", "hostname", "platform", "cpu_flags", "cpu_model", "num_threads",
-                 "malloc")
+                 "malloc", "half_products", "half_product_paths", "half_adam")
 
 
 def _outcome(obj: Any, key: str = "") -> Any:

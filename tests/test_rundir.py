@@ -215,3 +215,18 @@ def test_the_machine_line_names_the_cpu_its_threads_and_the_world_size(threads, 
     monkeypatch.setattr(rundir, "rank_and_world", lambda: (0, 3))
     assert rundir.describe_machine("cpu").endswith(
         "; 3 processes (torch.distributed, growing stores sharded over them)")
+
+
+def test_the_environment_records_the_half_precision_options():
+    import torch
+
+    from rcdl.half import half_products
+    from rcdl.half_adam import half_adam
+
+    with half_products("float32"), half_adam("eager"):
+        env = environment_info(torch.device("cpu"))
+    assert env["half_products"] == "float32" and env["half_adam"] == "eager"
+    assert env["half_product_paths"] == {"bfloat16": "float32 chunks",
+                                         "float16": "float32 chunks"}
+    with half_products("native"):
+        assert environment_info("cpu")["half_product_paths"]["bfloat16"] == "native"

@@ -75,8 +75,9 @@ def default_chunk_size(batch: int, device: torch.device | str | None = None) -> 
     """Entries per chunk.
 
     On CPU: 2048 for small batches, 1024 beyond 128 queries, so that a chunk's keys stay in
-    cache (``benchmarks/bench_attention.py`` compares sizes; docs/precision.md). On a GPU the cost is kernel launches, not cache misses, so chunks are large:
-    65 536 entries, whose ``(c, B)`` block is 131 MB at B = 500 in float32.
+    cache (``benchmarks/bench_attention.py`` compares sizes; docs/precision.md). On a GPU
+    the cost is kernel launches, not cache misses, so chunks are large: 65 536 entries, whose
+    ``(c, B)`` block is 131 MB at B = 500 in float32.
     """
     if device is not None and torch.device(device).type == "cuda":
         return 1 << 16

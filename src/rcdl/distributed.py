@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -244,8 +243,9 @@ def init_from_env(device: torch.device, timeout: timedelta = timedelta(minutes=1
 
     With ``WORLD_SIZE > 1`` in the environment, initialise the default group (NCCL on CUDA,
     one device per local rank; gloo on CPU) with ``timeout`` on every collective, so a
-    dead rank ends the run with an error instead of a hang, and silence ``stdout`` on every
-    rank but 0 (errors still reach ``stderr``). Returns whether the run is distributed.
+    dead rank ends the run with an error instead of a hang. Returns whether the run is
+    distributed. What each rank prints is the application's choice (``rcdl reproduce``
+    prints on rank 0 alone).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
@@ -255,6 +255,4 @@ def init_from_env(device: torch.device, timeout: timedelta = timedelta(minutes=1
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timeout)
-    if dist.get_rank() != 0:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     return True

@@ -15,6 +15,7 @@ from typing import NoReturn, overload
 import torch
 from torch import nn
 
+from rcdl.half_adam import ADAM_MODE
 from rcdl.hybrid import hybrid_layers
 
 __all__ = ["EntryAdam"]
@@ -29,13 +30,20 @@ class EntryAdam(torch.optim.Optimizer):
     :class:`HybridGrower` do both. :meth:`state_dict` holds what a resumed run needs: the
     hyperparameters, every entry's moments and step count (row-aligned with the model's
     stores, so load the model first), and the ordinary parameters' Adam state.
+
+    ``half_adam`` (``"auto"``, ``"eager"``, ``"compiled"``; ``None``: the process-wide
+    default, :data:`rcdl.half_adam.ADAM_MODE`) says how the pass over a half-precision store
+    runs (:mod:`rcdl.half_adam`); it is a hyperparameter of the group, saved in the state
+    dict (a state saved without it keeps the learner's own).
     """
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9,
-                 0.999), eps: float = 1e-8) -> None:
+                 0.999), eps: float = 1e-8, half_adam: str | None = None) -> None:
         if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
             raise ValueError(f"EntryAdam: need lr > 0, 0 <= betas < 1, eps > 0; got lr={lr}, "
                              f"betas={betas}, eps={eps}")
+        if half_adam is not None:
+            ADAM_MODE.check(half_adam)
         self.layers = hybrid_layers(model)
         if not self.layers:
             raise ValueError(f"EntryAdam: {type(model).__name__} has no HybridSoftmax layers")
@@ -43,7 +51,7 @@ class EntryAdam(torch.optim.Optimizer):
             layer.bind_name(name)
         params = [p for p in model.parameters() if p.requires_grad]
         super().__init__([{"params": params, "name": "entries and parameters (Adam)"}],
-                         {"lr": lr, "betas": tuple(betas), "eps": eps})
+                         {"lr": lr, "betas": tuple(betas), "eps": eps, "half_adam": half_adam})
         self.param_adam = torch.optim.Adam(params, lr=lr, betas=betas, eps=eps) if params else None
 
     @property
@@ -80,8 +88,12 @@ class EntryAdam(torch.optim.Optimizer):
             self.zero_grad()
             raise ValueError(f"EntryAdam: NaN or inf in the entry gradients of {', '.join(bad)};"
                              " no entry moved and the gradients are dropped")
+        mode = group.get("half_adam")  # None: the layers read the process-wide default
         for _, layer in self.layers:
-            layer.adam_step(group["lr"], group["betas"], group["eps"])
+            if mode is None:
+                layer.adam_step(group["lr"], group["betas"], group["eps"])
+            else:
+                layer.adam_step(group["lr"], group["betas"], group["eps"], half_adam=mode)
         if self.param_adam is not None:
             for inner in self.param_adam.param_groups:
                 inner.update(lr=group["lr"], betas=group["betas"], eps=group["eps"])
@@ -107,6 +119,10 @@ class EntryAdam(torch.optim.Optimizer):
         """Load a :meth:`state_dict` (after the model's own ``load_state_dict``). Everything is
         checked before anything changes."""
         names = {name for name, _ in self.layers}
+        saved_mode = state.get("param_groups", [{}])[0].get("half_adam")
+        if saved_mode is not None and saved_mode not in ADAM_MODE.choices:
+            raise ValueError(f"EntryAdam.load_state_dict: half_adam {saved_mode!r} is not one of "
+                             f"{', '.join(ADAM_MODE.choices)}")
         if set(state.get("layers", {})) != names:
             raise ValueError(f"EntryAdam.load_state_dict: the state is for layers "
                              f"{sorted(state.get('layers', {}))}, this model has {sorted(names)}")

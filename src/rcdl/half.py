@@ -9,25 +9,27 @@ float32 as it is read, so only a chunk-sized buffer is float32, and multiplies i
 the store's memory saving stays, and the speed is float32's plus one conversion pass.
 
 The mode is ``"auto"`` (the default: native where the device multiplies the dtype natively,
-float32 chunks elsewhere), ``"native"`` or ``"float32"``; set it with :func:`set_half_products`,
-for a block with :func:`half_products`, or with the environment variable
-``RCDL_HALF_PRODUCTS`` before the first import. The two paths give the same results up to
-rounding: the float32 path multiplies the stored (rounded) keys and values by the unrounded
-queries, the native one by queries rounded to the store's dtype.
+float32 chunks elsewhere), ``"native"`` or ``"float32"``: the process-wide default
+:data:`PRODUCTS` (:class:`rcdl.options.ProcessDefault`), set with :func:`set_half_products`,
+for a block with :func:`half_products`, or by the environment variable
+``RCDL_HALF_PRODUCTS`` before its first use. A run records it, and the path each half dtype
+takes under it (:func:`product_path`), in ``environment.json``. The two paths give the same
+results up to rounding: the float32 path multiplies the stored (rounded) keys and values by
+the unrounded queries, the native one by queries rounded to the store's dtype.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
 from rcdl._cpu import cpuinfo_flags
+from rcdl.options import ProcessDefault
 
-__all__ = ["MODES", "half_products", "native_products", "product_mode", "set_half_products",
-           "upcast_chunks"]
+__all__ = ["MODES", "PRODUCTS", "half_products", "native_products", "product_mode",
+           "product_path", "set_half_products", "upcast_chunks"]
 
 MODES = ("auto", "native", "float32")
 HALF = (torch.bfloat16, torch.float16)
@@ -36,36 +38,13 @@ _NATIVE_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16"},
                  torch.float16: {"avx512_fp16", "amx_fp16"}}
 
 
-def _check(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"half-precision product mode must be one of {', '.join(MODES)}, "
-                         f"got {mode!r}")
-    return mode
-
-
-_mode = _check(os.environ.get("RCDL_HALF_PRODUCTS", "auto"))
-
-
-def set_half_products(mode: str) -> None:
-    """Set how half-precision stores multiply: ``"auto"``, ``"native"`` or ``"float32"``."""
-    global _mode
-    _mode = _check(mode)
-
-
-def product_mode() -> str:
-    """The mode set now (``"auto"`` unless changed)."""
-    return _mode
-
-
-@contextmanager
-def half_products(mode: str) -> Iterator[None]:
-    """``with half_products("float32"): ...`` — the mode for a block, restored after."""
-    before = _mode
-    set_half_products(mode)
-    try:
-        yield
-    finally:
-        set_half_products(before)
+PRODUCTS = ProcessDefault("half-precision product mode", "RCDL_HALF_PRODUCTS", MODES, "auto")
+# set how half-precision stores multiply: "auto", "native" or "float32"
+set_half_products: Callable[[str], None] = PRODUCTS.set
+# the mode set now ("auto" unless changed)
+product_mode: Callable[[], str] = PRODUCTS.get
+# with half_products("float32"): ... -- the mode for a block, restored after
+half_products: Callable[[str], AbstractContextManager[None]] = PRODUCTS.using
 
 
 def _cpu_flags() -> frozenset[str]:  # a seam for tests that pose as another CPU
@@ -83,6 +62,16 @@ def native_products(dtype: torch.dtype, device: torch.device | str = "cpu") -> b
 def upcast_chunks(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether the attention converts each chunk of a store in ``dtype`` on ``device`` to
     float32 before its products (the mode, and for ``"auto"`` :func:`native_products`)."""
-    if dtype not in HALF or _mode == "native":
+    mode = PRODUCTS.get()
+    if dtype not in HALF or mode == "native":
         return False
-    return _mode == "float32" or not native_products(dtype, device)
+    return mode == "float32" or not native_products(dtype, device)
+
+
+def product_path(dtype: torch.dtype, device: torch.device | str) -> str:
+    """The path a store in ``dtype`` on ``device`` takes now: ``"native"``, ``"float32
+    chunks"``, or ``"store dtype"`` for a store that is not half precision (what a run
+    records in ``environment.json``)."""
+    if dtype not in HALF:
+        return "store dtype"
+    return "float32 chunks" if upcast_chunks(dtype, device) else "native"

@@ -14,73 +14,53 @@ compiling it (docs/precision.md gives both times).
 
 Which to run: ``"eager"``, ``"compiled"``, or ``"auto"`` (the default): compiled for a layer
 whose keys and values hold at least :data:`AUTO_ELEMENTS` numbers (a full-scale store, where
-the compilation is repaid within a few hundred steps), eager below. Set it with
-``RCDL_HALF_ADAM`` (before the first import), :func:`set_half_adam` or ``with
-half_adam(mode):``. Where compilation fails (no C++ compiler), the eager path runs, with one
-warning. The two paths compute the same function; the compiled one may round a float32
+the compilation is repaid within a few hundred steps), eager below. It is an option of the
+learner, ``EntryAdam(model, half_adam=...)`` (saved in its state dict); where the learner
+has none, the process-wide default :data:`ADAM_MODE` (``RCDL_HALF_ADAM``, read at first use;
+:func:`set_half_adam`; ``with half_adam(mode):``). Where compilation fails (no C++ compiler:
+a fact of the process, not of a learner), the eager path runs for the rest of the process,
+with one warning. The two paths compute the same function; the compiled one may round a float32
 intermediate differently in the last bit, so a rounded entry can differ by one half ulp.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor
 
+from rcdl.options import ProcessDefault
 from rcdl.rounding import round_stochastically, rounding_noise
 
-__all__ = ["AUTO_ELEMENTS", "MODES", "adam_rows", "half_adam", "half_adam_mode",
+__all__ = ["ADAM_MODE", "AUTO_ELEMENTS", "MODES", "adam_rows", "half_adam", "half_adam_mode",
            "set_half_adam", "use_compiled"]
 
 MODES = ("auto", "eager", "compiled")
 AUTO_ELEMENTS = 1 << 26  # 67 M numbers: e.g. 10 900 entries of width 3 072 (keys + values)
 
 
-def _check(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"half-precision Adam mode must be one of {', '.join(MODES)}, "
-                         f"got {mode!r}")
-    return mode
+ADAM_MODE = ProcessDefault("half-precision Adam mode", "RCDL_HALF_ADAM", MODES, "auto")
+# set the default of how the Adam step moves half-precision rows: "auto", "eager", "compiled"
+set_half_adam: Callable[[str], None] = ADAM_MODE.set
+# the default now ("auto" unless changed)
+half_adam_mode: Callable[[], str] = ADAM_MODE.get
+# with half_adam("eager"): ... -- the default for a block, restored after
+half_adam: Callable[[str], AbstractContextManager[None]] = ADAM_MODE.using
 
-
-_mode = _check(os.environ.get("RCDL_HALF_ADAM", "auto"))
 _compiled: Callable[..., None] | None = None
 _compile_failed = False
 
 
-def set_half_adam(mode: str) -> None:
-    """Set how the Adam step moves half-precision rows: ``"auto"``, ``"eager"``,
-    ``"compiled"``."""
-    global _mode
-    _mode = _check(mode)
-
-
-def half_adam_mode() -> str:
-    """The mode set now (``"auto"`` unless changed)."""
-    return _mode
-
-
-@contextmanager
-def half_adam(mode: str) -> Iterator[None]:
-    """``with half_adam("eager"): ...`` — the mode for a block, restored after."""
-    before = _mode
-    set_half_adam(mode)
-    try:
-        yield
-    finally:
-        set_half_adam(before)
-
-
-def use_compiled(elements: int) -> bool:
+def use_compiled(elements: int, mode: str | None = None) -> bool:
     """Whether a layer whose keys and values hold ``elements`` numbers takes the compiled
-    path under the current mode."""
+    path under ``mode`` (``None``: the process-wide default)."""
     if _compile_failed:
         return False
-    return _mode == "compiled" or (_mode == "auto" and elements >= AUTO_ELEMENTS)
+    mode = ADAM_MODE.resolve(mode)
+    return mode == "compiled" or (mode == "auto" and elements >= AUTO_ELEMENTS)
 
 
 def _adam_rows(param: Tensor, m: Tensor, v: Tensor, grad: Tensor, a: Tensor, c: Tensor,

@@ -201,7 +201,7 @@ class HybridSoftmax(GrowingSoftmax):
     # ---------------------------------------------------------------- Adam on entries
     @torch.no_grad()
     def adam_step(self, lr: float, betas: tuple[float, float], eps: float,
-                  chunk_elements: int | None = None) -> None:
+                  chunk_elements: int | None = None, half_adam: str | None = None) -> None:
         """One Adam step on every entry that received a gradient since the last step
         (docs/reference.md §4).
 
@@ -231,7 +231,8 @@ class HybridSoftmax(GrowingSoftmax):
         float16 entry moved past ±65 504 (float16's largest finite number) saturates there
         instead of becoming ``inf``, with a ``RuntimeWarning`` (once per layer, looked for at
         the first Adam step and every ``SATURATION_CHECK_EVERY`` after) naming the entry and
-        suggesting bfloat16 or float32.
+        suggesting bfloat16 or float32. ``half_adam`` says whether that pass is compiled
+        (:mod:`rcdl.half_adam`; ``None``: the process-wide default).
         """
         leaves, self._leaves = self._leaves, None
         if leaves is None or all(t.grad is None for t in leaves):
@@ -258,7 +259,7 @@ class HybridSoftmax(GrowingSoftmax):
             rows_per_chunk = max(1, block // math.prod(param.shape[1:]))
             shape = (-1,) + (1,) * (param.dim() - 1)  # per-entry scales broadcast over a row
             half = param.dtype != m.dtype
-            compiled = half and use_compiled(half_elements)
+            compiled = half and use_compiled(half_elements, half_adam)
             if compiled:  # one fused loop: no temporaries to keep in cache, one call
                 rows_per_chunk = n
             scratch = None if half else m.new_empty((min(rows_per_chunk, n), *param.shape[1:]))

@@ -25,7 +25,8 @@ class HybridGrower(torch.optim.Optimizer):
     nothing pending), then runs :class:`EntryAdam` and then :class:`rcdl.grower.Grower`.
     ``param_groups`` are the Adam group followed by the grower's groups (one per layer, ``lr``
     the rule's η), so a ``torch.optim.lr_scheduler`` scheduler drives both;
-    :meth:`state_dict` holds both halves' state.
+    :meth:`state_dict` holds both halves' state. ``half_adam`` is :class:`EntryAdam`'s: how
+    the Adam pass over a half-precision store runs (:mod:`rcdl.half_adam`).
 
     Like any optimizer it leaves the gradients of the model's ordinary parameters (an
     ``nn.Linear`` in front, a ViT's embeddings) in place after ``step()``: call
@@ -41,8 +42,9 @@ class HybridGrower(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9,
-                 0.999), eps: float = 1e-8, budget: MemoryBudget | None = None) -> None:
-        self.adam = EntryAdam(model, lr=lr, betas=betas, eps=eps)
+                 0.999), eps: float = 1e-8, budget: MemoryBudget | None = None,
+                 half_adam: str | None = None) -> None:
+        self.adam = EntryAdam(model, lr=lr, betas=betas, eps=eps, half_adam=half_adam)
         self.grower = Grower(model, budget=budget)
         # the same group dicts as the two halves: a scheduler's change reaches them
         groups = [*self.adam.param_groups, *self.grower.param_groups]

@@ -242,7 +242,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     of finished ones; the run itself is :func:`rcdl.app.runner.run_experiment`'s."""
     from rcdl.app.cifar import CorruptDataError
     from rcdl.app.rundir import read_config, resolve_device
-    from rcdl.distributed import init_from_env
+    from rcdl.distributed import init_from_env, rank_and_world
 
     spec = args.spec
     if not spec.shards and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -271,6 +271,8 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     if spec.load_data is not None:
         options["download"] = not args.no_download
     distributed = spec.shards and init_from_env(device)
+    if distributed and rank_and_world()[0] != 0:  # one rank reports; errors reach stderr
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     try:
         spec.run(cfg, out=args.out, resume=args.resume, device=device,
                  progress=not args.no_progress, **options)

@@ -52,7 +52,8 @@ from rcdl._io import (  # noqa: F401 - re-exported: the run folder writes throug
 from rcdl._version import __version__
 from rcdl.app.allocator import allocator_setting
 from rcdl.distributed import rank_and_world
-from rcdl.half import native_products
+from rcdl.half import PRODUCTS, native_products, product_path
+from rcdl.half_adam import ADAM_MODE
 
 __all__ = [
     "rank0_run",
@@ -157,12 +158,16 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
 
     The git revision is that of the repository holding the rcdl source (``None`` for an
     installed wheel or a repository without commits); ``git_dirty`` says whether the
-    working tree differs from it (untracked files included).
+    working tree differs from it (untracked files included). ``half_products`` and
+    ``half_adam`` are the process-wide defaults of the two half-precision options
+    (:mod:`rcdl.options`), and ``half_product_paths`` the path a bfloat16 and a float16
+    store take on ``device`` under that default (:func:`rcdl.half.product_path`).
     """
     src = Path(__file__).resolve().parent
     revision = _git(["rev-parse", "HEAD"], src)
     dirty = None if revision is None else bool(_git(["status", "--porcelain"], src))
     cuda = torch.cuda.is_available()
+    where = torch.device("cpu" if device is None else device)
     return {
         "rcdl": __version__,
         "python": platform.python_version(),
@@ -181,6 +186,10 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
         "git_dirty": dirty,
         "command": list(sys.argv),
         "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "half_products": PRODUCTS.get(),
+        "half_product_paths": {str(dtype).removeprefix("torch."): product_path(dtype, where)
+                               for dtype in (torch.bfloat16, torch.float16)},
+        "half_adam": ADAM_MODE.get(),
     }
 
 
