@@ -36,17 +36,17 @@ OWN_TENSORS = {
 }
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(SRC).with_suffix("").parts
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = path.relative_to(src).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, known: set[str]) -> set[str]:
+def imports(path: Path, known: set[str], src: Path = SRC) -> set[str]:
     """Every rcdl module ``path`` imports: at the top, inside functions and under
     ``TYPE_CHECKING`` alike (an import that runs later, or only for the type checker, still
     ties the two modules together). ``from rcdl.x import y`` counts ``rcdl.x.y`` when that is
     a module, else ``rcdl.x``; relative imports are resolved."""
-    here = module_name(path)
+    here = module_name(path, src)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -101,12 +101,7 @@ def test_the_import_reader_sees_function_level_and_type_checking_imports(tmp_pat
         "from . import other\nfrom .. import rules\n")
     known = {"rcdl", "rcdl.layers", "rcdl.store", "rcdl.kernels", "rcdl.sub",
              "rcdl.sub.other", "rcdl.rules"}
-    global SRC
-    saved, SRC = SRC, tmp_path
-    try:
-        found = imports(source, known)
-    finally:
-        SRC = saved
+    found = imports(source, known, src=tmp_path)
     assert found == {"rcdl.layers", "rcdl.store", "rcdl.kernels", "rcdl.sub.other",
                      "rcdl.rules"}, found
 

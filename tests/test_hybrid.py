@@ -245,7 +245,7 @@ def test_a_run_with_the_reference_adam_ends_where_the_kernel_does(monkeypatch):
     (float64)."""
 
     @torch.no_grad()
-    def reference_step(self, lr, betas, eps):
+    def reference_step(self, lr, betas, eps, half_adam=None):
         leaves, self._leaves = self._leaves, None
         if leaves is None or all(t.grad is None for t in leaves):
             return

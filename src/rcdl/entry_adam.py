@@ -88,12 +88,9 @@ class EntryAdam(torch.optim.Optimizer):
             self.zero_grad()
             raise ValueError(f"EntryAdam: NaN or inf in the entry gradients of {', '.join(bad)};"
                              " no entry moved and the gradients are dropped")
-        mode = group.get("half_adam")  # None: the layers read the process-wide default
-        for _, layer in self.layers:
-            if mode is None:
-                layer.adam_step(group["lr"], group["betas"], group["eps"])
-            else:
-                layer.adam_step(group["lr"], group["betas"], group["eps"], half_adam=mode)
+        for _, layer in self.layers:  # half_adam None: the process-wide default
+            layer.adam_step(group["lr"], group["betas"], group["eps"],
+                            half_adam=group["half_adam"])
         if self.param_adam is not None:
             for inner in self.param_adam.param_groups:
                 inner.update(lr=group["lr"], betas=group["betas"], eps=group["eps"])
@@ -120,9 +117,12 @@ class EntryAdam(torch.optim.Optimizer):
         checked before anything changes."""
         names = {name for name, _ in self.layers}
         saved_mode = state.get("param_groups", [{}])[0].get("half_adam")
-        if saved_mode is not None and saved_mode not in ADAM_MODE.choices:
-            raise ValueError(f"EntryAdam.load_state_dict: half_adam {saved_mode!r} is not one of "
-                             f"{', '.join(ADAM_MODE.choices)}")
+        if saved_mode is not None:
+            try:
+                ADAM_MODE.check(saved_mode)
+            except ValueError as e:
+                raise ValueError(f"EntryAdam.load_state_dict: half_adam {saved_mode!r}: "
+                                 f"{e}") from None
         if set(state.get("layers", {})) != names:
             raise ValueError(f"EntryAdam.load_state_dict: the state is for layers "
                              f"{sorted(state.get('layers', {}))}, this model has {sorted(names)}")

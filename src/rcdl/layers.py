@@ -41,11 +41,7 @@ from rcdl.backends import (
 )
 from rcdl.backends import TopK as _TopKBackend
 from rcdl.kernels import Kernel, check_kernel, softmax_scale
-from rcdl.records import (
-    EvalModeOutput,
-    Record,
-    Recorder,
-)
+from rcdl.records import EvalModeOutput, Record, Recorder
 from rcdl.rules import Entries, FunctionalSGD, LearningRule, Step
 from rcdl.sample_map import UNKNOWN, SampleMap
 from rcdl.store import EntryStore

@@ -363,7 +363,7 @@ class TopK:
         ``refresh_every`` moves not followed."""
         if self.index is None or self._store is None or self._store() is not store:
             return None
-        stale = self._stale + store.moves - self._moves_seen
+        stale = self._stale + self._moves_since(store)
         if (self._rows > len(store) or store.version - store.moves != self._layout
                 or stale >= self.refresh_every):
             return None
@@ -475,9 +475,8 @@ class TopK:
         self._rows, self._stale = saved["rows"], saved["stale"]
         self.restores += 1
 
-    def _pending_moves(self) -> int:
-        """In-place moves of the indexed store since the last call."""
-        store = None if self._store is None else self._store()
+    def _moves_since(self, store: EntryStore | None) -> int:
+        """In-place moves of the indexed ``store`` since the last call (0 without one)."""
         return 0 if store is None else store.moves - self._moves_seen
 
     # ---------------------------------------------------------------- reporting
@@ -491,7 +490,8 @@ class TopK:
                 "refresh_every": self.refresh_every, "calls": self.calls,
                 "rebuilds": self.rebuilds, "rows_added": self.rows_added,
                 "restores": self.restores, "rows_indexed": self._rows,
-                "stale_moves": self._stale + self._pending_moves(),
+                "stale_moves": self._stale + self._moves_since(
+                    None if self._store is None else self._store()),
                 "index_bytes": 0 if self.index is None else self.index.nbytes,
                 "left_out": self.left_out}
 
