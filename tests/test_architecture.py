@@ -16,9 +16,9 @@ OWN_OBJECTS = {
 # in-place writes into another object's tensors (``x.t[i] = ...``, ``x.t += ...``,
 # ``x.t.copy_(...)``), each with why the object is the writer's own
 OWN_TENSORS = {
-    ("rcdl/attention.py", "part.num.mul_"),  # a Partial of this module's own fold
-    ("rcdl/attention.py", "part.den.mul_"),
-    ("rcdl/attention.py", "part.mass.mul_"),
+    ("rcdl/streaming.py", "part.num.mul_"),  # a Partial of this module's own fold
+    ("rcdl/streaming.py", "part.den.mul_"),
+    ("rcdl/streaming.py", "part.mass.mul_"),
     ("rcdl/data.py", "linear.weight.copy_"),  # the teacher's layers, built here
     ("rcdl/data.py", "linear.weight.mul_"),
     ("rcdl/data.py", "linear.bias.copy_"),
@@ -149,9 +149,15 @@ def test_no_module_writes_into_another_objects_tensors():
     assert found == OWN_TENSORS, (found - OWN_TENSORS, OWN_TENSORS - found)
 
 
-def test_the_streaming_attention_imports_only_kernels_store_and_the_product_paths():
-    imported = import_graph()["rcdl.attention"]
-    assert imported <= {"rcdl.half", "rcdl.kernels", "rcdl.store"}, imported
+def test_the_attention_op_and_its_paths_import_only_maths():
+    """The op, its data and the streaming path know kernels, the store's dtypes and the
+    product paths, and nothing of layers, backends, sharding or retrieval."""
+    graph = import_graph()
+    maths = {"rcdl.half", "rcdl.kernels", "rcdl.store", "rcdl.options"}
+    assert graph["rcdl.entries"] <= maths, graph["rcdl.entries"]
+    assert graph["rcdl.streaming"] <= maths | {"rcdl.entries"}, graph["rcdl.streaming"]
+    assert graph["rcdl.attention"] <= maths | {"rcdl.entries", "rcdl.streaming"}, (
+        graph["rcdl.attention"])
 
 
 def test_no_module_assigns_another_objects_attributes():

@@ -84,9 +84,9 @@ def test_float32_incremental_evaluation_is_bit_identical(chunk, monkeypatch):
     same chunks a full pass folds: bit for bit the same, in float32 too, with chunk
     boundaries that the store crosses between evaluations."""
     if chunk is not None:
-        from rcdl import attention
+        from rcdl import streaming
 
-        monkeypatch.setattr(attention, "default_chunk_size", lambda batch, device=None: chunk)
+        monkeypatch.setattr(streaming, "default_chunk_size", lambda batch, device=None: chunk)
     full = run("gws", incremental=False, dtype=torch.float32)
     incremental = run("gws", incremental=True, dtype=torch.float32)
     assert incremental == full

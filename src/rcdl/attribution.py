@@ -36,30 +36,30 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rcdl.attention import shares
 from rcdl.backends import ShardCollectives
 from rcdl.distributed import model_shard
-from rcdl.kernels import guard_denominator, softmax_scale
 from rcdl.layers import GrowingLayer, growing_layers
 from rcdl.provenance import UNKNOWN, entry_samples
 from rcdl.training import eval_mode
 
 __all__ = ["Explanation", "entry_contributions", "explain"]
 
-EPS = 1e-6  # the attention's denominator guard (rcdl.attention.attention's default eps)
-
-
 @torch.no_grad()
 def entry_contributions(layer: GrowingLayer, x: Tensor, direction: Tensor, *,
-                        chunk_size: int = 4096) -> Tensor:  # (B, N)
+                        chunk_size: int | None = None) -> Tensor:  # (B, N)
     """``⟨direction_b, share_j(x_b)⟩`` for every entry ``j`` this process stores in
-    ``layer``, exactly (see the module docstring).
+    ``layer``, exactly (see the module docstring): the attention op's shares
+    (:func:`rcdl.attention.shares`), formed from the products the layer's output is formed
+    from, so that they sum to it to its own rounding (half-precision stores included).
 
     Args:
         layer: a growing layer.
         x: the layer's inputs ``(B, d_in)`` (what its forward pass receives).
         direction: ``(B, d_out)``; the identity's rows give the shares themselves, one
             output coordinate at a time.
-        chunk_size: entries per block (the ``(B, chunk)`` blocks are the working memory).
+        chunk_size: entries per block (default: the layer's; the ``(B, chunk)`` blocks are
+            the working memory).
     """
     if x.dim() != 2 or x.shape[1] != layer.d_in:
         raise ValueError(f"entry_contributions: expected inputs (B, {layer.d_in}), got "
@@ -67,28 +67,11 @@ def entry_contributions(layer: GrowingLayer, x: Tensor, direction: Tensor, *,
     if direction.shape != (x.shape[0], layer.d_out):
         raise ValueError(f"entry_contributions: expected a direction ({x.shape[0]}, "
                          f"{layer.d_out}), got {tuple(direction.shape)}")
-    dtype = layer.store.dtype
-    q = layer.query_keys(x.to(dtype))  # (B, key_dim)
-    direction = direction.to(dtype)
-    keys, values, weights = layer.store.keys, layer.store.values, layer.entry_weights()
-    kernel = layer.kernel
-    tau = softmax_scale(layer.temperature, q.shape[1])
-    if kernel.normalised:
-        part = layer.backend.partial(layer, q, (keys, values, weights))  # all ranks
-        m, den = part.m, guard_denominator(part.den, part.mass, EPS)  # (B,) each
-    q_sqnorm = (q * q).sum(1) if kernel.distance else None  # (B,)
-    blocks = []
-    for start in range(0, keys.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        k_c = keys[rows].to(dtype)  # (c, key_dim)
-        # the streaming attention's kernel values of a chunk (its dense twin is tested)
-        phi = kernel.values_(k_c @ q.T, q_sqnorm, k_c, tau, dtype).T  # (B, c)
-        along = direction @ values[rows].to(dtype).T  # (B, c) ⟨u_b, v_j⟩
-        if kernel.normalised:
-            blocks.append(torch.exp(phi - m[:, None]) * along / den[:, None])
-        else:
-            blocks.append(phi * weights[rows][None, :] * along)
-    return torch.cat(blocks, dim=1) if blocks else q.new_zeros(x.shape[0], 0)
+    q = layer.query_keys(x.to(layer.store.dtype))  # (B, key_dim)
+    entries = layer.entries()
+    if chunk_size is not None:
+        entries = entries.replace(chunk_size=chunk_size)
+    return shares(q, entries, direction, combiner=layer.shard)
 
 
 @dataclass

@@ -4,8 +4,8 @@
 A layer answers every question about its store through ``layer.backend``:
 
 - ``attend(layer, q, entries, stats)`` — the differentiable attention from queries ``q``
-  over ``entries = (keys, values, weights)`` (``None``: the store's rows with the layer's
-  entry weights);
+  over ``entries`` (an :class:`~rcdl.entries.Entries`; ``None``: the layer's,
+  :meth:`AttendingLayer.entries`);
 - ``partial(layer, q, entries)`` — the partial ``(m, num, den, mass)`` over them, no autograd;
 - ``nearest_sq_distance(layer, q)`` — each query's squared distance to its nearest key;
 - ``size(layer)`` — the entries stored.
@@ -13,7 +13,7 @@ A layer answers every question about its store through ``layer.backend``:
 Every answer is about the *whole* store, over every rank if it is sharded, so a gate or a rule
 that asks the backend reads the global store by construction. The backends:
 
-- :class:`Exact` — the streaming attention over this process's rows (the base);
+- :class:`Exact` — the attention op over this process's rows (the base);
 - :class:`Sharded` — the base of a store split over ranks: partials merged over the ranks,
   the query gradient's shares summed, distances and sizes reduced;
 - :class:`EvalCached` — incremental evaluation: a no-grad call on the same queries as the
@@ -21,7 +21,8 @@ that asks the backend reads the global store by construction. The backends:
 - :class:`TopK` — approximate attention over each query's top-k rows, where its mode applies
   (:mod:`rcdl.retrieval`); anything else goes to the backend it wraps.
 
-They compose as ``TopK(EvalCached(Exact | Sharded))``: the layer's ``use_shard``,
+Every backend computes through the attention op (:mod:`rcdl.attention`), which picks the
+compute path. They compose as ``TopK(EvalCached(Exact | Sharded))``: the layer's ``use_shard``,
 ``use_retrieval`` and ``enable_eval_cache`` install them (:func:`rcdl.distributed.shard` and
 :func:`rcdl.retrieval.use_topk` call those). A new backend is one class with these four
 methods and an ``inner``; it wraps another without the others knowing.
@@ -35,27 +36,19 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from rcdl.attention import (
-    Partial,
-    attention,
-    attention_partial,
-    finalize,
-    nearest_sq_distance,
-    resume_partial,
-)
+from rcdl.attention import attend, attend_partial, nearest_sq_distance, resume
+from rcdl.entries import Entries, Partial, finalize
 from rcdl.kernels import Kernel
 from rcdl.store import EntryStore
 
 __all__ = ["AttendingLayer", "Backend", "EvalCached", "Exact", "RetrievalMode", "ShardCollectives",
            "Sharded", "TopK", "Wrapper", "find"]
 
-Entries = tuple[Tensor, Tensor, Tensor]  # keys (N, key_dim), values (N, d_out), weights (N,)
-
-
 class AttendingLayer(Protocol):
     """What a backend reads of the layer it answers for (a
-    :class:`rcdl.layers.AttendingLayer` is one): the store, how its rows are attended over,
-    and the per-entry weights, age coefficients included."""
+    :class:`rcdl.layers.GrowingLayer` is one): its store, and the store's rows as the
+    attention op takes them (the per-entry weights with their age coefficients, the kernel
+    and the layer's settings)."""
 
     @property
     def store(self) -> EntryStore: ...
@@ -63,13 +56,7 @@ class AttendingLayer(Protocol):
     @property
     def kernel(self) -> Kernel: ...
 
-    @property
-    def temperature(self) -> float: ...
-
-    @property
-    def chunk_size(self) -> int | None: ...
-
-    def entry_weights(self) -> Tensor: ...  # (N,)
+    def entries(self) -> Entries: ...
 
 
 class ShardCollectives(Protocol):
@@ -88,13 +75,7 @@ class ShardCollectives(Protocol):
 
     def all_gather(self, t: Tensor) -> Tensor: ...
 
-    def attention(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, *,
-                  kernel: Kernel, temperature: float = 1.0, chunk_size: int | None = None,
-                  eps: float = 1e-6, stats: list | None = None) -> Tensor: ...
-
-    def partial(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, *,
-                kernel: Kernel, temperature: float = 1.0,
-                chunk_size: int | None = None) -> Partial: ...
+    def merge(self, part: Partial, kernel: Kernel) -> Partial: ...
 
     def nearest_sq_distance(self, local: Tensor) -> Tensor: ...
 
@@ -136,28 +117,22 @@ def find(backend: Backend | None, kind: type) -> Any:
     return None
 
 
-def _store_entries(layer: AttendingLayer) -> Entries:
-    return layer.store.keys, layer.store.values, layer.entry_weights()
-
-
 class Exact:
-    """The streaming attention over the rows this process stores (:mod:`rcdl.attention`)."""
+    """The attention op over the rows this process stores (:mod:`rcdl.attention`)."""
 
     inner: Backend | None = None
 
     def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
                stats: list | None = None) -> Tensor:  # (B, d_out)
-        keys, values, weights = entries if entries is not None else _store_entries(layer)
-        return attention(q, keys, values, weights, kernel=layer.kernel,
-                         temperature=layer.temperature, chunk_size=layer.chunk_size,
-                         stats=stats)
+        return attend(q, layer.entries() if entries is None else entries, stats=stats)
 
     def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial:
-        return attention_partial(q, *entries, kernel=layer.kernel,
-                                 temperature=layer.temperature, chunk_size=layer.chunk_size)
+        return attend_partial(q, entries)
 
     def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor:  # (B,)
-        return nearest_sq_distance(q, layer.store.keys, chunk_size=layer.chunk_size)
+        entries = layer.entries()
+        return nearest_sq_distance(q, entries.keys, chunk_size=entries.chunk_size,
+                                   half_products=entries.half_products)
 
     def size(self, layer: AttendingLayer) -> int:
         return len(layer.store)
@@ -166,22 +141,20 @@ class Exact:
 @dataclass(eq=False)
 class Sharded:
     """The base of a store split over ranks (:class:`rcdl.distributed.Shard`): each rank
-    attends over its rows, and the partials, query-gradient shares, nearest distances and
-    sizes are reduced over the ranks by the shard's collectives."""
+    attends over its rows through the attention op with the shard as its combiner (the
+    partials merged, the query gradient's shares summed over the ranks), and nearest
+    distances and sizes are reduced over the ranks by the shard's collectives."""
 
     shard: ShardCollectives
     inner: Backend | None = field(default_factory=Exact)
 
     def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
                stats: list | None = None) -> Tensor:  # (B, d_out)
-        keys, values, weights = entries if entries is not None else _store_entries(layer)
-        return self.shard.attention(q, keys, values, weights, kernel=layer.kernel,
-                                    temperature=layer.temperature,
-                                    chunk_size=layer.chunk_size, stats=stats)
+        return attend(q, layer.entries() if entries is None else entries,
+                      combiner=self.shard, stats=stats)
 
     def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial:
-        return self.shard.partial(q, *entries, kernel=layer.kernel,
-                                  temperature=layer.temperature, chunk_size=layer.chunk_size)
+        return attend_partial(q, entries, combiner=self.shard)
 
     def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor:  # (B,)
         assert self.inner is not None
@@ -227,7 +200,7 @@ class EvalCached(Wrapper):
     ``k``-th no-grad call after :meth:`start_evaluation` keeps its queries and the streaming
     fold's state after the store's last full chunk; the ``k``-th call of the next evaluation,
     if its queries are the same and the store only grew, folds only the chunks from there on
-    (:func:`rcdl.attention.resume_partial`), bit for bit a full pass. Calls with gradients, or
+    (:func:`rcdl.attention.resume`), bit for bit a full pass. Calls with gradients, or
     over other entries than the store's, go to ``inner``."""
 
     inner: Backend | None = field(default_factory=Exact)
@@ -252,11 +225,13 @@ class EvalCached(Wrapper):
         if cached is not None and cached.version == store.version and cached.rows <= len(store):
             start = (cached.rows, cached.part)  # fold the chunks from its last full one on
             self.hits += 1
-        part, (rows, state) = resume_partial(q, store.keys, store.values, store.weights,
-                                             kernel=layer.kernel, temperature=layer.temperature,
-                                             chunk_size=layer.chunk_size, start=start)
-        self.slots[slot] = _CachedPartial(q.clone(), rows, store.version, state)
-        return finalize(part, kernel=layer.kernel)
+        entries = layer.entries()
+        part, state = resume(q, entries, start)
+        if state is None:  # the compute path does not resume: nothing to keep
+            return finalize(part, kernel=entries.kernel, eps=entries.eps)
+        rows, folded = state
+        self.slots[slot] = _CachedPartial(q.clone(), rows, store.version, folded)
+        return finalize(part, kernel=entries.kernel, eps=entries.eps)
 
 
 @dataclass(eq=False)

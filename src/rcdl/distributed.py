@@ -9,13 +9,13 @@ move: the entries a step writes go to the ranks by row, sample ``i`` of step ``t
 
 **Attention is a tree reduction of partials** (the pattern of Tree Attention and
 Flash-Decoding: a few queries against very many keys). Every rank computes the partial
-``(m, num, den, mass)`` of the queries over its own shard (as
-:func:`rcdl.attention.attention_partial` does), then one ``all_reduce(MAX)`` on ``m``, a
-rescale, and one ``all_reduce(SUM)`` on ``[num | den | mass]`` merge them exactly (the
-log-sum-exp merge of :func:`rcdl.attention.merge_partials`). What crosses the wire per
-layer and call is ``O(B · d_out)``, whatever the store size. The partials are at least
-float32. An empty shard contributes ``m = −inf`` and zeros, which the rescale maps to 0
-(not ``−inf − (−inf)``).
+``(m, num, den, mass)`` of the queries over its own shard through the attention op
+(:mod:`rcdl.attention`, with the shard as its combiner), then one ``all_reduce(MAX)`` on
+``m``, a rescale, and one ``all_reduce(SUM)`` on ``[num | den | mass]`` merge them exactly
+(:meth:`Shard.merge`, the log-sum-exp merge of :func:`rcdl.entries.merge_partials`). What
+crosses the wire per layer and call is ``O(B · d_out)``, whatever the store size. The
+partials are at least float32. An empty shard contributes ``m = −inf`` and zeros, which
+the rescale maps to 0 (not ``−inf − (−inf)``).
 
 **Backward.** Every rank holds the same replicated loss, so ``∂L/∂s`` is the same on every
 rank. Each rank computes the gradients of its own entries (they stay local: a hybrid
@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rcdl.attention import Partial, attention, attention_partial
 from rcdl.backends import ShardCollectives
+from rcdl.entries import Partial
 from rcdl.kernels import Kernel, check_kernel
 from rcdl.layers import growing_layers
 
@@ -96,22 +96,6 @@ class Shard:
                        packed[:, -1].to(dtype))
 
     # ------------------------------------------------------------ what layers call
-    def attention(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, *,
-                  kernel: Kernel, temperature: float = 1.0, chunk_size: int | None = None,
-                  eps: float = 1e-6, stats: list | None = None) -> Tensor:  # (B, d_out)
-        """:func:`rcdl.attention.attention` over the union of every rank's entries."""
-        return attention(q, keys, values, weights, kernel=kernel, temperature=temperature,
-                         chunk_size=chunk_size, eps=eps, shard=self, stats=stats)
-
-    @torch.no_grad()
-    def partial(self, q: Tensor, keys: Tensor, values: Tensor, weights: Tensor, *,
-                kernel: Kernel, temperature: float = 1.0,
-                chunk_size: int | None = None) -> Partial:
-        """The merged partial over every rank's entries (no autograd)."""
-        local = attention_partial(q, keys, values, weights, kernel=kernel,
-                                  temperature=temperature, chunk_size=chunk_size)
-        return self.merge(local, kernel)
-
     @torch.no_grad()
     def nearest_sq_distance(self, local: Tensor) -> Tensor:  # (B,)
         """The minimum over ranks of each query's nearest squared distance on its shard."""

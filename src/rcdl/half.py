@@ -59,19 +59,22 @@ def native_products(dtype: torch.dtype, device: torch.device | str = "cpu") -> b
     return bool(_NATIVE_FLAGS.get(dtype, set()) & _cpu_flags())
 
 
-def upcast_chunks(dtype: torch.dtype, device: torch.device | str) -> bool:
+def upcast_chunks(dtype: torch.dtype, device: torch.device | str,
+                  mode: str | None = None) -> bool:
     """Whether the attention converts each chunk of a store in ``dtype`` on ``device`` to
-    float32 before its products (the mode, and for ``"auto"`` :func:`native_products`)."""
-    mode = PRODUCTS.get()
+    float32 before its products: by ``mode`` (``None``: the default :data:`PRODUCTS`), and
+    for ``"auto"`` :func:`native_products`."""
+    mode = PRODUCTS.resolve(mode)
     if dtype not in HALF or mode == "native":
         return False
     return mode == "float32" or not native_products(dtype, device)
 
 
-def product_path(dtype: torch.dtype, device: torch.device | str) -> str:
+def product_path(dtype: torch.dtype, device: torch.device | str,
+                 mode: str | None = None) -> str:
     """The path a store in ``dtype`` on ``device`` takes now: ``"native"``, ``"float32
     chunks"``, or ``"store dtype"`` for a store that is not half precision (what a run
     records in ``environment.json``)."""
     if dtype not in HALF:
         return "store dtype"
-    return "float32 chunks" if upcast_chunks(dtype, device) else "native"
+    return "float32 chunks" if upcast_chunks(dtype, device, mode) else "native"

@@ -48,7 +48,7 @@ from rcdl.gates import (
 from rcdl.half_adam import adam_rows, use_compiled
 from rcdl.layers import GrowingSoftmax
 from rcdl.records import Record
-from rcdl.rules import Entries, LearningRule
+from rcdl.rules import LearningRule, NewEntries
 from rcdl.store import EntryStore
 
 __all__ = [
@@ -153,7 +153,7 @@ class HybridSoftmax(GrowingSoftmax):
         "Training the hybrid with top-k"). Otherwise as :class:`GrowingSoftmax`."""
         if not (self.training and torch.is_grad_enabled()):
             return super().attend(q)
-        return self.backend.attend(self, q, self.entry_leaves(), self._stats)
+        return self.backend.attend(self, q, self.entries(*self.entry_leaves()), self._stats)
 
     def entry_leaves(self) -> tuple[Tensor, Tensor, Tensor]:
         """Leaf tensors sharing the store's live rows, on which backward leaves the entries'
@@ -306,7 +306,7 @@ class HybridSoftmax(GrowingSoftmax):
             "or float32 (store_dtype=)", RuntimeWarning, stacklevel=4)
 
     # ---------------------------------------------------------------- growth
-    def make_entries(self, record: Record) -> Entries:
+    def make_entries(self, record: Record) -> NewEntries:
         keys, values, weights = super().make_entries(record)
         errors = (record.grad_mean * record.n_samples).norm(dim=1)  # (B,) per-sample ‖g‖
         sq_distance = None
@@ -324,7 +324,7 @@ class HybridSoftmax(GrowingSoftmax):
     def kept_rows(self) -> Tensor | None:  # (B,) bool
         return self._last_accept
 
-    def propose(self) -> Entries | None:
+    def propose(self) -> NewEntries | None:
         self._refused = 0
         return super().propose()
 
@@ -333,7 +333,7 @@ class HybridSoftmax(GrowingSoftmax):
         self._leaves = None
 
     @torch.no_grad()
-    def commit(self, entries: Entries | None) -> None:
+    def commit(self, entries: NewEntries | None) -> None:
         written = 0 if entries is None else int(entries[0].shape[0])  # all ranks together
         if self.has_entry_grads:  # Grower.step() ran before EntryAdam.step()
             self._adam_skipped = True

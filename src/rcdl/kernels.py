@@ -216,7 +216,7 @@ class SoftmaxKernel(Kernel):
 
     def grad_factor_(self, grad: Tensor, block: Tensor, tau: float) -> Tensor:
         raise TypeError("the softmax kernel's gradient is that of its normalised output "
-                        "(rcdl.attention.attention_backward), not a per-entry factor")
+                        "(rcdl.streaming.Streaming.backward), not a per-entry factor")
 
     def dense(self, q: Tensor, keys: Tensor, tau: float) -> Tensor:
         return q @ keys.T / tau

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.attention import attention, attention_partial
+from rcdl.attention import attend, attend_partial, attention
 from rcdl.backends import (
     Backend,
     EvalCached,
@@ -40,9 +40,11 @@ from rcdl.backends import (
     find,
 )
 from rcdl.backends import TopK as _TopKBackend
+from rcdl.entries import Entries
+from rcdl.half import PRODUCTS
 from rcdl.kernels import Kernel, check_kernel, softmax_scale
 from rcdl.records import EvalModeOutput, Record, Recorder
-from rcdl.rules import Entries, FunctionalSGD, LearningRule, Step
+from rcdl.rules import FunctionalSGD, LearningRule, NewEntries, Step
 from rcdl.sample_map import UNKNOWN, SampleMap
 from rcdl.store import EntryStore
 
@@ -114,6 +116,7 @@ class GrowingLayer(nn.Module):
         max_output_growth: float | None = 1e4,
         dtype: torch.dtype | None = None,
         store_dtype: torch.dtype | None = None,
+        half_products: str | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -128,6 +131,8 @@ class GrowingLayer(nn.Module):
             raise ValueError(f"max_output_growth must be > 1 or None, got {max_output_growth}")
         self.rule = rule
         self.chunk_size = chunk_size
+        # how a half-precision store multiplies (rcdl.half; None: the process default)
+        self.half_products = None if half_products is None else PRODUCTS.check(half_products)
         self.max_output_growth = max_output_growth
         self.store = EntryStore(key_dim or d_in, d_out, capacity=capacity, dtype=dtype,
                                 storage_dtype=store_dtype, device=device)
@@ -248,6 +253,19 @@ class GrowingLayer(nn.Module):
         age = self.steps - self.store.written_at  # (N,)
         return self.store.weights * ages.entry(age).to(self.store.dtype)
 
+    def entries(self, keys: Tensor | None = None, values: Tensor | None = None,
+                weights: Tensor | None = None) -> Entries:
+        """The store's rows as the attention op takes them (:mod:`rcdl.attention`): keys,
+        values, :meth:`entry_weights`, and the layer's kernel, temperature, chunk size and
+        half-product mode; ``keys``, ``values``, ``weights`` replace the store's (the
+        hybrid's trainable leaves)."""
+        store = self.store
+        return Entries(store.keys if keys is None else keys,
+                       store.values if values is None else values,
+                       self.entry_weights() if weights is None else weights,
+                       self.kernel, self.temperature, self.chunk_size,
+                       half_products=self.half_products)
+
     def attend(self, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
         """Attention from (already prepared) queries over the whole store (every rank's
         shard of it, if the store is sharded: :mod:`rcdl.distributed`), through
@@ -265,7 +283,7 @@ class GrowingLayer(nn.Module):
         the streaming attention after the store's last full chunk; the ``k``-th call of the
         next evaluation, if its queries are the same and the store only grew since (same
         ``store.version``), folds only the chunks from there on
-        (:func:`rcdl.attention.resume_partial`). The chunks are the ones a full pass folds,
+        (:func:`rcdl.attention.resume`). The chunks are the ones a full pass folds,
         in the same order, so the result is bit for bit a full evaluation's: a resumed run,
         whose cache starts empty, evaluates exactly as the uninterrupted one. Otherwise it
         attends over everything and caches anew; a layer
@@ -372,7 +390,7 @@ class GrowingLayer(nn.Module):
         return self.recorder.ready()
 
     @torch.no_grad()
-    def propose(self) -> Entries | None:
+    def propose(self) -> NewEntries | None:
         """The entries this step's records would write (nothing is written), after
         :meth:`check_records`. Raises ``ValueError`` naming the layer if the rule produced
         non-finite entries."""
@@ -435,17 +453,16 @@ class GrowingLayer(nn.Module):
         age coefficients of the existing entries' next step are not applied."""
         q = torch.cat([r.q for r in records])  # (B, d_in)
         s = torch.cat([r.s for r in records])  # (B, d_out)
+        new_entries = self.entries(keys, values, weights).replace(chunk_size=None)
         if not self.kernel.normalised:
-            return s + attention(self.query_keys(q), keys, values, weights,
-                                 kernel=self.kernel, temperature=self.temperature)
+            return s + attend(self.query_keys(q), new_entries)
         if any(r.normaliser is None for r in records):  # none recorded (top-k, the hybrid)
             return None
         m, den = (torch.cat(t) for t in zip(*(r.normaliser for r in records), strict=True))
         if not bool((den > 0).all()):  # the guard acted (negative weights): no cheap answer
             return None
         log_z = m + torch.log(den)  # (B,) of the pre-step store
-        new = attention_partial(q, keys, values, weights, kernel=self.kernel,
-                                temperature=self.temperature)  # the new entries alone
+        new = attend_partial(q, new_entries)  # the new entries alone
         top = torch.maximum(log_z, new.m)  # (B,)
         old_w, new_w = torch.exp(log_z - top), torch.exp(new.m - top)  # (B,)
         return (s * old_w[:, None] + new.num * new_w[:, None]) / (
@@ -501,7 +518,7 @@ class GrowingLayer(nn.Module):
                 f"scale {self.output_scale:.3g}; {advice} (or raise "
                 "max_output_growth)")
 
-    def make_entries(self, record: Record) -> Entries:
+    def make_entries(self, record: Record) -> NewEntries:
         return self.rule.entries(Step(record.q, record.s, record.grad_mean, record.n_samples))
 
     def kept_rows(self) -> Tensor | None:  # (B,) bool
@@ -515,7 +532,7 @@ class GrowingLayer(nn.Module):
         return self.backend.size(self)
 
     @torch.no_grad()
-    def commit(self, entries: Entries | None) -> None:
+    def commit(self, entries: NewEntries | None) -> None:
         """Append ``entries`` as :meth:`propose` returns them (checked finite there, so not
         again here) as written at the next step."""
         proposed, self._proposed_samples = self._proposed_samples, None
@@ -628,7 +645,7 @@ class GrowingLinear(GrowingLayer):
         r = self.rule.ages.initial(int(self.steps))
         return r * F.linear(q, self.weight0, self.bias0) + self.attend(self._augment(q))
 
-    def make_entries(self, record: Record) -> Entries:
+    def make_entries(self, record: Record) -> NewEntries:
         keys, values, weights = super().make_entries(record)
         return self._augment(keys), values, weights
 
@@ -734,11 +751,11 @@ class GrowingSoftmax(GrowingLayer):
     def log_normalizer(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B,)
         """``log Z(q) = log Σ_j w_j e^{⟨q, k_j⟩/τ}`` over the current store."""
         # the normaliser needs no values: attend with a zero-width slice of them
-        part = self.backend.partial(self, q, (self.store.keys, self.store.values[:, :0],
-                                              self.store.weights))
+        part = self.backend.partial(self, q, self.entries(values=self.store.values[:, :0],
+                                                          weights=self.store.weights))
         return part.m + torch.log(part.den)
 
-    def make_entries(self, record: Record) -> Entries:
+    def make_entries(self, record: Record) -> NewEntries:
         def log_z() -> Tensor:  # (B,) the forward's normaliser, else one pass to find it
             if record.normaliser is None:
                 return self.log_normalizer(record.q)

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rcdl.entries import Entries
 from rcdl.indices import (
     Backend,
     ExactIndex,
@@ -392,13 +393,12 @@ class TopK:
             self._rows = len(store)
         return index
 
-    def attend(self, layer: GrowingLayer, q: Tensor,
-               entries: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+    def attend(self, layer: GrowingLayer, q: Tensor, entries: Entries | None = None) -> Tensor:
         """``layer``'s attention from ``q (B, key_dim)`` over each query's top-k entries:
-        ``(B, d_out)``. ``entries = (keys (N, key_dim), values (N, d_out), weights (N,))``
-        are what is attended over, rows of the store (default: the store's rows and
-        ``layer.entry_weights()``; the hybrid passes its trainable leaves, which then get
-        gradients through the gathered rows only)."""
+        ``(B, d_out)``. ``entries`` (an :class:`~rcdl.entries.Entries`) are what is attended
+        over, rows of the store (default: ``layer.entries()``, the store's rows with their
+        entry weights; the hybrid passes its trainable leaves, which then get gradients
+        through the gathered rows only)."""
         if layer.kernel.index_metric is None:
             raise ValueError(f"{layer.where}: top-k retrieval does not apply to the "
                              f"{layer.kernel} kernel; collapse the layer exactly with "
@@ -407,11 +407,11 @@ class TopK:
             raise ValueError(f"{layer.where}: its store is sharded over ranks; top-k retrieval "
                              "needs the whole store in one process")
         index = self.sync(layer)
-        keys, values, weights = entries or (layer.store.keys, layer.store.values,
-                                            layer.entry_weights())
-        result = topk_attention(q, keys, values, weights, kernel=layer.kernel,
-                                temperature=layer.temperature, index=index, k=self.k,
-                                candidates=self.candidates, stale_index=self._stale > 0)
+        entries = layer.entries() if entries is None else entries
+        result = topk_attention(q, entries.keys, entries.values, entries.weights,
+                                kernel=entries.kernel, temperature=entries.temperature,
+                                index=index, k=self.k, candidates=self.candidates,
+                                eps=entries.eps, stale_index=self._stale > 0)
         self.calls += 1
         self._last_left_out = result.left_out.mean()  # kept as a tensor: no device sync
         return result.out

@@ -28,10 +28,10 @@ from rcdl.age import AgeCoefficients
 _GAUGE_EPS = 1e-8
 
 __all__ = [
-    "ClippedSoftmaxRule", "Entries", "FunctionalSGD", "GaugeSoftmaxRule", "LearningRule", "Step",
+    "ClippedSoftmaxRule", "FunctionalSGD", "GaugeSoftmaxRule", "LearningRule", "NewEntries", "Step",
 ]  # fmt: skip
 
-Entries = tuple[Tensor, Tensor, Tensor]  # keys (B, d_in), values (B, d_out), weights (B,)
+NewEntries = tuple[Tensor, Tensor, Tensor]  # keys (B, d_in), values (B, d_out), weights (B,)
 
 
 class Step:
@@ -87,7 +87,7 @@ class LearningRule(Protocol):
 
     def with_lr(self, lr: float) -> LearningRule: ...
 
-    def entries(self, step: Step) -> Entries: ...
+    def entries(self, step: Step) -> NewEntries: ...
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class FunctionalSGD:
                 "assume a constant learning rate; schedule lr only without decay and momentum")
         return dataclasses.replace(self, lr=lr)
 
-    def entries(self, step: Step) -> Entries:
+    def entries(self, step: Step) -> NewEntries:
         q = step.q
         g = step.grad if self.per_sample else step.grad_mean
         weights = torch.ones(q.shape[0], dtype=q.dtype, device=q.device)
@@ -175,7 +175,7 @@ class ClippedSoftmaxRule:
         """What a diverging layer should change: β, not η alone (class docstring)."""
         return _smaller_steps(self, self.beta, self.eta)
 
-    def entries(self, step: Step) -> Entries:
+    def entries(self, step: Step) -> NewEntries:
         q, n_samples = step.q, step.n_samples
         g = step.grad  # (B, d_out) per-sample gradient
         s_dot_g = (step.s * g).sum(1)  # (B,)
@@ -217,7 +217,7 @@ class GaugeSoftmaxRule:
         return _smaller_steps(self, self.beta, self.eta)
 
 
-    def entries(self, step: Step) -> Entries:
+    def entries(self, step: Step) -> NewEntries:
         q, grad_mean = step.q, step.grad_mean
         g_norm = grad_mean.norm(dim=1)  # (B,)
         s_dot_g = (step.s * grad_mean).sum(1)  # (B,)
