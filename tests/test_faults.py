@@ -628,7 +628,7 @@ def test_a_sharp_kernel_whose_first_answers_are_tiny_is_not_refused_as_diverging
         grower.zero_grad()
         F.cross_entropy(net(x[rows]), y[rows]).backward()
         grower.step()
-    floor = net.readout.SCALE_FLOOR
+    floor = net.readout.guard.SCALE_FLOOR
     # the blocks' first answers were below the floor (RMS-normalised inputs: RMS 1)
     assert all(layer.output_scale == pytest.approx(floor, rel=1e-5) for layer in net.blocks)
     with torch.no_grad():

@@ -127,14 +127,15 @@ class Grower(torch.optim.Optimizer):
                     "backward reached: call loss.backward() before grower.step(), with a loss "
                     "that depends on the model's output")
             return False
-        self._refusing(lambda: [layer.check_records() for layer in self.layers])
+        self._refusing(lambda: [layer.guard.check_records(layer) for layer in self.layers])
         return True
 
     def write(self) -> None:
         """Commit every layer's proposed entries, or none, then evict down to the budget
         (after :meth:`validate`)."""
         self._apply_learning_rates()
-        proposals = self._refusing(lambda: [layer.propose() for layer in self.layers])
+        proposals = self._refusing(lambda: [layer.guard.checked(layer, layer.propose())
+                                             for layer in self.layers])
         for layer, entries in zip(self.layers, proposals, strict=True):
             layer.commit(entries)
         if self.budget is not None:

@@ -40,6 +40,7 @@ from rcdl.backends import (
     find,
 )
 from rcdl.backends import TopK as _TopKBackend
+from rcdl.divergence import DivergenceGuard
 from rcdl.entries import Entries
 from rcdl.half import PRODUCTS
 from rcdl.kernels import Kernel, check_kernel, softmax_scale
@@ -127,18 +128,16 @@ class GrowingLayer(nn.Module):
         if not isinstance(rule, LearningRule):
             raise TypeError(f"{type(self).__name__}: rule must be a rcdl.rules.LearningRule "
                             f"(e.g. FunctionalSGD, ClippedSoftmaxRule), got {type(rule).__name__}")
-        if max_output_growth is not None and not max_output_growth > 1:
-            raise ValueError(f"max_output_growth must be > 1 or None, got {max_output_growth}")
         self.rule = rule
         self.chunk_size = chunk_size
         # how a half-precision store multiplies (rcdl.half; None: the process default)
         self.half_products = None if half_products is None else PRODUCTS.check(half_products)
-        self.max_output_growth = max_output_growth
+        # refuses a step that would make the layer diverge (the learners wrap their step in it)
+        self.guard = DivergenceGuard(max_output_growth)
         self.store = EntryStore(key_dim or d_in, d_out, capacity=capacity, dtype=dtype,
                                 storage_dtype=store_dtype, device=device)
         self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=device))
         self.name = type(self).__name__  # set to the module path by the Grower
-        self.output_scale: float | None = None  # output RMS at the first non-zero step (floored)
         self.recorder = Recorder()  # this step's training-mode calls (rcdl.records)
         self.provenance = SampleMap(device=device)  # entry id -> training sample
         self._proposed_samples: Tensor | None = None  # (B,) of the entries propose() made
@@ -167,10 +166,25 @@ class GrowingLayer(nn.Module):
             self.rule = self.rule.with_lr(lr)
 
     def restore_step_state(self, steps: int, output_scale: float | None) -> None:
-        """The step count and the divergence check's reference scale from a grower's
+        """The step count and the divergence guard's reference scale from a grower's
         state dict."""
         self.steps.fill_(steps)
-        self.output_scale = output_scale
+        self.guard.restore(output_scale)
+
+    @property
+    def max_output_growth(self) -> float | None:
+        """The divergence guard's limit (:class:`~rcdl.divergence.DivergenceGuard`)."""
+        return self.guard.max_output_growth
+
+    @max_output_growth.setter
+    def max_output_growth(self, limit: float | None) -> None:
+        self.guard = dataclasses.replace(self.guard, max_output_growth=limit)
+
+    @property
+    def output_scale(self) -> float | None:
+        """The divergence guard's reference scale: the output RMS at the first step that
+        wrote (floored), ``None`` before."""
+        return self.guard.output_scale
 
     def use_shard(self, shard: ShardCollectives | None) -> None:
         """Attend over this rank's rows of a store split over ranks (``None``: the whole
@@ -391,9 +405,9 @@ class GrowingLayer(nn.Module):
 
     @torch.no_grad()
     def propose(self) -> NewEntries | None:
-        """The entries this step's records would write (nothing is written), after
-        :meth:`check_records`. Raises ``ValueError`` naming the layer if the rule produced
-        non-finite entries."""
+        """The entries this step's records would write (nothing is written). Raises
+        ``ValueError`` naming the layer if the rule produced non-finite entries. The
+        learners pass the proposal through the layer's :attr:`guard` before committing it."""
         records = self.ready_records()
         if not records:
             return None
@@ -412,45 +426,16 @@ class GrowingLayer(nn.Module):
             if not ok:  # one device sync for the three checks
                 raise ValueError(
                     f"{self.where}: the rule produced non-finite {name}; no entry written")
-        self._check_step_ahead(records, keys, values, weights)
         return keys, values, weights
-
-    def _check_step_ahead(self, records: list[Record], keys: Tensor, values: Tensor,
-                          weights: Tensor) -> None:
-        """Refuse a step that would make this batch's outputs diverge, before it writes.
-
-        For the linear and RBF kernels the new entries add ``Δs(q) = Σ_new w κ(q, k) v`` to
-        the output: attention over the ``B`` new entries alone, ``O(B²d)``. For the
-        weighted softmax, ``s' = (Z s + N_new) / (Z + Z_new)`` with the pre-step normaliser
-        ``Z = Σ_j w_j e^{z_j}`` that the forward pass recorded and ``(N_new, Z_new)`` the
-        new entries' numerator and normaliser (the same ``O(B²d)``); not checked where the
-        forward recorded no normaliser (a hybrid layer, whose entries Adam moves too, a
-        top-k training forward, a guarded denominator). The outputs the step would leave
-        on its own batch must stay within ``max_output_growth`` times the reference scale:
-        the RMS of the first non-zero outputs, or, while the store has answered only zeros
-        (an empty store), the RMS of the batch's inputs."""
-        limit = self.max_output_growth
-        if limit is None or keys.shape[0] == 0:
-            return
-        after_s = self.outputs_after(records, keys, values, weights)
-        if after_s is None:
-            return
-        q = torch.cat([r.q for r in records])  # (B, d_in)
-        after = float(after_s.double().square().mean().sqrt())
-        reference = self.output_scale or float(q.double().square().mean().sqrt())
-        if not math.isfinite(after) or (reference > 0 and after > limit * reference):
-            raise ValueError(
-                f"{self.where}: this step would raise the output RMS on its own batch to "
-                f"{after:.3g}, over {limit:g} times the layer's reference scale "
-                f"{reference:.3g}; the layer is diverging: {self.divergence_advice()}; no "
-                "entry written (or raise max_output_growth)")
 
     @torch.no_grad()
     def outputs_after(self, records: list[Record], keys: Tensor, values: Tensor,
                       weights: Tensor) -> Tensor | None:  # (B, d_out)
         """The outputs on the records' queries once ``(keys, values, weights)`` are appended
-        (see :meth:`_check_step_ahead`; ``None`` where they cannot be had cheaply). The
-        age coefficients of the existing entries' next step are not applied."""
+        (what the divergence guard reads, :meth:`rcdl.divergence.DivergenceGuard.checked`;
+        ``None`` where they cannot be had cheaply: a softmax forward that recorded no
+        normaliser, or one whose denominator the guard changed). The age coefficients of
+        the existing entries' next step are not applied."""
         q = torch.cat([r.q for r in records])  # (B, d_in)
         s = torch.cat([r.s for r in records])  # (B, d_out)
         new_entries = self.entries(keys, values, weights).replace(chunk_size=None)
@@ -472,24 +457,6 @@ class GrowingLayer(nn.Module):
         """Queries as the store's keys see them (the linear dual form appends a 1)."""
         return q
 
-    @torch.no_grad()
-    def check_records(self) -> None:
-        """Raise ``ValueError`` naming the layer if a ready record's output or gradient is not
-        finite, or its outputs grew past ``max_output_growth`` (nothing is changed)."""
-        for record in self.ready_records():
-            checks = [record.s.double().square().mean().sqrt(),
-                      torch.isfinite(record.grad_mean).all().double()]
-            if self.output_scale is None:  # the reference scale's floor, needed once
-                checks.append(record.q.double().square().mean().sqrt())
-            rms, grad_finite, *q_rms = torch.stack(checks).tolist()  # one device sync
-            self._check_output_scale(rms, floor=self.SCALE_FLOOR * q_rms[0] if q_rms else 0.0)
-            if not grad_finite:
-                raise ValueError(
-                    f"{self.where}: the output gradient contains NaN or inf (a NaN in the "
-                    "targets or the loss?); no entry written")
-
-    SCALE_FLOOR = 1e-3  # the reference scale is at least this fraction of the inputs' RMS
-
     def divergence_advice(self) -> str:
         """What a refusal for divergence tells the user to change: the rule's own advice
         where it has one (a rule whose step size is not simply its learning rate, such as
@@ -497,26 +464,6 @@ class GrowingLayer(nn.Module):
         advice = getattr(self.rule, "divergence_advice", None)
         step = advice() if advice is not None else f"lower the learning rate (rule {self.rule})"
         return f"{step}, or raise the temperature (T = {self.temperature}), or normalise its inputs"
-
-    def _check_output_scale(self, rms: float, floor: float = 0.0) -> None:
-        """Refuse a diverging layer: non-finite outputs, or outputs whose RMS grew past
-        ``max_output_growth`` times the reference scale: the RMS at the first step where
-        they were non-zero, but at least ``floor`` (``SCALE_FLOOR`` times the inputs' RMS
-        then). Without the floor, a sharp kernel whose first answers are nearly zero (the
-        far tail of an RBF, 1e−7) would refuse ordinary growth as divergence."""
-        advice = f"the layer is diverging: {self.divergence_advice()}; no entry written"
-        if not math.isfinite(rms):
-            raise ValueError(f"{self.where}: outputs contain NaN or inf; {advice}")
-        if self.output_scale is None:
-            if rms > 0:
-                self.output_scale = max(rms, floor)  # set at the first step that writes
-            return
-        limit = self.max_output_growth
-        if limit is not None and rms > limit * self.output_scale:
-            raise ValueError(
-                f"{self.where}: output RMS {rms:.3g} is over {limit:g} times its reference "
-                f"scale {self.output_scale:.3g}; {advice} (or raise "
-                "max_output_growth)")
 
     def make_entries(self, record: Record) -> NewEntries:
         return self.rule.entries(Step(record.q, record.s, record.grad_mean, record.n_samples))
