@@ -130,7 +130,7 @@ class Exact:
         return attend_partial(q, entries)
 
     def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor:  # (B,)
-        entries = layer.entries()
+        entries = layer.entries(weights=layer.store.weights)  # keys only: no age weights
         return nearest_sq_distance(q, entries.keys, chunk_size=entries.chunk_size,
                                    half_products=entries.half_products)
 
@@ -227,10 +227,8 @@ class EvalCached(Wrapper):
             self.hits += 1
         entries = layer.entries()
         part, state = resume(q, entries, start)
-        if state is None:  # the compute path does not resume: nothing to keep
-            return finalize(part, kernel=entries.kernel, eps=entries.eps)
-        rows, folded = state
-        self.slots[slot] = _CachedPartial(q.clone(), rows, store.version, folded)
+        if state is not None:  # None: the compute path does not resume, nothing to keep
+            self.slots[slot] = _CachedPartial(q.clone(), state[0], store.version, state[1])
         return finalize(part, kernel=entries.kernel, eps=entries.eps)
 
 
