@@ -56,7 +56,8 @@ class AttendingLayer(Protocol):
     @property
     def kernel(self) -> Kernel: ...
 
-    def entries(self) -> Entries: ...
+    def entries(self, keys: Tensor | None = None, values: Tensor | None = None,
+                weights: Tensor | None = None) -> Entries: ...
 
 
 class ShardCollectives(Protocol):
