@@ -69,25 +69,30 @@ def build(n: int, steps: int, device: torch.device, seed: int = 0,  # noqa: ANN2
         rcdl.set_store_dtype(net, getattr(torch, store_dtype))
     adam_steps = 100
     for _, layer in hybrid_layers(net):
-        room = n + steps * BATCH
-        for store in (layer.store, layer.adam_m, layer.adam_v):
-            store.reserve(room)
+        layer.store.reserve(n + steps * BATCH)
         keys = torch.randn(n, D, device=device)
         keys.mul_(torch.rsqrt(keys.square().mean(1, keepdim=True)))  # (N, d), unit RMS
         values = torch.randn(n, layer.d_out, device=device).mul_(0.01)  # (N, d_out)
         weights = torch.rand(n, device=device).add_(0.5).div_(n)  # (N,)
         layer.commit((keys, values, weights))
         del keys, values, weights
-        layer.adam_steps.fill_(adam_steps)
+    adam = EntryAdam(net, lr=1e-3)  # its moments meet the n entries of every layer
+    for name, layer in hybrid_layers(net):
+        if hasattr(adam, "moments"):  # the optimizer's state
+            m, v, steps_taken = adam.moments[name].m, adam.moments[name].v, adam.moments[name].steps
+        else:  # revisions before 2026-12-05 kept the moments on the layer (--baseline)
+            m, v, steps_taken = layer.adam_m, layer.adam_v, layer.adam_steps
+        for store in (m, v):
+            store.reserve(n + steps * BATCH)
+        steps_taken.fill_(adam_steps)
         ages = torch.randint(0, adam_steps, (n,), device=device)  # (N,) steps before now
-        for moments in (layer.adam_m, layer.adam_v):
-            moments.written_at.copy_(ages)
-        m, v = layer.adam_m, layer.adam_v
+        for store in (m, v):
+            store.written_at.copy_(ages)
         for moment in (m.keys, m.values, m.weights):
             moment.normal_(0.0, 1e-4)
         for moment in (v.keys, v.values, v.weights):
             moment.uniform_(0.5e-8, 1e-8)
-    return net, EntryAdam(net, lr=1e-3), Grower(net)
+    return net, adam, Grower(net)
 
 
 def _peak_rss_bytes() -> int:

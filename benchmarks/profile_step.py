@@ -47,8 +47,6 @@ def fill_stores(model: torch.nn.Module, entries: int, seed: int = 0) -> None:
             keys = torch.randn(b, store.d_in, generator=gen).to(**factory)
             values = (0.01 * torch.randn(b, store.d_out, generator=gen)).to(**factory)
             store.append(keys, values, torch.full((b,), 1e-3, **factory), written_at=0)
-        if hasattr(layer, "_zero_moments"):  # the hybrid keeps Adam moments row-aligned
-            layer._zero_moments(len(store) - len(layer.adam_m))
 
 
 class HostReads(TorchDispatchMode):

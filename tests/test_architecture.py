@@ -30,9 +30,6 @@ OWN_TENSORS = {
     ("rcdl/layers.py", "linear.bias.copy_"),
     ("rcdl/dual_optim.py", "module.weight.sub_"),  # an optimizer steps its parameters
     ("rcdl/dual_optim.py", "module.bias.sub_"),
-    # the hybrid's Adam step count lives in the layer (it moves into EntryAdam's state
-    # with the moments, docs/architecture.md)
-    ("rcdl/entry_adam.py", "layer.adam_steps.fill_"),
 }
 
 

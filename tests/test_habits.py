@@ -65,16 +65,16 @@ def train_step(net, opt, seed):
     opt.step()
 
 
-def stores(net):
-    """Every store's tensors (entries and, for hybrid layers, the Adam moments), cloned."""
-    out = {}
-    for name, module in net.named_modules():
-        for part in ("store", "adam_m", "adam_v"):
-            store = getattr(module, part, None)
-            if store is not None and hasattr(store, "written_at"):
-                for field in ("keys", "values", "weights", "written_at"):
-                    out[f"{name}.{part}.{field}"] = getattr(store, field).clone()
-    return out
+def stores(net, opt=None):
+    """Every store's tensors, and the entries' Adam moments if ``opt`` holds them, cloned."""
+    parts = [(f"{name}.store", module.store) for name, module in net.named_modules()
+             if hasattr(getattr(module, "store", None), "written_at")]
+    adam = getattr(opt, "adam", opt)  # a HybridGrower's EntryAdam, or EntryAdam itself
+    for name, moments in getattr(adam, "moments", {}).items():
+        moments.sync()
+        parts += [(f"{name}.adam_m", moments.m), (f"{name}.adam_v", moments.v)]
+    return {f"{part}.{field}": getattr(store, field).clone() for part, store in parts
+            for field in ("keys", "values", "weights", "written_at")}
 
 
 def assert_same_stores(a, b):
@@ -115,7 +115,7 @@ def test_forward_without_backward_then_a_normal_step(kind):
 def test_refused_step_leaves_nothing_pending(kind, poison):
     net, opt = growing(kind)
     train_step(net, opt, 0)
-    before = stores(net)
+    before = stores(net, opt)
     x, y = batch(1)
     out = net(x)
     if poison == "target":
@@ -125,7 +125,7 @@ def test_refused_step_leaves_nothing_pending(kind, poison):
     loss.backward()
     with pytest.raises(ValueError, match="NaN or inf"):
         opt.step()
-    assert_same_stores(stores(net), before)
+    assert_same_stores(stores(net, opt), before)
     for layer in opt.grower.layers if kind == "hybrid" else opt.layers:
         assert not layer.ready_records()
     train_step(net, opt, 2)  # the next clean batch steps normally
@@ -152,7 +152,7 @@ def test_exception_between_backward_and_step(kind):
     with pytest.warns(UnsteppedBatchWarning, match="that batch is dropped"):
         train_step(net, opt, 2)
     train_step(reference, ref_opt, 2)  # never saw batch 1
-    assert_same_stores(stores(net), stores(reference))
+    assert_same_stores(stores(net, opt), stores(reference, ref_opt))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -226,7 +226,7 @@ def test_hybrid_grower_steps_adam_then_growth():
         F.cross_entropy(twin(x), y).backward()
         adam.step()
         grower.step()
-    assert_same_stores(stores(net), stores(twin))
+    assert_same_stores(stores(net, driver), stores(twin, adam))
 
 
 def test_growth_before_adam_is_loud():
@@ -272,12 +272,12 @@ def test_only_the_last_layer_bad_refuses_every_layer(budget):
 def test_zero_grad_forgets_what_was_recorded(kind):
     net, opt = growing(kind)
     train_step(net, opt, 0)
-    before = stores(net)
+    before = stores(net, opt)
     x, y = batch(1)
     F.cross_entropy(net(x), y).backward()
     opt.zero_grad()
     opt.step()  # nothing recorded: a no-op, as for torch optimizers
-    assert_same_stores(stores(net), before)
+    assert_same_stores(stores(net, opt), before)
 
 
 def test_step_lr_halves_eta_for_entries_written_afterwards():
@@ -351,7 +351,7 @@ def test_state_dict_round_trip_continues_bit_identically(kind):
     for seed in range(3, 6):
         train_step(resumed, resumed_opt, seed)
         resumed_scheduler.step()
-    assert_same_stores(stores(resumed), stores(net))
+    assert_same_stores(stores(resumed, resumed_opt), stores(net, opt))
     assert resumed_opt.state_dict().keys() == opt.state_dict().keys()
     x, _ = batch(50, b=9)
     with torch.no_grad():
@@ -378,7 +378,7 @@ def test_entry_adam_state_holds_the_moments_and_checks_rows():
     state = driver.adam.state_dict()
     moments = state["layers"]["readout"]
     assert moments["m"]["keys"].shape[0] == len(net.readout.store)
-    assert "readout.adam_m.keys" not in net.state_dict()  # optimizer state, not the model's
+    assert not any("adam" in key for key in net.state_dict())  # the optimizer's, not the model's
     fresh = hybrid_net()  # its stores hold only the initial entries
     with pytest.raises(ValueError, match="load the model's state saved with it first"):
         EntryAdam(fresh).load_state_dict(state)
@@ -402,7 +402,7 @@ def test_compiled_training_matches_eager(kind):
         for model, driver in ((eager, eager_opt), (compiled, opt)):
             F.cross_entropy(model(x), y).backward()
             driver.step()
-    a, b = stores(eager), stores(net)
+    a, b = stores(eager, eager_opt), stores(net, opt)
     assert a.keys() == b.keys()
     for key in a:
         assert_close(a[key], b[key], msg=key)

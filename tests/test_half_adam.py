@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rcdl.half_adam as half_adam
+from rcdl.entry_adam import EntryMoments
 from rcdl.half_adam import adam_rows, set_half_adam, use_compiled
 
 
@@ -91,13 +92,14 @@ def test_a_hybrid_layer_steps_alike_on_the_compiled_and_the_eager_path():
         layer = HybridSoftmax(64, 48, temperature=1.0, rule=ClippedSoftmaxRule(0.5, 3.0),
                               initial_entries=96, store_dtype=torch.bfloat16, seed=3)
         gen = torch.Generator().manual_seed(1)
+        moments = EntryMoments(layer)
         for _ in range(3):
             for leaf in layer.entry_leaves():
                 leaf.grad = (1e-2 * torch.randn(leaf.shape, generator=gen)).to(leaf.dtype)
             with half_adam(mode):
-                layer.adam_step(1e-3, (0.9, 0.999), 1e-8)
+                moments.step(1e-3, (0.9, 0.999), 1e-8)
         stores[mode] = (layer.store.keys.float(), layer.store.values.float(),
-                        layer.adam_m.keys, layer.adam_v.values)
+                        moments.m.keys, moments.v.values)
     for eager, compiled in zip(stores["eager"], stores["compiled"], strict=True):
         torch.testing.assert_close(compiled, eager, rtol=2.0**-7, atol=1e-6)
     assert float((stores["compiled"][0] != stores["eager"][0]).float().mean()) < 0.01
@@ -130,7 +132,7 @@ def test_adam_past_the_float16_range_keeps_the_entry_finite_and_warns():
     values.grad[0, 0] = -1.0  # Adam moves that value up by lr = 100, past 65 504
     with pytest.warns(RuntimeWarning, match=r"1 of its entries \(the first: id 0\) to ±65504, "
                                             r"the largest finite torch.float16.*bfloat16"):
-        layer.adam_step(100.0, (0.9, 0.999), 1e-8)
+        EntryMoments(layer).step(100.0, (0.9, 0.999), 1e-8)
     assert torch.isfinite(layer.store.values).all()
     assert layer.store.values[0, 0].item() == 65_504.0
 
@@ -159,7 +161,7 @@ def test_the_mode_is_an_option_of_the_learner_saved_in_its_state(monkeypatch):
     from rcdl.rules import ClippedSoftmaxRule
 
     seen = []
-    monkeypatch.setattr("rcdl.hybrid.use_compiled",
+    monkeypatch.setattr("rcdl.entry_adam.use_compiled",
                         lambda elements, mode=None: seen.append(mode) or False)
     layer = HybridSoftmax(8, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 3.0),
                           trigger=AlwaysGrow(), seed=0, store_dtype=torch.bfloat16)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from rcdl.attention import nearest_sq_distance
-from rcdl.entry_adam import EntryAdam
+from rcdl.entry_adam import EntryAdam, EntryMoments
 from rcdl.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate
 from rcdl.grower import Grower
 from rcdl.hybrid import HybridSoftmax
@@ -172,7 +172,7 @@ def test_entry_adam_equals_torch_adam_on_the_same_table():
 
 
 def _reference_adam(param, m, v, grad, t, lr, betas, eps):
-    """Dense twin of ``HybridSoftmax.adam_step`` for one tensor, the rule as docs/reference.md §4's
+    """Dense twin of ``EntryMoments.step`` for one tensor, the rule as docs/reference.md §4's
     Adam reads, with a per-entry step count ``t (N,)``; ``grad=None`` is a zero gradient."""
     b1, b2 = betas
     grad = torch.zeros_like(param) if grad is None else grad
@@ -185,7 +185,7 @@ def _reference_adam(param, m, v, grad, t, lr, betas, eps):
 
 def _grown_layer_with_gradients(dtype=torch.float64, drop_weight_grad=False):
     """A layer whose entries were written at four different Adam steps (trained in float64,
-    then cast to ``dtype``), with the gradients of one more batch."""
+    then cast to ``dtype``), with the gradients of one more batch, and its Adam state."""
     layer = _layer(d_in=5, d_out=3, trigger=AlwaysGrow(), initial_entries=4)
     adam = EntryAdam(layer, lr=0.01)
     gen = torch.Generator().manual_seed(4)
@@ -196,7 +196,9 @@ def _grown_layer_with_gradients(dtype=torch.float64, drop_weight_grad=False):
     F.mse_loss(layer(q.to(dtype)), y.to(dtype)).backward()
     if drop_weight_grad:
         layer.entry_leaves()[2].grad = None
-    return layer
+    moments = adam.moments[""]
+    moments.sync()  # the moments follow the cast and meet the last step's entries
+    return layer, moments
 
 
 @pytest.mark.parametrize("drop_weight_grad", [False, True], ids=["all-grads", "no-weight-grad"])
@@ -205,22 +207,22 @@ def _grown_layer_with_gradients(dtype=torch.float64, drop_weight_grad=False):
 def test_adam_step_matches_the_dense_reference(chunk_elements, drop_weight_grad):
     """Entries of different ages, blocks that split the store anywhere: the in-place kernel
     computes the dense rule to 1e-12 in float64 (params and both moments)."""
-    layer = _grown_layer_with_gradients(drop_weight_grad=drop_weight_grad)
-    ages = (layer.adam_steps + 1 - layer.adam_m.written_at).to(torch.float64)  # (N,)
+    layer, adam = _grown_layer_with_gradients(drop_weight_grad=drop_weight_grad)
+    ages = (adam.steps + 1 - adam.m.written_at).to(torch.float64)  # (N,)
     assert len(set(ages.tolist())) == 4  # four clocks
     lr, betas, eps = 0.01, (0.9, 0.999), 1e-8
     expected = [
         _reference_adam(p.clone(), m.clone(), v.clone(), leaf.grad, ages, lr, betas, eps)
         for p, m, v, leaf in zip(
             (layer.store.keys, layer.store.values, layer.store.weights),
-            (layer.adam_m.keys, layer.adam_m.values, layer.adam_m.weights),
-            (layer.adam_v.keys, layer.adam_v.values, layer.adam_v.weights),
+            (adam.m.keys, adam.m.values, adam.m.weights),
+            (adam.v.keys, adam.v.values, adam.v.weights),
             layer.entry_leaves(), strict=True)
     ]
-    layer.adam_step(lr, betas, eps, chunk_elements=chunk_elements)
-    mine = [(layer.store.keys, layer.adam_m.keys, layer.adam_v.keys),
-            (layer.store.values, layer.adam_m.values, layer.adam_v.values),
-            (layer.store.weights, layer.adam_m.weights, layer.adam_v.weights)]
+    adam.step(lr, betas, eps, chunk_elements=chunk_elements)
+    mine = [(layer.store.keys, adam.m.keys, adam.v.keys),
+            (layer.store.values, adam.m.values, adam.v.values),
+            (layer.store.weights, adam.m.weights, adam.v.weights)]
     for got, want in zip(mine, expected, strict=True):
         for a, b in zip(got, want, strict=True):
             assert_close(a, b, rtol=1e-12, atol=1e-15)
@@ -229,9 +231,10 @@ def test_adam_step_matches_the_dense_reference(chunk_elements, drop_weight_grad)
 def test_a_float32_store_takes_the_float64_step_to_float32_precision():
     """In float32 (the experiments' dtype) the kernel's step agrees with the float64 one to
     float32 precision; the per-entry scales are computed in float64 in both."""
-    layers = [_grown_layer_with_gradients(dtype) for dtype in (torch.float32, torch.float64)]
-    for layer in layers:
-        layer.adam_step(0.01, (0.9, 0.999), 1e-8, chunk_elements=12)
+    grown = [_grown_layer_with_gradients(dtype) for dtype in (torch.float32, torch.float64)]
+    layers = [layer for layer, _ in grown]
+    for _, adam in grown:
+        adam.step(0.01, (0.9, 0.999), 1e-8, chunk_elements=12)
     mine, theirs = ((layer.store.keys, layer.store.values, layer.store.weights)
                     for layer in layers)
     for a, b in zip(mine, theirs, strict=True):
@@ -246,16 +249,18 @@ def test_a_run_with_the_reference_adam_ends_where_the_kernel_does(monkeypatch):
 
     @torch.no_grad()
     def reference_step(self, lr, betas, eps, half_adam=None):
-        leaves, self._leaves = self._leaves, None
-        if leaves is None or all(t.grad is None for t in leaves):
+        grads = self.layer.take_entry_grads()
+        if grads is None:
             return
-        self.adam_steps += 1
-        ages = (self.adam_steps - self.adam_m.written_at).to(torch.float64)
-        for p, m, v, leaf in zip((self.store.keys, self.store.values, self.store.weights),
-                                 (self.adam_m.keys, self.adam_m.values, self.adam_m.weights),
-                                 (self.adam_v.keys, self.adam_v.values, self.adam_v.weights),
-                                 leaves, strict=True):
-            new = _reference_adam(p, m, v, leaf.grad, ages, lr, betas, eps)
+        self.sync()
+        store = self.layer.store
+        self.steps += 1
+        ages = (self.steps - self.m.written_at).to(torch.float64)
+        for p, m, v, grad in zip((store.keys, store.values, store.weights),
+                                 (self.m.keys, self.m.values, self.m.weights),
+                                 (self.v.keys, self.v.values, self.v.weights),
+                                 grads, strict=True):
+            new = _reference_adam(p, m, v, grad, ages, lr, betas, eps)
             for old, value in zip((p, m, v), new, strict=True):
                 old.copy_(value)
 
@@ -266,7 +271,7 @@ def test_a_run_with_the_reference_adam_ends_where_the_kernel_does(monkeypatch):
     runs = []
     for patch in (False, True):
         if patch:
-            monkeypatch.setattr(HybridSoftmax, "adam_step", reference_step)
+            monkeypatch.setattr(EntryMoments, "step", reference_step)
         net, learner = _hybrid_net()
         result = train_one_pass(net, data, **learner, **kw)
         runs.append((result, [m for m in net.modules() if isinstance(m, HybridSoftmax)]))
@@ -285,7 +290,8 @@ def test_adam_on_an_empty_store_then_growth():
     layer = _layer(initial_entries=0)
     adam = EntryAdam(layer, lr=0.01)
     _train_step(layer, torch.randn(2, 4, **F64), adam)  # gradients of shape (0, ...)
-    assert len(layer.store) == len(layer.adam_m) == 2 and int(layer.adam_steps) == 1
+    moments = adam.moments[""].state()
+    assert len(layer.store) == len(moments["m"]["ids"]) == 2 and moments["adam_steps"] == 1
 
 
 def test_a_new_entry_gets_its_own_bias_correction():
@@ -311,10 +317,14 @@ def test_removal_keeps_moments_aligned_with_entries():
     _train_step(layer, torch.randn(3, 4, **F64) * 10, adam)
     mask = torch.zeros(len(layer.store), dtype=torch.bool)
     mask[[0, 4]] = True
-    expected = layer.adam_v.keys[~mask].clone()
+    moments = adam.moments[""]
+    moments.sync()
+    expected = moments.v.keys[~mask].clone()
     layer.remove_entries(mask)
-    assert len(layer.adam_m) == len(layer.adam_v) == len(layer.store)
-    assert_close(layer.adam_v.keys, expected)
+    moments.sync()
+    assert len(moments.m) == len(moments.v) == len(layer.store)
+    assert torch.equal(moments.m.ids, layer.store.ids)
+    assert_close(moments.v.keys, expected)
 
 
 def test_entry_adam_needs_hybrid_layers():
@@ -393,7 +403,7 @@ def test_moving_the_layer_drops_leaves_of_the_old_tensors():
 
 
 def test_adam_block_is_cache_sized_on_cpu_and_whole_on_gpus():
-    from rcdl.hybrid import adam_block_elements
+    from rcdl.entry_adam import adam_block_elements
 
     cpu = torch.device("cpu")
     assert adam_block_elements("cpu", 10**7) == adam_block_elements(cpu, 5) == 1 << 18

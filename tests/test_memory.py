@@ -326,7 +326,10 @@ def test_budget_on_a_hybrid_layer_keeps_its_moments_aligned():
         adam.step()
         adam.zero_grad()
         grower.step()
-        assert len(layer.store) == len(layer.adam_m) == len(layer.adam_v) <= 20
+        moments = adam.moments["0"]
+        moments.sync()
+        assert len(layer.store) == len(moments.m) == len(moments.v) <= 20
+        assert torch.equal(moments.m.ids, layer.store.ids)
 
 
 # --------------------------------------------------------------------------- errors

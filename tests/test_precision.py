@@ -19,6 +19,7 @@ from rcdl import (
     set_store_dtype,
 )
 from rcdl.attention import attention, attention_partial, finalize, nearest_sq_distance
+from rcdl.entry_adam import EntryMoments
 from rcdl.half import half_products
 from rcdl.hybrid import HybridSoftmax
 from rcdl.kernels import KERNELS, naive_attention
@@ -256,12 +257,13 @@ def test_hybrid_adam_moves_half_entries_by_small_steps_on_average():
     before = layer.store.keys.float().clone()
     for leaf in layer.entry_leaves():
         leaf.grad = -torch.ones_like(leaf)  # the first Adam step moves each number by +lr
-    layer.adam_step(1e-3, (0.9, 0.999), 1e-8)
+    moments = EntryMoments(layer)
+    moments.step(1e-3, (0.9, 0.999), 1e-8)
     moved = layer.store.keys.float() - before  # (64, 256), each 0 or one ulp (2^-7)
     assert layer.store.keys.dtype == torch.bfloat16
     assert set(moved.unique().tolist()) == {0.0, 2.0**-7}
     assert moved.mean().item() == pytest.approx(1e-3, rel=0.05)
-    assert layer.adam_m.keys.dtype == torch.float32  # the moments stay in the layer's dtype
+    assert moments.m.keys.dtype == torch.float32  # the moments stay in the layer's dtype
 
 
 @pytest.mark.parametrize("kernel", [n for n, k in KERNELS.items() if k.index_metric])

@@ -132,7 +132,6 @@ def test_a_query_farther_than_tau_writes_and_a_nearer_one_does_not():
         key = torch.zeros(1, 8)
         key[0, 0] = math.sqrt(8)
         ffn.layer.store.append(key, torch.zeros(1, 8), torch.ones(1))
-        ffn.layer._zero_moments(1)
     near = key + torch.tensor([[0.0, 0.9] + [0.0] * 6])  # after RMSNorm, ‖q − k‖ ≈ 0.9 < 1
     far = torch.zeros(1, 8)
     far[0, 1] = 1.0  # orthogonal: ‖q − k‖ = 4 > 1

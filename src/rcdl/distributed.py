@@ -173,10 +173,7 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
         if n:
             keep = info.owned(n, layer.store.device)
             layer.remove_entries(~keep)
-            stores = (layer.store, getattr(layer, "adam_m", None), getattr(layer, "adam_v", None))
-            for store in stores:
-                if store is not None:
-                    store.compact()  # release the other ranks' rows
+            layer.store.compact()  # release the other ranks' rows
         layer.use_shard(info)
     return model
 

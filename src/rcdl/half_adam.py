@@ -1,7 +1,7 @@
 """The hybrid's Adam step on rows of a half-precision store, eager or compiled.
 
 For a block of a store's rows kept in bfloat16 or float16, with moments ``m``, ``v`` in
-float32, one Adam step is (docs/reference.md §4; :meth:`rcdl.hybrid.HybridSoftmax.adam_step`
+float32, one Adam step is (docs/reference.md §4; :meth:`rcdl.entry_adam.EntryMoments.step`
 gives the per-entry scales ``a``, ``c``)::
 
     m ← β₁ m + (1 − β₁) g,   v ← β₂ v + (1 − β₂) g²,

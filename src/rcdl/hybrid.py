@@ -25,11 +25,11 @@ skipping the update.)
 Entries are plain rows of the layer's :class:`~rcdl.store.EntryStore`, not ``nn.Parameter``s:
 the store grows, and a growing parameter list does not fit ``torch.optim``. In training mode
 the forward pass attends over fresh leaf tensors that share the store's memory, so
-``backward()`` leaves the entries' gradients on them; Adam's moments live beside the
-entries in two more stores (same rows, so growth and removal keep them aligned, and they
-are saved by the optimizer's ``state_dict``, as ``torch.optim.Adam`` saves its moments, not by
-the model's). Each entry carries its own Adam step count, so its bias correction is that of
-a parameter created when it was written.
+``backward()`` leaves the entries' gradients on them, and :meth:`HybridSoftmax.take_entry_grads`
+hands them to the optimizer. Adam's moments are the optimizer's state, as in
+``torch.optim.Adam``: :class:`rcdl.entry_adam.EntryMoments` keeps them aligned with the
+layer's rows by entry id (growth and removal need not tell it), with each entry's own step
+count, so its bias correction is that of a parameter created when it was written.
 """
 
 from __future__ import annotations
@@ -45,14 +45,12 @@ from rcdl.gates import (
     GrowthTrigger,
     default_tau,
 )
-from rcdl.half_adam import adam_rows, use_compiled
 from rcdl.layers import GrowingSoftmax
 from rcdl.records import Record
 from rcdl.rules import LearningRule, NewEntries
-from rcdl.store import EntryStore
 
 __all__ = [
-    "GrowthStalledWarning", "HybridSoftmax", "adam_block_elements", "hybrid_layers",
+    "GrowthStalledWarning", "HybridSoftmax", "hybrid_layers",
 ]  # fmt: skip
 
 
@@ -101,8 +99,7 @@ class HybridSoftmax(GrowingSoftmax):
 
     trains_entries = True  # EntryAdam moves every entry: no cached evaluation partials
     STALL_STEPS = 100  # growth steps without a single write before GrowthStalledWarning
-    # buffers (): Adam steps taken, entries written and refused, the rounding seed
-    adam_steps: Tensor
+    # buffers (): entries written and refused, the seed of the Adam step's rounding
     entries_written: Tensor
     entries_refused: Tensor
     rounding_seed: Tensor
@@ -121,28 +118,16 @@ class HybridSoftmax(GrowingSoftmax):
                 "(ClippedSoftmaxRule(normalize=False)) as the paper does (docs/reference.md §4)")
         self.trigger: GrowthTrigger = (
             DistanceGate(default_tau(d_in)) if trigger is None else trigger)
-        dtype, device = self.store.dtype, self.store.device
-        # Adam's first and second moments of (keys, weighted values, weights), row-aligned
-        # with the store; their ``written_at`` is the layer's Adam step count at the write.
-        # They are optimizer state: EntryAdam.state_dict() saves them, the model's does not.
-        self.adam_m = EntryStore(self.store.d_in, d_out, persistent=False, dtype=dtype,
-                                 device=device)
-        self.adam_v = EntryStore(self.store.d_in, d_out, persistent=False, dtype=dtype,
-                                 device=device)
-        self.register_buffer("adam_steps", torch.zeros((), dtype=torch.long,
-                                                       device=self.store.device), persistent=False)
         for name in ("entries_written", "entries_refused"):
             self.register_buffer(name, torch.zeros((), dtype=torch.long,
                                                    device=self.store.device))
         rounding_seed = int(torch.randint(1 << 62, ())) if seed is None else seed
         self.register_buffer("rounding_seed", torch.tensor(rounding_seed, dtype=torch.long))
-        self._zero_moments(len(self.store))
         self._leaves: tuple[Tensor, Tensor, Tensor] | None = None
         self._refused = 0  # refused by the trigger in the pending proposal
         self._dry_steps = 0  # growth steps in a row that wrote nothing (host-side count)
         self._last_sq_distance: Tensor | None = None  # (B,) of the last gated batch
         self._adam_skipped = False  # a growth step dropped entry gradients Adam never used
-        self._saturation_warned = False  # a float16 store's entries reached ±65 504 (warned)
 
     # ---------------------------------------------------------------- forward
     def attend(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, d_out)
@@ -171,6 +156,18 @@ class HybridSoftmax(GrowingSoftmax):
             self._leaves = None
         super()._drop_unstepped()
 
+    def take_entry_grads(self) -> tuple[Tensor | None, Tensor | None, Tensor | None] | None:
+        """The gradients backward left on the entries' keys, weighted values and weights
+        since the last Adam step (``None`` for one that got none), handed over once: the
+        leaves are dropped. ``None`` if backward left none."""
+        leaves, self._leaves = self._leaves, None
+        if leaves is None or all(t.grad is None for t in leaves):
+            return None
+        if leaves[0].shape[0] != len(self.store):
+            raise RuntimeError(f"HybridSoftmax {self.name!r}: the store changed between the "
+                               "forward pass and the Adam step; step Adam before the Grower")
+        return leaves[0].grad, leaves[1].grad, leaves[2].grad
+
     def adam_update_lost(self) -> bool:
         """Whether a growth step dropped entry gradients that no Adam step had used (the
         steps ran in the wrong order; ``EntryAdam.step`` then refuses, saying so)."""
@@ -197,113 +194,6 @@ class HybridSoftmax(GrowingSoftmax):
         # views of the old ones, so they are dropped (a step in flight loses its gradients)
         self._leaves = None
         return super()._apply(fn, *args, **kwargs)
-
-    # ---------------------------------------------------------------- Adam on entries
-    @torch.no_grad()
-    def adam_step(self, lr: float, betas: tuple[float, float], eps: float,
-                  chunk_elements: int | None = None, half_adam: str | None = None) -> None:
-        """One Adam step on every entry that received a gradient since the last step
-        (docs/reference.md §4).
-
-        Per entry ``j`` with its own step count ``t_j`` (steps since it was written), for
-        each of its key ``(d_in,)``, weighted value ``(d_out,)`` and weight, with gradient
-        ``g``: ``m ← β₁m + (1−β₁)g``, ``v ← β₂v + (1−β₂)g²``,
-        ``θ ← θ − lr · (m / (1−β₁^{t_j})) / (√(v / (1−β₂^{t_j})) + ε)``.
-
-        Computed as ``θ ← θ − m / (a_j √v + c_j)``: the same quotient with numerator and
-        denominator divided by the step size ``lr / (1−β₁^{t_j})``, so that the per-entry bias
-        corrections become two ``(N,)`` scales, ``a_j = (1−β₁^{t_j}) / (lr √(1−β₂^{t_j}))``
-        and ``c_j = ε (1−β₁^{t_j}) / lr`` (computed in float64). The step is bound by memory
-        traffic: it reads θ, m, v, g and writes θ, m, v, once each. Rows are visited in blocks
-        of about ``chunk_elements`` numbers (default :func:`adam_block_elements`: 1 MB in
-        float32 on CPU) so that the seven element-wise passes over a block (``lerp_``;
-        ``mul_``, ``addcmul_``; ``sqrt``, ``mul_``, ``add_``; ``addcdiv_``) run in cache, and
-        one scratch block is the only temporary. On a GPU the default block is the whole
-        tensor (each pass is one kernel launch). The dense
-        rule it is checked against is in ``tests/test_hybrid.py``.
-
-        With a half-precision store (``store_dtype``) the moments stay in the layer's dtype
-        and the moved keys and values are rounded to the store's dtype *stochastically*
-        (:func:`rcdl.rounding.round_stochastically`): an Adam step is often smaller than half
-        a bfloat16 ulp, and rounding to nearest would drop it every time. The random bits
-        are :func:`rcdl.rounding.rounding_noise` of ``(rounding_seed, Adam step, entry id)``,
-        so a resumed or sharded run rounds exactly as one uninterrupted process does. A
-        float16 entry moved past ±65 504 (float16's largest finite number) saturates there
-        instead of becoming ``inf``, with a ``RuntimeWarning`` (once per layer, looked for at
-        the first Adam step and every ``SATURATION_CHECK_EVERY`` after) naming the entry and
-        suggesting bfloat16 or float32. ``half_adam`` says whether that pass is compiled
-        (:mod:`rcdl.half_adam`; ``None``: the process-wide default).
-        """
-        leaves, self._leaves = self._leaves, None
-        if leaves is None or all(t.grad is None for t in leaves):
-            return
-        n = leaves[0].shape[0]
-        if n != len(self.store):
-            raise RuntimeError(f"HybridSoftmax {self.name!r}: the store changed between the "
-                               "forward pass and the Adam step; step Adam before the Grower")
-        b1, b2 = betas
-        self.adam_steps += 1
-        t = (self.adam_steps - self.adam_m.written_at).to(torch.float64)  # (N,) >= 1
-        bias1, bias2 = 1 - b1**t, 1 - b2**t  # (N,)
-        a = (bias1 / (lr * bias2.sqrt())).to(self.store.dtype)  # (N,)
-        c = (eps * bias1 / lr).to(self.store.dtype)  # (N,)
-        groups = ((self.store.keys, self.adam_m.keys, self.adam_v.keys, leaves[0].grad),
-                  (self.store.values, self.adam_m.values, self.adam_v.values, leaves[1].grad),
-                  (self.store.weights, self.adam_m.weights, self.adam_v.weights, leaves[2].grad))
-        ids, seed = self.store.ids, self.rounding_seed
-        half_elements = self.store.keys.numel() + self.store.values.numel()
-        for stream, (param, m, v, grad) in enumerate(groups):
-            if grad is None:  # a zero gradient: the moments still decay and θ still moves
-                grad = param.new_zeros(()).expand_as(param)
-            block = chunk_elements or adam_block_elements(param.device, param.numel())
-            rows_per_chunk = max(1, block // math.prod(param.shape[1:]))
-            shape = (-1,) + (1,) * (param.dim() - 1)  # per-entry scales broadcast over a row
-            half = param.dtype != m.dtype
-            compiled = half and use_compiled(half_elements, half_adam)
-            if compiled:  # one fused loop: no temporaries to keep in cache, one call
-                rows_per_chunk = n
-            scratch = None if half else m.new_empty((min(rows_per_chunk, n), *param.shape[1:]))
-            for start in range(0, n, rows_per_chunk):
-                rows = slice(start, start + rows_per_chunk)
-                if half:  # round the moved entries without bias (rcdl.half_adam)
-                    adam_rows(
-                        param[rows], m[rows], v[rows], grad[rows], a[rows], c[rows],
-                        ids=ids[rows], seed=seed, step=self.adam_steps, stream=stream,
-                        b1=b1, b2=b2, compiled=compiled)
-                    continue
-                g, m_c, v_c = grad[rows].to(m.dtype), m[rows], v[rows]
-                assert scratch is not None  # made for a float store
-                denom = scratch[: g.shape[0]]
-                m_c.lerp_(g, 1 - b1)
-                v_c.mul_(b2).addcmul_(g, g, value=1 - b2)
-                torch.sqrt(v_c, out=denom).mul_(a[rows].view(shape)).add_(c[rows].view(shape))
-                param[rows].addcdiv_(m_c, denom, value=-1.0)
-        if (self.store.keys.dtype == torch.float16 and not self._saturation_warned
-                and self.adam_steps % self.SATURATION_CHECK_EVERY == 1):
-            self._warn_saturated()  # a scan of the store: not every step
-        self.store.moved()  # every entry moved: cached partials over them are stale
-
-    SATURATION_CHECK_EVERY = 64  # Adam steps between scans of a float16 store for ±65 504
-
-    def _warn_saturated(self) -> None:
-        """Warn (once) if the Adam step left keys or values of a float16 store at its largest
-        finite number, where stochastic rounding saturates instead of writing ``inf``. An
-        entry stays there while Adam pushes it outward, so a scan at the first Adam step and
-        every ``SATURATION_CHECK_EVERY`` after finds it at the price of one pass in 64."""
-        largest = torch.finfo(self.store.keys.dtype).max
-        at_edge = ((self.store.keys.abs() == largest).any(1)
-                   | (self.store.values.abs() == largest).any(1))  # (N,)
-        count = int(at_edge.sum())  # one device sync, float16 stores only
-        if not count:
-            return
-        self._saturation_warned = True
-        first = int(self.store.ids[at_edge][0])
-        warnings.warn(
-            f"{self.where}: the Adam step moved keys or values of {count} of its entries (the "
-            f"first: id {first}) to ±{largest:g}, the largest finite {self.store.keys.dtype}; "
-            "they are kept there (rounding saturates instead of writing inf), so whatever "
-            "Adam moves beyond it is lost. Keep this store in torch.bfloat16 (float32's range) "
-            "or float32 (store_dtype=)", RuntimeWarning, stacklevel=4)
 
     # ---------------------------------------------------------------- growth
     def make_entries(self, record: Record) -> NewEntries:
@@ -337,10 +227,8 @@ class HybridSoftmax(GrowingSoftmax):
         written = 0 if entries is None else int(entries[0].shape[0])  # all ranks together
         if self.has_entry_grads:  # Grower.step() ran before EntryAdam.step()
             self._adam_skipped = True
-        stored = len(self.store)
         super().commit(entries)
         self._leaves = None
-        self._zero_moments(len(self.store) - stored)  # the rows this rank stored
         self.entries_written += written
         self.entries_refused += self._refused
         self._refused = 0
@@ -362,19 +250,9 @@ class HybridSoftmax(GrowingSoftmax):
             f"DistanceGate({default_tau(self.store.d_in):.3g}) (rcdl.gates.default_tau)",
             GrowthStalledWarning, stacklevel=2)
 
-    def _zero_moments(self, count: int) -> None:
-        dtype, device = self.store.dtype, self.store.device
-        for moments in (self.adam_m, self.adam_v):
-            moments.append(torch.zeros(count, self.store.d_in, dtype=dtype, device=device),
-                           torch.zeros(count, self.d_out, dtype=dtype, device=device),
-                           torch.zeros(count, dtype=dtype, device=device),
-                           written_at=int(self.adam_steps))
-
     @torch.no_grad()
     def remove_entries(self, mask: Tensor) -> int:
         self._leaves = None
-        self.adam_m.remove(mask)
-        self.adam_v.remove(mask)
         return self.store.remove(mask)
 
     def stats(self) -> dict[str, int]:
@@ -384,13 +262,6 @@ class HybridSoftmax(GrowingSoftmax):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, trigger={self.trigger}"
-
-
-def adam_block_elements(device: torch.device | str, numel: int) -> int:
-    """Numbers per block of :meth:`HybridSoftmax.adam_step`: 2¹⁸ (1 MB in float32, cache
-    sized) on CPU; the whole tensor (``numel``) on a GPU, where each pass over a block is a
-    kernel launch and cache-sized blocks would mean thousands of launches per step."""
-    return max(1, numel) if torch.device(device).type == "cuda" else 1 << 18
 
 
 def hybrid_layers(model: nn.Module) -> list[tuple[str, HybridSoftmax]]:
