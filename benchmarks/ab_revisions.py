@@ -69,8 +69,8 @@ def child(model_name: str, entries: int, store_dtype: str, steps: int, repeats: 
     import torch.nn.functional as F
 
     from rcdl.app.experiments.cifar10 import build_model
-    from rcdl.attention import attention
-    from rcdl.layers import growing_layers
+    from rcdl.nn.layers import growing_layers
+    from rcdl.ops.attention import attention
 
     dtype = getattr(torch, store_dtype)
     gen = torch.Generator().manual_seed(0)

@@ -58,7 +58,7 @@ def _median_time(fn, repeats: int) -> float:
 def measure(batch: int, n: int, d: int, repeats: int, chunk_size: int | None,
             save_fraction: float, store_dtype: str = "float32") -> dict:
     """One configuration, in this process."""
-    from rcdl.attention import attention
+    from rcdl.ops.attention import attention
 
     dtype = getattr(torch, store_dtype)
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def main() -> None:
         return
 
     from rcdl.app.rundir import cpu_flags, cpu_model
-    from rcdl.store import format_bytes
+    from rcdl.nn.store import format_bytes
 
     flags = " ".join(cpu_flags()) or "none of avx2/avx512f/avx512_bf16/amx"
     print(f"# machine: {platform.node()} {platform.machine()}, {cpu_model()} "

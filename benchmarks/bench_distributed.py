@@ -5,7 +5,7 @@ Measures :mod:`rcdl.distributed` with gloo on CPU, ranks started by ``torch.mult
 rank (``torch.set_num_threads(1)`` in every worker). Four parts, each in fresh processes:
 
 1. **bytes** — payload bytes handed to the collectives (``torch.distributed.all_reduce`` and
-   ``all_gather``, wrapped and counted) by one sharded :class:`rcdl.layers.GrowingSoftmax`
+   ``all_gather``, wrapped and counted) by one sharded :class:`rcdl.nn.layers.GrowingSoftmax`
    ``d → d`` (B = 16, input requiring grad as in a middle layer) in its forward, backward
    and ``Grower.step``, for several store sizes N and world sizes; beside the prediction
    (forward: :func:`rcdl.distributed.world_bytes`; backward: the query-gradient all_reduce,
@@ -166,7 +166,7 @@ def fill_store(layer, n: int, rank: int, world: int, seed: int, room: int = 0) -
 
 
 def make_rule():  # noqa: ANN201
-    from rcdl.rules import ClippedSoftmaxRule
+    from rcdl.nn.rules import ClippedSoftmaxRule
 
     return ClippedSoftmaxRule(ETA, BETA)
 
@@ -202,8 +202,8 @@ def bytes_worker(rank: int, world: int, init_file: str, out: str, d: int,
     """Part 1: collective payloads of one sharded GrowingSoftmax d → d per phase."""
     _init(rank, world, init_file)
     from rcdl.distributed import shard
-    from rcdl.grower import Grower
-    from rcdl.layers import GrowingSoftmax
+    from rcdl.nn.layers import GrowingSoftmax
+    from rcdl.optim.grower import Grower
 
     counter = Collectives()
     rows = []
@@ -246,8 +246,8 @@ def memory_worker(rank: int, world: int, init_file: str | None, out: str, d: int
     """Part 2: peak RSS of one rank holding its share of an ``n``-entry store."""
     _init(rank, world, init_file)
     from rcdl.distributed import shard
-    from rcdl.grower import Grower
-    from rcdl.layers import GrowingSoftmax
+    from rcdl.nn.layers import GrowingSoftmax
+    from rcdl.optim.grower import Grower
 
     torch.manual_seed(0)
     layer = GrowingSoftmax(d, d, temperature=TEMPERATURE, rule=make_rule(), initial_entries=0)
@@ -286,9 +286,9 @@ def time_worker(rank: int, world: int, init_file: str | None, out: str, d: int, 
     _init(rank, world, init_file)
     torch.set_num_threads(threads)
     from rcdl.distributed import shard
-    from rcdl.grower import Grower
-    from rcdl.layers import growing_layers
-    from rcdl.networks import GrowingSoftmaxNet
+    from rcdl.nn.layers import growing_layers
+    from rcdl.nn.networks import GrowingSoftmaxNet
+    from rcdl.optim.grower import Grower
 
     counter = Collectives() if init_file is not None else None
     torch.manual_seed(0)

@@ -4,7 +4,7 @@ process (docs/precision.md, "Product paths").
 For the weighted softmax and the RBF at width ``--width`` over ``--entries`` entries: the
 median time of a training call (forward + backward of ``--train-batch`` queries) and of a
 no-grad evaluation call (``--eval-batch`` queries), for a float32 store, a bfloat16 store on
-the native path and a bfloat16 store on the float32-chunk path (``rcdl.half``), each as a
+the native path and a bfloat16 store on the float32-chunk path (``rcdl.ops.half``), each as a
 ratio to float32 measured in the same rounds. Prints the CPU model and flags first.
 
     python benchmarks/bench_half_paths.py [--width 1024 --entries 6000 --rounds 7]
@@ -19,8 +19,8 @@ import time
 import torch
 
 from rcdl.app.rundir import cpu_flags, cpu_model
-from rcdl.attention import attention
-from rcdl.half import half_products, native_products
+from rcdl.ops.attention import attention
+from rcdl.ops.half import half_products, native_products
 
 
 def timed(fn, repeats: int) -> float:  # noqa: ANN001 - seconds per call

@@ -3,7 +3,7 @@
 Builds ``HybridSoftmaxNet`` at the paper's size (d = 3072, 3 blocks + a readout to 10
 classes, T = 5, τ = 50, gws η = 1, β = 30, ``EntryAdam`` lr 1e−3), pre-fills every layer's
 store with N entries, and times training steps of batch 16 on random data, phase by phase,
-in the order ``rcdl.training.train_one_pass`` runs them:
+in the order ``rcdl.train.loop.train_one_pass`` runs them:
 
 - ``forward``:  ``loss = F.cross_entropy(net(x), y)`` and ``loss.item()``;
 - ``backward``: ``loss.backward()`` — gradients w.r.t. the queries and every stored entry;
@@ -42,16 +42,16 @@ import torch
 import torch.nn.functional as F
 
 import rcdl
-from rcdl.entry_adam import EntryAdam
-from rcdl.gates import DistanceGate
-from rcdl.grower import Grower
-from rcdl.hybrid import hybrid_layers
-from rcdl.rules import ClippedSoftmaxRule
+from rcdl.nn.gates import DistanceGate
+from rcdl.nn.hybrid import hybrid_layers
+from rcdl.nn.rules import ClippedSoftmaxRule
+from rcdl.optim.entry_adam import EntryAdam
+from rcdl.optim.grower import Grower
 
 try:  # the builder of the code under test; older versions (--baseline) had a function
-    from rcdl.networks import HybridSoftmaxNet
+    from rcdl.nn.networks import HybridSoftmaxNet
 except ImportError:
-    from rcdl.networks import hybrid_softmax_net as HybridSoftmaxNet  # noqa: N813
+    from rcdl.nn.networks import hybrid_softmax_net as HybridSoftmaxNet  # noqa: N813
 
 PHASES = ("forward", "backward", "adam", "growth")
 D, CLASSES, BATCH = 3072, 10, 16

@@ -4,7 +4,7 @@ Trains the paper's gws network (docs/reference.md §6) on a CIFAR-10 subset twic
 same process and on the same images, once evaluating every growing layer over its whole
 store (`incremental_eval=False`, the default) and once reusing each layer's partial results
 over the entries it held at the previous evaluation (`incremental_eval=True`, see
-`rcdl.layers.GrowingLayer.enable_eval_cache`). Prints the training and evaluation seconds of
+`rcdl.nn.layers.GrowingLayer.enable_eval_cache`). Prints the training and evaluation seconds of
 both, their ratio, and the largest difference of the test metrics (rounding only).
 
     python benchmarks/bench_incremental_eval.py --data-dir ../shared/data
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from rcdl.app.allocator import keep_freed_memory
 from rcdl.app.experiments.cifar10 import METRICS, Cifar10Config, build_model, load_data
 from rcdl.app.rundir import cpu_flags, cpu_model
-from rcdl.training import train_one_pass
+from rcdl.train.loop import train_one_pass
 
 
 def cpu_line() -> str:

@@ -8,8 +8,8 @@ from a mixture of ``--clusters`` Gaussian clusters, as images cluster) with valu
 (RBF by L2, weighted softmax by inner product) and each FAISS index kind (flat, HNSW) it
 reports the index's build time, the time to add one training step's 16 rows, and its
 memory; then, for B = 1 and B = 64 queries, the median latency of the exact streaming
-attention (``rcdl.attention.attention``) and of the index search + top-k attention
-(``rcdl.retrieval.topk_attention``) for each k, with recall@k of the index search against
+attention (``rcdl.ops.attention.attention``) and of the index search + top-k attention
+(``rcdl.retrieval.topk.topk_attention``) for each k, with recall@k of the index search against
 the exact top-k, the top-k output's relative error against the exact output, the mean
 left-out estimate ρ̂ and the true left-out fraction of the kernel mass.
 The default is the issue's 1 M entries of width 256: 1 GB of keys and 1 GB of values,
@@ -17,7 +17,7 @@ plus one float32 copy of the keys per index (and the ground truth's transient co
 1 M CIFAR-width keys (3072) would take 12 GB for the keys alone.
 
 **CIFAR-10** (``--cifar``). Trains the one-epoch ``gws`` or ``rbf`` model
-(``rcdl.app.experiments.cifar10.build_model``, ``rcdl.training.train_one_pass``, batch 16) on
+(``rcdl.app.experiments.cifar10.build_model``, ``rcdl.train.loop.train_one_pass``, batch 16) on
 ``--train-size`` images, exactly or with top-k attention in training too (``--train-k``),
 then evaluates test accuracy, loss and evaluation time, exact and with top-k for each k,
 with the indices' build time and memory and recall@k of the first layer's search.
@@ -47,17 +47,17 @@ import torch.nn.functional as F
 
 from rcdl.app.allocator import keep_freed_memory
 from rcdl.app.rundir import cpu_flags, cpu_model
-from rcdl.attention import attention, attention_partial
-from rcdl.indices import ExactIndex, make_index, metric_for
-from rcdl.kernels import softmax_scale
-from rcdl.layers import growing_layers
-from rcdl.retrieval import (
+from rcdl.nn.layers import growing_layers
+from rcdl.nn.store import format_bytes
+from rcdl.ops.attention import attention, attention_partial
+from rcdl.ops.kernels import softmax_scale
+from rcdl.retrieval.indices import ExactIndex, make_index, metric_for
+from rcdl.retrieval.topk import (
     recall_at_k,
     topk_attention,
     use_exact,
     use_topk,
 )
-from rcdl.store import format_bytes
 
 QUICK_SYNTHETIC = {"entries": 20_000, "dim": 64, "d_out": 64, "queries": 128}
 QUICK_CIFAR = {"train_size": 1000, "test_size": 500}
@@ -219,7 +219,7 @@ def fmt(x: float | None) -> str:
 
 def bench_cifar(args: argparse.Namespace) -> dict[str, Any]:
     from rcdl.app.experiments.cifar10 import METRICS, Cifar10Config, build_model, load_data
-    from rcdl.training import train_one_pass
+    from rcdl.train.loop import train_one_pass
 
     cfg = Cifar10Config(models=(args.model,), train_size=args.train_size,
                         test_size=args.test_size, data_dir=args.data_dir, device="cpu")
@@ -252,7 +252,7 @@ def bench_cifar(args: argparse.Namespace) -> dict[str, Any]:
 def load_trained(model: torch.nn.Module, path: Path) -> dict[str, Any]:
     """Load a checkpoint of ``rcdl reproduce cifar10-1epoch --keep-checkpoints`` (the last
     one written: every ``eval_every`` steps before the end) into ``model``."""
-    from rcdl.checkpoint import load_checkpoint, load_model_state
+    from rcdl.train.checkpoint import load_checkpoint, load_model_state
 
     state = load_checkpoint(path)  # verified, and loads tensors and plain containers only
     load_model_state(model, state["model"])
@@ -266,7 +266,7 @@ def bench_cifar_evaluation(args: argparse.Namespace, model: torch.nn.Module, dat
                            trained: dict[str, Any]) -> dict[str, Any]:
     """Exact against top-k evaluation of a trained ``model`` on the test set."""
     from rcdl.app.experiments.cifar10 import METRICS
-    from rcdl.training import evaluate
+    from rcdl.train.loop import evaluate
 
     training = trained["training"]
     if args.checkpoint is not None:

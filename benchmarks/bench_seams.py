@@ -2,7 +2,7 @@
 docs/faults.md, docs/precision.md):
 
 1. stochastic rounding of one Adam block (85 × 3072 float32 to bfloat16): counter-based noise
-   (rcdl.rounding.rounding_noise) against torch's generator, median of 300 calls;
+   (rcdl.ops.rounding.rounding_noise) against torch's generator, median of 300 calls;
 2. a gws training step (3072 → 10, depth 2, B = 16, about 3 000–5 000 entries per layer)
    with the look-ahead divergence check on and off, median of 100 steps;
 3. a small bfloat16 hybrid (d = 5, AlwaysGrow, Adam 0.05, six steps): how far the outputs
@@ -34,9 +34,9 @@ from rcdl import (
     HybridSoftmaxNet,
     growing_layers,
 )
+from rcdl.app.data import TeacherConfig, make_teacher_data
 from rcdl.app.rundir import cpu_flags, cpu_model
-from rcdl.data import TeacherConfig, make_teacher_data
-from rcdl.rounding import round_stochastically, rounding_noise
+from rcdl.ops.rounding import round_stochastically, rounding_noise
 
 
 def median_ms(fn, repeat: int, warmup: int = 20) -> float:

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rcdl.app.experiments.cifar10 import build_model
 from rcdl.app.rundir import cpu_flags, cpu_model
-from rcdl.layers import growing_layers
+from rcdl.nn.layers import growing_layers
 
 
 def fill_stores(model: torch.nn.Module, entries: int, seed: int = 0) -> None:

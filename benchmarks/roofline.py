@@ -16,7 +16,7 @@ then measures in one run on this machine:
   reads the store as the attention does);
 - ``× floor``: the measured time over the floor (1: the step costs only its products at
   the streamed rate);
-- the product path each half store took (:mod:`rcdl.half`: native, or converted to float32
+- the product path each half store took (:mod:`rcdl.ops.half`: native, or converted to float32
   chunk by chunk), the CPU model and its flags.
 
 Run: ``python benchmarks/roofline.py [--models gws gauge rbf hybrid] [--store-dtypes float32
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from rcdl.app.experiments.cifar10 import build_model
 from rcdl.app.rundir import cpu_flags, cpu_model
-from rcdl.half import product_mode, upcast_chunks
-from rcdl.layers import growing_layers
+from rcdl.nn.layers import growing_layers
+from rcdl.ops.half import product_mode, upcast_chunks
 
 CHUNK = 2048
 

@@ -73,6 +73,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
+from rcdl.app.baseline_optim import make_optimizer
 from rcdl.app.experiments.attribution_exp import (
     EVAL_IMAGES,
     FIRST_HALF_SEED,
@@ -86,9 +87,8 @@ from rcdl.app.experiments.attribution_exp import (
     spearman,
 )
 from rcdl.app.rundir import cpu_flags, cpu_model
-from rcdl.networks import ResNetMLP
-from rcdl.optim import make_optimizer
-from rcdl.training import accuracy, train_one_pass
+from rcdl.nn.networks import ResNetMLP
+from rcdl.train.loop import accuracy, train_one_pass
 
 D_IN, CLASSES, DEPTH = 3072, 10, 8
 

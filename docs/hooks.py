@@ -2,7 +2,7 @@
 
 The pages and docstrings are written to read well as plain text in the repository, so they
 cite one another as ``docs/theory.md`` and name objects with Sphinx roles
-(``:class:`rcdl.grower.Grower```). On the site both become links:
+(``:class:`rcdl.optim.grower.Grower```). On the site both become links:
 
 - a citation ``docs/NAME.md`` outside code blocks links to that page. A citation of a page
   that is not in docs/ is a warning, so ``mkdocs build --strict`` fails on it as it does on a

@@ -9,27 +9,27 @@ FILES = sorted((SRC / "rcdl").rglob("*.py"))
 
 # assignments to another object's attributes that stay inside the module that owns them
 OWN_OBJECTS = {
-    ("rcdl/vit.py", "block.ffn"),  # the ViT fills its own blocks
+    ("rcdl/nn/vit.py", "block.ffn"),  # the ViT fills its own blocks
     ("rcdl/app/cli.py", "sys.stdout"),  # the command's ranks > 0 print nothing
 }
 
 # in-place writes into another object's tensors (``x.t[i] = ...``, ``x.t += ...``,
 # ``x.t.copy_(...)``), each with why the object is the writer's own
 OWN_TENSORS = {
-    ("rcdl/streaming.py", "part.num.mul_"),  # a Partial of this module's own fold
-    ("rcdl/streaming.py", "part.den.mul_"),
-    ("rcdl/streaming.py", "part.mass.mul_"),
-    ("rcdl/data.py", "linear.weight.copy_"),  # the teacher's layers, built here
-    ("rcdl/data.py", "linear.weight.mul_"),
-    ("rcdl/data.py", "linear.bias.copy_"),
-    ("rcdl/data.py", "last.weight.div_"),
-    ("rcdl/data.py", "last.bias.sub_"),
-    ("rcdl/layers.py", "layer.weight0.copy_"),  # GrowingLinear.from_linear's new layer
-    ("rcdl/layers.py", "layer.bias0.copy_"),
-    ("rcdl/layers.py", "linear.weight.copy_"),  # GrowingLinear.to_linear's new nn.Linear
-    ("rcdl/layers.py", "linear.bias.copy_"),
-    ("rcdl/dual_optim.py", "module.weight.sub_"),  # an optimizer steps its parameters
-    ("rcdl/dual_optim.py", "module.bias.sub_"),
+    ("rcdl/ops/streaming.py", "part.num.mul_"),  # a Partial of this module's own fold
+    ("rcdl/ops/streaming.py", "part.den.mul_"),
+    ("rcdl/ops/streaming.py", "part.mass.mul_"),
+    ("rcdl/app/data.py", "linear.weight.copy_"),  # the teacher's layers, built here
+    ("rcdl/app/data.py", "linear.weight.mul_"),
+    ("rcdl/app/data.py", "linear.bias.copy_"),
+    ("rcdl/app/data.py", "last.weight.div_"),
+    ("rcdl/app/data.py", "last.bias.sub_"),
+    ("rcdl/nn/layers.py", "layer.weight0.copy_"),  # GrowingLinear.from_linear's new layer
+    ("rcdl/nn/layers.py", "layer.bias0.copy_"),
+    ("rcdl/nn/layers.py", "linear.weight.copy_"),  # GrowingLinear.to_linear's new nn.Linear
+    ("rcdl/nn/layers.py", "linear.bias.copy_"),
+    ("rcdl/optim/dual_optim.py", "module.weight.sub_"),  # an optimizer steps its parameters
+    ("rcdl/optim/dual_optim.py", "module.bias.sub_"),
 }
 
 
@@ -88,18 +88,39 @@ def test_no_import_cycles():
         visit(module, [])
 
 
+# The packages in their layers (docs/architecture.md, "The packages"): a module imports from
+# its own package and from packages of a lower layer only. Layer 0 holds the internals and
+# the options; ``rcdl`` itself (the public API) and ``python -m rcdl`` sit on top.
+LAYERS = [("_version", "_cpu", "_io", "options"), ("ops",), ("nn",), ("distributed",),
+          ("retrieval", "memory"), ("optim",), ("train",), ("app",), ("", "__main__")]
+
+
+def _layer(module: str) -> int:
+    part = module.split(".")[1] if "." in module else ""
+    return next(i for i, names in enumerate(LAYERS) if part in names)
+
+
+def test_packages_import_only_their_own_layer_and_those_below():
+    graph = import_graph()
+    upward = sorted((module, other) for module, others in graph.items() for other in others
+                    if _layer(other) > _layer(module)
+                    or (_layer(other) == _layer(module) and module.split(".")[:2] !=
+                        other.split(".")[:2] and _layer(module) not in (0, len(LAYERS) - 1)))
+    assert not upward, upward
+
+
 def test_the_import_reader_sees_function_level_and_type_checking_imports(tmp_path):
     source = tmp_path / "rcdl" / "sub" / "mod.py"
     source.parent.mkdir(parents=True)
     source.write_text(
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from rcdl.layers import GrowingLayer\n"
-        "def f():\n    from rcdl.store import EntryStore\n    import rcdl.kernels\n"
+        "if TYPE_CHECKING:\n    from rcdl.nn.layers import GrowingLayer\n"
+        "def f():\n    from rcdl.nn.store import EntryStore\n    import rcdl.ops.kernels\n"
         "from . import other\nfrom .. import rules\n")
-    known = {"rcdl", "rcdl.layers", "rcdl.store", "rcdl.kernels", "rcdl.sub",
+    known = {"rcdl", "rcdl.nn.layers", "rcdl.nn.store", "rcdl.ops.kernels", "rcdl.sub",
              "rcdl.sub.other", "rcdl.rules"}
     found = imports(source, known, src=tmp_path)
-    assert found == {"rcdl.layers", "rcdl.store", "rcdl.kernels", "rcdl.sub.other",
+    assert found == {"rcdl.nn.layers", "rcdl.nn.store", "rcdl.ops.kernels", "rcdl.sub.other",
                      "rcdl.rules"}, found
 
 
@@ -147,14 +168,14 @@ def test_no_module_writes_into_another_objects_tensors():
 
 
 def test_the_attention_op_and_its_paths_import_only_maths():
-    """The op, its data and the streaming path know kernels, the store's dtypes and the
-    product paths, and nothing of layers, backends, sharding or retrieval."""
+    """The op, its data and the streaming path know kernels, the half dtypes and the product
+    paths, and nothing of stores, layers, backends, sharding or retrieval."""
     graph = import_graph()
-    maths = {"rcdl.half", "rcdl.kernels", "rcdl.store", "rcdl.options"}
-    assert graph["rcdl.entries"] <= maths, graph["rcdl.entries"]
-    assert graph["rcdl.streaming"] <= maths | {"rcdl.entries"}, graph["rcdl.streaming"]
-    assert graph["rcdl.attention"] <= maths | {"rcdl.entries", "rcdl.streaming"}, (
-        graph["rcdl.attention"])
+    maths = {"rcdl.ops.half", "rcdl.ops.kernels", "rcdl.options"}
+    assert graph["rcdl.ops.entries"] <= maths, graph["rcdl.ops.entries"]
+    assert graph["rcdl.ops.streaming"] <= maths | {"rcdl.ops.entries"}, graph["rcdl.ops.streaming"]
+    assert graph["rcdl.ops.attention"] <= maths | {"rcdl.ops.entries", "rcdl.ops.streaming"}, (
+        graph["rcdl.ops.attention"])
 
 
 def test_no_module_assigns_another_objects_attributes():

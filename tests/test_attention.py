@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rcdl.attention import attention, attention_partial, finalize, merge_partials
-from rcdl.kernels import KERNELS, naive_attention
+from rcdl.ops.attention import attention, attention_partial, finalize, merge_partials
+from rcdl.ops.kernels import KERNELS, naive_attention
 
 # every kernel of the registry is tested; these two at other temperatures than 1
 TEMPERATURE = {name: 1.0 for name in KERNELS} | {"rbf": 2.0, "softmax": 0.7}
@@ -138,7 +138,7 @@ def test_unknown_kernel_and_bad_temperature():
 
 
 def test_default_chunk_size_is_cache_sized_on_cpu_and_large_on_gpus():
-    from rcdl.attention import default_chunk_size
+    from rcdl.ops.attention import default_chunk_size
 
     assert default_chunk_size(16) == default_chunk_size(16, "cpu") == 2048
     assert default_chunk_size(500, torch.device("cpu")) == 1024
@@ -174,7 +174,7 @@ def test_guarded_store_has_both_regimes_away_from_the_boundary():
 
 
 def sdpa_reference(q, keys, values, weights, **kw):
-    from rcdl.kernels import sdpa_softmax_attention
+    from rcdl.ops.kernels import sdpa_softmax_attention
 
     return sdpa_softmax_attention(q, keys, values, weights, **kw)
 

@@ -1,4 +1,4 @@
-"""Entry shares (rcdl.attribution): exact per layer, first-order through a model."""
+"""Entry shares (rcdl.memory.attribution): exact per layer, first-order through a model."""
 
 import pytest
 import torch
@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from rcdl import Grower, GrowingLayer, GrowingRBFNet, GrowingSoftmaxNet
-from rcdl.attribution import entry_contributions, explain
-from rcdl.kernels import KERNELS
-from rcdl.rules import FunctionalSGD
+from rcdl.memory.attribution import entry_contributions, explain
+from rcdl.nn.rules import FunctionalSGD
+from rcdl.ops.kernels import KERNELS
 
 D_IN, D_OUT, N, B = 6, 4, 300, 5
 
@@ -69,7 +69,7 @@ def test_explain_gives_the_readouts_exact_shares_of_the_explained_logit(net):
     if net == "rbf":
         model = GrowingRBFNet(d, classes, 2, temperature=1.0, rule=FunctionalSGD(1.0)).double()
     else:
-        from rcdl.rules import ClippedSoftmaxRule
+        from rcdl.nn.rules import ClippedSoftmaxRule
         model = GrowingSoftmaxNet(d, classes, 2, temperature=1.0,
                                   rule=ClippedSoftmaxRule(0.1, 3.0)).double()
     grower = Grower(model)
@@ -111,8 +111,8 @@ def _readout_input(model, x):
 
 
 def test_explain_sums_each_training_samples_contributions_over_its_entries():
-    from rcdl.provenance import entry_samples
-    from rcdl.training import accuracy, train_one_pass
+    from rcdl.memory.provenance import entry_samples
+    from rcdl.train.loop import accuracy, train_one_pass
 
     torch.manual_seed(0)
     d, classes, n = 8, 3, 64

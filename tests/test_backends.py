@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from rcdl import FunctionalSGD, Grower, GrowingRBFNet, growing_layers, use_exact, use_topk
-from rcdl.backends import Backend, EvalCached, Exact
+from rcdl.nn.backends import Backend, EvalCached, Exact
 
 
 @dataclass(eq=False)
@@ -101,7 +101,7 @@ def test_the_normalised_rule_reads_the_forwards_normaliser_instead_of_the_store_
     forward's attention has folded it already, so the step asks the backend nothing more, and
     the entries equal those of a second pass over the store."""
     from rcdl import ClippedSoftmaxRule, GrowingSoftmax
-    from rcdl.rules import Step
+    from rcdl.nn.rules import Step
 
     torch.manual_seed(0)
     layer = GrowingSoftmax(6, 2, temperature=1.0, rule=ClippedSoftmaxRule(0.3, 2.0, normalize=True),

@@ -11,7 +11,7 @@ from rcdl.app import cifar
 from rcdl.app.cli import main
 from rcdl.app.experiments import cifar10, cifar10_models
 from rcdl.app.experiments.cifar10 import MODELS, Cifar10Config, build_model, model_spec
-from rcdl.networks import ResNetMLP
+from rcdl.nn.networks import ResNetMLP
 
 TINY = ["--train-size", "48", "--test-size", "24", "--eval-every", "2", "--device", "cpu",
         "--no-progress", "--no-download"]  # fmt: skip

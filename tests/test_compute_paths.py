@@ -19,7 +19,7 @@ from rcdl import (
     explain,
     growing_layers,
 )
-from rcdl.attention import (
+from rcdl.ops.attention import (
     attend,
     attend_partial,
     attention,
@@ -29,9 +29,9 @@ from rcdl.attention import (
     shares,
     unregister_path,
 )
-from rcdl.entries import Entries, Partial
-from rcdl.kernels import naive_attention
-from rcdl.streaming import STREAMING
+from rcdl.ops.entries import Entries, Partial
+from rcdl.ops.kernels import naive_attention
+from rcdl.ops.streaming import STREAMING
 
 
 class DensePath:

@@ -25,11 +25,11 @@ from rcdl.app.experiments.continual import (
     own_entries_copy,
     task_split,
 )
-from rcdl.layers import growing_layers
-from rcdl.networks import MLP, GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
-from rcdl.provenance import UNKNOWN, entry_samples, samples
-from rcdl.rules import ClippedSoftmaxRule
-from rcdl.training import train_step
+from rcdl.memory.provenance import UNKNOWN, entry_samples, samples
+from rcdl.nn.layers import growing_layers
+from rcdl.nn.networks import MLP, GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
+from rcdl.nn.rules import ClippedSoftmaxRule
+from rcdl.train.loop import train_step
 
 # --------------------------------------------------------------------------- metrics
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rcdl.data import TeacherConfig, make_teacher, make_teacher_data
+from rcdl.app.data import TeacherConfig, make_teacher, make_teacher_data
 
 SMALL = TeacherConfig(d_in=5, hidden=7, d_out=3, depth=2, n_train=50, n_test=2000)
 

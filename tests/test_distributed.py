@@ -85,7 +85,7 @@ def held_out():
 
 
 def train(net, opt, steps):
-    from rcdl.provenance import samples
+    from rcdl.memory.provenance import samples
 
     for step in steps:
         x, y = batch(step)
@@ -97,7 +97,7 @@ def train(net, opt, steps):
 
 def stores(net):
     """Every layer's entries as rows ``[id, written_at, sample, key, value, weight]``."""
-    from rcdl.provenance import entry_samples
+    from rcdl.memory.provenance import entry_samples
 
     out = {}
     for name, layer in growing_layers(net):
@@ -212,7 +212,7 @@ def test_the_hybrid_cases_exercise_their_gates(kind):
 def test_the_capacity_case_depends_on_the_store_size():
     """Its gate reads the layer's size: a gate fed half the size (one of two shards) writes
     other samples, as the gate of a shard did before it read the size of all shards."""
-    from rcdl.hybrid import HybridSoftmax
+    from rcdl.nn.hybrid import HybridSoftmax
 
     full, _ = build("hybrid-capacity")
     train(full, _, range(len(BATCHES)))
@@ -324,7 +324,7 @@ def test_the_cifar10_experiment_sharded_over_two_ranks_equals_one_process(data_d
 
 def test_a_checkpoint_of_another_world_size_is_refused(tmp_path):
     """Read off the manifest before any file: resume with the same number of processes."""
-    from rcdl.training import Checkpointer
+    from rcdl.train.loop import Checkpointer
 
     net, grower = build("rbf")
     (tmp_path / "ckpt.manifest.json").write_text(json.dumps(
@@ -398,7 +398,7 @@ def test_a_grower_state_from_another_shard_layout_is_refused():
 
 def _one_path_worker(rank, world, init_file, folder, result_file):
     from rcdl.distributed import shard
-    from rcdl.training import train_one_pass
+    from rcdl.train.loop import train_one_pass
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=TIMEOUT)
@@ -440,8 +440,8 @@ def test_a_sharded_checkpointer_given_one_path_writes_one_file_per_rank(tmp_path
 
 
 def test_different_checkpoint_paths_on_the_ranks_are_refused(monkeypatch, tmp_path):
-    from rcdl import checkpoint
     from rcdl.distributed import Shard
+    from rcdl.train import checkpoint
 
     net, grower = build("rbf")
     for _, layer in growing_layers(net):

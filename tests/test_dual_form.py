@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from rcdl import MLP, Grower, to_dual_form
-from rcdl.age import AgeCoefficients
+from rcdl.nn.age import AgeCoefficients
 
 SETTINGS = [
     pytest.param({}, id="plain"),
@@ -116,7 +116,7 @@ def test_collapsed_dual_form_equals_the_growing_layers(opt_kw):
     it computes: equal on held-out inputs to 1e-10 in float64, with the age coefficients of
     weight decay and momentum, and equal to the SGD-trained MLP itself."""
     from rcdl import from_dual_form
-    from rcdl.layers import GrowingLinear
+    from rcdl.nn.layers import GrowingLinear
 
     torch.manual_seed(0)
     mlp = MLP(6, 16, 3, depth=2, act="relu").double()
@@ -141,8 +141,8 @@ def test_collapsed_dual_form_equals_the_growing_layers(opt_kw):
 
 
 def test_collapsed_layer_without_bias():
-    from rcdl.layers import GrowingLinear
-    from rcdl.rules import FunctionalSGD
+    from rcdl.nn.layers import GrowingLinear
+    from rcdl.nn.rules import FunctionalSGD
 
     torch.manual_seed(0)
     layer = GrowingLinear(5, 2, bias=False, rule=FunctionalSGD(0.1, 0.01, 0.5, per_sample=False),

@@ -11,7 +11,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from rcdl import FOOF, DeltaNetDecay
-from rcdl.optim import make_optimizer
+from rcdl.app.baseline_optim import make_optimizer
 
 BIAS = [pytest.param(True, id="bias"), pytest.param(False, id="no_bias")]
 LOSSES = ["mse", "cross_entropy"]

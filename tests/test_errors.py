@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from rcdl import MLP, Grower, GrowingLayer, GrowingRBF, GrowingRBFNet
-from rcdl.rules import FunctionalSGD
+from rcdl.nn.rules import FunctionalSGD
 
 
 def net_and_grower():
@@ -133,7 +133,7 @@ def test_accumulating_from_the_first_step_warns_at_the_users_line(kind):
 def test_a_hybrid_trained_by_adam_alone_drops_its_records_silently():
     """Nothing grows the layers: records whose step never comes are not a mistake."""
     from rcdl import ClippedSoftmaxRule, HybridSoftmaxNet
-    from rcdl.entry_adam import EntryAdam
+    from rcdl.optim.entry_adam import EntryAdam
 
     torch.manual_seed(0)
     net = HybridSoftmaxNet(4, 2, 1, temperature=5.0, rule=ClippedSoftmaxRule(3.0, 30.0),

@@ -13,15 +13,15 @@ import torch.nn.functional as F
 
 from rank_pool import run_ranks
 from rcdl import FunctionalSGD, Grower, GrowingRBFNet, GrowingSoftmaxNet
-from rcdl.checkpoint import (
+from rcdl.app.data import TeacherConfig, make_teacher_data
+from rcdl.nn.rules import ClippedSoftmaxRule
+from rcdl.train.checkpoint import (
     DamagedCheckpoint,
     checkpoint_files,
     load_checkpoint,
     save_checkpoint,
 )
-from rcdl.data import TeacherConfig, make_teacher_data
-from rcdl.rules import ClippedSoftmaxRule
-from rcdl.training import train_one_pass
+from rcdl.train.loop import train_one_pass
 
 TIMEOUT = timedelta(seconds=60)
 DATA = make_teacher_data(TeacherConfig(d_in=5, hidden=8, d_out=2, n_train=64, n_test=16,
@@ -97,7 +97,7 @@ def _doctored(path, obj):
 
 
 def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
-    from rcdl.checkpoint import UnsafeCheckpoint
+    from rcdl.train.checkpoint import UnsafeCheckpoint
 
     marker, path = tmp_path / "ran", tmp_path / "state.pt"
     net, _ = build()
@@ -215,7 +215,7 @@ def test_without_a_usable_manifest_the_newest_verifying_step_file_is_used(damage
 
 
 def _checkpointer(path, keep=2):
-    from rcdl.checkpoint import Checkpointer
+    from rcdl.train.checkpoint import Checkpointer
 
     net, grower = build()
     return Checkpointer(path, 2, {"name": "t"}, net, None, grower, keep=keep)
@@ -290,7 +290,7 @@ def test_the_manifest_records_its_format_and_an_unknown_one_is_refused(tmp_path)
 
 def _train_on(path, queue):
     """In another process: train with checkpoints at ``path``; put what happened."""
-    from rcdl.checkpoint import CheckpointInUse
+    from rcdl.train.checkpoint import CheckpointInUse
 
     net, grower = build()
     try:
@@ -358,8 +358,8 @@ FAULTS = ["rank-file", "manifest", "cleanup"]
 
 
 def _sharded(rank, world, init_file, folder, fault, result_file):
-    from rcdl import checkpoint
     from rcdl.distributed import shard
+    from rcdl.train import checkpoint
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=TIMEOUT)
@@ -454,7 +454,7 @@ def test_a_rank_killed_at_each_phase_of_a_sharded_checkpoint_resumes(fault, tmp_
 def test_a_refused_load_leaves_the_whole_model_as_it_was():
     """NaN in the second layer's keys: load_model_state refuses before loading anything, so
     the first layer keeps its entries too (model.load_state_dict would have loaded it)."""
-    from rcdl.checkpoint import load_model_state
+    from rcdl.train.checkpoint import load_model_state
 
     net, grower = build()
     x, y = DATA[0][:8], DATA[1][:8]
@@ -489,7 +489,7 @@ def test_load_model_state_refuses_every_fault_before_loading_anything(fault):
     """A state of a deeper model (unexpected keys), a provenance map whose merge counts do
     not match its ids, float sample ids, a float next_id: each is refused before any module
     loads (torch's load_state_dict loads the matching modules and raises at the end)."""
-    from rcdl.checkpoint import load_model_state
+    from rcdl.train.checkpoint import load_model_state
 
     state = _trained_state(2 if fault == "deeper-model" else 1)
     if fault == "merged-length":

@@ -7,7 +7,7 @@ and momentum for two of them), the hybrid's gate (none, distance, capacity, erro
 learner (``HybridGrower`` or ``EntryAdam`` + ``Grower``), the store's dtype (float64, bfloat16,
 float16), the world size (1–3, spawned gloo processes), top-k retrieval with ``k ≥ N``
 (exact, FAISS flat or HNSW; in training or not; the index refreshed every step or every
-third), the evaluation cache, a save through :class:`rcdl.training.Checkpointer` and a resume
+third), the evaluation cache, a save through :class:`rcdl.train.loop.Checkpointer` and a resume
 into freshly built objects at a random step, evaluation passes between steps (whose outputs
 are then changed in place, as a user's post-processing may), an ``nn.Linear`` in front, an
 in-place ReLU between the two growing layers, a memory budget, the initial entries, and the
@@ -16,7 +16,7 @@ stores, where doubling a subnormal value rounds otherwise).
 
 It trains a two-layer network ``[Linear] → layer → ReLU → layer`` for six steps (batch sizes
 1, 7, 7, 5, 7, 6: the first leaves most shards empty) with
-:func:`rcdl.training.train_step`, and compares with the *reference* of the same model —
+:func:`rcdl.train.loop.train_step`, and compares with the *reference* of the same model —
 one process, exact attention, no cache, no resume, out-of-place ReLU, ``EntryAdam`` +
 ``Grower``, unit weights, evaluated after every step:
 
@@ -28,7 +28,7 @@ one process, exact attention, no cache, no resume, out-of-place ReLU, ``EntryAda
 (the one-process run with the same half store). Where nothing changes how the products are
 formed (one process, exact attention in training) the stores and final outputs must agree
 to 1e-10 too: rounding at append, stochastic rounding keyed on entry ids
-(:mod:`rcdl.rounding`) and resumes are exact. Where the products are formed otherwise —
+(:mod:`rcdl.ops.rounding`) and resumes are exact. Where the products are formed otherwise —
 shards or top-k in training change how the store is split into blocks, and bfloat16
 products round per block (docs/precision.md) — the stores must hold the same entry ids and
 the outputs must agree within ``HALF_FACTOR`` (10) times the largest gap between the half
@@ -98,7 +98,7 @@ from rcdl import (
     use_exact,
     use_topk,
 )
-from rcdl.training import Checkpointer, train_step
+from rcdl.train.loop import Checkpointer, train_step
 
 pytestmark = pytest.mark.spawns  # processes of its own: one such test at a time
 

@@ -1,13 +1,13 @@
-"""The half-precision Adam step (rcdl.half_adam): the mode switch, the fallback when
+"""The half-precision Adam step (rcdl.optim.half_adam): the mode switch, the fallback when
 torch.compile fails, and the compiled path against the eager one (marked long: compiling
 takes about a minute on two cores)."""
 
 import pytest
 import torch
 
-import rcdl.half_adam as half_adam
-from rcdl.entry_adam import EntryMoments
-from rcdl.half_adam import adam_rows, set_half_adam, use_compiled
+import rcdl.optim.half_adam as half_adam
+from rcdl.optim.entry_adam import EntryMoments
+from rcdl.optim.half_adam import adam_rows, set_half_adam, use_compiled
 
 
 def _rows(n=40, w=24, seed=0):
@@ -82,9 +82,9 @@ def test_the_compiled_step_equals_the_eager_one():
 
 @pytest.mark.long
 def test_a_hybrid_layer_steps_alike_on_the_compiled_and_the_eager_path():
-    from rcdl.half_adam import half_adam
-    from rcdl.hybrid import HybridSoftmax
-    from rcdl.rules import ClippedSoftmaxRule
+    from rcdl.nn.hybrid import HybridSoftmax
+    from rcdl.nn.rules import ClippedSoftmaxRule
+    from rcdl.optim.half_adam import half_adam
 
     stores = {}
     for mode in ("eager", "compiled"):
@@ -108,7 +108,7 @@ def test_a_hybrid_layer_steps_alike_on_the_compiled_and_the_eager_path():
 def test_rounding_to_float16_saturates_instead_of_overflowing_to_inf():
     """float16's largest finite number is 65 504; a finite number past it rounds to it (a cast
     would give inf), while inf and NaN stay what they are."""
-    from rcdl.rounding import round_stochastically, rounding_noise
+    from rcdl.ops.rounding import round_stochastically, rounding_noise
 
     x = torch.tensor([65_519.0, 65_520.0, 7e4, -7e4, 65_000.0, float("inf"), float("nan")])
     noise = rounding_noise(seed=0, step=1, ids=torch.arange(1), width=len(x))[0]
@@ -120,8 +120,8 @@ def test_rounding_to_float16_saturates_instead_of_overflowing_to_inf():
 
 
 def test_adam_past_the_float16_range_keeps_the_entry_finite_and_warns():
-    from rcdl.hybrid import HybridSoftmax
-    from rcdl.rules import ClippedSoftmaxRule
+    from rcdl.nn.hybrid import HybridSoftmax
+    from rcdl.nn.rules import ClippedSoftmaxRule
 
     layer = HybridSoftmax(4, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 30.0),
                           initial_entries=2, store_dtype=torch.float16, seed=0)
@@ -156,12 +156,12 @@ def test_the_mode_is_an_option_of_the_learner_saved_in_its_state(monkeypatch):
     """EntryAdam(half_adam=...) overrides the process-wide default for its layers, and its
     state dict carries the choice; None follows the default."""
     from rcdl import EntryAdam
-    from rcdl.gates import AlwaysGrow
-    from rcdl.hybrid import HybridSoftmax
-    from rcdl.rules import ClippedSoftmaxRule
+    from rcdl.nn.gates import AlwaysGrow
+    from rcdl.nn.hybrid import HybridSoftmax
+    from rcdl.nn.rules import ClippedSoftmaxRule
 
     seen = []
-    monkeypatch.setattr("rcdl.entry_adam.use_compiled",
+    monkeypatch.setattr("rcdl.optim.entry_adam.use_compiled",
                         lambda elements, mode=None: seen.append(mode) or False)
     layer = HybridSoftmax(8, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 3.0),
                           trigger=AlwaysGrow(), seed=0, store_dtype=torch.bfloat16)

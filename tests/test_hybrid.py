@@ -6,15 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from rcdl.attention import nearest_sq_distance
-from rcdl.entry_adam import EntryAdam, EntryMoments
-from rcdl.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate
-from rcdl.grower import Grower
-from rcdl.hybrid import HybridSoftmax
-from rcdl.kernels import naive_attention
-from rcdl.networks import HybridSoftmaxNet
-from rcdl.rules import ClippedSoftmaxRule
-from rcdl.training import train_one_pass
+from rcdl.nn.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate
+from rcdl.nn.hybrid import HybridSoftmax
+from rcdl.nn.networks import HybridSoftmaxNet
+from rcdl.nn.rules import ClippedSoftmaxRule
+from rcdl.ops.attention import nearest_sq_distance
+from rcdl.ops.kernels import naive_attention
+from rcdl.optim.entry_adam import EntryAdam, EntryMoments
+from rcdl.optim.grower import Grower
+from rcdl.train.loop import train_one_pass
 
 RULE = ClippedSoftmaxRule(eta=1.0, beta=30.0)
 F64 = {"dtype": torch.float64}
@@ -403,7 +403,7 @@ def test_moving_the_layer_drops_leaves_of_the_old_tensors():
 
 
 def test_adam_block_is_cache_sized_on_cpu_and_whole_on_gpus():
-    from rcdl.entry_adam import adam_block_elements
+    from rcdl.optim.entry_adam import adam_block_elements
 
     cpu = torch.device("cpu")
     assert adam_block_elements("cpu", 10**7) == adam_block_elements(cpu, 5) == 1 << 18
@@ -458,8 +458,8 @@ def test_the_default_gate_follows_the_width_the_layers_see():
 
 def _readme_hybrid(eta, seed):
     """The README's hybrid (d = 32, two blocks, T = 5, β = 30) on its teacher task."""
-    from rcdl.data import TeacherConfig, make_teacher_data
-    from rcdl.hybrid_grower import HybridGrower
+    from rcdl.app.data import TeacherConfig, make_teacher_data
+    from rcdl.optim.hybrid_grower import HybridGrower
 
     x, y, _, _ = make_teacher_data(TeacherConfig(d_in=32, n_train=160))
     net = HybridSoftmaxNet(32, 1, 2, temperature=5.0, rule=ClippedSoftmaxRule(eta, 30.0),

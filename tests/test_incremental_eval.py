@@ -19,8 +19,8 @@ from rcdl import (
     MemoryBudget,
     growing_layers,
 )
-from rcdl.data import TeacherConfig, make_teacher_data
-from rcdl.training import train_one_pass
+from rcdl.app.data import TeacherConfig, make_teacher_data
+from rcdl.train.loop import train_one_pass
 
 
 def data(dtype="float64"):
@@ -84,7 +84,7 @@ def test_float32_incremental_evaluation_is_bit_identical(chunk, monkeypatch):
     same chunks a full pass folds: bit for bit the same, in float32 too, with chunk
     boundaries that the store crosses between evaluations."""
     if chunk is not None:
-        from rcdl import streaming
+        from rcdl.ops import streaming
 
         monkeypatch.setattr(streaming, "default_chunk_size", lambda batch, device=None: chunk)
     full = run("gws", incremental=False, dtype=torch.float32)

@@ -13,10 +13,10 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from rcdl import FunctionalSGD, Grower, GrowingLayer
-from rcdl.attention import attention
-from rcdl.indices import ExactIndex
-from rcdl.kernels import KERNELS, Kernel, check_kernel, naive_attention, register_kernel
-from rcdl.retrieval import topk_attention
+from rcdl.ops.attention import attention
+from rcdl.ops.kernels import KERNELS, Kernel, check_kernel, naive_attention, register_kernel
+from rcdl.retrieval.indices import ExactIndex
+from rcdl.retrieval.topk import topk_attention
 
 
 class CauchyKernel(Kernel):
@@ -46,9 +46,9 @@ class CauchyKernel(Kernel):
 @pytest.fixture
 def cauchy(monkeypatch):
     """The kernel registered for one test (in a copy of the registry)."""
-    import rcdl.kernels
+    import rcdl.ops.kernels
 
-    monkeypatch.setattr(rcdl.kernels, "KERNELS", dict(rcdl.kernels.KERNELS))
+    monkeypatch.setattr(rcdl.ops.kernels, "KERNELS", dict(rcdl.ops.kernels.KERNELS))
     return register_kernel(CauchyKernel())
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from rcdl import MLP, Grower, GrowingLinear, GrowingRBF, GrowingRBFNet, to_dual_form
-from rcdl.rules import FunctionalSGD
+from rcdl.nn.rules import FunctionalSGD
 
 
 def regression_batch(batch=6, d_in=5, d_out=3, seed=0, target=torch.tanh):
@@ -162,7 +162,7 @@ def test_rules_are_typed():
     from rcdl import LearningRule
 
     assert isinstance(FunctionalSGD(0.1), LearningRule)
-    with pytest.raises(TypeError, match="rule must be a rcdl.rules.LearningRule"):
+    with pytest.raises(TypeError, match="rule must be a rcdl.nn.rules.LearningRule"):
         GrowingRBF(3, 2, temperature=1.0, rule=0.5)
     with pytest.raises(TypeError, match="per_sample=False"):
         GrowingLinear(3, 2, rule=FunctionalSGD(0.1))  # per-sample units: not SGD's dual

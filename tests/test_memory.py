@@ -18,9 +18,9 @@ from rcdl import (
     GrowingSoftmaxNet,
     MemoryBudget,
 )
-from rcdl.kernels import naive_attention
-from rcdl.memory import contribution_scores, merge_into_nearest
-from rcdl.rules import FunctionalSGD
+from rcdl.memory.budgets import contribution_scores, merge_into_nearest
+from rcdl.nn.rules import FunctionalSGD
+from rcdl.ops.kernels import naive_attention
 
 POLICIES = [*EVICTION_POLICIES, *(f"{p}+merge" for p in EVICTION_POLICIES)]
 
@@ -312,9 +312,9 @@ def test_a_budgeted_rbf_net_still_learns(policy):
 
 
 def test_budget_on_a_hybrid_layer_keeps_its_moments_aligned():
-    from rcdl.entry_adam import EntryAdam
-    from rcdl.gates import AlwaysGrow
-    from rcdl.hybrid import HybridSoftmax
+    from rcdl.nn.gates import AlwaysGrow
+    from rcdl.nn.hybrid import HybridSoftmax
+    from rcdl.optim.entry_adam import EntryAdam
 
     layer = HybridSoftmax(8, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 3.0),
                           trigger=AlwaysGrow(), seed=0).double()
@@ -352,7 +352,7 @@ def test_bad_policy_is_an_error():
         MemoryBudget(10, "random", seed=-1)
     with pytest.raises(ValueError, match="slack must be an int with 0 <= slack < capacity = 10"):
         MemoryBudget(10, slack=10)
-    with pytest.raises(TypeError, match="budget must be a rcdl.memory.MemoryBudget"):
+    with pytest.raises(TypeError, match="budget must be a rcdl.memory.budgets.MemoryBudget"):
         Grower(softmax_net(), budget=10)
 
 

@@ -5,7 +5,7 @@ and bit for bit in float32 (so runs made with the earlier hand-written norm repr
 import pytest
 import torch
 
-from rcdl.networks import rms_norm
+from rcdl.nn.networks import rms_norm
 
 
 def _formula(x: torch.Tensor) -> torch.Tensor:

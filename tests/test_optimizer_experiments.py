@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from rcdl.app.baseline_optim import Float32Muon, OptimizerGroup
 from rcdl.app.cifar import CifarNotFoundError
 from rcdl.app.experiments.deltanet_decay import (
     VARIANTS,
@@ -27,9 +28,8 @@ from rcdl.app.experiments.optimizers import (
     random_projection,
     run_optimizer_comparison,
 )
-from rcdl.dual_optim import FOOF, DeltaNetDecay
-from rcdl.networks import ResidualNet
-from rcdl.optim import Float32Muon, OptimizerGroup
+from rcdl.nn.networks import ResidualNet
+from rcdl.optim.dual_optim import FOOF, DeltaNetDecay
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
            "truck")  # fmt: skip

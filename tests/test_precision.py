@@ -18,13 +18,13 @@ from rcdl import (
     GrowingSoftmaxNet,
     set_store_dtype,
 )
-from rcdl.attention import attention, attention_partial, finalize, nearest_sq_distance
-from rcdl.entry_adam import EntryMoments
-from rcdl.half import half_products
-from rcdl.hybrid import HybridSoftmax
-from rcdl.kernels import KERNELS, naive_attention
-from rcdl.rounding import round_stochastically, rounding_noise
-from rcdl.store import EntryStore
+from rcdl.nn.hybrid import HybridSoftmax
+from rcdl.nn.store import EntryStore
+from rcdl.ops.attention import attention, attention_partial, finalize, nearest_sq_distance
+from rcdl.ops.half import half_products
+from rcdl.ops.kernels import KERNELS, naive_attention
+from rcdl.ops.rounding import round_stochastically, rounding_noise
+from rcdl.optim.entry_adam import EntryMoments
 
 HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 # every kernel of the registry is tested; these two at other temperatures than 1
@@ -35,7 +35,7 @@ RTOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 @pytest.fixture(params=["native", "float32"])
 def path(request):
-    """Both product paths of a half store on every machine (rcdl.half): the one this CPU
+    """Both product paths of a half store on every machine (rcdl.ops.half): the one this CPU
     would pick and the other, forced."""
     with half_products(request.param):
         yield request.param
@@ -283,7 +283,7 @@ def test_large_batches_of_a_half_store_take_the_other_score_layout(kernel):
 
 
 def test_the_product_path_follows_the_cpu_and_can_be_forced(monkeypatch):
-    from rcdl import half
+    from rcdl.ops import half
 
     monkeypatch.setattr(half.PRODUCTS, "_value", "auto")  # whatever RCDL_HALF_PRODUCTS says
     monkeypatch.setattr(half, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))  # AVX2 only

@@ -1,4 +1,4 @@
-"""Provenance (rcdl.provenance): every entry knows the training sample that wrote it, and
+"""Provenance (rcdl.memory.provenance): every entry knows the training sample that wrote it, and
 forget() removes a sample's entries."""
 
 import pytest
@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from rcdl import Grower, GrowingRBF, GrowingRBFNet, HybridGrower, HybridSoftmaxNet
-from rcdl.gates import AlwaysGrow, DistanceGate
-from rcdl.layers import growing_layers
-from rcdl.provenance import UNKNOWN, entry_samples, forget, samples
-from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD
-from rcdl.training import accuracy, train_one_pass
+from rcdl.memory.provenance import UNKNOWN, entry_samples, forget, samples
+from rcdl.nn.gates import AlwaysGrow, DistanceGate
+from rcdl.nn.layers import growing_layers
+from rcdl.nn.rules import ClippedSoftmaxRule, FunctionalSGD
+from rcdl.train.loop import accuracy, train_one_pass
 
 D, CLASSES, N = 8, 3, 96
 
@@ -141,7 +141,7 @@ def test_forget_is_exact_where_no_entry_depended_on_another():
 def _six_entries():
     """A growing RBF layer whose six entries (keys: their inputs) come from samples 10..15:
     ids 0..5 at x₀ = 0, 0.1, 5, 5.1, −0.1, 10 (in every coordinate)."""
-    from rcdl.provenance import merged_counts
+    from rcdl.memory.provenance import merged_counts
 
     layer = GrowingRBF(D, 2, temperature=1.0, rule=FunctionalSGD(1.0))
     grower = Grower(layer)
@@ -154,8 +154,8 @@ def _six_entries():
 
 
 def test_a_merge_counts_the_entries_each_survivor_absorbed_and_keeps_its_sample():
-    from rcdl.memory import merge_into_nearest
-    from rcdl.provenance import merged_counts
+    from rcdl.memory.budgets import merge_into_nearest
+    from rcdl.memory.provenance import merged_counts
 
     layer = _six_entries()
     evicted = torch.tensor([False, True, False, False, True, False])  # ids 1 and 4 go into 0
@@ -175,7 +175,7 @@ def test_a_merge_counts_the_entries_each_survivor_absorbed_and_keeps_its_sample(
 
 def test_a_merging_budget_counts_every_entry_it_merged_away():
     from rcdl import MemoryBudget
-    from rcdl.provenance import merged_counts
+    from rcdl.memory.provenance import merged_counts
 
     model = rbf_net()
     grower = Grower(model, budget=MemoryBudget(20, "oldest", merge=True, slack=4))
@@ -192,7 +192,7 @@ def test_a_merging_budget_counts_every_entry_it_merged_away():
 
 def test_merge_counts_survive_a_state_dict_and_load_as_zeros_from_an_older_one():
     from rcdl import MemoryBudget
-    from rcdl.provenance import merged_counts
+    from rcdl.memory.provenance import merged_counts
 
     model = rbf_net()
     grower = Grower(model, budget=MemoryBudget(20, "contribution", merge=True))

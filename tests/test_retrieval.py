@@ -1,4 +1,4 @@
-"""Approximate retrieval (rcdl.retrieval) against dense references: the exact index against
+"""Approximate retrieval (rcdl.retrieval.topk) against dense references: the exact index against
 brute force, top-k attention against the exact attention (float64), the left-out bound,
 FAISS against the exact index, the layer mode following its store, its index saved with a
 checkpoint, and the hybrid trained on top-k attention against dense twins.
@@ -26,17 +26,17 @@ from rcdl import (
     HybridSoftmaxNet,
     to_dual_form,
 )
-from rcdl.attention import attention
-from rcdl.data import TeacherConfig, make_teacher_data
-from rcdl.entry_adam import EntryAdam
-from rcdl.gates import DistanceGate
-from rcdl.hybrid import HybridSoftmax, hybrid_layers
-from rcdl.hybrid_grower import HybridGrower
-from rcdl.indices import ExactIndex, FaissIndex, RetrievalIndex, metric_for
-from rcdl.kernels import KERNELS as REGISTRY
-from rcdl.kernels import naive_attention
-from rcdl.layers import growing_layers
-from rcdl.retrieval import (
+from rcdl.app.data import TeacherConfig, make_teacher_data
+from rcdl.nn.gates import DistanceGate
+from rcdl.nn.hybrid import HybridSoftmax, hybrid_layers
+from rcdl.nn.layers import growing_layers
+from rcdl.ops.attention import attention
+from rcdl.ops.kernels import KERNELS as REGISTRY
+from rcdl.ops.kernels import naive_attention
+from rcdl.optim.entry_adam import EntryAdam
+from rcdl.optim.hybrid_grower import HybridGrower
+from rcdl.retrieval.indices import ExactIndex, FaissIndex, RetrievalIndex, metric_for
+from rcdl.retrieval.topk import (
     TopK,
     load_retrieval_state,
     recall_at_k,
@@ -45,7 +45,7 @@ from rcdl.retrieval import (
     use_exact,
     use_topk,
 )
-from rcdl.training import train_one_pass
+from rcdl.train.loop import train_one_pass
 
 try:
     import faiss  # noqa: F401
@@ -577,7 +577,7 @@ def test_a_top_k_run_resumes_with_its_saved_index(interrupt_after, tmp_path, kin
     with pytest.raises(stopped):
         train_one_pass(model, TEACHER, **learner, checkpoint_path=ckpt, checkpoint_every=2,
                        **kw)
-    from rcdl.checkpoint import checkpoint_files, load_checkpoint
+    from rcdl.train.checkpoint import checkpoint_files, load_checkpoint
 
     saved = load_checkpoint(checkpoint_files(ckpt, 6))["retrieval"]  # the newest: step 6
     assert set(saved) == {"blocks.0", "readout"}

@@ -68,9 +68,9 @@ def test_an_interrupt_that_torch_turns_into_another_error_exits_130(data_dir, tm
                                                                     monkeypatch, capsys):
     """Ctrl-C inside ``torch.save``: torch's zip writer raises its own error from the
     KeyboardInterrupt; the run is still reported as interrupted, with its resume command."""
-    import rcdl.checkpoint
+    import rcdl.train.checkpoint
 
-    real = rcdl.checkpoint.torch.save
+    real = rcdl.train.checkpoint.torch.save
 
     def save(obj, f, *args, **kwargs):
         try:
@@ -78,13 +78,13 @@ def test_an_interrupt_that_torch_turns_into_another_error_exits_130(data_dir, tm
         except KeyboardInterrupt as e:
             raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from e
 
-    monkeypatch.setattr(rcdl.checkpoint.torch, "save", save)
+    monkeypatch.setattr(rcdl.train.checkpoint.torch, "save", save)
     out = tmp_path / "run"
     assert main([*CIFAR, "--data-dir", str(data_dir), "--models", "rbf", "--out", str(out)]) \
         == 130
     assert f"Interrupted. Continue with: rcdl reproduce cifar10-1epoch --resume {out}" in \
         capsys.readouterr().err
-    monkeypatch.setattr(rcdl.checkpoint.torch, "save", real)
+    monkeypatch.setattr(rcdl.train.checkpoint.torch, "save", real)
 
 
 def test_resuming_an_empty_config_is_refused(tmp_path, capsys):

@@ -220,8 +220,8 @@ def test_the_machine_line_names_the_cpu_its_threads_and_the_world_size(threads, 
 def test_the_environment_records_the_half_precision_options():
     import torch
 
-    from rcdl.half import half_products
-    from rcdl.half_adam import half_adam
+    from rcdl.ops.half import half_products
+    from rcdl.optim.half_adam import half_adam
 
     with half_products("float32"), half_adam("eager"):
         env = environment_info(torch.device("cpu"))

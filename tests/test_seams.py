@@ -27,8 +27,8 @@ from rcdl import (
     use_exact,
     use_topk,
 )
-from rcdl.kernels import naive_attention
-from rcdl.training import train_one_pass
+from rcdl.ops.kernels import naive_attention
+from rcdl.train.loop import train_one_pass
 
 D = 5
 F64_INDEX = {"backend": "exact", "dtype": torch.float64}
@@ -96,7 +96,7 @@ def test_a_bfloat16_hybrid_resumes_bit_identically_whatever_the_global_generator
 def test_rounding_noise_follows_the_entry_not_its_row():
     """Removing rows (as a shard split or a budget does) leaves every other entry's noise as
     it was: the noise is keyed on the entry's id."""
-    from rcdl.rounding import rounding_noise
+    from rcdl.ops.rounding import rounding_noise
 
     ids = torch.arange(10)
     full = rounding_noise(seed=3, step=5, ids=ids, width=4, stream=1)  # (10, 4)
@@ -144,10 +144,10 @@ def test_hybrid_grower_and_entry_adam_plus_grower_train_alike_in_train_one_pass(
 
 
 def test_the_hybrid_grower_docstring_loop_zeroes_gradients():
-    import rcdl.hybrid
+    import rcdl.nn.hybrid
 
-    assert "opt.zero_grad()" in rcdl.hybrid_grower.HybridGrower.__doc__
-    assert "opt.zero_grad()" in rcdl.hybrid.__doc__
+    assert "opt.zero_grad()" in rcdl.optim.hybrid_grower.HybridGrower.__doc__
+    assert "opt.zero_grad()" in rcdl.nn.hybrid.__doc__
 
 
 # --------------------------------------------------------------------------- 4. a stale index

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from rcdl import ClippedSoftmaxRule, GaugeSoftmaxRule, Grower, GrowingSoftmax
-from rcdl.kernels import naive_attention
+from rcdl.ops.kernels import naive_attention
 
 RULES = {
     "gws": ClippedSoftmaxRule(eta=0.3, beta=2.0),

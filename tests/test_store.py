@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from rcdl.store import EntryStore, format_bytes
+from rcdl.nn.store import EntryStore, format_bytes
 
 
 def rows(b, d_in=3, d_out=2, start=0):

@@ -4,12 +4,12 @@ import pytest
 import torch
 from torch import nn
 
+from rcdl.app.data import TeacherConfig, make_teacher_data
 from rcdl.app.rundir import RunDir
-from rcdl.data import TeacherConfig, make_teacher_data
-from rcdl.grower import Grower
-from rcdl.networks import GrowingRBFNet
-from rcdl.rules import FunctionalSGD
-from rcdl.training import epoch_permutation, evaluate, train_one_pass
+from rcdl.nn.networks import GrowingRBFNet
+from rcdl.nn.rules import FunctionalSGD
+from rcdl.optim.grower import Grower
+from rcdl.train.loop import epoch_permutation, evaluate, train_one_pass
 
 DATA = make_teacher_data(TeacherConfig(d_in=4, hidden=8, depth=1, n_train=50, n_test=20))
 
@@ -218,7 +218,7 @@ def test_epochs_must_be_positive():
 
 
 def test_schedule_steps_cover_every_sample_once_per_epoch():
-    from rcdl.training import Schedule, epoch_permutation
+    from rcdl.train.loop import Schedule, epoch_permutation
 
     schedule = Schedule(n=10, batch_size=4, epochs=2, seed=3)
     assert (schedule.steps_per_epoch, schedule.steps) == (3, 6)
@@ -235,7 +235,7 @@ def test_schedule_steps_cover_every_sample_once_per_epoch():
 
 
 def test_checkpointer_saves_between_steps_only_and_refuses_another_run(tmp_path):
-    from rcdl.training import Checkpointer
+    from rcdl.train.loop import Checkpointer
 
     model = nn.Linear(2, 1)
     saver = Checkpointer(tmp_path / "c.pt", 2, {"name": "m", "seed": 0}, model, None, None)
@@ -261,7 +261,7 @@ def test_evaluation_restores_every_submodules_own_mode(call):
     import torch.nn.functional as F
 
     from rcdl import explain
-    from rcdl.training import predict
+    from rcdl.train.loop import predict
 
     torch.manual_seed(0)
     net = GrowingRBFNet(4, 1, 1, temperature=1.0, rule=FunctionalSGD(0.5))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rcdl.networks import ResNetMLP
+from rcdl.nn.networks import ResNetMLP
 
 pytest.importorskip("dattri", exc_type=ImportError)  # missing or broken: skip
 # importing dattri.algorithm imports torch._inductor, whose torch.utils.mkldnn warns that

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from rcdl.app.experiments.vit import MODELS, ViTConfig, build_model, load_data, run_vit
-from rcdl.entry_adam import EntryAdam
-from rcdl.gates import DistanceGate
-from rcdl.grower import Grower
-from rcdl.hybrid import hybrid_layers
-from rcdl.vit import PatchEmbedding, RCDLFeedForward, ViT, mlp_vit, rcdl_vit
+from rcdl.nn.gates import DistanceGate
+from rcdl.nn.hybrid import hybrid_layers
+from rcdl.nn.vit import PatchEmbedding, RCDLFeedForward, ViT, mlp_vit, rcdl_vit
+from rcdl.optim.entry_adam import EntryAdam
+from rcdl.optim.grower import Grower
 
 SMALL = {"patch_size": 8, "width": 16, "depth": 2, "heads": 2}
 

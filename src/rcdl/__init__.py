@@ -26,29 +26,19 @@ Checkpoints (checksummed, all-or-nothing; docs/faults.md)
     CheckpointInUse
 
 Internals stay importable from their modules and are not listed here: the streaming
-attention and its partials (:mod:`rcdl.attention`), kernels and the dense reference
-(:mod:`rcdl.kernels`), age coefficients (:mod:`rcdl.age`), sharding
-(:mod:`rcdl.distributed`), indices (:mod:`rcdl.retrieval`). The experiments and the
+attention and its partials (:mod:`rcdl.ops.attention`), kernels and the dense reference
+(:mod:`rcdl.ops.kernels`), age coefficients (:mod:`rcdl.nn.age`), sharding
+(:mod:`rcdl.distributed`), indices (:mod:`rcdl.retrieval.topk`). The experiments and the
 ``rcdl`` command live in :mod:`rcdl.app`, which the library never imports.
 """
 
 from rcdl._version import __version__
-from rcdl.attribution import explain
-from rcdl.checkpoint import (
-    CheckpointInUse,
-    DamagedCheckpoint,
-    UnsafeCheckpoint,
-    load_checkpoint,
-    load_model_state,
-    save_checkpoint,
-)
-from rcdl.dual_optim import FOOF, DeltaNetDecay
-from rcdl.entry_adam import EntryAdam
-from rcdl.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate, default_tau
-from rcdl.grower import Grower
-from rcdl.hybrid import GrowthStalledWarning, HybridSoftmax
-from rcdl.hybrid_grower import HybridGrower
-from rcdl.layers import (
+from rcdl.memory.attribution import explain
+from rcdl.memory.budgets import EVICTION_POLICIES, MemoryBudget
+from rcdl.memory.provenance import forget
+from rcdl.nn.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate, default_tau
+from rcdl.nn.hybrid import GrowthStalledWarning, HybridSoftmax
+from rcdl.nn.layers import (
     GrowingLaplacian,
     GrowingLayer,
     GrowingLinear,
@@ -58,8 +48,7 @@ from rcdl.layers import (
     growing_layers,
     set_store_dtype,
 )
-from rcdl.memory import EVICTION_POLICIES, MemoryBudget
-from rcdl.networks import (
+from rcdl.nn.networks import (
     MLP,
     GrowingRBFNet,
     GrowingSoftmaxNet,
@@ -70,13 +59,24 @@ from rcdl.networks import (
     from_dual_form,
     to_dual_form,
 )
-from rcdl.provenance import forget
-from rcdl.records import UnsteppedBatchWarning
-from rcdl.retrieval import use_exact, use_topk
-from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule, LearningRule
-from rcdl.store import EntryStore
-from rcdl.training import evaluate, train_one_pass
-from rcdl.vit import ViT, mlp_vit, rcdl_vit
+from rcdl.nn.records import UnsteppedBatchWarning
+from rcdl.nn.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule, LearningRule
+from rcdl.nn.store import EntryStore
+from rcdl.nn.vit import ViT, mlp_vit, rcdl_vit
+from rcdl.optim.dual_optim import FOOF, DeltaNetDecay
+from rcdl.optim.entry_adam import EntryAdam
+from rcdl.optim.grower import Grower
+from rcdl.optim.hybrid_grower import HybridGrower
+from rcdl.retrieval.topk import use_exact, use_topk
+from rcdl.train.checkpoint import (
+    CheckpointInUse,
+    DamagedCheckpoint,
+    UnsafeCheckpoint,
+    load_checkpoint,
+    load_model_state,
+    save_checkpoint,
+)
+from rcdl.train.loop import evaluate, train_one_pass
 
 __all__ = [
     "__version__",

@@ -1,6 +1,6 @@
 """What this process's CPU is, from ``/proc/cpuinfo``: its fields and its feature flags.
 
-One reader for the library (:mod:`rcdl.half` picks the product path of half-precision stores
+One reader for the library (:mod:`rcdl.ops.half` picks the product path of half-precision stores
 by the flags) and for the application (:mod:`rcdl.app.rundir` describes the machine a run
 used). Every function takes the file's text as ``cpuinfo`` for tests; where ``/proc/cpuinfo``
 is unreadable (not Linux) the fields are ``None`` and the flags empty.

@@ -2,7 +2,7 @@
 that keeps a second process out of a run's files.
 
 Every whole-file write goes to a temporary file in the same folder, is fsynced and then
-moved into place with ``os.replace``. Training checkpoints (:mod:`rcdl.training`) and the
+moved into place with ``os.replace``. Training checkpoints (:mod:`rcdl.train.loop`) and the
 run folders of :mod:`rcdl.app.rundir` write through these.
 """
 

@@ -10,9 +10,9 @@ move: the entries a step writes go to the ranks by row, sample ``i`` of step ``t
 **Attention is a tree reduction of partials** (the pattern of Tree Attention and
 Flash-Decoding: a few queries against very many keys). Every rank computes the partial
 ``(m, num, den, mass)`` of the queries over its own shard through the attention op
-(:mod:`rcdl.attention`, with the shard as its combiner), then one ``all_reduce(MAX)`` on
+(:mod:`rcdl.ops.attention`, with the shard as its combiner), then one ``all_reduce(MAX)`` on
 ``m``, a rescale, and one ``all_reduce(SUM)`` on ``[num | den | mass]`` merge them exactly
-(:meth:`Shard.merge`, the log-sum-exp merge of :func:`rcdl.entries.merge_partials`). What
+(:meth:`Shard.merge`, the log-sum-exp merge of :func:`rcdl.ops.entries.merge_partials`). What
 crosses the wire per layer and call is ``O(B · d_out)``, whatever the store size. The
 partials are at least float32. An empty shard contributes ``m = −inf`` and zeros, which
 the rescale maps to 0 (not ``−inf − (−inf)``).
@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rcdl.backends import ShardCollectives
-from rcdl.entries import Partial
-from rcdl.kernels import Kernel, check_kernel
-from rcdl.layers import growing_layers
+from rcdl.nn.backends import ShardCollectives
+from rcdl.nn.layers import growing_layers
+from rcdl.ops.entries import Partial
+from rcdl.ops.kernels import Kernel, check_kernel
 
 __all__ = [
     "Shard", "init_from_env", "is_sharded", "model_shard", "rank_and_world", "shard",

@@ -2,12 +2,12 @@
 
 On Linux, glibc's ``malloc`` serves every block above its mmap threshold (32 MB at most) with
 fresh pages from ``mmap`` and unmaps them again on ``free``. The first write to a fresh page
-faults, at a cost proportional to the bytes touched (measured in ``results/bench_hybrid.md``).
+faults, at a cost proportional to the bytes touched (``results/bench_hybrid.md``).
 A training step allocates such blocks every step: the gradient of a 3072 × 3072 weight is
 38 MB, Adam's temporaries are as large, and the hybrid layer's entry gradients are
-``(N, 3072)``. So every step pays the faults again; :func:`keep_freed_memory` makes a
-ResNet-MLP step at the paper's width markedly faster (docs/cifar10.md gives the figures and
-their machine).
+``(N, 3072)``. So every step pays the faults again, unless :func:`keep_freed_memory` keeps
+the pages (docs/cifar10.md gives its effect on a ResNet-MLP step at the paper's width, with
+the machine and command).
 
 What it does: ``mallopt(M_MMAP_MAX, 0)`` (large blocks come from the heap, where freed ones
 are reused) and ``mallopt(M_TRIM_THRESHOLD, 2**31 − 1)`` (freed heap stays with the process).

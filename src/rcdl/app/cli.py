@@ -104,7 +104,7 @@ _THREADS_HELP = (
     "the number of CPU threads torch computes with (torch.set_num_threads), set before "
     "anything runs and recorded in the run folder's environment.json{resume} (default: "
     "torch's, from $OMP_NUM_THREADS or the core count). On a machine other processes are "
-    "using, one thread per process is often faster than two (docs/install.md): --threads 1, "
+    "using, try one thread per process (docs/install.md compares the two): --threads 1, "
     "or OMP_NUM_THREADS=1"
 )
 
@@ -425,7 +425,7 @@ def build_parser(experiments: Iterable[str] | None = None) -> argparse.ArgumentP
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help=_COMMANDS["demo"], description=_COMMANDS["demo"])
-    demo.add_argument("--quick", action="store_true", help="tiny sizes; runs in seconds")
+    demo.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
     demo.add_argument("--out", metavar="DIR",
                       help="run folder to write (default: runs/demo-<timestamp>)")
     demo.add_argument("--seed", type=int, help="seed of the task, data order and models")

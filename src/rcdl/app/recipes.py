@@ -31,8 +31,8 @@ from rcdl.app.experiments.cifar10_models import build_model
 from rcdl.app.report import markdown_table, mean_sd, pm
 from rcdl.app.rundir import RunDir, save_figure
 from rcdl.app.runner import Session, TaggedLog
-from rcdl.grower import Grower
-from rcdl.training import Metric, accuracy, train_one_pass
+from rcdl.optim.grower import Grower
+from rcdl.train.loop import Metric, accuracy, train_one_pass
 
 __all__ = [
     "PAPER_WIDTH", "Build", "ProjectedConfig", "epoch_rows", "epoch_table", "final_table",
@@ -55,7 +55,7 @@ def train_model(name: str, seed: int, x: Tensor, y: Tensor, evaluation: tuple[Te
     over ``x (n, 3072)``, ``y (n,)`` in ``seed``'s order; a growing model's entries remember
     their samples as indices into ``x``. ``evaluation = (x_eval, y_eval)`` is scored
     (``"acc"``) before and after.
-    Returns the model and :func:`rcdl.training.train_one_pass`'s result."""
+    Returns the model and :func:`rcdl.train.loop.train_one_pass`'s result."""
     model, optimizer, grower = build_model(name, seed, device=device, reserve=len(x))
     result = train_one_pass(model, (x, y, *evaluation), batch_size=batch_size, seed=seed,
                             optimizer=optimizer, grower=grower, loss_fn=F.cross_entropy,
@@ -89,7 +89,7 @@ class ProjectedConfig(ExperimentConfig):
 
 def random_projection(d_in: int, width: int, seed: int) -> Tensor:
     """The fixed input projection ``P (width, d_in)``: i.i.d. ``N(0, 1/d_in)`` entries
-    from a generator seeded with ``seed`` (the lift of :class:`rcdl.networks.ResidualNet`)."""
+    from a generator seeded with ``seed`` (the lift of :class:`rcdl.nn.networks.ResidualNet`)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(width, d_in, generator=gen) / math.sqrt(d_in)
 

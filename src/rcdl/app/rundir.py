@@ -52,8 +52,8 @@ from rcdl._io import (  # noqa: F401 - re-exported: the run folder writes throug
 from rcdl._version import __version__
 from rcdl.app.allocator import allocator_setting
 from rcdl.distributed import rank_and_world
-from rcdl.half import PRODUCTS, native_products, product_path
-from rcdl.half_adam import ADAM_MODE
+from rcdl.ops.half import PRODUCTS, native_products, product_path
+from rcdl.optim.half_adam import ADAM_MODE
 
 __all__ = [
     "rank0_run",
@@ -149,7 +149,7 @@ def cpu_model(cpuinfo: str | None = None) -> str:
 
 def native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (``avx512_bf16`` or ``amx_bf16``;
-    :func:`rcdl.half.native_products`, which picks the attention's product path)."""
+    :func:`rcdl.ops.half.native_products`, which picks the attention's product path)."""
     return native_products(torch.bfloat16, "cpu")
 
 
@@ -161,7 +161,7 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
     working tree differs from it (untracked files included). ``half_products`` and
     ``half_adam`` are the process-wide defaults of the two half-precision options
     (:mod:`rcdl.options`), and ``half_product_paths`` the path a bfloat16 and a float16
-    store take on ``device`` under that default (:func:`rcdl.half.product_path`).
+    store take on ``device`` under that default (:func:`rcdl.ops.half.product_path`).
     """
     src = Path(__file__).resolve().parent
     revision = _git(["rev-parse", "HEAD"], src)

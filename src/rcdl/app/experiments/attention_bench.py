@@ -3,7 +3,7 @@
 Run it with ``rcdl reproduce attention-bench`` (docs/adding_an_experiment.md follows this
 module as its example). For each store dtype, query batch ``B`` and store size ``N``
 (keys and values ``d`` wide, random), one sub-run times the attention forward plus its
-backward with respect to the queries (:func:`rcdl.attention.attention`), and the four
+backward with respect to the queries (:func:`rcdl.ops.attention.attention`), and the four
 plain products those passes are made of: ``q Kᵀ`` and its product with ``V`` forward,
 ``g Vᵀ`` and its product with ``K`` backward, in the store's dtype. Both count as
 ``8·B·N·d`` flops; ``ratio`` is the products' time over the attention's (1: the attention
@@ -26,8 +26,8 @@ from rcdl.app.config import ExperimentConfig, device_setting, setting
 from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
-from rcdl.attention import attention
-from rcdl.kernels import check_kernel
+from rcdl.ops.attention import attention
+from rcdl.ops.kernels import check_kernel
 
 __all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "AttentionBenchConfig", "measure"]
 

@@ -5,7 +5,7 @@ detection by self-influence, and test images beside the training images they res
 Run it with ``rcdl reproduce attribution``. Every model is a growing model of the one-epoch
 comparison (:mod:`rcdl.app.experiments.cifar10_models`), trained one epoch, batch 16, on a
 random CIFAR-10 training subset (docs/cifar10.md). rcdl's score ``τ(x, i)`` of training
-image ``i`` for an output ``f(x)`` is :func:`rcdl.attribution.explain`'s per-sample
+image ``i`` for an output ``f(x)`` is :func:`rcdl.memory.attribution.explain`'s per-sample
 contribution: the sum, over the entries ``i`` wrote in every growing layer, of their
 contribution to ``f(x)`` (the readout's exact shares, first order through earlier layers).
 
@@ -64,10 +64,10 @@ from rcdl.app.recipes import train_model
 from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
-from rcdl.attribution import explain
-from rcdl.layers import growing_layers
-from rcdl.provenance import UNKNOWN
-from rcdl.training import predict
+from rcdl.memory.attribution import explain
+from rcdl.memory.provenance import UNKNOWN
+from rcdl.nn.layers import growing_layers
+from rcdl.train.loop import predict
 
 __all__ = [
     "COLUMNS", "EXPERIMENT", "EXPERIMENT_SPEC", "KRONFLUENCE_FOUND", "LDS_ANCHORS",
@@ -164,7 +164,7 @@ def margins(model: nn.Module, x: Tensor, y: Tensor, *, device: torch.device | st
 
 
 def _every_entry(model: nn.Module) -> int:
-    """A ``k`` for :func:`rcdl.attribution.explain` that keeps every entry and sample."""
+    """A ``k`` for :func:`rcdl.memory.attribution.explain` that keeps every entry and sample."""
     return max(1, sum(len(layer.store) for _, layer in growing_layers(model)))
 
 
@@ -175,7 +175,7 @@ def attribution_scores(model: nn.Module, x: Tensor, y: Tensor, n_train: int, *,
                        batch_size: int = 50, device: torch.device | str = "cpu",
                        ) -> dict[str, Tensor]:  # {variant: (T, n_train) float64}  # fmt: skip
     """``τ(x_t, i)`` for every test image ``x (T, 3072)`` and training sample ``i`` towards
-    the logit of class ``y (T,)``, one :func:`rcdl.attribution.explain` per batch: summed
+    the logit of class ``y (T,)``, one :func:`rcdl.memory.attribution.explain` per batch: summed
     over every growing layer (``"all layers"``) and the readout's exact shares alone
     (``"readout"``). Samples without entries score 0."""
     readout_name, readout = growing_layers(model)[-1]

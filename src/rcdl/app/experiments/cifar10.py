@@ -6,7 +6,7 @@ Protocol (docs/reference.md §6): every model sees the training images once, in 
 from a seeded random permutation, and minimises the batch-mean cross-entropy; test accuracy and
 test loss on the whole test set are computed from one prediction pass every ``eval_every``
 steps and at the end. Images are standardised and flattened to ``d = 3072``
-(:mod:`rcdl.app.cifar`). All models share the residual backbone of :mod:`rcdl.networks`.
+(:mod:`rcdl.app.cifar`). All models share the residual backbone of :mod:`rcdl.nn.networks`.
 
 Models (:data:`MODELS`). Each builder uses the library's networks, rules and optimizers.
 None of them reimplements a layer.
@@ -16,7 +16,8 @@ None of them reimplements a layer.
 ``gauge``             gauge-invariant weighted softmax, L = 2, T = 5, α = 10, η = 0.03, β = 100
 ``rbf``               growing RBF, L = 2, T = 10, η = 10
 ``mlp-<opt>``         ResNet-MLP (8 blocks) trained by ``sgd``, ``adam``, ``adamw``,
-                      ``rmsprop`` or ``muon`` with the tuned settings of :mod:`rcdl.optim`
+                      ``rmsprop`` or ``muon`` with the tuned settings of
+                      :mod:`rcdl.app.baseline_optim`
 ``hybrid``            hybrid growing weighted softmax, L = 3, T = 5, τ = 50, η = 1, β = 30,
                       entries also trained by Adam 1e−3 (docs/reference.md §4)
 ``psoftmax-<N>``      parametric softmax, L = 2, T = 3, N entries per layer, Adam 1e−3
@@ -31,9 +32,9 @@ The classical baselines are fitted on the whole training set at once and scored 
 "train" and "eval" seconds are fit and predict times, and they report no test loss.
 
 The growing models write one entry per training sample per layer. They have no
-parameters, so :class:`rcdl.grower.Grower` plays the optimizer's part. The hybrid writes
+parameters, so :class:`rcdl.optim.grower.Grower` plays the optimizer's part. The hybrid writes
 only the samples its distance gate lets through (the table gives its entries as a fraction
-of the possible ones) and trains its entries by :class:`rcdl.entry_adam.EntryAdam`.
+of the possible ones) and trains its entries by :class:`rcdl.optim.entry_adam.EntryAdam`.
 
 Run folder (one per invocation, every model and seed in it), besides what every run
 writes (:mod:`rcdl.app.runner`; ``environment.json`` is the first session's)::
@@ -47,12 +48,12 @@ writes (:mod:`rcdl.app.runner`; ``environment.json`` is the first session's)::
     test_accuracy.png   test accuracy against training samples seen (mean over seeds)
     checkpoints/<model>-seed<k>.*    while that model trains (deleted when it finishes): the
                         checksummed ``.step<N>.pt`` files of the last two checkpoints and the
-                        ``.manifest.json`` that commits them (:mod:`rcdl.checkpoint`)
+                        ``.manifest.json`` that commits them (:mod:`rcdl.train.checkpoint`)
 
 The finished pairs are kept in ``summary.json`` (no ``finished.json``:
 :attr:`rcdl.app.runner.Experiment.finished_in_summary`). A resumed run continues an
 interrupted pair from its checkpoint to the result of an uninterrupted run
-(:func:`rcdl.training.train_one_pass`); ``metrics.jsonl`` may repeat the evaluations made
+(:func:`rcdl.train.loop.train_one_pass`); ``metrics.jsonl`` may repeat the evaluations made
 between the last checkpoint and the interruption.
 """
 
@@ -99,11 +100,11 @@ from rcdl.app.experiments.cifar10_report import (  # noqa: F401 - importable fro
 )
 from rcdl.app.rundir import RunDir
 from rcdl.app.runner import Combine, Experiment, Session, run_experiment
-from rcdl.checkpoint import remove_checkpoint
 from rcdl.distributed import rank_and_world, shard
-from rcdl.half import product_mode
-from rcdl.hybrid import HybridSoftmax
-from rcdl.training import train_one_pass
+from rcdl.nn.hybrid import HybridSoftmax
+from rcdl.ops.half import product_mode
+from rcdl.train.checkpoint import remove_checkpoint
+from rcdl.train.loop import train_one_pass
 
 __all__ = [
     "EXPERIMENT", "EXPERIMENT_SPEC", "METRICS", "MODELS", "Cifar10Config", "ModelSpec",
@@ -161,7 +162,7 @@ def _checkpoint_path(run: RunDir, name: str, seed: int) -> Path:
     """``checkpoints/<model>-seed<s>.pt``, the checkpoint's path: its files are
     ``<model>-seed<s>.step<N>.pt`` (under torchrun ``...rank<r>of<W>.step<N>.pt``) and the
     manifest ``<model>-seed<s>.manifest.json`` that commits them
-    (:class:`rcdl.checkpoint.Checkpointer`, which refuses another number of ranks)."""
+    (:class:`rcdl.train.checkpoint.Checkpointer`, which refuses another number of ranks)."""
     return run.file("checkpoints") / f"{_run_name(name, seed)}.pt"
 
 
@@ -193,14 +194,14 @@ def _fit_classical(name: str, seed: int, cfg: Cifar10Config, data: tuple,
 
 
 def _note_if_bfloat16_is_emulated() -> None:
-    """Say which product path a bfloat16 store takes on this CPU (rcdl.half,
+    """Say which product path a bfloat16 store takes on this CPU (rcdl.ops.half,
     docs/precision.md)."""
     if not rundir.native_bfloat16():
         print(f"note: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products are not "
               f"native; product mode {product_mode()!r}: in 'auto' the stores' chunks are "
-              "converted to float32 as they are read (half the memory, about float32's speed; "
-              "RCDL_HALF_PRODUCTS=native multiplies in bfloat16, much slower here; "
-              "docs/precision.md)", file=sys.stderr)
+              "converted to float32 as they are read (half the memory; "
+              "RCDL_HALF_PRODUCTS=native multiplies in bfloat16 all the same; docs/precision.md "
+              "compares the two paths' speeds on such CPUs)", file=sys.stderr)
 
 
 def _sub_runs(cfg: Cifar10Config, data: CifarData, session: Session) -> Iterator:

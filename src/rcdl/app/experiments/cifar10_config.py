@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from rcdl.app.cifar import load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.experiments.cifar10_models import PAPER_MODELS, model_spec
-from rcdl.training import Metric, accuracy
+from rcdl.train.loop import Metric, accuracy
 
 __all__ = ["DTYPES", "EXPERIMENT", "METRICS", "STORE_DTYPES", "Cifar10Config", "load_data"]
 

@@ -18,12 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from rcdl.app.baseline_optim import make_optimizer
 from rcdl.app.classical import CLASSICAL_MODELS
-from rcdl.entry_adam import EntryAdam
-from rcdl.gates import AlwaysGrow, DistanceGate
-from rcdl.grower import Grower
-from rcdl.layers import GrowingLaplacian, set_store_dtype
-from rcdl.networks import (
+from rcdl.nn.gates import AlwaysGrow, DistanceGate
+from rcdl.nn.layers import GrowingLaplacian, set_store_dtype
+from rcdl.nn.networks import (
     GrowingRBFNet,
     GrowingSoftmaxNet,
     HybridSoftmaxNet,
@@ -31,8 +30,9 @@ from rcdl.networks import (
     ResidualNet,
     ResNetMLP,
 )
-from rcdl.optim import make_optimizer
-from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
+from rcdl.nn.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
+from rcdl.optim.entry_adam import EntryAdam
+from rcdl.optim.grower import Grower
 
 __all__ = [
     "CLASSES", "D_IN", "MODELS", "PAPER_MODELS", "Builder", "Learner", "ModelSpec",
@@ -219,7 +219,7 @@ def build_model(name: str, seed: int, *, device: torch.device | str = "cpu",
     from ``seed`` too. A grower reserves ``reserve`` more entries per layer, so its stores
     never reallocate during a pass over that many samples. ``store_dtype`` (e.g.
     ``torch.bfloat16``) is what the growing layers keep keys and values as
-    (:func:`rcdl.layers.set_store_dtype`; other models ignore it).
+    (:func:`rcdl.nn.layers.set_store_dtype`; other models ignore it).
 
     Returns:
         ``(model, optimizer or None, grower or None)``, the model on ``device`` in ``dtype``.

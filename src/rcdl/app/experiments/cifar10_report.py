@@ -26,7 +26,7 @@ from rcdl.app.report import (
     write_outputs,
 )
 from rcdl.app.rundir import RunDir, describe_machine
-from rcdl.store import format_bytes
+from rcdl.nn.store import format_bytes
 
 __all__ = ["model_rows", "plot_accuracy", "results_csv", "results_table", "write_report",
            "write_table"]

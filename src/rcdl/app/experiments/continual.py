@@ -80,9 +80,9 @@ from rcdl.app.experiments.continual_baselines import (
 from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
-from rcdl.layers import growing_layers
-from rcdl.provenance import UNKNOWN, entry_samples, forget, samples
-from rcdl.training import epoch_permutation, predict, train_step
+from rcdl.memory.provenance import UNKNOWN, entry_samples, forget, samples
+from rcdl.nn.layers import growing_layers
+from rcdl.train.loop import epoch_permutation, predict, train_step
 
 __all__ = ["ANCHORS", "EXPERIMENT", "EXPERIMENT_SPEC", "ContinualConfig",
            "average_incremental_accuracy", "backward_transfer", "class_order",
@@ -323,7 +323,7 @@ def _learner(name: str, seed: int, cfg: ContinualConfig, device: torch.device,
 
 def _task_order(n: int, seed: int, task: int) -> Tensor:  # (n,)
     """The order task ``task``'s ``n`` images are seen in (the i.i.d. run, ``task = -1``,
-    is :func:`rcdl.training.epoch_permutation`'s one-pass order)."""
+    is :func:`rcdl.train.loop.epoch_permutation`'s one-pass order)."""
     return epoch_permutation(n, seed if task < 0 else 7919 * (seed + 1) + task, 0)
 
 
@@ -433,7 +433,7 @@ def _pixels_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequ
 def own_entries_copy(model: nn.Module, keep: Tensor) -> tuple[nn.Module, dict[str, int]]:
     """A deep copy of ``model`` whose growing layers keep only the entries written by the
     training samples ``keep`` (indices) and those of unknown origin (initial entries): in
-    the copy, :func:`rcdl.provenance.forget` removes every other sample's entries; with the
+    the copy, :func:`rcdl.memory.provenance.forget` removes every other sample's entries; with the
     entries each layer kept."""
     restricted = copy.deepcopy(model)
     layers = growing_layers(restricted)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rcdl.training import eval_mode
+from rcdl.nn.networks import eval_mode
 
 __all__ = ["EWC", "LwF", "NearestClassMean", "PlainLoss", "StreamingLDA", "fisher_diagonal",
            "fisher_diagonal_naive"]

@@ -11,13 +11,13 @@ initialisation, over the same orders of the same images:
 ``none``          ``torch.optim.SGD(lr, momentum)``
 ``weight-decay``  ``torch.optim.SGD(lr, momentum, weight_decay=λ_wd)``: every step shrinks
                   every direction of ``W`` (coupled: ``λ_wd W`` joins the gradient)
-``deltanet``      :class:`rcdl.dual_optim.DeltaNetDecay` ``(lr, momentum, decay=λ_dn)``:
+``deltanet``      :class:`rcdl.optim.dual_optim.DeltaNetDecay` ``(lr, momentum, decay=λ_dn)``:
                   ``W̃ ← W̃ − lr · m − λ_dn W̃ X̃ᵀX̃ / B`` shrinks ``W̃`` only along the
                   directions the current batch's inputs span (docs/reference.md §7, a derived
                   reading)
 ================  =========================================================================
 
-The model is docs/reference.md §6's ResNet-MLP (:class:`rcdl.networks.ResNetMLP`) with
+The model is docs/reference.md §6's ResNet-MLP (:class:`rcdl.nn.networks.ResNetMLP`) with
 ``depth = 10`` residual blocks (each one Linear ``w → w`` + tanh-GELU; "10-layer" is read as ten
 blocks, plus the linear readout), on the images seen through the fixed random projection of
 :mod:`rcdl.app.experiments.optimizers` (:func:`rcdl.app.recipes.project`; ``width=None``: the
@@ -75,8 +75,8 @@ from rcdl.app.recipes import (
 from rcdl.app.report import csv_text, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, run_experiment
-from rcdl.dual_optim import DeltaNetDecay
-from rcdl.networks import ResNetMLP
+from rcdl.nn.networks import ResNetMLP
+from rcdl.optim.dual_optim import DeltaNetDecay
 
 __all__ = [
     "EXPERIMENT", "EXPERIMENT_SPEC", "PAPER", "VARIANTS", "DeltaNetDecayConfig",

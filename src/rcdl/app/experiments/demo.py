@@ -1,11 +1,11 @@
 """The demo: a growing RBF network against MLP baselines on teacher–student regression.
 
-A random teacher MLP (:mod:`rcdl.data`) labels Gaussian inputs; three students see the
+A random teacher MLP (:mod:`rcdl.app.data`) labels Gaussian inputs; three students see the
 training set once, in batches, and are evaluated on held-out test MSE as they go:
 
-- ``growing RBF``: :class:`rcdl.networks.GrowingRBFNet`, no parameters; every training
+- ``growing RBF``: :class:`rcdl.nn.networks.GrowingRBFNet`, no parameters; every training
   sample writes one entry per layer (``Grower.step``), docs/reference.md §2–3;
-- ``MLP + SGD`` and ``MLP + Adam``: :class:`rcdl.networks.MLP` of the same shape.
+- ``MLP + SGD`` and ``MLP + Adam``: :class:`rcdl.nn.networks.MLP` of the same shape.
 
 Everything lands in one run folder: ``config.json``, ``environment.json``,
 ``metrics.jsonl`` (every evaluation of every model), ``summary.json``, ``results.md`` (the
@@ -26,14 +26,14 @@ import torch
 from torch import nn
 
 from rcdl.app.config import ExperimentConfig, setting
+from rcdl.app.data import TeacherConfig, make_teacher_data
 from rcdl.app.report import Curve, Panel, markdown_table, plot_panels, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
-from rcdl.data import TeacherConfig, make_teacher_data
-from rcdl.grower import Grower
-from rcdl.networks import MLP, GrowingRBFNet
-from rcdl.rules import FunctionalSGD
-from rcdl.store import format_bytes
-from rcdl.training import train_one_pass
+from rcdl.nn.networks import MLP, GrowingRBFNet
+from rcdl.nn.rules import FunctionalSGD
+from rcdl.nn.store import format_bytes
+from rcdl.optim.grower import Grower
+from rcdl.train.loop import train_one_pass
 
 __all__ = ["DemoConfig", "reading", "run_demo"]
 
@@ -50,7 +50,7 @@ class DemoConfig(ExperimentConfig):
     map did worse); SGD ``lr`` over 0.003–0.03 (0.1 diverges); Adam ``lr`` over 1e-3–1e-2.
     """
 
-    # A tiny configuration that runs in seconds (for tests and smoke checks). With d_in = 8
+    # A tiny configuration (for tests and smoke checks). With d_in = 8
     # the RBF kernels overlap more, so η is halved: a growing RBF step overshoots (and the
     # net diverges) once η times the kernel mass of a batch is too large.
     QUICK = {"teacher": TeacherConfig(d_in=8, hidden=16, depth=1, n_train=128, n_test=64),
@@ -80,7 +80,7 @@ class DemoConfig(ExperimentConfig):
                              cli=False)
 
     def check(self) -> None:
-        """``teacher`` is a :class:`rcdl.data.TeacherConfig` (a mapping, as read back from
+        """``teacher`` is a :class:`rcdl.app.data.TeacherConfig` (a mapping, as read back from
         ``config.json``, becomes one)."""
         if isinstance(self.teacher, Mapping):
             object.__setattr__(self, "teacher", TeacherConfig(**self.teacher))
@@ -174,7 +174,7 @@ def run_demo(
     """Run the demo into a run folder (``out``, or ``runs/demo-<timestamp>``).
 
     Returns:
-        The run folder and ``{model name: result}`` (see :func:`rcdl.training.train_one_pass`,
+        The run folder and ``{model name: result}`` (see :func:`rcdl.train.loop.train_one_pass`,
         plus ``"parameters"``).
     """
     start = time.perf_counter()

@@ -10,7 +10,7 @@ weighted-softmax layers), trained for ``epochs`` passes over the same CIFAR-10 s
 
 ==============  ===========================================================================
 ``gws``         growing weighted softmax, T = 6, clipped rule β = 3, η = 0.003, 16 initial
-                entries per layer; learns by growth only (:class:`rcdl.grower.Grower`, no
+                entries per layer; learns by growth only (:class:`rcdl.optim.grower.Grower`, no
                 optimizer) and keeps writing one entry per sample per layer in *every*
                 epoch: ``16 + e · N`` entries per layer after ``e`` epochs of ``N`` images
 ``parametric``  parametric softmax (docs/reference.md §5), T = 3, a fixed table of ``P`` entries per
@@ -28,7 +28,7 @@ Decisions:
   growing and the parametric one keeps its size. T = 3 and Adam 1e−3 are docs/reference.md §5's.
 - **Orders.** Each epoch is a fresh permutation of the training subset, a pure function of
   ``(seed, epoch)``; epoch 0 is the one-pass order of docs/reference.md §6
-  (:func:`rcdl.training.epoch_permutation`). Both models see the same orders.
+  (:func:`rcdl.train.loop.epoch_permutation`). Both models see the same orders.
 - **Measurements.** Before training and after every epoch: test accuracy and test loss on
   the whole test subset, and train accuracy and train loss on a fixed random sample of at
   most ``train_eval_size`` images of the training subset (all of it by default when it is
@@ -75,10 +75,10 @@ from rcdl.app.report import (
 )
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, run_experiment
-from rcdl.grower import Grower
-from rcdl.networks import GrowingSoftmaxNet, ParametricSoftmaxNet
-from rcdl.rules import ClippedSoftmaxRule
-from rcdl.training import Metric, accuracy, evaluate, train_one_pass
+from rcdl.nn.networks import GrowingSoftmaxNet, ParametricSoftmaxNet
+from rcdl.nn.rules import ClippedSoftmaxRule
+from rcdl.optim.grower import Grower
+from rcdl.train.loop import Metric, accuracy, evaluate, train_one_pass
 
 __all__ = [
     "EXPERIMENT", "EXPERIMENT_SPEC", "MODELS", "GeneralisationConfig", "build_model", "load_data",

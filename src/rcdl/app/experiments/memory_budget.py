@@ -4,7 +4,7 @@ limits").
 Run it with ``rcdl reproduce memory-budget`` (see docs/memory.md).
 
 A growing model stores one entry per training sample per layer, so its memory grows
-linearly with the data. This experiment bounds it with a :class:`rcdl.memory.MemoryBudget`
+linearly with the data. This experiment bounds it with a :class:`rcdl.memory.budgets.MemoryBudget`
 and measures what that costs on the one-epoch CIFAR-10 task (docs/reference.md §6, the ``gws`` model
 by default): for every eviction policy and every capacity it trains the model once, and it
 trains the unbounded model as the reference, on the same data, seed and image order.
@@ -12,8 +12,8 @@ trains the unbounded model as the reference, on the same data, seed and image or
 Capacities are **entries per layer** (absolute; a softmax layer's 16 initial entries count
 toward them), the same in every layer. A capacity at or above ``16 + train_size`` never
 evicts. A full store is cut to ``capacity − slack · capacity`` entries at once (eviction
-in blocks; see :class:`~rcdl.memory.MemoryBudget`). Policies are
-:class:`~rcdl.memory.MemoryBudget` names: ``oldest`` (sliding window), ``newest`` (stop
+in blocks; see :class:`~rcdl.memory.budgets.MemoryBudget`). Policies are
+:class:`~rcdl.memory.budgets.MemoryBudget` names: ``oldest`` (sliding window), ``newest`` (stop
 growing when full), ``contribution``, ``random``, each optionally with ``+merge``.
 
 Run folder, besides what every run writes (:mod:`rcdl.app.runner`)::
@@ -46,10 +46,10 @@ from rcdl.app.experiments import cifar10_config, cifar10_models
 from rcdl.app.report import Curve, Panel, csv_text, markdown_table, plot_panels, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, run_experiment
-from rcdl.grower import Grower
-from rcdl.memory import MemoryBudget
-from rcdl.store import format_bytes
-from rcdl.training import train_one_pass
+from rcdl.memory.budgets import MemoryBudget
+from rcdl.nn.store import format_bytes
+from rcdl.optim.grower import Grower
+from rcdl.train.loop import train_one_pass
 
 __all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "GROWING_MODELS", "MemoryBudgetConfig", "load_data",
            "run_memory_budget"]  # fmt: skip
@@ -71,8 +71,8 @@ class MemoryBudgetConfig(ExperimentConfig):
     The defaults: 19 runs (run times in docs/memory.md); ``--quick`` (480 train / 200 test
     images, capacities 60 and 240, every default policy) is a smoke test.
 
-    ``policies`` are :meth:`rcdl.memory.MemoryBudget.from_policy` names, each trained at
-    every capacity. ``slack`` is :class:`~rcdl.memory.MemoryBudget`'s, as a fraction of the
+    ``policies`` are :meth:`rcdl.memory.budgets.MemoryBudget.from_policy` names, each trained at
+    every capacity. ``slack`` is :class:`~rcdl.memory.budgets.MemoryBudget`'s, as a fraction of the
     capacity: a store that exceeds its capacity ``C`` is brought down to
     ``C − round(slack · C)`` entries; ``0`` evicts ``B`` entries at every step once full,
     which compacts the whole store each step.

@@ -13,8 +13,9 @@ for ``epochs`` passes over the same subset, in the same orders, with batch 16:
 ``mlp-adam``     residual MLP, Adam
 ``mlp-rmsprop``  residual MLP, RMSprop, alpha 0.9, eps 1e−8
 ``mlp-muon``     residual MLP, Muon on the matrices (momentum 0.95, Nesterov, no weight
-                 decay) and Adam 1e−3 on the biases, as :func:`rcdl.optim.make_optimizer`
-``mlp-foof``     residual MLP, :class:`rcdl.dual_optim.FOOF` (momentum 0.85, ema 0.95,
+                 decay) and Adam 1e−3 on the biases, as
+                 :func:`rcdl.app.baseline_optim.make_optimizer`
+``mlp-foof``     residual MLP, :class:`rcdl.optim.dual_optim.FOOF` (momentum 0.85, ema 0.95,
                  refresh every 10 steps) — the Mesa dual form (docs/reference.md §7)
 ``gws``          growing weighted softmax, 2 blocks, clipped rule β = 3, η = 0.003;
                  learns by growth only and writes one entry per sample per layer in every
@@ -26,12 +27,12 @@ Decisions (measured numbers in docs/optimizer_experiments.md):
 
 - **One input for all.** Every method sees the same images ``P x``: ``x`` the standardised
   flattened image (3072 values), ``P (w, 3072)`` a fixed random Gaussian matrix scaled by
-  ``1/√3072`` (the lift of :class:`rcdl.networks.ResidualNet`), drawn from ``data_seed`` and
+  ``1/√3072`` (the lift of :class:`rcdl.nn.networks.ResidualNet`), drawn from ``data_seed`` and
   applied once to the whole subset. ``width=None`` uses the images as they are (the
   paper's ``w = 3072``). The projection keeps Muon's Newton–Schulz iteration (``O(w³)`` per
   matrix and step) and FOOF's ``(w + 1)²`` Cholesky affordable on a CPU, and gives the
   growing and parametric models the same information.
-- **The MLP** is docs/reference.md §6's ResNet-MLP (:class:`rcdl.networks.ResNetMLP`: pre-norm
+- **The MLP** is docs/reference.md §6's ResNet-MLP (:class:`rcdl.nn.networks.ResNetMLP`: pre-norm
   residual blocks of Linear ``w → w`` + tanh-GELU, LeCun init, linear readout) with ``mlp_depth``
   blocks at width ``w``. docs/reference.md does not give the paper's MLP sizes for this figure.
 - **Growing temperatures** scale with the width: ``T = T_paper · √(w / 3072)`` (gws 6, RBF 10
@@ -67,6 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rcdl.app.baseline_optim import Float32Muon, OptimizerGroup, make_optimizer
 from rcdl.app.cifar import CifarData, CifarNotFoundError, cifar_summary, load_subsets
 from rcdl.app.config import data_dir_setting, device_setting, setting
 from rcdl.app.recipes import (
@@ -85,11 +87,10 @@ from rcdl.app.recipes import (
 from rcdl.app.report import csv_text, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, run_experiment
-from rcdl.dual_optim import FOOF
-from rcdl.grower import Grower
-from rcdl.networks import GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
-from rcdl.optim import Float32Muon, OptimizerGroup, make_optimizer
-from rcdl.rules import ClippedSoftmaxRule, FunctionalSGD
+from rcdl.nn.networks import GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
+from rcdl.nn.rules import ClippedSoftmaxRule, FunctionalSGD
+from rcdl.optim.dual_optim import FOOF
+from rcdl.optim.grower import Grower
 
 __all__ = [
     "DATASETS", "EXPERIMENT", "EXPERIMENT_SPEC", "METHODS",

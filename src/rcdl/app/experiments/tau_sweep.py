@@ -3,7 +3,7 @@
 Run it with ``rcdl reproduce hybrid-tau-sweep`` (see docs/hybrid.md).
 
 The hybrid growing network writes a sample's entry only if its query is farther than τ from
-every stored key of the layer (:class:`rcdl.hybrid.DistanceGate`). Sweeping τ from "always
+every stored key of the layer (:class:`rcdl.nn.hybrid.DistanceGate`). Sweeping τ from "always
 grow" to thresholds that keep a few percent of the samples trades the final database size
 against accuracy; the paper reports a smooth, graceful decline and no collapse. The pure
 growing gws network and parametric-softmax networks trained on the same images are the
@@ -45,7 +45,7 @@ from rcdl.app.experiments.cifar10_models import hybrid_name, hybrid_tau, model_s
 from rcdl.app.report import csv_text, markdown_table
 from rcdl.app.rundir import RunDir, atomic_write_text, read_config, save_figure
 from rcdl.app.runner import Combine, run_experiment
-from rcdl.store import format_bytes
+from rcdl.nn.store import format_bytes
 
 __all__ = ["EXPERIMENT_SPEC", "TauSweepConfig", "combine_sweep", "run_tau_sweep",
            "sweep_rows", "write_sweep_report"]  # fmt: skip

@@ -5,7 +5,7 @@ Run it with ``rcdl reproduce teacher-student`` (see docs/teacher_student.md).
 The paper's claim (docs/reference.md §8): a random teacher network generates the data, and the
 growing weighted-softmax student clearly beats a parametric softmax whose size matches the
 student's final database. For every seed a fresh random teacher MLP
-(:func:`rcdl.data.make_teacher_data`: Gaussian inputs ``x ~ N(0, I_{d_in})``, targets
+(:func:`rcdl.app.data.make_teacher_data`: Gaussian inputs ``x ~ N(0, I_{d_in})``, targets
 rescaled to mean 0 and variance 1, so predicting 0 scores a test MSE of about 1) labels
 ``n_train`` training and ``n_test`` test inputs, and three students see the training set
 once, in the same order and the same batches, on the squared loss:
@@ -13,14 +13,14 @@ once, in the same order and the same batches, on the squared loss:
 ==============  ===========================================================================
 ``gws``         growing weighted softmax: the residual backbone of docs/reference.md §6 on the input
                 (width ``d_in``, no input projection), ``depth`` blocks ``d_in → d_in`` and
-                a readout ``d_in → d_out``, all :class:`~rcdl.layers.GrowingSoftmax` with
+                a readout ``d_in → d_out``, all :class:`~rcdl.nn.layers.GrowingSoftmax` with
                 ``initial_entries`` initial entries; learns by growth only, the clipped rule
                 ``ClippedSoftmaxRule(η, β)`` (docs/reference.md §3): one entry per sample per layer,
                 ``initial_entries + n_train`` entries per layer at the end
 ``parametric``  parametric softmax (docs/reference.md §5): the same backbone with a fixed table of
                 ``P`` entries per layer (keys, weighted values, weights), trained by Adam; ``P``
                 defaults to ``initial_entries + n_train``, the growing student's final size
-``mlp``         :class:`~rcdl.networks.MLP` ``d_in → mlp_width × mlp_depth → d_out`` (ReLU),
+``mlp``         :class:`~rcdl.nn.networks.MLP` ``d_in → mlp_width × mlp_depth → d_out`` (ReLU),
                 trained by Adam
 ==============  ===========================================================================
 
@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from rcdl.app.config import ExperimentConfig, device_setting, setting
+from rcdl.app.data import TeacherConfig, make_teacher_data
 from rcdl.app.report import (
     Curve,
     Panel,
@@ -80,14 +81,13 @@ from rcdl.app.report import (
 )
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, run_experiment
-from rcdl.data import TeacherConfig, make_teacher_data
 from rcdl.distributed import rank_and_world, shard
-from rcdl.grower import Grower
-from rcdl.layers import ParametricSoftmax
-from rcdl.networks import MLP, GrowingSoftmaxNet, ParametricSoftmaxNet
-from rcdl.rules import ClippedSoftmaxRule
-from rcdl.store import format_bytes
-from rcdl.training import train_one_pass
+from rcdl.nn.layers import ParametricSoftmax
+from rcdl.nn.networks import MLP, GrowingSoftmaxNet, ParametricSoftmaxNet
+from rcdl.nn.rules import ClippedSoftmaxRule
+from rcdl.nn.store import format_bytes
+from rcdl.optim.grower import Grower
+from rcdl.train.loop import train_one_pass
 
 __all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "MODELS", "TeacherStudentConfig", "build_model",
            "make_data", "run_teacher_student"]  # fmt: skip

@@ -2,7 +2,7 @@
 "Forgetting: measured").
 
 Run it with ``rcdl reproduce unlearning``. Every entry of a growing layer was written by one
-training sample (:mod:`rcdl.provenance`), so :func:`rcdl.provenance.forget` removes a
+training sample (:mod:`rcdl.memory.provenance`), so :func:`rcdl.memory.provenance.forget` removes a
 sample's entries in milliseconds. Retraining from scratch without the samples is the gold
 standard any unlearning method is judged against; this experiment puts the two side by side.
 
@@ -14,7 +14,7 @@ For each model and seed, one sub-run:
    training images (drawn from the seed), and ``class``, every training image of class
    ``forget_class``:
 
-   - *forget* (growing models): the original with :func:`rcdl.provenance.forget` applied,
+   - *forget* (growing models): the original with :func:`rcdl.memory.provenance.forget` applied,
      timed;
    - *fine-tune* (the parametric baseline): the original trained further, with a fresh
      optimizer of its kind, on a random ``finetune_fraction`` of the retained images (one
@@ -61,8 +61,8 @@ from rcdl.app.recipes import train_model
 from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, read_config
 from rcdl.app.runner import Combine, Experiment, Session
-from rcdl.provenance import forget
-from rcdl.training import accuracy, predict, train_one_pass
+from rcdl.memory.provenance import forget
+from rcdl.train.loop import accuracy, predict, train_one_pass
 
 __all__ = ["ANCHORS", "EXPERIMENT", "EXPERIMENT_SPEC", "SCENARIOS", "UnlearningConfig",
            "combine_runs", "forget_indices", "mia_score", "per_sample_losses", "unlearn_one"]

@@ -6,15 +6,15 @@ The paper's finding (docs/reference.md §8): after one epoch on CIFAR-10, a stan
 48.4 % and the same ViT with its feed-forward blocks replaced by (hybrid) weighted-softmax RCDL
 layers reaches 54.4 %. docs/reference.md does not give the paper's ViT size, patching, optimiser or
 RCDL settings; the ones here are this project's choices (:class:`ViTConfig`). Two models, built
-by :mod:`rcdl.vit` from the same parts and the same initial random numbers for the shared
+by :mod:`rcdl.nn.vit` from the same parts and the same initial random numbers for the shared
 parts (patch embedding, position embedding, class token, attention, norms, head):
 
 ========  ==============================================================================
 ``mlp``   the standard ViT: FFN ``Linear(d, 4d) → GELU → Linear(4d, d)``; Adam
-``rcdl``  every FFN an :class:`rcdl.vit.RCDLFeedForward`: a hybrid weighted-softmax layer
-          ``d → d`` (:class:`rcdl.hybrid.HybridSoftmax`) on the RMS-normalised token, whose
+``rcdl``  every FFN an :class:`rcdl.nn.vit.RCDLFeedForward`: a hybrid weighted-softmax layer
+          ``d → d`` (:class:`rcdl.nn.hybrid.HybridSoftmax`) on the RMS-normalised token, whose
           entries are trained by Adam and grown, one entry per token that the distance gate
-          lets through (τ = ``tau_rel · √d``); :class:`rcdl.entry_adam.EntryAdam` trains the
+          lets through (τ = ``tau_rel · √d``); :class:`rcdl.optim.entry_adam.EntryAdam` trains the
           entries and the ordinary parameters with the same learning rate
 ========  ==============================================================================
 
@@ -59,12 +59,12 @@ from rcdl.app.report import (
 )
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, TaggedLog, run_experiment
-from rcdl.entry_adam import EntryAdam
-from rcdl.grower import Grower
-from rcdl.hybrid import hybrid_layers
-from rcdl.rules import ClippedSoftmaxRule
-from rcdl.training import Metric, accuracy, train_one_pass
-from rcdl.vit import ViT, mlp_vit, rcdl_vit
+from rcdl.nn.hybrid import hybrid_layers
+from rcdl.nn.rules import ClippedSoftmaxRule
+from rcdl.nn.vit import ViT, mlp_vit, rcdl_vit
+from rcdl.optim.entry_adam import EntryAdam
+from rcdl.optim.grower import Grower
+from rcdl.train.loop import Metric, accuracy, train_one_pass
 
 __all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "MODELS", "PAPER", "ViTConfig", "build_model",
            "load_data", "run_vit"]  # fmt: skip
@@ -171,11 +171,11 @@ def build_model(name: str, seed: int, cfg: ViTConfig, *, device: torch.device | 
                 ) -> tuple[ViT, Any, Grower | None]:  # fmt: skip
     """Model ``name`` of :data:`MODELS` with its learner, reproducibly from ``seed``.
 
-    torch's global generator is seeded with ``seed`` first, and :class:`rcdl.vit.ViT` builds
+    torch's global generator is seeded with ``seed`` first, and :class:`rcdl.nn.vit.ViT` builds
     its FFNs after the shared parts, so both models start from the same shared parameters.
     ``mlp``: ``torch.optim.Adam(lr)``, no grower. ``rcdl``: the RCDL layers' initial entries
-    are seeded from ``seed``; :class:`rcdl.entry_adam.EntryAdam` (lr) and a
-    :class:`rcdl.grower.Grower`.
+    are seeded from ``seed``; :class:`rcdl.optim.entry_adam.EntryAdam` (lr) and a
+    :class:`rcdl.optim.grower.Grower`.
 
     Returns:
         ``(model, optimizer, grower or None)``, the model on ``device``.

@@ -1,0 +1,4 @@
+"""What a store remembers of its samples: provenance, attribution, forgetting, budgets.
+
+The public names are importable from :mod:`rcdl`; docs/architecture.md draws the packages.
+"""

@@ -1,0 +1,209 @@
+"""Which stored entries an output rests on (docs/attribution.md).
+
+A growing layer's output is a sum over its entries, so each entry's share of it is exact:
+
+- for the kernels that do not normalise (linear, RBF, Laplacian),
+  ``s(q) = Σ_j w_j φ(q, k_j) v_j`` and entry ``j``'s share is ``w_j φ(q, k_j) v_j``, with
+  ``w_j`` the weight the attention uses (:meth:`~rcdl.nn.layers.GrowingLayer.entry_weights`:
+  the stored weight times the age coefficients of weight decay and momentum);
+- for the weighted softmax, ``s(q) = Σ_j e^{z_j} ṽ_j / D`` with ``D = Σ_j w_j e^{z_j}``
+  (guarded away from 0 as the attention guards it), and the share is ``e^{z_j} ṽ_j / D``.
+  ``D`` is the whole store's (every rank's, if it is sharded), so the shares of a gauge
+  shift of the logits are unchanged.
+
+The shares sum to the layer's output (``tests/test_attribution.py`` checks it in float64
+for every kernel). :func:`entry_contributions` gives them projected on a direction per
+query, ``⟨u_b, share_j(q_b)⟩`` — with ``u`` the gradient of a chosen output with respect to
+the layer's output, that is entry ``j``'s first-order contribution to that output through
+this layer (exact for the model's last growing layer when the output is its logit).
+:func:`explain` runs the backward that gives ``u`` for every growing layer of a model and
+returns each layer's top entries, and each training sample's contributions summed over
+its entries in every layer (the samples come from :mod:`rcdl.memory.provenance`).
+
+Under sharding (:mod:`rcdl.distributed`) :func:`explain` returns on every rank what one
+process over the whole store returns: each rank ranks its own entries, the ranks' top ``k``
+candidates per layer are gathered and ranked again (the global top ``k`` is among them),
+and each sample's totals are summed over the ranks before its top ``k`` are taken (one
+sample's entries may lie on several ranks and layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rcdl.distributed import model_shard
+from rcdl.memory.provenance import UNKNOWN, entry_samples
+from rcdl.nn.backends import ShardCollectives
+from rcdl.nn.layers import GrowingLayer, growing_layers
+from rcdl.nn.networks import eval_mode
+from rcdl.ops.attention import shares
+
+__all__ = ["Explanation", "entry_contributions", "explain"]
+
+@torch.no_grad()
+def entry_contributions(layer: GrowingLayer, x: Tensor, direction: Tensor, *,
+                        chunk_size: int | None = None) -> Tensor:  # (B, N)
+    """``⟨direction_b, share_j(x_b)⟩`` for every entry ``j`` this process stores in
+    ``layer``, exactly (see the module docstring): the attention op's shares
+    (:func:`rcdl.ops.attention.shares`), formed from the products the layer's output is formed
+    from, so that they sum to it to its own rounding (half-precision stores included).
+
+    Args:
+        layer: a growing layer.
+        x: the layer's inputs ``(B, d_in)`` (what its forward pass receives).
+        direction: ``(B, d_out)``; the identity's rows give the shares themselves, one
+            output coordinate at a time.
+        chunk_size: entries per block (default: the layer's; the ``(B, chunk)`` blocks are
+            the working memory).
+    """
+    if x.dim() != 2 or x.shape[1] != layer.d_in:
+        raise ValueError(f"entry_contributions: expected inputs (B, {layer.d_in}), got "
+                         f"{tuple(x.shape)}")
+    if direction.shape != (x.shape[0], layer.d_out):
+        raise ValueError(f"entry_contributions: expected a direction ({x.shape[0]}, "
+                         f"{layer.d_out}), got {tuple(direction.shape)}")
+    q = layer.query_keys(x.to(layer.store.dtype))  # (B, key_dim)
+    entries = layer.entries()
+    if chunk_size is not None:
+        entries = entries.replace(chunk_size=chunk_size)
+    return shares(q, entries, direction, combiner=layer.shard)
+
+
+@dataclass
+class Explanation:
+    """The top entries of each growing layer for each explained input.
+
+    ``layers`` maps a layer's module path to ``(contributions (B, k), entry ids (B, k))``,
+    largest contribution first; ``samples`` is ``(contributions (B, k), sample indices
+    (B, k))``, each training sample's contributions summed over its entries in every layer
+    (entries of unknown origin left out; :mod:`rcdl.memory.provenance`), largest first;
+    ``target (B,)`` is the explained output coordinate and ``output (B,)`` its value."""
+
+    target: Tensor
+    output: Tensor
+    layers: dict[str, tuple[Tensor, Tensor]]
+    samples: tuple[Tensor, Tensor]
+
+
+def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 10
+            ) -> Explanation:
+    """For each input, each growing layer's ``k`` entries with the largest first-order
+    contribution to output ``target`` (default: the predicted class), from one backward
+    pass: the contribution of entry ``j`` of layer ``l`` is ``⟨∂f/∂s_l, share_j^l⟩``
+    (:func:`entry_contributions`). For the model's last growing layer, when the model's
+    output is that layer's output, this is the entry's exact share of ``f``; for earlier
+    layers it is first order in the share. The model is evaluated in eval mode (nothing
+    is recorded or written) and restored to its mode after.
+
+    Sharded over ranks (:func:`rcdl.distributed.shard`), call it on every rank with the
+    same ``x``: every rank returns the explanation one process over the whole store gives
+    (see the module docstring). Beside the forward and backward passes' own, the
+    collectives are, per layer, an ``all_reduce`` of its size, the softmax's merged
+    partial and two ``all_gather`` of ``(B, k)`` candidates; for the samples, an
+    ``all_reduce`` of a count, an ``all_gather`` of each rank's sample indices and an
+    ``all_reduce`` of the ``(B, S)`` totals over the ``S`` samples of all ranks.
+    Unsharded, nothing is communicated."""
+    layers = growing_layers(model)
+    if not layers:
+        raise ValueError(f"explain: {type(model).__name__} has no growing layers")
+    shard = model_shard(model, "explain")  # None: one process holds every entry
+    inputs: dict[str, Tensor] = {}
+    outputs: dict[str, Tensor] = {}
+
+    def keep_input(name: str):  # noqa: ANN202 - a forward pre-hook
+        return lambda module, args: inputs.__setitem__(name, args[0].detach())
+
+    def keep_output(name: str):  # noqa: ANN202 - a forward hook
+        def hook(module: nn.Module, args: tuple, out: Tensor) -> None:
+            out.retain_grad()
+            outputs[name] = out
+        return hook
+
+    handles = [h for name, layer in layers for h in (
+        layer.register_forward_pre_hook(keep_input(name)),
+        layer.register_forward_hook(keep_output(name)))]
+    try:
+        with torch.enable_grad(), eval_mode(model):
+            x = x.detach().requires_grad_()  # the layers' outputs then carry a graph
+            logits = model(x)  # (B, C)
+            chosen = logits.argmax(dim=1) if target is None else target.to(logits.device)
+            f = logits.gather(1, chosen[:, None]).squeeze(1)  # (B,)
+            f.sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    found = {}
+    per_sample: list[tuple[Tensor, Tensor]] = []  # (contributions (B, n), samples (n,))
+    for name, layer in layers:
+        grad = outputs[name].grad
+        if grad is None:  # the same on every rank: the backward is replicated
+            continue
+        total = layer.num_entries_all_ranks()  # every rank's (a collective when sharded)
+        if total == 0:
+            continue
+        q = inputs[name].reshape(-1, layer.d_in)
+        contrib = entry_contributions(layer, q, grad.reshape(-1, layer.d_out))  # (B, N)
+        found[name] = _top_entries(contrib, layer.store.ids, min(k, total), shard)
+        owners = entry_samples(layer).to(contrib.device)  # (N,)
+        known = owners != UNKNOWN
+        per_sample.append((contrib[:, known], owners[known]))
+    samples = _top_samples(per_sample, x.shape[0], k, shard)
+    return Explanation(chosen, f.detach(), found, samples)
+
+
+def _top_entries(contrib: Tensor, ids: Tensor, k: int, shard: ShardCollectives | None
+                 ) -> tuple[Tensor, Tensor]:  # (B, k) each
+    """The ``k`` largest of ``contrib (B, N)`` per row and their entry ids ``ids (N,)``;
+    ``k`` is at most the entries of every rank. When sharded: each rank's top ``k``, padded
+    to ``k`` with ``−inf`` and id ``-1``, gathered, and the top ``k`` of the ``W · k``
+    candidates (at least ``k`` of them real)."""
+    top = contrib.topk(min(k, contrib.shape[1]), dim=1)
+    if shard is None:
+        return top.values, ids[top.indices]
+    pad = k - top.values.shape[1]  # a shard with fewer than k entries
+    values = shard.all_gather(F.pad(top.values, (0, pad), value=float("-inf")))  # (W, B, k)
+    chosen = shard.all_gather(F.pad(ids[top.indices], (0, pad), value=-1))  # (W, B, k)
+    batch = contrib.shape[0]
+    values = values.transpose(0, 1).reshape(batch, -1)  # (B, W·k)
+    chosen = chosen.transpose(0, 1).reshape(batch, -1)  # (B, W·k)
+    best = values.topk(k, dim=1)  # never the padding: at least k candidates are real
+    return best.values, chosen.gather(1, best.indices)
+
+
+def _top_samples(parts: list[tuple[Tensor, Tensor]], batch: int, k: int,
+                 shard: ShardCollectives | None) -> tuple[Tensor, Tensor]:  # (B, k) each
+    """Each sample's contributions summed over its entries in every layer (and, when
+    sharded, over every rank), top ``k``."""
+    empty = torch.zeros(batch, 0)
+    if not parts:  # the same on every rank
+        return empty, empty.long()
+    owners = torch.cat([o for _, o in parts])  # (M,)
+    contrib = torch.cat([c for c, _ in parts], dim=1)  # (B, M)
+    unique, slot = owners.unique(return_inverse=True)  # (S,), (M,)
+    totals = contrib.new_zeros(batch, unique.numel()).index_add_(1, slot, contrib)  # (B, S)
+    if shard is not None:
+        unique, totals = _sum_over_ranks(unique, totals, shard)  # every rank joins
+    if unique.numel() == 0:  # no entry of known origin (on any rank)
+        return empty, empty.long()
+    top = totals.topk(min(k, unique.numel()), dim=1)
+    return top.values, unique[top.indices]
+
+
+def _sum_over_ranks(unique: Tensor, totals: Tensor, shard: ShardCollectives
+                    ) -> tuple[Tensor, Tensor]:  # (U,), (B, U)
+    """Each rank's per-sample totals ``(B, S_r)`` over its samples ``unique (S_r,)``, summed
+    over the ranks on the union ``(U,)`` of every rank's samples (sorted)."""
+    count = torch.tensor([unique.numel()], device=unique.device)
+    longest = int(shard.all_reduce(count, dist.ReduceOp.MAX)[0])
+    if longest == 0:  # no rank holds an entry of known origin
+        return unique, totals
+    everyone = shard.all_gather(F.pad(unique, (0, longest - unique.numel()), value=UNKNOWN))
+    union = everyone[everyone != UNKNOWN].unique()  # (U,) sorted, the same on every rank
+    summed = totals.new_zeros(totals.shape[0], union.numel())  # (B, U)
+    summed.index_copy_(1, torch.searchsorted(union, unique), totals)
+    return union, shard.all_reduce(summed)

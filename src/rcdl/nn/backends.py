@@ -1,0 +1,250 @@
+"""How a growing layer attends: one backend object, composed of wrappers
+(docs/architecture.md, "Backends").
+
+A layer answers every question about its store through ``layer.backend``:
+
+- ``attend(layer, q, entries, stats)`` — the differentiable attention from queries ``q``
+  over ``entries`` (an :class:`~rcdl.ops.entries.Entries`; ``None``: the layer's,
+  :meth:`AttendingLayer.entries`);
+- ``partial(layer, q, entries)`` — the partial ``(m, num, den, mass)`` over them, no autograd;
+- ``nearest_sq_distance(layer, q)`` — each query's squared distance to its nearest key;
+- ``size(layer)`` — the entries stored.
+
+Every answer is about the *whole* store, over every rank if it is sharded, so a gate or a rule
+that asks the backend reads the global store by construction. The backends:
+
+- :class:`Exact` — the attention op over this process's rows (the base);
+- :class:`Sharded` — the base of a store split over ranks: partials merged over the ranks,
+  the query gradient's shares summed, distances and sizes reduced;
+- :class:`EvalCached` — incremental evaluation: a no-grad call on the same queries as the
+  last evaluation folds only the rows written since (bit for bit the full answer);
+- :class:`TopK` — approximate attention over each query's top-k rows, where its mode applies
+  (:mod:`rcdl.retrieval.topk`); anything else goes to the backend it wraps.
+
+Every backend computes through the attention op (:mod:`rcdl.ops.attention`), which picks the
+compute path. They compose as ``TopK(EvalCached(Exact | Sharded))``: the layer's ``use_shard``,
+``use_retrieval`` and ``enable_eval_cache`` install them (:func:`rcdl.distributed.shard` and
+:func:`rcdl.retrieval.topk.use_topk` call those). A new backend is one class with these four
+methods and an ``inner``; it wraps another without the others knowing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from rcdl.nn.store import EntryStore
+from rcdl.ops.attention import attend, attend_partial, nearest_sq_distance, resume
+from rcdl.ops.entries import Entries, Partial, finalize
+from rcdl.ops.kernels import Kernel
+
+__all__ = ["AttendingLayer", "Backend", "EvalCached", "Exact", "RetrievalMode", "ShardCollectives",
+           "Sharded", "TopK", "Wrapper", "find"]
+
+class AttendingLayer(Protocol):
+    """What a backend reads of the layer it answers for (a
+    :class:`rcdl.nn.layers.GrowingLayer` is one): its store, and the store's rows as the
+    attention op takes them (the per-entry weights with their age coefficients, the kernel
+    and the layer's settings)."""
+
+    @property
+    def store(self) -> EntryStore: ...
+
+    @property
+    def kernel(self) -> Kernel: ...
+
+    def entries(self, keys: Tensor | None = None, values: Tensor | None = None,
+                weights: Tensor | None = None) -> Entries: ...
+
+
+class ShardCollectives(Protocol):
+    """What :class:`Sharded`, the layers and the model-wide functions ask of the shard of a
+    store split over ranks (:class:`rcdl.distributed.Shard` is one): its place in the group
+    and its collectives."""
+
+    @property
+    def group(self) -> Any: ...  # torch.distributed.ProcessGroup | None
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_gather(self, t: Tensor) -> Tensor: ...
+
+    def merge(self, part: Partial, kernel: Kernel) -> Partial: ...
+
+    def nearest_sq_distance(self, local: Tensor) -> Tensor: ...
+
+    def all_reduce(self, t: Tensor, op: Any = ...) -> Tensor: ...
+
+    def owned(self, count: int, device: torch.device, offset: int = 0) -> Tensor: ...
+
+
+class RetrievalMode(Protocol):
+    """What :class:`TopK` asks of a top-k mode (:class:`rcdl.retrieval.topk.TopK` is one):
+    whether it applies to this call of the layer, and its attention."""
+
+    def applies(self, layer: Any) -> bool: ...
+
+    def attend(self, layer: Any, q: Tensor, entries: Entries | None = None) -> Tensor: ...
+
+
+class Backend(Protocol):
+    """What a layer asks of the object it attends through (see the module docstring)."""
+
+    inner: Backend | None
+
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor: ...
+
+    def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial: ...
+
+    def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor: ...
+
+    def size(self, layer: AttendingLayer) -> int: ...
+
+
+def find(backend: Backend | None, kind: type) -> Any:
+    """The first backend of type ``kind`` in the chain from ``backend`` inwards, or ``None``."""
+    while backend is not None:
+        if isinstance(backend, kind):
+            return backend
+        backend = backend.inner
+    return None
+
+
+class Exact:
+    """The attention op over the rows this process stores (:mod:`rcdl.ops.attention`)."""
+
+    inner: Backend | None = None
+
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor:  # (B, d_out)
+        return attend(q, layer.entries() if entries is None else entries, stats=stats)
+
+    def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial:
+        return attend_partial(q, entries)
+
+    def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor:  # (B,)
+        entries = layer.entries(weights=layer.store.weights)  # keys only: no age weights
+        return nearest_sq_distance(q, entries.keys, chunk_size=entries.chunk_size,
+                                   half_products=entries.half_products)
+
+    def size(self, layer: AttendingLayer) -> int:
+        return len(layer.store)
+
+
+@dataclass(eq=False)
+class Sharded:
+    """The base of a store split over ranks (:class:`rcdl.distributed.Shard`): each rank
+    attends over its rows through the attention op with the shard as its combiner (the
+    partials merged, the query gradient's shares summed over the ranks), and nearest
+    distances and sizes are reduced over the ranks by the shard's collectives."""
+
+    shard: ShardCollectives
+    inner: Backend | None = field(default_factory=Exact)
+
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor:  # (B, d_out)
+        return attend(q, layer.entries() if entries is None else entries,
+                      combiner=self.shard, stats=stats)
+
+    def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial:
+        return attend_partial(q, entries, combiner=self.shard)
+
+    def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor:  # (B,)
+        assert self.inner is not None
+        return self.shard.nearest_sq_distance(self.inner.nearest_sq_distance(layer, q))
+
+    def size(self, layer: AttendingLayer) -> int:
+        count = torch.tensor([len(layer.store)], dtype=torch.long, device=layer.store.device)
+        return int(self.shard.all_reduce(count)[0])
+
+
+class Wrapper:
+    """A backend that changes how a layer attends and passes every other question (the
+    partial, the nearest distance, the size) to the backend it wraps, ``inner``."""
+
+    inner: Backend | None
+
+    def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial:
+        assert self.inner is not None
+        return self.inner.partial(layer, q, entries)
+
+    def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor:
+        assert self.inner is not None
+        return self.inner.nearest_sq_distance(layer, q)
+
+    def size(self, layer: AttendingLayer) -> int:
+        assert self.inner is not None
+        return self.inner.size(layer)
+
+
+@dataclass
+class _CachedPartial:
+    """One evaluation batch's state for the next evaluation (see :class:`EvalCached`)."""
+
+    q: Tensor  # (B, key_dim) the batch's queries
+    rows: int  # the fold's state covers rows [0, rows): a multiple of the chunk size
+    version: int  # the store's version when cached: unchanged iff it only grew since
+    part: Partial  # the fold's state after those rows
+
+
+@dataclass(eq=False)
+class EvalCached(Wrapper):
+    """Incremental evaluation (:meth:`rcdl.nn.layers.AttendingLayer.enable_eval_cache`): the
+    ``k``-th no-grad call after :meth:`start_evaluation` keeps its queries and the streaming
+    fold's state after the store's last full chunk; the ``k``-th call of the next evaluation,
+    if its queries are the same and the store only grew, folds only the chunks from there on
+    (:func:`rcdl.ops.attention.resume`), bit for bit a full pass. Calls with gradients, or
+    over other entries than the store's, go to ``inner``."""
+
+    inner: Backend | None = field(default_factory=Exact)
+    slots: dict[int, _CachedPartial] | None = field(default_factory=dict)  # None: stopped
+    calls: int = 0
+    hits: int = 0
+
+    def start_evaluation(self) -> None:
+        self.calls = 0
+
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor:  # (B, d_out)
+        assert self.inner is not None
+        if self.slots is None or entries is not None or torch.is_grad_enabled():
+            return self.inner.attend(layer, q, entries, stats)
+        slot, self.calls = self.calls, self.calls + 1
+        store, cached = layer.store, self.slots.get(slot)
+        if cached is not None and not torch.equal(cached.q, q):  # queries move: stop caching
+            self.slots = None
+            return self.inner.attend(layer, q, None, stats)
+        start = None
+        if cached is not None and cached.version == store.version and cached.rows <= len(store):
+            start = (cached.rows, cached.part)  # fold the chunks from its last full one on
+            self.hits += 1
+        entries = layer.entries()
+        part, state = resume(q, entries, start)
+        if state is not None:  # None: the compute path does not resume, nothing to keep
+            self.slots[slot] = _CachedPartial(q.clone(), state[0], store.version, state[1])
+        return finalize(part, kernel=entries.kernel, eps=entries.eps)
+
+
+@dataclass(eq=False)
+class TopK(Wrapper):
+    """Approximate attention over each query's top-k rows where ``mode`` applies
+    (:class:`rcdl.retrieval.topk.TopK`: evaluation, or training too with ``train=True``);
+    everything else goes to ``inner``."""
+
+    mode: RetrievalMode
+    inner: Backend | None = field(default_factory=Exact)
+
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor:  # (B, d_out)
+        assert self.inner is not None
+        if self.mode.applies(layer):
+            return self.mode.attend(layer, q, entries)
+        return self.inner.attend(layer, q, entries, stats)

@@ -1,0 +1,376 @@
+"""The streaming compute path of the attention op (docs/reference.md §2, docs/architecture.md
+"The attention op"): the reference every other compute path is tested against, and the one
+taken wherever no other is registered.
+
+The store is visited chunk by chunk along N; each chunk contributes a ``(c, B)`` block of
+scores and is folded into a running :class:`~rcdl.ops.entries.Partial` ``(m, num, den, mass)``
+(the log-sum-exp rescaling for the softmax). No ``(B, N, d)`` tensor is ever formed, and
+working memory is a few ``(c, B)`` blocks. The backward pass streams the same chunks again,
+or reuses the blocks the forward kept (:meth:`Streaming.forward`'s ``keep``). The shares
+(:meth:`Streaming.shares`) are formed from the same products, rounded as the output's are,
+so they sum to the output to its own rounding.
+
+A half-precision store multiplies natively or on float32 copies of each chunk
+(:mod:`rcdl.ops.half`, chosen per call by the entries' ``half_products``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rcdl.ops.entries import Entries, Partial, empty_partial
+from rcdl.ops.half import HALF_DTYPES, upcast_chunks
+from rcdl.ops.kernels import Kernel, guard_denominator
+
+__all__ = ["STREAMING", "Streaming", "default_chunk_size", "nearest_sq_distance"]
+
+
+def default_chunk_size(batch: int, device: torch.device | str | None = None) -> int:
+    """Entries per chunk.
+
+    On CPU: 2048 for small batches, 1024 beyond 128 queries, so that a chunk's keys stay in
+    cache (``benchmarks/bench_attention.py`` compares sizes; docs/precision.md). On a GPU
+    the cost is kernel launches, not cache misses, so chunks are large: 65 536 entries, whose
+    ``(c, B)`` block is 131 MB at B = 500 in float32.
+    """
+    if device is not None and torch.device(device).type == "cuda":
+        return 1 << 16
+    return 2048 if batch <= 128 else 1024
+
+
+def _upcast(entries: Entries) -> bool:
+    """Whether this call converts each chunk of the store to the queries' dtype."""
+    return upcast_chunks(entries.keys.dtype, entries.keys.device, entries.half_products)
+
+
+def _chunk_rows(q: Tensor, keys: Tensor, upcast: bool, chunk_size: int | None) -> int:
+    """``chunk_size``, else :func:`default_chunk_size`, or where a half store's chunks are
+    converted to float32 (``upcast``, :mod:`rcdl.ops.half`) the rows whose float32 copy stays
+    in cache while it is multiplied: 2 MiB of them for training batches, 4 MiB for larger
+    ones (at least 256 rows): a larger converted chunk leaves the cache before its second
+    product reads it (``benchmarks/bench_half_paths.py``; docs/precision.md)."""
+    if chunk_size is not None:
+        return chunk_size
+    rows = default_chunk_size(q.shape[0], q.device)
+    if not upcast:
+        return rows
+    budget = (1 << 21) if q.shape[0] <= 128 else (1 << 22)
+    return max(256, min(rows, budget // (q.element_size() * max(1, keys.shape[1]))))
+
+
+def _chunk(q: Tensor, entries: Entries) -> int:
+    """The rows one chunk of ``entries`` holds for the queries ``q``."""
+    return _chunk_rows(q, entries.keys, _upcast(entries), entries.chunk_size)
+
+
+# Blocks are entry-major, (c, B): ``keys_c @ q.T`` reads the store rows contiguously, which
+# suits small B on CPU. The products that sum over the chunk's entries (``blockᵀ @ values_c``,
+# and ``gradᵀ @ keys_c`` backward) take the block transposed into a contiguous (B, c) copy and
+# the store chunk as it lies, rather than ``values_c.T @ block``. For a half-precision store
+# and B > 128 (evaluation) the scores are formed as ``q @ keys_c.T`` instead. Each order is
+# the faster one where it is used; docs/precision.md gives the measurements.
+
+
+def _chunk_kernel_values(kernel: Kernel, q: Tensor, q_sqnorm: Tensor | None, keys: Tensor,
+                         tau: float, dtype: torch.dtype) -> Tensor:  # (c, B)
+    """Unweighted kernel values of one chunk, in ``dtype``; for a normalised kernel the raw
+    logits ``z``. ``q`` is in the keys' dtype (the product runs in it, see
+    :func:`_sum_over_entries_`)."""
+    if keys.dtype in HALF_DTYPES and q.shape[0] > 128:  # see the layout note above
+        scores = (q @ keys.T).T.to(dtype)  # (c, B) view of a (B, c) product
+    else:
+        scores = (keys @ q.T).to(dtype)  # (c, B), no copy when the dtypes agree
+    return kernel.values_(scores, q_sqnorm, keys, tau, dtype)
+
+
+def _sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1.0) -> Tensor:
+    """``acc += alpha · blockᵀ @ rows``: ``acc (B, d)`` accumulates a chunk's ``block (c, B)``
+    (in ``acc``'s dtype) times its store ``rows (c, d)``. The block is copied transposed into
+    a contiguous ``(B, c)`` operand. For a half-precision store the product runs in the
+    rows' dtype (the block rounded to it; the matrix unit accumulates in float32) and is added
+    to ``acc`` in its dtype."""
+    left = block.T.to(rows.dtype, memory_format=torch.contiguous_format)  # (B, c)
+    if rows.dtype == acc.dtype:
+        return acc.addmm_(left, rows, alpha=alpha)
+    return acc.add_(left @ rows, alpha=alpha)
+
+
+def _as_multiplied(block: Tensor, rows: Tensor) -> Tensor:  # (c, B)
+    """``block`` rounded as :func:`_sum_over_entries_` rounds it before multiplying ``rows``
+    (to their dtype, and back), so that a share formed from it is the term the output sums."""
+    return block if rows.dtype == block.dtype else block.to(rows.dtype).to(block.dtype)
+
+
+def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``out = a @ b`` written into ``out`` (rounded to its dtype if it is narrower)."""
+    if out.dtype == a.dtype == b.dtype:
+        return torch.mm(a, b, out=out)
+    return out.copy_(a @ b)
+
+
+def _fold_chunk(kernel: Kernel, part: Partial, block: Tensor, values: Tensor, weights: Tensor
+                ) -> tuple[Partial, Tensor | None]:
+    """Fold one chunk's block ``(c, B)`` into ``part``. A normalised kernel (the softmax)
+    turns ``block`` into ``e^{z − m_new}`` in place and returns ``m_new``; the others leave
+    it as it is."""
+    if not kernel.normalised:
+        _sum_over_entries_(part.num, block * weights[:, None], values)
+        return part, None
+    m_new = torch.maximum(part.m, block.amax(dim=0))  # (B,)
+    rescale = torch.exp(part.m - m_new)  # (B,), 0 where m was -inf
+    block.sub_(m_new).exp_()
+    _sum_over_entries_(part.num.mul_(rescale[:, None]), block, values)
+    den = part.den.mul_(rescale).add_(weights @ block)
+    mass = part.mass.mul_(rescale).add_(weights.abs() @ block)
+    return Partial(m_new, part.num, den, mass), m_new
+
+
+class _Reader:
+    """How chunks of a store tensor (keys or values) are read for their products: as they
+    are, or converted to the queries' dtype (``upcast``: a half store on a device without
+    native half products, :mod:`rcdl.ops.half`: only the chunk is converted, the store keeps its
+    bytes). The converted chunk is written into one buffer per chunk shape, reused from
+    chunk to chunk (a fresh chunk-sized allocation each time costs page faults): a chunk
+    read is valid until the next read of the same reader."""
+
+    def __init__(self, dtype: torch.dtype, upcast: bool) -> None:
+        self.dtype, self.upcast = dtype, upcast
+        self.buffers: dict[torch.Size, Tensor] = {}
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        if not self.upcast:
+            return rows
+        buffer = self.buffers.get(rows.shape)
+        if buffer is None:
+            buffer = self.buffers[rows.shape] = torch.empty(rows.shape, dtype=self.dtype,
+                                                            device=rows.device)
+        return buffer.copy_(rows)
+
+
+class _Pass:
+    """What every pass over the entries for the queries ``q`` shares: the queries as the
+    products take them, their norms for a distance kernel, ``τ`` and the chunk readers."""
+
+    def __init__(self, q: Tensor, entries: Entries, chunk: int) -> None:
+        upcast = _upcast(entries)
+        keys = entries.keys
+        self.kernel, self.chunk, self.tau = entries.kernel, chunk, entries.tau(q.shape[1])
+        self.q = q if upcast else q.to(keys.dtype)  # (B, key_dim), q itself if dtypes agree
+        self.q_sqnorm = ((self.q * self.q).sum(1, dtype=q.dtype)
+                         if self.kernel.distance else None)  # (B,)
+        self.read_keys, self.read_values = _Reader(q.dtype, upcast), _Reader(q.dtype, upcast)
+        self.dtype = q.dtype
+
+    def block(self, keys: Tensor) -> Tensor:  # (c, B)
+        """A chunk's unweighted kernel values (the softmax's raw logits), in the queries'
+        dtype; ``keys`` as read."""
+        return _chunk_kernel_values(self.kernel, self.q, self.q_sqnorm, keys, self.tau,
+                                    self.dtype)
+
+    def folds(self, entries: Entries, part: Partial, first_row: int
+              ) -> Iterator[tuple[int, Partial, Tensor, Tensor | None]]:
+        """The streaming fold from row ``first_row`` on, one chunk at a time: yields
+        ``(end row, part, block, m used)`` after each chunk (``part`` is folded in place)."""
+        keys, values, weights = entries.keys, entries.values, entries.weights
+        for begin in range(first_row, keys.shape[0], self.chunk):
+            rows = slice(begin, begin + self.chunk)
+            block = self.block(self.read_keys(keys[rows]))
+            part, m_used = _fold_chunk(self.kernel, part, block, self.read_values(values[rows]),
+                                       weights[rows])
+            yield begin + self.chunk, part, block, m_used
+
+
+class Streaming:
+    """The streaming compute path: every device, dtype and kernel (see the module
+    docstring). Its methods are the compute-path contract of :mod:`rcdl.ops.attention`; the
+    queries and entries they get have been checked against each other."""
+
+    name = "streaming"
+
+    def supports(self, q: Tensor, entries: Entries) -> bool:
+        return True
+
+    def forward(self, q: Tensor, entries: Entries, *, keep: bool) -> tuple[Partial, Any]:
+        """The partial over all the entries (no autograd), and what :meth:`backward` needs
+        of this pass: the chunk size, and with ``keep`` each chunk's block."""
+        chunk = _chunk(q, entries)
+        part = empty_partial(q, entries.values.shape[1], entries.kernel)
+        saved = []  # per chunk: (block, m used for it) when keep
+        for _, folded, block, m_used in _Pass(q, entries, chunk).folds(entries, part, 0):
+            part = folded
+            if keep:
+                saved.append((block, m_used))
+        return part, (chunk, saved if keep else None)
+
+    def resume(self, q: Tensor, entries: Entries, start: tuple[int, Partial] | None
+               ) -> tuple[Partial, tuple[int, Partial]]:
+        """The partial over all ``N`` rows, folded chunk by chunk exactly as :meth:`forward`
+        folds them, but starting from ``start = (row, partial)``: the fold's state after its
+        first ``row`` rows (a multiple of the chunk size), as an earlier call returned it.
+        Returns the partial over all rows and the state to start from next time,
+        ``(r, partial over rows [0, r))`` with ``r`` the last multiple of the chunk size
+        ``≤ N``. Every chunk is the same rows, folded in the same order, as in one pass: the
+        result is bit for bit :meth:`forward`'s, and a store that only grew is re-attended
+        from its last full chunk on (incremental evaluation)."""
+        chunk, n = _chunk(q, entries), len(entries)
+        row, given = ((0, empty_partial(q, entries.values.shape[1], entries.kernel))
+                      if start is None else start)
+        if row % chunk or row > n:
+            raise ValueError(f"resume: the start row {row} is not a chunk boundary "
+                             f"(chunk {chunk}) within the {n} rows")
+        boundary = (n // chunk) * chunk
+        state = (row, given)  # what to start from next time, if no full chunk follows
+        part = Partial(*(t.clone() for t in given))  # folded in place; the state given stays
+        for end, folded, _, _ in _Pass(q, entries, chunk).folds(entries, part, row):
+            part = folded
+            if end == boundary:  # the last full chunk: keep a copy of the state
+                state = (boundary, Partial(*(t.clone() for t in part)))
+        return part, state
+
+    def backward(self, grad_out: Tensor, q: Tensor, entries: Entries, out: Tensor, m: Tensor,
+                 den: Tensor | None, clamped: Tensor | None, *,
+                 needs: tuple[bool, bool, bool, bool], saved: Any
+                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        """Gradients w.r.t. ``(q, keys, values, weights)`` of the entries given, streamed in
+        chunks.
+
+        ``out (B, d_out)``, ``m (B,)``, ``den`` (the guarded denominator, softmax) and
+        ``clamped`` (where the guard acted, softmax) describe the attention over *all*
+        entries; the entries given may be a subset (a shard). Then ``grad_q`` is this
+        subset's share, and the shares of disjoint subsets sum to the whole (what
+        :mod:`rcdl.distributed` all-reduces). ``needs`` says which of the four gradients to
+        compute (the others are ``None``); ``saved`` is what :meth:`forward` returned."""
+        keys, values, weights = entries.keys, entries.values, entries.weights
+        kernel = entries.kernel
+        chunk, saved_blocks = saved
+        need_q, need_k, need_v, need_w = needs
+        grad_q = q.new_zeros(q.shape) if need_q else None  # (B, d_in)
+        grad_k = torch.empty_like(keys) if need_k else None
+        grad_v = torch.empty_like(values) if need_v else None
+        grad_w = torch.empty_like(weights) if need_w else None
+        run = _Pass(q, entries, chunk)
+        tau = run.tau
+        grad_out_v = grad_out.to(run.q.dtype)  # (B, d_out) for the products with the values
+        scale = kernel.scale(tau)  # d(score)/dq = k * scale
+        dist_q_coef = q.new_zeros(q.shape[0])  # Σ_j c_j per query (distance kernels only)
+        if kernel.normalised:
+            assert den is not None and clamped is not None  # given for the softmax kernel
+            # s = num / D' with ∂D'/∂z_j = u_j e^{z_j − m}: u_j = w_j where D' = D, and
+            # u_j = ±eps |w_j| where the guard acted (D' = ±eps · mass). ⟨g, s⟩ is split into
+            # the part multiplying w_j and the part multiplying |w_j|.
+            g_dot_s = (grad_out * out).sum(1)  # (B,)
+            gs_w = g_dot_s.masked_fill(clamped, 0.0)  # (B,)
+            # on a GPU, take the guarded branch always (it adds zeros where the guard did not
+            # act) rather than wait for the device to say whether it acted anywhere
+            any_clamped = clamped.is_cuda or bool(clamped.any())
+            if any_clamped:
+                gs_abs = torch.where(clamped, entries.eps * torch.sign(den) * g_dot_s, 0.0)
+            inv_den = 1.0 / den  # (B,), 0 where there is no weight mass (den = inf)
+        for i, start in enumerate(range(0, keys.shape[0], chunk)):
+            rows = slice(start, start + chunk)
+            k_c, v_c, w_c = run.read_keys(keys[rows]), run.read_values(values[rows]), weights[rows]
+            if saved_blocks is not None:
+                block, m_used = saved_blocks[i]
+            else:
+                block, m_used = run.block(k_c), m
+                if kernel.normalised:
+                    block.sub_(m).exp_()
+            g_dot_v = (v_c @ grad_out_v.T).to(q.dtype)  # (c, B)
+            if kernel.normalised:
+                # a_j = e^{z_j - m} / D;  ∂s/∂z_j = a_j (ṽ_j − w_j s)
+                attn = block * (torch.exp(m_used - m) * inv_den)  # (c, B)
+                u_gs = w_c[:, None] * gs_w  # (c, B) u_j ⟨g, s⟩
+                if any_clamped:
+                    u_gs += w_c.abs()[:, None] * gs_abs
+                grad_scores = attn * g_dot_v.sub_(u_gs)  # (c, B) wrt z
+                if grad_v is not None:  # written in place: no (c, d_out) temporary to copy
+                    _mm_into(grad_v[rows], attn, grad_out)
+                if grad_w is not None:
+                    grad_w[rows] = -(attn @ gs_w)
+                    if any_clamped:
+                        grad_w[rows] -= torch.sign(w_c) * (attn @ gs_abs)
+            else:
+                if grad_v is not None:
+                    _mm_into(grad_v[rows], block * w_c[:, None], grad_out)
+                if grad_w is not None:
+                    grad_w[rows] = (block * g_dot_v).sum(1)
+                # (c, B) wrt the kernel values, then wrt ⟨q, k⟩ (over scale): for RBF
+                # φ = exp(−|q−k|²/2τ), dφ/dq = φ (k − q)/τ, so the factor is φ
+                grad_scores = kernel.grad_factor_(g_dot_v.mul_(w_c[:, None]), block, tau)
+            if grad_q is not None:
+                _sum_over_entries_(grad_q, grad_scores, k_c, alpha=scale)
+                if kernel.distance:
+                    dist_q_coef += grad_scores.sum(0)
+            if grad_k is not None:
+                _mm_into(grad_k[rows], grad_scores, q).mul_(scale)
+                if kernel.distance:  # the −k part of ∂‖q − k‖²
+                    grad_k[rows] -= k_c * (grad_scores.sum(1) * scale)[:, None]
+        if grad_q is not None and kernel.distance:  # the −q part of ∂‖q − k‖²: φ (k − q)/τ
+            grad_q -= q * (dist_q_coef * scale)[:, None]
+        return grad_q, grad_k, grad_v, grad_w
+
+    def shares(self, q: Tensor, entries: Entries, direction: Tensor, whole: Partial
+               ) -> Tensor:  # (B, N)
+        """``⟨direction_b, share_j(q_b)⟩`` for every entry ``j`` (docs/attribution.md):
+        ``w_j κ_j ⟨u_b, v_j⟩`` for the kernels that do not normalise,
+        ``e^{z_j − m} ⟨u_b, ṽ_j⟩ / D`` for the softmax, with ``m`` and ``D`` (guarded) those
+        of ``whole``, the partial over all entries (every rank's). Each term's kernel factor
+        is rounded as the forward rounds it before multiplying the values, and ``⟨u, v_j⟩``
+        is taken in the queries' dtype, so the shares sum to the output's projection to the
+        output's own rounding."""
+        keys, values, weights = entries.keys, entries.values, entries.weights
+        kernel = entries.kernel
+        run = _Pass(q, entries, _chunk(q, entries))
+        if kernel.normalised:
+            den = guard_denominator(whole.den, whole.mass, entries.eps)  # (B,)
+        blocks = []
+        for start in range(0, keys.shape[0], run.chunk):
+            rows = slice(start, start + run.chunk)
+            v_c = run.read_values(values[rows])  # (c, d_out) as the forward multiplies them
+            block = run.block(run.read_keys(keys[rows]))  # (c, B)
+            along = v_c.to(q.dtype) @ direction.T  # (c, B) ⟨u_b, v_j⟩, in the queries' dtype
+            if kernel.normalised:
+                term = _as_multiplied(block.sub_(whole.m).exp_(), v_c) / den
+            else:
+                term = _as_multiplied(block * weights[rows][:, None], v_c)
+            blocks.append((term * along).T)  # (B, c)
+        return torch.cat(blocks, dim=1) if blocks else q.new_zeros(q.shape[0], 0)
+
+
+STREAMING = Streaming()
+
+
+@torch.no_grad()
+def nearest_sq_distance(
+    q: Tensor,  # (B, d_in)
+    keys: Tensor,  # (N, d_in)
+    *,
+    chunk_size: int | None = None,
+    half_products: str | None = None,
+) -> Tensor:  # (B,)
+    """``min_j ‖q − k_j‖²`` for every query, streamed over chunks of the keys
+    (docs/reference.md §4).
+
+    Each chunk costs one ``(c, B)`` score block, ``‖k‖² − 2⟨q, k⟩``, folded into a running
+    minimum; ``‖q‖²`` is added at the end. No ``(B, N, d)`` tensor is formed. An empty store
+    gives ``+inf``. The result is clamped at 0 (the expansion can round slightly below).
+    """
+    if q.dim() != 2 or keys.dim() != 2 or q.shape[1] != keys.shape[1]:
+        raise ValueError(f"nearest_sq_distance expects q (B, d) and keys (N, d), got "
+                         f"{tuple(q.shape)} and {tuple(keys.shape)}")
+    upcast = upcast_chunks(keys.dtype, keys.device, half_products)
+    chunk = _chunk_rows(q, keys, upcast, chunk_size)
+    q_keys = q if upcast else q.to(keys.dtype)
+    q_sqnorm = (q_keys * q_keys).sum(1, dtype=q.dtype)  # (B,)
+    read = _Reader(q.dtype, upcast)
+    best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
+    for start in range(0, keys.shape[0], chunk):
+        k_c = read(keys[start : start + chunk])  # (c, d)
+        k_sqnorm = (k_c * k_c).sum(1, dtype=q.dtype)  # (c,)
+        block = (k_c @ q_keys.T).to(q.dtype).mul_(-2).add_(k_sqnorm[:, None])  # (c, B)
+        best = torch.minimum(best, block.amin(0))
+    return (best + q_sqnorm).clamp_min_(0.0)

@@ -1,0 +1,302 @@
+"""The growth step: after ``loss.backward()``, every growing layer writes its entries.
+
+This plays the part of ``optimizer.step()`` for growing layers (docs/reference.md §3), and is shaped
+like a ``torch.optim.Optimizer``::
+
+    grower = Grower(model)
+    for x, y in batches:
+        grower.zero_grad()                    # as with any optimizer
+        loss = F.cross_entropy(model(x), y)   # batch-mean loss
+        loss.backward()
+        grower.step()
+
+Within a step every layer's entries are computed from the pre-step stores (the outputs
+and gradients recorded during this forward/backward pass), all layers are validated
+first, and only then are the entries committed together: a refused step (NaN/inf in a
+gradient, a diverging layer) leaves every store unchanged and nothing pending, so the next
+clean batch steps normally.
+
+Like an optimizer, a grower has ``zero_grad()`` (forget what was recorded since the last
+step), ``state_dict()`` / ``load_state_dict()`` (step counters, eviction counts, the rules'
+learning rates: with the model's state dict, all a resumed run needs) and ``param_groups``:
+one group per growing layer, whose ``lr`` is the η of that layer's rule. A
+``torch.optim.lr_scheduler`` scheduler therefore drives η; the entries written after a change
+use the new η. (A grower holds no tensors to optimise: each group's ``params`` is empty.)
+
+With a :class:`~rcdl.memory.budgets.MemoryBudget` the grower also keeps memory bounded: once every
+layer has committed, it chooses the entries each layer must drop to stay within the budget
+(all layers' choices are made before any entry is removed), merges them into their nearest
+kept entries if the budget says so, and removes them through
+:meth:`~rcdl.nn.layers.GrowingLayer.remove_entries`. Between steps no store holds more than
+``budget.capacity`` entries; :attr:`Grower.evicted` counts what each layer dropped. With
+stores sharded over ranks (:mod:`rcdl.distributed`) the budget is per shard: each rank keeps
+at most ``capacity`` entries of its shard, choosing (and merging) among its own entries, so
+a layer holds at most ``W · capacity`` in all and ``evicted`` counts this rank's evictions.
+
+For a hybrid network (entries also trained by Adam) use
+:class:`rcdl.optim.hybrid_grower.HybridGrower`,
+which runs the Adam step and then this one. (Growing first would drop the entries'
+gradients; :class:`rcdl.optim.entry_adam.EntryAdam` then refuses its step with an error.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn, overload
+
+import torch
+from torch import nn
+
+from rcdl.memory.budgets import MemoryBudget
+from rcdl.nn.layers import GrowingLayer, growing_layers
+
+__all__ = ["Grower"]
+
+
+class Grower(torch.optim.Optimizer):
+    """Writes the entries of every :class:`~rcdl.nn.layers.GrowingLayer` of ``model``.
+
+    The loss must be the mean over the first dimension of each layer's input (the usual
+    batch mean); rules that want per-sample gradients multiply back by that size.
+
+    Args:
+        model: a module holding at least one growing layer.
+        budget: if given, every layer is brought back to at most ``budget.capacity``
+            entries after each step (:mod:`rcdl.memory.budgets`); ``None`` lets the stores grow.
+
+    Attributes:
+        layers (list[GrowingLayer]): the growing layers, in module order (their ``name`` is
+            set to the path).
+        param_groups (list[dict[str, Any]]): one dict per layer, with keys ``params`` (an
+            empty list), ``lr`` (the η of its rule) and ``layer`` (its name).
+        evicted (dict[str, int]): entries evicted so far, by layer name (all zeros without a
+            budget).
+    """
+
+    def __init__(self, model: nn.Module, budget: MemoryBudget | None = None) -> None:
+        if budget is not None and not isinstance(budget, MemoryBudget):
+            raise TypeError(f"Grower: budget must be a rcdl.memory.budgets.MemoryBudget or None, "
+                            f"got {type(budget).__name__}")
+        self.layers: list[GrowingLayer] = []
+        for name, layer in growing_layers(model):
+            layer.bind_name(name)
+            layer.expect_steps()  # a backward without a step is warned of from the start
+            self.layers.append(layer)
+        if not self.layers:
+            raise ValueError(f"Grower: {type(model).__name__} has no growing layers")
+        if budget is not None:
+            for layer in self.layers:
+                budget.check(layer)
+        self.budget = budget
+        self.evicted: dict[str, int] = {layer.name: 0 for layer in self.layers}
+        groups = [{"params": [], "lr": layer.rule.lr, "layer": layer.name} for layer in self.layers]
+        super().__init__(groups, {})
+
+    # ---------------------------------------------------------------- the step
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...  # refused
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        """Commit the entries recorded since the last step (all layers or none), then evict
+        down to the budget, if any.
+
+        Raises:
+            RuntimeError: the model is in eval mode, or a forward ran in training mode but no
+                backward reached any growing layer. Nothing is written and the records are
+                kept.
+            ValueError: a gradient or an output is NaN/inf, or a layer diverges
+                (:class:`~rcdl.nn.layers.GrowingLayer`, ``max_output_growth``). Nothing is
+                written and the records are dropped.
+        """
+        if closure is not None:
+            raise TypeError("Grower.step() takes no closure")
+        if self.validate():
+            self.write()
+
+    def validate(self) -> bool:
+        """The checks of :meth:`step` before anything is written; ``False`` when nothing was
+        recorded. (:class:`rcdl.optim.hybrid_grower.HybridGrower` runs them before its Adam
+        step.)"""
+        self.check_mode()
+        if not any(layer.ready_records() for layer in self.layers):
+            pending = [layer.where for layer in self.layers if layer.has_pending]
+            if pending:
+                raise RuntimeError(
+                    f"Grower.step(): {', '.join(pending)} ran a training forward pass that no "
+                    "backward reached: call loss.backward() before grower.step(), with a loss "
+                    "that depends on the model's output")
+            return False
+        self._refusing(lambda: [layer.guard.check_records(layer) for layer in self.layers])
+        return True
+
+    def write(self) -> None:
+        """Commit every layer's proposed entries, or none, then evict down to the budget
+        (after :meth:`validate`)."""
+        self._apply_learning_rates()
+        proposals = self._refusing(lambda: [layer.guard.checked(layer, layer.propose())
+                                             for layer in self.layers])
+        for layer, entries in zip(self.layers, proposals, strict=True):
+            layer.commit(entries)
+        if self.budget is not None:
+            masks = [self.budget.evict_mask(layer) for layer in self.layers]  # (N,) each
+            for layer, mask in zip(self.layers, masks, strict=True):
+                self.evicted[layer.name] += self.budget.apply(layer, mask)
+
+    def _refusing(self, check: Callable[[], Any]) -> Any:
+        """``check()``; if it raises, drop the records first: a refused batch leaves nothing
+        behind for the next step."""
+        try:
+            return check()
+        except Exception:
+            self.zero_grad()
+            raise
+
+    def check_mode(self) -> None:
+        """Raise if a growing layer is in eval mode (it records nothing to learn from)."""
+        idle = [layer.where for layer in self.layers if not layer.training]
+        if idle:
+            raise RuntimeError(
+                f"Grower.step(): {', '.join(idle)} is in eval mode, so the forward pass recorded "
+                "nothing to learn from: call model.train() before a training step")
+
+    def _apply_learning_rates(self) -> None:
+        for group, layer in zip(self.param_groups, self.layers, strict=True):
+            layer.set_learning_rate(group["lr"])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget what was recorded since the last step (nothing is written); records whose
+        backward runs later are ignored too. ``set_to_none`` is accepted for compatibility."""
+        for layer in self.layers:
+            layer.discard()
+
+    def discard(self) -> None:
+        """Same as :meth:`zero_grad`: drop this step's records without writing."""
+        self.zero_grad()
+
+    def drop_last_step(self) -> int:
+        """Undo the last step in every layer (:meth:`rcdl.nn.layers.GrowingLayer.drop_last_step`):
+        after a step that was accepted but should not have been (a learning rate that was
+        far too high for one step: the next steps are then refused as diverging), the model
+        computes again what it did before it. Returns the entries removed, all layers."""
+        self.zero_grad()
+        return sum(layer.drop_last_step() for layer in self.layers)
+
+    def reserve(self, entries_per_layer: int) -> None:
+        """Preallocate room for this many more entries in every layer's store."""
+        for layer in self.layers:
+            layer.store.reserve(len(layer.store) + entries_per_layer)
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything besides the model's own state dict that a resumed run needs: per layer
+        its step counter, evictions, output scale (the divergence check's reference) and
+        its group's learning rate."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {
+            "param_groups": groups,
+            "steps": {layer.name: int(layer.steps) for layer in self.layers},
+            "evicted": dict(self.evicted),
+            "output_scale": {layer.name: layer.output_scale for layer in self.layers},
+            "shard": self._shard_place(),
+        }
+
+    def _shard_place(self) -> tuple[int, int] | None:
+        """``(rank, world size)`` the stores are sharded over, or ``None``."""
+        shard = next((layer.shard for layer in self.layers if layer.shard is not None), None)
+        return None if shard is None else (shard.rank, shard.world_size)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; it must come from a grower over the same layers."""
+        place, theirs = self._shard_place(), state.get("shard")
+        if place != (None if theirs is None else tuple(theirs)):
+            def describe(p):  # noqa: ANN001, ANN202
+                return "one process" if p is None else f"rank {p[0]} of {p[1]}"
+            raise ValueError(
+                f"Grower.load_state_dict: the state was saved by {describe(theirs)}, this "
+                f"grower is {describe(place)}: a sharded run resumes with the same number of "
+                "processes, each rank from its own state (re-sharding is not supported)")
+        names = [layer.name for layer in self.layers]
+        saved = [g.get("layer") for g in state.get("param_groups", [])]
+        if saved != names or set(state.get("steps", {})) != set(names):
+            raise ValueError(f"Grower.load_state_dict: the state is for layers {saved}, this "
+                             f"grower has {names}")
+        for group, saved_group, layer in zip(self.param_groups, state["param_groups"],
+                                             self.layers, strict=True):
+            group.update(saved_group)
+            layer.restore_step_state(state["steps"][layer.name],
+                                     state["output_scale"][layer.name])
+        self.evicted = dict(state["evicted"])
+        self._apply_learning_rates()
+
+    # ---------------------------------------------------------------- sizes
+    @property
+    def num_evicted(self) -> int:
+        """Entries evicted by the budget so far, all layers."""
+        return sum(self.evicted.values())
+
+    # Counts come in two kinds with distinct names. ``local_*`` never communicate: what
+    # this process stores. ``*_all_ranks()`` are totals over every rank of sharded stores,
+    # so they are collectives (every rank must call them at the same point, or the job
+    # hangs). ``num_entries``, ``nbytes`` and ``entries_per_layer()`` are the plain counts of
+    # an unsharded model and refuse to guess which kind is meant once stores are sharded.
+    @property
+    def local_num_entries(self) -> int:
+        """Entries this process stores, all layers (never communicates)."""
+        return sum(len(layer.store) for layer in self.layers)
+
+    @property
+    def local_nbytes(self) -> int:
+        """Bytes of the live entries this process stores, all layers (never communicates)."""
+        return sum(layer.store.nbytes for layer in self.layers)
+
+    def num_entries_all_ranks(self) -> int:
+        """Entries stored by all ranks together, all layers: a collective (an ``all_reduce``)
+        if the stores are sharded, to call on every rank; else :attr:`local_num_entries`."""
+        return self._over_ranks([self.local_num_entries])[0]
+
+    def nbytes_all_ranks(self) -> int:
+        """Bytes of the live entries of all ranks together (a collective, as
+        :meth:`num_entries_all_ranks`)."""
+        return self._over_ranks([self.local_nbytes])[0]
+
+    def entries_per_layer_all_ranks(self) -> list[int]:
+        """Entries stored per layer by all ranks together (a collective if sharded)."""
+        return self._over_ranks([len(layer.store) for layer in self.layers])
+
+    @property
+    def num_entries(self) -> int:
+        """Entries stored, all layers, of a model whose stores are not sharded (under
+        sharding: an error naming :attr:`local_num_entries` and :meth:`num_entries_all_ranks`)."""
+        self._refuse_if_sharded("num_entries", "local_num_entries", "num_entries_all_ranks()")
+        return self.local_num_entries
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the live entries, all layers, unsharded (as :attr:`num_entries`)."""
+        self._refuse_if_sharded("nbytes", "local_nbytes", "nbytes_all_ranks()")
+        return self.local_nbytes
+
+    def entries_per_layer(self) -> list[int]:
+        """Entries stored per layer, unsharded (as :attr:`num_entries`)."""
+        self._refuse_if_sharded("entries_per_layer()", "[len(layer.store) for layer in "
+                                "grower.layers]", "entries_per_layer_all_ranks()")
+        return [len(layer.store) for layer in self.layers]
+
+    def _refuse_if_sharded(self, name: str, local: str, total: str) -> None:
+        if any(layer.shard is not None for layer in self.layers):
+            raise RuntimeError(
+                f"Grower.{name} is ambiguous once the stores are sharded over processes: use "
+                f"grower.{local} for this rank's count (no communication) or grower.{total} "
+                f"for the total over all ranks (a collective: call it on every rank at the "
+                f"same point, or the job hangs)")
+
+    def _over_ranks(self, counts: list[int]) -> list[int]:
+        """Per-layer ``counts`` of this rank, summed over the ranks if the stores are sharded."""
+        sharded = next((layer for layer in self.layers if layer.shard is not None), None)
+        if sharded is None or sharded.shard is None:
+            return counts
+        local = torch.tensor(counts, dtype=torch.long, device=sharded.store.device)
+        return sharded.shard.all_reduce(local).tolist()

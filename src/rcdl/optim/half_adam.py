@@ -1,0 +1,101 @@
+"""The hybrid's Adam step on rows of a half-precision store, eager or compiled.
+
+For a block of a store's rows kept in bfloat16 or float16, with moments ``m``, ``v`` in
+float32, one Adam step is (docs/reference.md §4; :meth:`rcdl.optim.entry_adam.EntryMoments.step`
+gives the per-entry scales ``a``, ``c``)::
+
+    m ← β₁ m + (1 − β₁) g,   v ← β₂ v + (1 − β₂) g²,
+    θ ← round_stochastically(θ − m / (a √v + c))
+
+with the counter-based rounding noise of :mod:`rcdl.ops.rounding`. Eager PyTorch runs this as
+about 25 element-wise passes over the block (the noise alone is ten), against eight for a
+float32 store. ``torch.compile`` fuses the passes into one loop, at a one-time cost of
+compiling it (docs/precision.md gives both times).
+
+Which to run: ``"eager"``, ``"compiled"``, or ``"auto"`` (the default): compiled for a layer
+whose keys and values hold at least :data:`AUTO_ELEMENTS` numbers (a full-scale store, where
+the compilation is repaid within a few hundred steps), eager below. It is an option of the
+learner, ``EntryAdam(model, half_adam=...)`` (saved in its state dict); where the learner
+has none, the process-wide default :data:`ADAM_MODE` (``RCDL_HALF_ADAM``, read at first use;
+:func:`set_half_adam`; ``with half_adam(mode):``). Where compilation fails (no C++ compiler:
+a fact of the process, not of a learner), the eager path runs for the rest of the process,
+with one warning. The two paths compute the same function; the compiled one may round a float32
+intermediate differently in the last bit, so a rounded entry can differ by one half ulp.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+from torch import Tensor
+
+from rcdl.ops.rounding import round_stochastically, rounding_noise
+from rcdl.options import ProcessDefault
+
+__all__ = ["ADAM_MODE", "AUTO_ELEMENTS", "MODES", "adam_rows", "half_adam", "half_adam_mode",
+           "set_half_adam", "use_compiled"]
+
+MODES = ("auto", "eager", "compiled")
+AUTO_ELEMENTS = 1 << 26  # 67 M numbers: e.g. 10 900 entries of width 3 072 (keys + values)
+
+
+ADAM_MODE = ProcessDefault("half-precision Adam mode", "RCDL_HALF_ADAM", MODES, "auto")
+# set the default of how the Adam step moves half-precision rows: "auto", "eager", "compiled"
+set_half_adam: Callable[[str], None] = ADAM_MODE.set
+# the default now ("auto" unless changed)
+half_adam_mode: Callable[[], str] = ADAM_MODE.get
+# with half_adam("eager"): ... -- the default for a block, restored after
+half_adam: Callable[[str], AbstractContextManager[None]] = ADAM_MODE.using
+
+_compiled: Callable[..., None] | None = None
+_compile_failed = False
+
+
+def use_compiled(elements: int, mode: str | None = None) -> bool:
+    """Whether a layer whose keys and values hold ``elements`` numbers takes the compiled
+    path under ``mode`` (``None``: the process-wide default)."""
+    if _compile_failed:
+        return False
+    mode = ADAM_MODE.resolve(mode)
+    return mode == "compiled" or (mode == "auto" and elements >= AUTO_ELEMENTS)
+
+
+def _adam_rows(param: Tensor, m: Tensor, v: Tensor, grad: Tensor, a: Tensor, c: Tensor,
+               ids: Tensor, seed: Tensor, step: Tensor, stream: int, b1: float,
+               b2: float) -> None:
+    """One Adam step on ``param (n, w)`` (a half dtype), in place, with ``m``, ``v``
+    (float32): the moved rows are rounded stochastically (see the module docstring; ``a``,
+    ``c`` are ``(n,)``). In place, so the compiled loop writes the store's rows directly
+    (no ``(n, w)`` output to allocate and copy back)."""
+    g = grad.to(m.dtype)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = torch.sqrt(v).mul_(a[:, None]).add_(c[:, None])
+    moved = torch.addcdiv(param.to(m.dtype), m, denom, value=-1.0)
+    noise = rounding_noise(seed=seed, step=step, ids=ids, width=param.shape[1], stream=stream)
+    param.copy_(round_stochastically(moved, param.dtype, noise))
+
+
+def adam_rows(param: Tensor, m: Tensor, v: Tensor, grad: Tensor, a: Tensor, c: Tensor, *,
+              ids: Tensor, seed: Tensor, step: Tensor, stream: int, b1: float, b2: float,
+              compiled: bool = False) -> None:
+    """:func:`_adam_rows` (in place), eager or through ``torch.compile`` (built once, on
+    first use; where that fails, the eager path, with one warning)."""
+    global _compiled, _compile_failed
+    if compiled and not _compile_failed:
+        try:
+            with warnings.catch_warnings():  # torch's own deprecations while it compiles
+                warnings.simplefilter("ignore", DeprecationWarning)
+                if _compiled is None:
+                    _compiled = torch.compile(_adam_rows, dynamic=True)
+                _compiled(param, m, v, grad, a, c, ids, seed, step, stream, b1, b2)
+                return
+        except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
+            _compile_failed = True
+            warnings.warn(f"rcdl.optim.half_adam: torch.compile failed ({type(error).__name__}: "
+                          f"{str(error)[:200]}); the half-precision Adam step runs eagerly",
+                          RuntimeWarning, stacklevel=2)
+    _adam_rows(param, m, v, grad, a, c, ids, seed, step, stream, b1, b2)

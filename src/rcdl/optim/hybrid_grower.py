@@ -1,0 +1,111 @@
+"""The hybrid network's whole step in one optimizer: Adam on the entries, then the gated
+growth (docs/reference.md §4)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NoReturn, overload
+
+import torch
+from torch import nn
+
+from rcdl.memory.budgets import MemoryBudget
+from rcdl.optim.entry_adam import EntryAdam
+from rcdl.optim.grower import Grower
+
+__all__ = ["HybridGrower"]
+
+
+class HybridGrower(torch.optim.Optimizer):
+    """One object for a hybrid network's whole step (docs/reference.md §4): Adam on the entries (and
+    on any ordinary parameters), then the gated growth, in that order.
+
+    ``step()`` first checks every layer's recorded outputs and gradients and the entries'
+    gradients (a NaN or a diverging layer refuses the step before anything moves, and leaves
+    nothing pending), then runs :class:`EntryAdam` and then :class:`rcdl.optim.grower.Grower`.
+    ``param_groups`` are the Adam group followed by the grower's groups (one per layer, ``lr``
+    the rule's η), so a ``torch.optim.lr_scheduler`` scheduler drives both;
+    :meth:`state_dict` holds both halves' state. ``half_adam`` is :class:`EntryAdam`'s: how
+    the Adam pass over a half-precision store runs (:mod:`rcdl.optim.half_adam`).
+
+    Like any optimizer it leaves the gradients of the model's ordinary parameters (an
+    ``nn.Linear`` in front, a ViT's embeddings) in place after ``step()``: call
+    ``zero_grad()`` before the next backward, as :func:`rcdl.train.loop.train_step` does.
+
+    Example::
+
+        opt = HybridGrower(model, lr=1e-3)
+        for x, y in batches:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    """
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9,
+                 0.999), eps: float = 1e-8, budget: MemoryBudget | None = None,
+                 half_adam: str | None = None) -> None:
+        self.adam = EntryAdam(model, lr=lr, betas=betas, eps=eps, half_adam=half_adam)
+        self.grower = Grower(model, budget=budget)
+        # the same group dicts as the two halves: a scheduler's change reaches them
+        groups = [*self.adam.param_groups, *self.grower.param_groups]
+        super().__init__(groups, {})
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...  # refused
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        if closure is not None:
+            raise TypeError("HybridGrower.step() takes no closure")
+        if not self.grower.validate():  # a refused step drops the records
+            return
+        try:
+            self.adam.step()  # checks the entry gradients before it moves anything
+        except Exception:
+            self.zero_grad()
+            raise
+        self.grower.write()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget everything this step recorded: entry and parameter gradients, and records."""
+        self.adam.zero_grad(set_to_none)
+        self.grower.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"adam": self.adam.state_dict(), "grower": self.grower.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.adam.load_state_dict(state["adam"])
+        self.grower.load_state_dict(state["grower"])
+
+    # the counts of :class:`~rcdl.optim.grower.Grower`: local_* never communicate, *_all_ranks()
+    # are collectives under sharding, the plain ones refuse to guess once stores are sharded
+    @property
+    def local_num_entries(self) -> int:
+        return self.grower.local_num_entries
+
+    @property
+    def local_nbytes(self) -> int:
+        return self.grower.local_nbytes
+
+    def num_entries_all_ranks(self) -> int:
+        return self.grower.num_entries_all_ranks()
+
+    def nbytes_all_ranks(self) -> int:
+        return self.grower.nbytes_all_ranks()
+
+    def entries_per_layer_all_ranks(self) -> list[int]:
+        return self.grower.entries_per_layer_all_ranks()
+
+    @property
+    def num_entries(self) -> int:
+        return self.grower.num_entries
+
+    @property
+    def nbytes(self) -> int:
+        return self.grower.nbytes
+
+    def entries_per_layer(self) -> list[int]:
+        return self.grower.entries_per_layer()

@@ -1,0 +1,437 @@
+"""Online training for growing and parametric models alike: one pass, or several epochs.
+
+A growing model learns by writing entries (``Grower.step`` after ``loss.backward()``); a
+parametric model learns by a torch optimizer step; a hybrid does both, optimizer first.
+Either way the loop is the same: one pass (docs/reference.md §6) — or ``epochs`` passes
+(docs/reference.md §8) — over seeded random permutations of the training set in batches, with the
+test metric evaluated every ``eval_every`` steps and at the end of every epoch. A growing model
+keeps writing entries in every epoch: ``epochs`` passes over ``N`` samples store ``epochs · N``
+entries per layer.
+
+Global step ``s`` is batch ``t = s mod S`` of epoch ``e = s div S`` (``S = ceil(N / B)``
+steps per epoch), i.e. ``perm_e[t*B : (t+1)*B]`` with ``perm_e = epoch_permutation(N, seed,
+e)`` a pure function of ``(seed, e)``, so a run is fully described by ``(seed, step)`` — the
+seam a checkpoint/resume needs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+with warnings.catch_warnings():  # in Jupyter without ipywidgets tqdm.auto falls back to the
+    warnings.filterwarnings("ignore", message="IProgress not found")  # text bar: say nothing
+    from tqdm.auto import tqdm
+
+from rcdl.memory.provenance import samples
+from rcdl.nn.layers import growing_layers
+from rcdl.nn.networks import eval_mode
+from rcdl.nn.store import format_bytes
+from rcdl.train.checkpoint import Checkpointer
+
+__all__ = ["Checkpointer", "Evaluator", "GrowerLike", "MetricLog", "Schedule", "accuracy",
+           "epoch_permutation", "evaluate", "predict", "train_one_pass",
+           "train_step"]
+
+Metric = Callable[[Tensor, Tensor], Tensor]  # (predictions, targets) -> scalar
+# the keys of an evaluation record besides the metrics (see ``train_one_pass``)
+_RECORD_KEYS = frozenset({"model", "step", "samples", "epoch", "train_loss", "entries", "bytes",
+                          "train_seconds", "eval_seconds"})  # fmt: skip
+
+
+class MetricLog(Protocol):
+    """Where the loop appends its evaluation records (e.g. a run folder's ``metrics.jsonl``)."""
+
+    def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None: ...
+
+
+class GrowerLike(Protocol):
+    """What the loop needs from a grower (:class:`rcdl.optim.grower.Grower`,
+    :class:`rcdl.optim.hybrid_grower.HybridGrower`)."""
+
+    def num_entries_all_ranks(self) -> int: ...
+
+    def nbytes_all_ranks(self) -> int: ...
+
+    def step(self) -> None: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def accuracy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Fraction of rows whose largest logit is the target class."""
+    return (logits.argmax(dim=1) == targets).float().mean()
+
+
+@torch.no_grad()
+def predict(model: nn.Module, x: Tensor, *, batch_size: int = 1000,
+            device: torch.device | str = "cpu") -> Tensor:  # (N, D_out) on ``device``
+    """``model(x)`` in eval mode, ``batch_size`` rows at a time (each moved to ``device``),
+    without gradients; every submodule's mode is restored after (:func:`eval_mode`)."""
+    with eval_mode(model):
+        return torch.cat([model(xb.to(device)) for xb in x.split(batch_size)])
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    metrics: Mapping[str, Metric],
+    *,
+    batch_size: int = 1000,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """Every ``metric(model(x), y)`` over the whole set, from one prediction pass in eval mode.
+
+    Args:
+        x: inputs ``(N, D_in)``; y: targets ``(N, ...)``; both moved to ``device`` per batch.
+        metrics: ``{name: (predictions, targets) -> scalar}`` over all ``N`` samples at once.
+    """
+    preds = predict(model, x, batch_size=batch_size, device=device)  # (N, D_out)
+    y = y.to(device)
+    return {name: float(fn(preds, y)) for name, fn in metrics.items()}
+
+
+@contextmanager
+def _eval_caches(layers: list) -> Iterator[None]:  # noqa: ANN001
+    """Incremental evaluation for these growing layers while the block runs; then freed."""
+    for layer in layers:
+        layer.enable_eval_cache()
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.disable_eval_cache()
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> Tensor:
+    """The order of the ``n`` training samples in epoch ``epoch`` (0-based), ``(n,)`` int64.
+
+    The ``epoch``-th permutation drawn from a generator seeded with ``seed``: epoch 0 is
+    ``torch.randperm(n, generator=torch.Generator().manual_seed(seed))`` (the one-pass
+    order), and every epoch's order is a pure function of ``(seed, epoch)`` that a resumed
+    run recomputes. Different seeds give unrelated sequences of orders.
+    """
+    if epoch < 0:
+        raise ValueError(f"epoch must be >= 0, got {epoch}")
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(epoch):  # O(epoch · n): negligible beside one training step
+        torch.randperm(n, generator=gen)
+    return torch.randperm(n, generator=gen)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The step arithmetic of ``epochs`` passes over ``n`` samples in batches of
+    ``batch_size``: global step ``s`` is batch ``t = s mod S`` of epoch ``e = s div S``
+    (``S`` steps per epoch), samples ``perm_e[t·B : (t+1)·B]`` with ``perm_e =
+    epoch_permutation(n, seed, e)``."""
+
+    n: int
+    batch_size: int
+    epochs: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    @property
+    def steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    def seen(self, step: int) -> int:
+        """Samples seen after ``step`` steps, all epochs."""
+        done, t = divmod(step, self.steps_per_epoch)
+        return done * self.n + min(t * self.batch_size, self.n)
+
+    def batches(self, start: int) -> Iterator[tuple[int, Tensor]]:
+        """``(step, sample indices (B,))`` from step ``start`` to the end."""
+        perm, perm_epoch = torch.empty(0, dtype=torch.long), None  # set at the first step
+        for step in range(start, self.steps):
+            epoch, t = divmod(step, self.steps_per_epoch)
+            if epoch != perm_epoch:
+                perm, perm_epoch = epoch_permutation(self.n, self.seed, epoch), epoch  # (N,)
+            yield step, perm[t * self.batch_size : (t + 1) * self.batch_size]
+
+    def ends_epoch(self, step: int) -> bool:
+        """Whether ``step`` steps done is the end of an epoch."""
+        return step % self.steps_per_epoch == 0
+
+
+def _new_loop() -> dict[str, Any]:
+    """The loop's whole state besides the model and optimizer: what a checkpoint holds."""
+    return {"step": 0, "history": [], "clock": {"train": 0.0, "eval": 0.0},
+            "loss_sum": 0.0, "loss_count": 0, "last_loss": None}  # fmt: skip
+
+
+class Evaluator:
+    """Measures the test metrics (and ``on_epoch_end``'s values at epoch ends) and records
+    them: in the loop's history, in ``run`` (``metrics.jsonl``) and on the progress bar.
+    ``cached`` growing layers evaluate incrementally (:func:`train_one_pass`)."""
+
+    def __init__(self, model: nn.Module, test: tuple[Tensor, Tensor],
+                 metrics: Mapping[str, Metric], *, schedule: Schedule, batch_size: int,
+                 device: torch.device, name: str, grower: Any, run: MetricLog | None,
+                 bar: Any, on_epoch_end: Callable[[int], Mapping[str, float]] | None,
+                 cached: list) -> None:  # fmt: skip
+        self.model, self.test, self.metrics, self.schedule = model, test, metrics, schedule
+        self.batch_size, self.device, self.name, self.grower = batch_size, device, name, grower
+        self.run, self.bar, self.on_epoch_end, self.cached = run, bar, on_epoch_end, cached
+
+    def measure(self, step: int) -> dict[str, float]:
+        """The metrics after ``step`` steps, plus ``on_epoch_end``'s at an epoch's end."""
+        for layer in self.cached:
+            layer.start_evaluation()
+        values = evaluate(self.model, *self.test, self.metrics, batch_size=self.batch_size,
+                          device=self.device)  # fmt: skip
+        if self.on_epoch_end is not None and self.schedule.ends_epoch(step):
+            extra = {k: float(v) for k, v in
+                     self.on_epoch_end(step // self.schedule.steps_per_epoch).items()}
+            taken = _RECORD_KEYS.union(values).intersection(extra)
+            if taken:
+                raise ValueError(
+                    f"{self.name}: on_epoch_end returned {sorted(taken)}, names the loop's "
+                    f"records already use ({', '.join(sorted(_RECORD_KEYS.union(values)))})"
+                )
+            values |= extra
+        return values
+
+    def __call__(self, step: int, loop: dict[str, Any]) -> dict[str, float]:
+        """Measure after ``step`` steps and record it; returns the history entry."""
+        _sync(self.device)
+        t0 = time.perf_counter()
+        values = self.measure(step)
+        _sync(self.device)
+        loop["clock"]["eval"] += time.perf_counter() - t0
+        samples, n = self.schedule.seen(step), self.schedule.n
+        loop["history"].append({"step": step, "samples": samples, "epoch": samples / n, **values})
+        if loop["loss_count"]:
+            loop["last_loss"] = loop["loss_sum"] / loop["loss_count"]
+            loop["loss_sum"], loop["loss_count"] = 0.0, 0
+        entries, nbytes = _store_size(self.grower)
+        if self.run is not None:
+            self.run.log({
+                "model": self.name, "step": step, "samples": samples, "epoch": samples / n,
+                **values, "train_loss": loop["last_loss"], "entries": entries,
+                "bytes": nbytes, "train_seconds": loop["clock"]["train"],
+                "eval_seconds": loop["clock"]["eval"],
+            })  # fmt: skip
+        first = next(iter(self.metrics))
+        postfix: dict[str, object] = {first: f"{values[first]:.4g}"}
+        if nbytes is not None:  # a grower
+            postfix |= {"entries": entries, "store": format_bytes(nbytes)}
+        self.bar.set_postfix(postfix, refresh=False)
+        return loop["history"][-1]
+
+
+def _store_size(grower: Any) -> tuple[int | None, int | None]:
+    """Entries and bytes the grower's stores hold (None without a grower)."""
+    if grower is None:
+        return None, None
+    return grower.num_entries_all_ranks(), grower.nbytes_all_ranks()  # every rank runs this
+
+
+def train_step(model: nn.Module, xb: Tensor, yb: Tensor, loss_fn: Metric,
+               optimizer: torch.optim.Optimizer | None = None,
+               grower: GrowerLike | None = None) -> float:  # fmt: skip
+    """One training step, the learner protocol of :func:`train_one_pass`:
+    ``loss = loss_fn(model(xb), yb)``, ``loss.backward()``, then each learner in turn —
+    ``optimizer`` first, then ``grower`` — ``step()`` and ``zero_grad()``. Whichever learner
+    holds a parameter (an :class:`rcdl.optim.hybrid_grower.HybridGrower` holds the model's ordinary
+    parameters too), its gradient is zeroed after the step that used it, so
+    ``grower=HybridGrower(m)`` and ``optimizer=EntryAdam(m), grower=Grower(m)`` train alike.
+
+    Returns the loss as a float (a device sync, so clocks are honest). A non-finite loss is
+    returned before any backward or step (the caller names the step)."""
+    loss = loss_fn(model(xb), yb)
+    loss_value = loss.item()
+    if not math.isfinite(loss_value):
+        return loss_value
+    loss.backward()
+    for learner in (optimizer, grower):
+        if learner is not None:
+            learner.step()
+            learner.zero_grad(set_to_none=True)
+    return loss_value
+
+
+def _check_arguments(name: str, data: tuple, optimizer: Any, grower: Any, metrics: Mapping,
+                     batch_size: int, eval_every: int, epochs: int) -> None:  # fmt: skip
+    if optimizer is None and grower is None:
+        raise ValueError(f"{name}: give an optimizer, a grower or both; got neither")
+    if batch_size < 1 or eval_every < 1 or epochs < 1:
+        raise ValueError(
+            f"{name}: batch_size, eval_every and epochs must be >= 1, got {batch_size}, "
+            f"{eval_every} and {epochs}"
+        )
+    if not metrics:
+        raise ValueError(f"{name}: give at least one test metric")
+    x_train, y_train, x_test, y_test = data
+    if len(x_train) != len(y_train) or len(x_test) != len(y_test):
+        raise ValueError(
+            f"{name}: inputs and targets differ in length: train {len(x_train)} vs "
+            f"{len(y_train)}, test {len(x_test)} vs {len(y_test)}"
+        )
+    if len(x_train) == 0 or len(x_test) == 0:
+        raise ValueError(f"{name}: empty data set: {len(x_train)} train and {len(x_test)} test "
+                         "samples")
+
+
+def train_one_pass(
+    model: nn.Module,
+    data: tuple[Tensor, Tensor, Tensor, Tensor],
+    *,
+    batch_size: int,
+    seed: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
+    grower: GrowerLike | None = None,
+    loss_fn: Metric = F.mse_loss,
+    metrics: Mapping[str, Metric] | None = None,
+    eval_every: int = 50,
+    eval_batch_size: int = 1000,
+    device: torch.device | str = "cpu",
+    run: MetricLog | None = None,
+    name: str = "model",
+    progress: bool = True,
+    checkpoint_path: str | Path | None = None,
+    checkpoint_every: int | None = None,
+    epochs: int = 1,
+    on_epoch_end: Callable[[int], Mapping[str, float]] | None = None,
+    incremental_eval: bool = False,
+) -> dict[str, Any]:
+    """Train ``model`` for one pass (or ``epochs`` passes) over the training set; evaluate as
+    it goes.
+
+    Each step is :func:`train_step`: ``loss = loss_fn(model(x_b), y_b)`` (a batch mean),
+    ``loss.backward()``, then ``optimizer.step()`` and ``optimizer.zero_grad()``, and/or
+    ``grower.step()`` and ``grower.zero_grad()`` (at least one must be given; a model
+    without parameters is given only a grower).
+
+    Args:
+        model: maps ``(B, D_in)`` to ``(B, D_out)``; already on ``device``.
+        data: ``(x_train, y_train, x_test, y_test)``, ``(N, D_in)``, ``(N, ...)``,
+            ``(M, D_in)``, ``(M, ...)``; batches are moved to ``device`` as needed.
+        batch_size: samples per step ``B``; the last batch may be smaller.
+        seed: seeds the permutation of the training set in each epoch
+            (:func:`epoch_permutation`).
+        metrics: ``{name: fn(predictions, targets)}`` on the test set (default
+            ``{"test_mse": mse}``); the first is shown in the progress bar.
+        eval_every: evaluate every this many steps, counted over all epochs (also before the
+            first step and after the last step of every epoch).
+        run: if given, every evaluation is appended to its ``metrics.jsonl``.
+        name: the model's name in logs and the progress bar.
+        checkpoint_path: if given, the loop saves its whole state as a checkpoint there
+            every ``checkpoint_every`` steps (default ``eval_every``): checksummed files
+            tagged with the step and a manifest ``<stem>.manifest.json`` that commits them,
+            the last two kept (:class:`rcdl.train.checkpoint.Checkpointer`). If a checkpoint is
+            there at the start, training resumes from the newest one that reads back whole
+            (saying on stderr which it skipped) and ends with the same result as an
+            uninterrupted run (batches are a pure function of ``seed`` and the step). The
+            state at a step does not depend on ``epochs``, so a run may also be continued
+            for more epochs than it was started with. Under ``torchrun`` every rank passes
+            the same path.
+        epochs: passes over the training set, each in a fresh order (docs/reference.md §8); 1 is the
+            one-pass protocol of docs/reference.md §6, unchanged.
+        on_epoch_end: called as ``on_epoch_end(e)`` right after the evaluation before the
+            first step (``e = 0``) and after the last step of each epoch (``e = 1, 2, ...``
+            epochs done), e.g. to measure accuracy on the training data; the values it returns
+            join that evaluation's record (under names the record does not already use). It
+            must not train the model; its time counts as evaluation time.
+        incremental_eval: evaluate each growing layer incrementally: it keeps the state of
+            its streaming attention over the test inputs after the last full chunk and folds
+            only the chunks from there on at the next evaluation (see
+            :meth:`rcdl.nn.layers.GrowingLayer.enable_eval_cache`). The chunks are a full
+            pass's, so the evaluations are bit for bit those of a full pass, also after a
+            resume. The first growing layer's queries are the test inputs themselves, so
+            its evaluation cost stops growing with the store. Off by default: it costs the
+            queries and partials of one evaluation in memory. Training is unaffected either
+            way.
+
+    Returns:
+        ``{<metric names>, "train_loss", "entries", "bytes", "steps", "samples", "epochs",
+        "train_seconds", "eval_seconds", "history", "resumed"}``; ``steps`` and ``samples``
+        count all epochs; ``entries``/``bytes`` are ``None`` without a grower; ``history``
+        lists ``{"step", "samples", "epoch", <metrics>, <on_epoch_end values>}`` per
+        evaluation, where ``samples`` counts all samples seen and ``epoch = samples / N``
+        (an integer at the end of an epoch).
+
+    Raises:
+        FloatingPointError: if a training loss is not finite (naming the step).
+    """
+    metrics = dict(metrics or {"test_mse": F.mse_loss})
+    _check_arguments(name, data, optimizer, grower, metrics, batch_size, eval_every, epochs)
+    x_train, y_train, x_test, y_test = data
+    device = torch.device(device)
+    schedule = Schedule(len(x_train), batch_size, epochs, seed)
+    identity = {"name": name, "seed": seed, "batch_size": batch_size, "train_samples": schedule.n}
+    checkpoints = None if checkpoint_path is None else Checkpointer(
+        checkpoint_path, checkpoint_every or eval_every, identity, model, optimizer, grower)
+    try:
+        loop = None if checkpoints is None else checkpoints.restore()
+        resumed = loop is not None
+        if loop is not None and loop["step"] > schedule.steps:  # resumed
+            raise ValueError(
+                f"{name}: checkpoint {checkpoint_path} is at step {loop['step']}, past the "
+                f"{schedule.steps} steps of {epochs} epoch(s); delete it or train for more epochs"
+            )
+        loop = loop or _new_loop()
+        bar = tqdm(total=epochs * schedule.n, initial=schedule.seen(loop["step"]), unit="sample",
+                   desc=name, disable=not progress, dynamic_ncols=True)  # fmt: skip
+        cached = [layer for _, layer in growing_layers(model)] if incremental_eval else []
+        record = Evaluator(model, (x_test, y_test), metrics, schedule=schedule,
+                           batch_size=eval_batch_size, device=device, name=name, grower=grower,
+                           run=run, bar=bar, on_epoch_end=on_epoch_end, cached=cached)  # fmt: skip
+        model.train()
+        with bar, _eval_caches(cached):
+            final = loop["history"][-1] if loop["history"] else record(0, loop)
+            for step, idx in schedule.batches(loop["step"]):
+                t0 = time.perf_counter()
+                xb, yb = x_train[idx].to(device), y_train[idx].to(device)
+                with samples(model, idx):  # the entries written remember their samples
+                    loss_value = train_step(model, xb, yb, loss_fn, optimizer, grower)
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(
+                        f"{name}: training loss is {loss_value} at step {step}")
+                loop["loss_sum"] += loss_value
+                loop["loss_count"] += 1
+                loop["step"] = step + 1
+                loop["clock"]["train"] += time.perf_counter() - t0
+                bar.update(len(idx))
+                if (step + 1) % eval_every == 0 or schedule.ends_epoch(step + 1):
+                    final = record(step + 1, loop)
+                if checkpoints is not None and checkpoints.due(step + 1, schedule.steps):
+                    checkpoints.save(loop)
+    finally:
+        if checkpoints is not None:
+            checkpoints.close()  # the lock on the checkpoint path
+    entries, nbytes = _store_size(grower)
+    return {
+        **{k: final[k] for k in metrics},
+        "train_loss": loop["last_loss"],
+        "entries": entries,
+        "bytes": nbytes,
+        "steps": schedule.steps,
+        "samples": epochs * schedule.n,
+        "epochs": epochs,
+        "train_seconds": loop["clock"]["train"],
+        "eval_seconds": loop["clock"]["eval"],
+        "history": loop["history"],
+        "resumed": resumed,
+    }
