@@ -68,9 +68,12 @@ def child(model_name: str, entries: int, store_dtype: str, steps: int, repeats: 
     """The figures of one side, in this process (the ``rcdl`` on ``sys.path``)."""
     import torch.nn.functional as F
 
-    from rcdl.app.experiments.cifar10 import build_model
-    from rcdl.nn.layers import growing_layers
-    from rcdl.ops.attention import attention
+    from rcdl import growing_layers
+    from rcdl.app.experiments.cifar10_models import build_model
+    try:  # the module path of the code under test; revisions before the packages were flat
+        from rcdl.ops.attention import attention
+    except ImportError:
+        from rcdl.attention import attention  # type: ignore[no-redef]
 
     dtype = getattr(torch, store_dtype)
     gen = torch.Generator().manual_seed(0)

@@ -42,16 +42,17 @@ import torch
 import torch.nn.functional as F
 
 import rcdl
-from rcdl.nn.gates import DistanceGate
-from rcdl.nn.hybrid import hybrid_layers
-from rcdl.nn.rules import ClippedSoftmaxRule
-from rcdl.optim.entry_adam import EntryAdam
-from rcdl.optim.grower import Grower
+from rcdl import ClippedSoftmaxRule, DistanceGate, EntryAdam, Grower
+
+try:  # the module path of the code under test; revisions before the packages were flat
+    from rcdl.nn.hybrid import hybrid_layers
+except ImportError:
+    from rcdl.hybrid import hybrid_layers  # type: ignore[no-redef]
 
 try:  # the builder of the code under test; older versions (--baseline) had a function
-    from rcdl.nn.networks import HybridSoftmaxNet
+    from rcdl import HybridSoftmaxNet
 except ImportError:
-    from rcdl.nn.networks import hybrid_softmax_net as HybridSoftmaxNet  # noqa: N813
+    from rcdl.networks import hybrid_softmax_net as HybridSoftmaxNet  # noqa: N813
 
 PHASES = ("forward", "backward", "adam", "growth")
 D, CLASSES, BATCH = 3072, 10, 16

@@ -17,7 +17,8 @@ plus one float32 copy of the keys per index (and the ground truth's transient co
 1 M CIFAR-width keys (3072) would take 12 GB for the keys alone.
 
 **CIFAR-10** (``--cifar``). Trains the one-epoch ``gws`` or ``rbf`` model
-(``rcdl.app.experiments.cifar10.build_model``, ``rcdl.train.loop.train_one_pass``, batch 16) on
+(``rcdl.app.experiments.cifar10_models.build_model``, ``rcdl.train.loop.train_one_pass``,
+batch 16) on
 ``--train-size`` images, exactly or with top-k attention in training too (``--train-k``),
 then evaluates test accuracy, loss and evaluation time, exact and with top-k for each k,
 with the indices' build time and memory and recall@k of the first layer's search.
@@ -218,7 +219,8 @@ def fmt(x: float | None) -> str:
 
 
 def bench_cifar(args: argparse.Namespace) -> dict[str, Any]:
-    from rcdl.app.experiments.cifar10 import METRICS, Cifar10Config, build_model, load_data
+    from rcdl.app.experiments.cifar10_config import METRICS, Cifar10Config, load_data
+    from rcdl.app.experiments.cifar10_models import build_model
     from rcdl.train.loop import train_one_pass
 
     cfg = Cifar10Config(models=(args.model,), train_size=args.train_size,
@@ -265,7 +267,7 @@ def load_trained(model: torch.nn.Module, path: Path) -> dict[str, Any]:
 def bench_cifar_evaluation(args: argparse.Namespace, model: torch.nn.Module, data: Any,
                            trained: dict[str, Any]) -> dict[str, Any]:
     """Exact against top-k evaluation of a trained ``model`` on the test set."""
-    from rcdl.app.experiments.cifar10 import METRICS
+    from rcdl.app.experiments.cifar10_config import METRICS
     from rcdl.train.loop import evaluate
 
     training = trained["training"]

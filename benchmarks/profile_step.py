@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rcdl.app.experiments.cifar10 import build_model
+from rcdl.app.experiments.cifar10_models import build_model
 from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.nn.layers import growing_layers
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rcdl.app.experiments.cifar10 import build_model
+from rcdl.app.experiments.cifar10_models import build_model
 from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.nn.layers import growing_layers
 from rcdl.ops.half import product_mode, upcast_chunks

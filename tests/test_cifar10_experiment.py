@@ -9,8 +9,9 @@ import pytest
 
 from rcdl.app import cifar
 from rcdl.app.cli import main
-from rcdl.app.experiments import cifar10, cifar10_models
-from rcdl.app.experiments.cifar10 import MODELS, Cifar10Config, build_model, model_spec
+from rcdl.app.experiments import cifar10, cifar10_combine, cifar10_models
+from rcdl.app.experiments.cifar10 import Cifar10Config
+from rcdl.app.experiments.cifar10_models import MODELS, build_model, model_spec
 from rcdl.nn.networks import ResNetMLP
 
 TINY = ["--train-size", "48", "--test-size", "24", "--eval-every", "2", "--device", "cpu",
@@ -231,7 +232,7 @@ def second_run(data_dir, tmp_path_factory):
 
 def test_combine_merges_runs_into_one_table(run, second_run, tmp_path):
     out = tmp_path / "combined"
-    folder, combined = cifar10.combine_runs([second_run, run], out)
+    folder, combined = cifar10_combine.combine_runs([second_run, run], out)
     assert [row["model"] for row in combined["models"]] == ["gws", "rbf", "mlp-sgd",
                                                             "psoftmax-8"]  # registry order
     assert [s["models"] for s in combined["combined_from"]] == [
@@ -247,18 +248,19 @@ def test_combine_merges_runs_into_one_table(run, second_run, tmp_path):
 
 
 def test_combine_keeps_only_the_named_models(run, second_run, tmp_path):
-    folder, combined = cifar10.combine_runs([run, second_run], tmp_path / "combined",
+    folder, combined = cifar10_combine.combine_runs([run, second_run], tmp_path / "combined",
                                             models=["rbf", "gws"])
     assert [row["model"] for row in combined["models"]] == ["gws", "rbf"]
     assert {r["model"] for r in combined["runs"]} == {"gws", "rbf"}
     assert [s["models"] for s in combined["combined_from"]] == [["gws"], ["rbf"]]
     with pytest.raises(ValueError, match="gauge finished in none of"):
-        cifar10.combine_runs([run, second_run], tmp_path / "missing", models=["gws", "gauge"])
+        cifar10_combine.combine_runs([run, second_run], tmp_path / "missing",
+                                     models=["gws", "gauge"])
 
 
 def test_combine_refuses_a_pair_finished_twice(run, tmp_path):
     with pytest.raises(ValueError, match="gws seed 0 finished in both"):
-        cifar10.combine_runs([run, run], tmp_path / "combined")
+        cifar10_combine.combine_runs([run, run], tmp_path / "combined")
 
 
 def test_combine_refuses_another_protocol(run, second_run, tmp_path):
@@ -269,7 +271,7 @@ def test_combine_refuses_another_protocol(run, second_run, tmp_path):
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "eval_every": 3}))
     with pytest.raises(ValueError, match="another protocol.*eval_every"):
-        cifar10.combine_runs([run, other], tmp_path / "combined")
+        cifar10_combine.combine_runs([run, other], tmp_path / "combined")
 
 
 def test_combine_needs_a_finished_model(run, tmp_path):
@@ -277,7 +279,7 @@ def test_combine_needs_a_finished_model(run, tmp_path):
     empty.mkdir()
     (empty / "config.json").write_text((run / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="no model finished"):
-        cifar10.combine_runs([run, empty], tmp_path / "combined")
+        cifar10_combine.combine_runs([run, empty], tmp_path / "combined")
 
 
 def test_combine_from_the_command_line(run, second_run, tmp_path, capsys):
@@ -314,15 +316,15 @@ def test_provenance_recognises_the_same_arrays_saved_again(tmp_path):
 
 def test_a_combined_table_can_be_a_source(run, second_run, tmp_path):
     """A model run later joins a committed table whose own run folders are gone."""
-    first, _ = cifar10.combine_runs([run], tmp_path / "first", models=["gws", "mlp-sgd"])
-    _, direct = cifar10.combine_runs([second_run, run], tmp_path / "direct",
+    first, _ = cifar10_combine.combine_runs([run], tmp_path / "first", models=["gws", "mlp-sgd"])
+    _, direct = cifar10_combine.combine_runs([second_run, run], tmp_path / "direct",
                                      models=["rbf", "gws", "mlp-sgd"])
-    _, layered = cifar10.combine_runs([second_run, first], tmp_path / "layered")
+    _, layered = cifar10_combine.combine_runs([second_run, first], tmp_path / "layered")
     assert layered["models"] == direct["models"]
     assert layered["combined_from"] == direct["combined_from"]
     assert sorted(layered["runs"], key=str) == sorted(direct["runs"], key=str)
     with pytest.raises(ValueError, match="not only combined tables"):
-        cifar10.combine_runs([first], tmp_path / "alone")
+        cifar10_combine.combine_runs([first], tmp_path / "alone")
 
 
 # --------------------------------------------------------------------------- speed modes
@@ -346,7 +348,7 @@ def test_bfloat16_stores_halve_the_bytes_and_are_recorded(data_dir, tmp_path, mo
     assert "float32 with bfloat16 stores" in (half / "results.md").read_text()
     # a table mixes no store dtypes: they are part of the protocol
     with pytest.raises(ValueError, match="another protocol.*store_dtype"):
-        cifar10.combine_runs([full, half], tmp_path / "combined")
+        cifar10_combine.combine_runs([full, half], tmp_path / "combined")
 
 
 def test_incremental_evaluation_is_the_default_and_can_be_turned_off(data_dir, tmp_path):

@@ -5,9 +5,9 @@ A :class:`HybridSoftmax` layer is a :class:`rcdl.nn.layers.GrowingSoftmax` whose
 weighted values and weights are *also* trained, jointly, by one Adam step per batch
 (:class:`rcdl.optim.entry_adam.EntryAdam`, lr 1e−3). After the Adam step, a sample writes its gws
 entry only if its query is farther than τ from every stored key of that layer
-(:class:`DistanceGate`); other
-growth triggers are :class:`AlwaysGrow`, :class:`CapacityGate` and :class:`ErrorScaledGate`
-(all in :mod:`rcdl.nn.gates`, importable from here too).
+(:class:`rcdl.nn.gates.DistanceGate`); the other growth triggers are in :mod:`rcdl.nn.gates`
+too (:class:`~rcdl.nn.gates.AlwaysGrow`, :class:`~rcdl.nn.gates.CapacityGate`,
+:class:`~rcdl.nn.gates.ErrorScaledGate`).
 
 One training step: :class:`rcdl.optim.hybrid_grower.HybridGrower` drives it, in the only
 valid order::

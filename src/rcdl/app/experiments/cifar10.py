@@ -73,31 +73,9 @@ from rcdl.app import rundir
 from rcdl.app.cifar import CifarData, cifar_summary
 from rcdl.app.classical import fit_classical
 from rcdl.app.experiments.cifar10_combine import combine_runs
-from rcdl.app.experiments.cifar10_config import (  # noqa: F401 - importable from here as before
-    METRICS,
-    Cifar10Config,
-    load_data,
-)
-from rcdl.app.experiments.cifar10_models import (  # noqa: F401 - importable from here as before
-    CLASSES,
-    D_IN,
-    MODELS,
-    PAPER_MODELS,
-    Learner,
-    ModelSpec,
-    Reference,
-    build_model,
-    hybrid_name,
-    hybrid_tau,
-    model_spec,
-)
-from rcdl.app.experiments.cifar10_report import (  # noqa: F401 - importable from here as before
-    model_rows,
-    plot_accuracy,
-    results_csv,
-    results_table,
-    write_report,
-)
+from rcdl.app.experiments.cifar10_config import METRICS, Cifar10Config, load_data
+from rcdl.app.experiments.cifar10_models import build_model, model_spec
+from rcdl.app.experiments.cifar10_report import model_rows, write_report
 from rcdl.app.rundir import RunDir
 from rcdl.app.runner import Combine, Experiment, Session, run_experiment
 from rcdl.distributed import rank_and_world, shard
@@ -106,11 +84,7 @@ from rcdl.ops.half import product_mode
 from rcdl.train.checkpoint import remove_checkpoint
 from rcdl.train.loop import train_one_pass
 
-__all__ = [
-    "EXPERIMENT", "EXPERIMENT_SPEC", "METRICS", "MODELS", "Cifar10Config", "ModelSpec",
-    "Reference", "build_model", "combine_runs", "hybrid_name", "hybrid_tau", "load_data",
-    "model_spec", "run_cifar10",
-]  # fmt: skip
+__all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "Cifar10Config", "run_cifar10"]
 
 EXPERIMENT = "cifar10-1epoch"  # also the run folders' `experiment` (cifar10_config.EXPERIMENT)
 
