@@ -30,6 +30,8 @@ methods and an ``inner``; it wraps another without the others knowing.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,7 +44,7 @@ from rcdl.ops.entries import Entries, Partial, finalize
 from rcdl.ops.kernels import Kernel
 
 __all__ = ["AttendingLayer", "Backend", "EvalCached", "Exact", "RetrievalMode", "ShardCollectives",
-           "Sharded", "TopK", "Wrapper", "find"]
+           "Sharded", "TopK", "Wrapper", "compose", "find", "wrapped"]
 
 class AttendingLayer(Protocol):
     """What a backend reads of the layer it answers for (a
@@ -116,6 +118,48 @@ def find(backend: Backend | None, kind: type) -> Any:
             return backend
         backend = backend.inner
     return None
+
+
+_KEEP: Any = object()  # compose(): this part of the chain as it is
+
+
+def compose(backend: Backend, *, base: Backend | None = _KEEP,
+            cache: EvalCached | None = _KEEP, mode: RetrievalMode | None = _KEEP) -> Backend:
+    """The chain ``TopK(mode, EvalCached(base))`` rebuilt from ``backend`` with the parts named
+    here replaced (``None``: left out; omitted: kept), inside the wrappers of :func:`wrapped`
+    (kept, outermost, in their order). The base is a :class:`Sharded` one for a split store
+    (itself over an :class:`Exact` one), else an :class:`Exact` one."""
+    own = []  # the wrappers of one's own, outermost first
+    node: Backend | None = backend
+    while node is not None and not isinstance(node, TopK | EvalCached | Sharded | Exact):
+        own.append(node)
+        node = node.inner
+    if base is _KEEP:
+        base = find(backend, Sharded) or find(backend, Exact)
+    assert base is not None  # every chain ends in one
+    if cache is _KEEP:
+        cache = find(backend, EvalCached)
+    if mode is _KEEP:
+        topk = find(backend, TopK)
+        mode = None if topk is None else topk.mode
+    chain: Backend = base
+    if cache is not None:  # the same cache state, over the new base
+        chain = dataclasses.replace(cache, inner=chain)
+    if mode is not None:
+        chain = TopK(mode, chain)
+    for wrapper in reversed(own):
+        chain = dataclasses.replace(wrapper, inner=chain)  # type: ignore[type-var]
+    return chain
+
+
+def wrapped(backend: Backend, wrap: Callable[[Backend], Backend]) -> Backend:
+    """``wrap(backend)``, checked to be a backend :func:`compose` can rebuild under: a
+    dataclass whose ``inner`` is ``backend`` (docs/architecture.md, "Adding a backend")."""
+    outer = wrap(backend)
+    if not (dataclasses.is_dataclass(outer) and getattr(outer, "inner", None) is backend):
+        raise TypeError("wrap_backend needs a dataclass backend whose inner is the backend it "
+                        f"wraps, got {type(outer).__name__}")
+    return outer
 
 
 class Exact:
@@ -197,12 +241,20 @@ class _CachedPartial:
 
 @dataclass(eq=False)
 class EvalCached(Wrapper):
-    """Incremental evaluation (:meth:`rcdl.nn.layers.AttendingLayer.enable_eval_cache`): the
-    ``k``-th no-grad call after :meth:`start_evaluation` keeps its queries and the streaming
-    fold's state after the store's last full chunk; the ``k``-th call of the next evaluation,
-    if its queries are the same and the store only grew, folds only the chunks from there on
-    (:func:`rcdl.ops.attention.resume`), bit for bit a full pass. Calls with gradients, or
-    over other entries than the store's, go to ``inner``."""
+    """Incremental evaluation (:meth:`rcdl.nn.layers.GrowingLayer.enable_eval_cache`).
+
+    Evaluation repeats the same test queries between training steps, and a step only appends
+    entries. The ``k``-th no-grad call after :meth:`start_evaluation` keeps its queries and
+    the state ``(m, num, den, mass)`` of the streaming fold after the store's last full chunk;
+    the ``k``-th call of the next evaluation, if its queries are the same and the store only
+    grew since (same ``store.version``), folds only the chunks from there on
+    (:func:`rcdl.ops.attention.resume`). The chunks are the ones a full pass folds, in the
+    same order, so the result is bit for bit a full evaluation's: a resumed run, whose cache
+    starts empty, evaluates exactly as the uninterrupted one. Otherwise it attends over
+    everything and caches anew; where the queries changed between evaluations (a layer after
+    a growing one) it stops caching. Calls with gradients, or over other entries than the
+    store's, go to ``inner``. Costs the queries and the partials of one evaluation in memory.
+    """
 
     inner: Backend | None = field(default_factory=Exact)
     slots: dict[int, _CachedPartial] | None = field(default_factory=dict)  # None: stopped

@@ -36,7 +36,9 @@ from rcdl.nn.backends import (
     RetrievalMode,
     ShardCollectives,
     Sharded,
+    compose,
     find,
+    wrapped,
 )
 from rcdl.nn.backends import TopK as _TopKBackend
 from rcdl.nn.divergence import DivergenceGuard
@@ -191,14 +193,14 @@ class GrowingLayer(nn.Module):
         """Attend over this rank's rows of a store split over ranks (``None``: the whole
         store here): the base of :attr:`backend` becomes :class:`~rcdl.nn.backends.Sharded`
         (:func:`rcdl.distributed.shard` installs it). Drops an evaluation cache."""
-        self._compose(base=Exact() if shard is None else Sharded(shard), cache=None,
-                      mode=self.retrieval)
+        self.backend = compose(self.backend, base=Exact() if shard is None else Sharded(shard),
+                               cache=None)
 
     def use_retrieval(self, mode: RetrievalMode | None) -> None:
         """Attend by a top-k mode (``None``: exact streaming attention again): the outer
-        :class:`~rcdl.nn.backends.TopK` of :attr:`backend` (:func:`rcdl.retrieval.topk.use_topk` and
-        ``use_exact`` install it)."""
-        self._compose(base=self._base(), cache=find(self.backend, EvalCached), mode=mode)
+        :class:`~rcdl.nn.backends.TopK` of :attr:`backend` (:func:`rcdl.retrieval.topk.use_topk`
+        and ``use_exact`` install it)."""
+        self.backend = compose(self.backend, mode=mode)
 
     @property
     def shard(self) -> ShardCollectives | None:
@@ -220,42 +222,14 @@ class GrowingLayer(nn.Module):
     def retrieval(self, mode: RetrievalMode | None) -> None:  # as use_retrieval
         self.use_retrieval(mode)
 
-    def _base(self) -> Backend:
-        """The backend the wrappers stand on: the :class:`~rcdl.nn.backends.Sharded` one of a
-        split store (which itself stands on an :class:`~rcdl.nn.backends.Exact`), else the
-        :class:`~rcdl.nn.backends.Exact` one."""
-        base = find(self.backend, Sharded) or find(self.backend, Exact)
-        assert base is not None  # every chain ends in one
-        return base
-
     def wrap_backend(self, wrap: Callable[[Backend], Backend]) -> None:
-        """Attend through ``wrap(backend)``: a backend of one's own around the current one
-        (docs/architecture.md, "Adding a backend"). It must be a dataclass with an ``inner``
-        field, so that the switches above can rebuild the chain under it; it stays outermost."""
-        wrapped = wrap(self.backend)
-        if not (dataclasses.is_dataclass(wrapped) and getattr(wrapped, "inner", None)
-                is self.backend):
-            raise TypeError(f"{self.where}: wrap_backend needs a dataclass backend whose "
-                            "inner is the backend it wraps")
-        self.backend = wrapped
-
-    def _compose(self, base: Backend, cache: EvalCached | None, mode: RetrievalMode | None) -> None:
-        """``backend = TopK(mode, EvalCached(base))`` with the absent parts left out, inside
-        the backends of :meth:`wrap_backend` (kept, outermost, in their order)."""
-        own = []  # the wrap_backend wrappers, outermost first
-        node: Backend | None = self.backend
-        while node is not None and not isinstance(node, _TopKBackend | EvalCached | Sharded
-                                                  | Exact):
-            own.append(node)
-            node = node.inner
-        backend: Backend = base
-        if cache is not None:  # the same cache state, over the new base
-            backend = dataclasses.replace(cache, inner=backend)
-        if mode is not None:
-            backend = _TopKBackend(mode, backend)
-        for wrapper in reversed(own):
-            backend = dataclasses.replace(wrapper, inner=backend)  # type: ignore[type-var]
-        self.backend = backend
+        """Attend through ``wrap(backend)``: a backend of one's own around the current one,
+        a dataclass with an ``inner`` field; it stays outermost (docs/architecture.md,
+        "Adding a backend")."""
+        try:
+            self.backend = wrapped(self.backend, wrap)
+        except TypeError as err:
+            raise TypeError(f"{self.where}: {err}") from None
 
     # ---------------------------------------------------------------- forward
     def entry_weights(self) -> Tensor:  # (N,)
@@ -290,36 +264,23 @@ class GrowingLayer(nn.Module):
 
     # ---------------------------------------------------------------- incremental evaluation
     def enable_eval_cache(self) -> None:
-        """Cache this layer's partial results for repeated evaluations on fixed inputs.
-
-        Evaluation repeats the same test queries between training steps, and a step only
-        appends entries. With the cache on, the ``k``-th no-grad forward call after
-        :meth:`start_evaluation` keeps its queries and the state ``(m, num, den, mass)`` of
-        the streaming attention after the store's last full chunk; the ``k``-th call of the
-        next evaluation, if its queries are the same and the store only grew since (same
-        ``store.version``), folds only the chunks from there on
-        (:func:`rcdl.ops.attention.resume`). The chunks are the ones a full pass folds,
-        in the same order, so the result is bit for bit a full evaluation's: a resumed run,
-        whose cache starts empty, evaluates exactly as the uninterrupted one. Otherwise it
-        attends over everything and caches anew; a layer
-        whose queries changed between evaluations (a layer after a growing one) stops
-        caching. Not cached: sharded stores, age coefficients (weight decay, momentum:
-        every entry's weight changes each step) and layers whose entries are trained
-        (``trains_entries``: the hybrid's Adam moves every entry each step). Costs the
-        queries and the partials of one evaluation in memory.
-        """
+        """Cache this layer's partial results for repeated evaluations on fixed inputs: a
+        no-grad call on the queries of the last evaluation folds only the rows written since,
+        bit for bit the full answer (:class:`~rcdl.nn.backends.EvalCached`). Not cached:
+        sharded stores, age coefficients (weight decay, momentum: every entry's weight changes
+        each step) and layers whose entries are trained (``trains_entries``: the hybrid)."""
         ages = self.rule.ages
         self.disable_eval_cache()  # counts the hits of a cache enabled before: reset after
         self._eval_hits = 0
         if self.shard is None and (ages is None or ages.trivial) and not self.trains_entries:
-            self._compose(base=self._base(), cache=EvalCached(), mode=self.retrieval)
+            self.backend = compose(self.backend, cache=EvalCached())
 
     def disable_eval_cache(self) -> None:
         """Turn the cache off and free it (its hits stay counted in :attr:`eval_cache_hits`)."""
         cache = find(self.backend, EvalCached)
         if cache is not None:
             self._eval_hits += cache.hits
-            self._compose(base=self._base(), cache=None, mode=self.retrieval)
+            self.backend = compose(self.backend, cache=None)
 
     def start_evaluation(self) -> None:
         """Call before each evaluation: the next forward call is the first batch's."""
