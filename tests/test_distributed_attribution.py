@@ -1,5 +1,5 @@
 """Attribution and forgetting over a sharded store (rcdl.memory.attribution.explain,
-rcdl.memory.provenance.forget under rcdl.distributed): gloo processes spawned at world sizes
+rcdl.memory.forgetting.forget under rcdl.distributed): gloo processes spawned at world sizes
 1–3 give the same top entries, top samples and contributions as one process over the whole
 store, in float64; forget removes each rank's own rows of the forgotten samples, returns the
 totals over the ranks, and leaves each rank exactly one process's remaining entries with the
@@ -16,7 +16,8 @@ from torch.testing import assert_close
 from rank_pool import run_ranks
 from rcdl import ClippedSoftmaxRule, FunctionalSGD, Grower, GrowingRBFNet, GrowingSoftmaxNet
 from rcdl.memory.attribution import explain
-from rcdl.memory.provenance import entry_samples, forget, samples
+from rcdl.memory.forgetting import forget
+from rcdl.memory.provenance import entry_samples, samples
 from rcdl.nn.layers import growing_layers
 
 pytestmark = pytest.mark.spawns  # processes of its own: one such test at a time

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from rcdl import Grower, GrowingRBF, GrowingRBFNet, HybridGrower, HybridSoftmaxNet
-from rcdl.memory.provenance import UNKNOWN, entry_samples, forget, samples
+from rcdl.memory.forgetting import forget
+from rcdl.memory.provenance import UNKNOWN, entry_samples, samples
 from rcdl.nn.gates import AlwaysGrow, DistanceGate
 from rcdl.nn.layers import growing_layers
 from rcdl.nn.rules import ClippedSoftmaxRule, FunctionalSGD

@@ -35,7 +35,7 @@ attention and its partials (:mod:`rcdl.ops.attention`), kernels and the dense re
 from rcdl._version import __version__
 from rcdl.memory.attribution import explain
 from rcdl.memory.budgets import EVICTION_POLICIES, MemoryBudget
-from rcdl.memory.provenance import forget
+from rcdl.memory.forgetting import forget
 from rcdl.nn.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate, default_tau
 from rcdl.nn.hybrid import GrowthStalledWarning, HybridSoftmax
 from rcdl.nn.layers import (

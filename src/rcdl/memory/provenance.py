@@ -35,14 +35,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
 from torch import Tensor, nn
 
-from rcdl.distributed import model_shard
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.sample_map import UNKNOWN
 
-__all__ = ["UNKNOWN", "entry_samples", "forget", "merged_counts", "samples"]
+__all__ = ["UNKNOWN", "entry_samples", "merged_counts", "samples"]
 
 
 @contextmanager
@@ -71,34 +69,3 @@ def merged_counts(layer: GrowingLayer) -> Tensor:  # (N,) int64
     entry that absorbed none; the entry still carries only its own sample
     (:func:`entry_samples`)."""
     return layer.provenance.absorbed(layer.store.ids)
-
-
-@torch.no_grad()
-def forget(model: nn.Module, sample_indices: Tensor | list[int]) -> dict[str, int]:
-    """Remove every entry that the training samples ``sample_indices`` wrote, in every
-    growing layer of ``model`` (with what the layer keeps beside its rows: the hybrid's Adam
-    moments); returns how many entries each layer removed.
-
-    Under sharding (:mod:`rcdl.distributed`) call it on every rank with the same samples:
-    each rank removes its own rows, and the counts returned are the totals over every rank
-    (one ``all_reduce``), the same on every rank and the same as one process's over the
-    whole store. Unsharded, nothing is communicated and the counts are this process's.
-
-    This is not exact unlearning: entries written after a forgotten sample carry its
-    influence through their keys (computed by layers that held its entries) and their
-    values (gradients taken under a model it affected); and a sample whose entry a memory
-    budget merged into another's is held by that entry, which carries the survivor's sample
-    (:func:`merged_counts` says how many each absorbed). docs/attribution.md says where it
-    is exact."""
-    shard = model_shard(model, "forget")  # None: nothing to communicate
-    layers = growing_layers(model)
-    wanted = torch.as_tensor(sample_indices, dtype=torch.long).reshape(-1)
-    removed = {}
-    for name, layer in layers:
-        owners = entry_samples(layer)  # (N,)
-        mask = torch.isin(owners, wanted.to(owners.device)) & (owners != UNKNOWN)
-        removed[name] = layer.remove_entries(mask) if bool(mask.any()) else 0
-    if shard is None:
-        return removed
-    local = torch.tensor(list(removed.values()), device=layers[0][1].store.device)  # (L,)
-    return dict(zip(removed, shard.all_reduce(local).tolist(), strict=True))

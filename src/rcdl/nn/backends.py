@@ -95,6 +95,9 @@ class RetrievalMode(Protocol):
 
     def attend(self, layer: Any, q: Tensor, entries: Entries | None = None) -> Tensor: ...
 
+    def rows_removed(self) -> None:
+        """The layer removed rows: drop whatever the mode keeps of them (an index)."""
+
 
 class Backend(Protocol):
     """What a layer asks of the object it attends through (see the module docstring)."""

@@ -152,6 +152,13 @@ class HybridSoftmax(GrowingSoftmax):
                             store.weights.detach().requires_grad_())
         return self._leaves
 
+    def release_rows(self) -> list[str]:
+        dropped = super().release_rows()
+        if self._leaves is not None:  # views of the rows as they were
+            self._leaves = None
+            dropped.append("entry gradient leaves")
+        return dropped
+
     def _drop_unstepped(self) -> None:
         if self.ready_records():  # the entries' gradients belong to the same dropped batch
             self._leaves = None

@@ -469,9 +469,29 @@ class GrowingLayer(nn.Module):
 
     @torch.no_grad()
     def remove_entries(self, mask: Tensor) -> int:
-        """Remove the entries where ``mask (N,)`` is True (and any per-entry state that
-        subclasses keep beside them); returns how many were removed."""
-        return self.store.remove(mask)
+        """Remove the entries where ``mask (N,)`` is True; returns how many were removed.
+        What the layer keeps derived from its rows goes with them: the evaluation cache's
+        partials, the top-k mode's index (rebuilt at its next call), and, in subclasses,
+        per-step state over the rows (:meth:`release_rows`)."""
+        removed = self.store.remove(mask)
+        if removed:
+            self.release_rows()
+        return removed
+
+    def release_rows(self) -> list[str]:
+        """Drop what the layer keeps derived from its rows (they changed); returns what it
+        dropped, by name."""
+        dropped = []
+        cache = find(self.backend, EvalCached)
+        if cache is not None and cache.slots:
+            self._eval_hits += cache.hits  # a fresh cache: nothing of the old partials
+            self.backend = compose(self.backend, cache=EvalCached())
+            dropped.append("evaluation cache")
+        mode = self.retrieval
+        if mode is not None:
+            mode.rows_removed()
+            dropped.append("top-k index")
+        return dropped
 
     @torch.no_grad()
     def drop_last_step(self) -> int:

@@ -57,6 +57,20 @@ class SampleMap(nn.Module):
         if samples is not None:
             self._samples[ids] = samples.to(self._samples.device, torch.long)
 
+    def erase(self, samples: Tensor) -> int:
+        """Make every id written by one of ``samples (S,)`` unknown, so that the map (and
+        the state dict it saves) no longer names those samples; returns how many ids it
+        changed. Forgetting calls it (:func:`rcdl.memory.forgetting.forget`)."""
+        hit = torch.isin(self._samples, samples.to(self._samples.device)) & (
+            self._samples != UNKNOWN)
+        self._samples[hit] = UNKNOWN
+        return int(hit.sum())
+
+    def names_samples(self) -> bool:
+        """Whether the map knows the sample of at least one id (a layer trained without
+        sample indices, or loaded from a state dict without them, knows none)."""
+        return bool((self._samples != UNKNOWN).any())
+
     @staticmethod
     def _lookup(table: Tensor, ids: Tensor, missing: int) -> Tensor:  # (...,) int64
         """``table[ids]``, ``missing`` for ids past its end (handed out by no write yet)."""

@@ -104,11 +104,11 @@ class EntryStore(nn.Module):
         self.size = 0
         self.version = 0  # bumped by every change other than an append (see touch)
         self.moves = 0  # of which in-place moves of rows (see moved)
-        self._keys = torch.empty(capacity, d_in, dtype=storage_dtype or dtype, device=device)
-        self._values = torch.empty(capacity, d_out, dtype=storage_dtype or dtype, device=device)
-        self._weights = torch.empty(capacity, dtype=dtype, device=device)
-        self._written_at = torch.empty(capacity, dtype=torch.long, device=device)
-        self._ids = torch.empty(capacity, dtype=torch.long, device=device)
+        self._keys = torch.zeros(capacity, d_in, dtype=storage_dtype or dtype, device=device)
+        self._values = torch.zeros(capacity, d_out, dtype=storage_dtype or dtype, device=device)
+        self._weights = torch.zeros(capacity, dtype=dtype, device=device)
+        self._written_at = torch.zeros(capacity, dtype=torch.long, device=device)
+        self._ids = torch.zeros(capacity, dtype=torch.long, device=device)
         self.next_id = 0  # the id the next new entry gets
 
     _BUFFERS = ("_keys", "_values", "_weights", "_written_at", "_ids")
@@ -206,7 +206,7 @@ class EntryStore(nn.Module):
         n = self.size
         for name in self._BUFFERS:
             old = getattr(self, name)
-            new = old.new_empty((capacity, *old.shape[1:]))
+            new = old.new_zeros((capacity, *old.shape[1:]))  # spare rows hold nothing
             new[:n] = old[:n]
             setattr(self, name, new)
 
@@ -313,7 +313,10 @@ class EntryStore(nn.Module):
 
     # ---------------------------------------------------------------- removal
     def remove(self, mask: Tensor) -> int:
-        """Remove the entries where ``mask (N,)`` is True, keeping order; returns the count."""
+        """Remove the entries where ``mask (N,)`` is True, keeping order; returns the count.
+        The rows freed at the end are zeroed: nothing of a removed entry stays in the
+        store's spare capacity (which ``torch.save`` of the module and ``copy.deepcopy``
+        carry)."""
         if mask.shape != (self.size,) or mask.dtype != torch.bool:
             raise ValueError(
                 f"EntryStore.remove: mask must be a bool tensor of shape ({self.size},), "
@@ -324,6 +327,7 @@ class EntryStore(nn.Module):
         for name in self._BUFFERS:
             buf = getattr(self, name)
             buf[:n_keep] = buf[: self.size].index_select(0, keep)
+            buf[n_keep : self.size].zero_()
         removed = self.size - n_keep
         self.size = n_keep
         if removed:
@@ -347,6 +351,9 @@ class EntryStore(nn.Module):
             setattr(self, name, getattr(self, name)[: self.size].clone())
 
     def clear(self) -> None:
+        """Remove every entry (the rows are zeroed, as :meth:`remove` does)."""
+        for name in self._BUFFERS:
+            getattr(self, name)[: self.size].zero_()
         self.size = 0
         self.touch()
 

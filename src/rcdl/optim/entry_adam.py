@@ -291,6 +291,13 @@ class EntryAdam(torch.optim.Optimizer):
                 inner.update(lr=group["lr"], betas=group["betas"], eps=group["eps"])
             self.param_adam.step()
 
+    def sync(self) -> None:
+        """Align every layer's moments with its rows now (:meth:`EntryMoments.sync`: the
+        moments of removed rows go, zeroed) rather than at the next step or state dict;
+        :func:`rcdl.memory.forgetting.forget` calls it for the learners it is given."""
+        for moments in self.moments.values():
+            moments.sync()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the entries' gradients (they live on per-step leaves) and the parameters'."""
         for _, layer in self.layers:

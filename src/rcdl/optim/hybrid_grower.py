@@ -73,6 +73,10 @@ class HybridGrower(torch.optim.Optimizer):
         self.adam.zero_grad(set_to_none)
         self.grower.zero_grad(set_to_none)
 
+    def sync(self) -> None:
+        """:meth:`EntryAdam.sync`: the moments follow the rows now."""
+        self.adam.sync()
+
     def state_dict(self) -> dict:
         return {"adam": self.adam.state_dict(), "grower": self.grower.state_dict()}
 

@@ -338,6 +338,7 @@ class TopK:
         self.calls = self.rebuilds = self.rows_added = self.restores = 0
         self._last_left_out: Tensor | None = None
         self._saved: dict[str, Any] | None = None  # a loaded state, adopted at the next call
+        self._rebuild_due = False  # rows_removed dropped an index the next call rebuilds
         self._forget_index()
 
     def _forget_index(self) -> None:
@@ -347,6 +348,14 @@ class TopK:
         self._moves_seen = 0  # its moves at the last call
         self._rows = 0  # its rows indexed
         self._stale = 0  # in-place moves of its rows the index had not followed then
+
+    def rows_removed(self) -> None:
+        """The layer removed rows: drop the index and a loaded state not yet adopted (both
+        may hold the removed keys); the next call rebuilds from the store, and
+        :meth:`state_dict` until then saves no index."""
+        self._saved = None
+        self._rebuild_due = self.index is not None  # counted when the next call rebuilds
+        self._forget_index()
 
     def __getstate__(self) -> dict[str, Any]:  # copies and pickles rebuild the index
         state = self.__dict__.copy()
@@ -380,8 +389,9 @@ class TopK:
         stale = self._kept_staleness(store)  # None without an index
         rebuild, index = stale is None, self.index
         if stale is None or index is None:  # rebuild
-            if index is not None:
+            if index is not None or self._rebuild_due:
                 self.rebuilds += 1
+                self._rebuild_due = False
             index = make_index(self.backend, metric_for(layer.kernel), **self.index_kw)
             self.index = index
             self._store, self._rows, stale = weakref.ref(store), 0, 0

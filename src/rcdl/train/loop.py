@@ -294,6 +294,17 @@ def _check_arguments(name: str, data: tuple, optimizer: Any, grower: Any, metric
                          "samples")
 
 
+def _check_sample_ids(name: str, sample_ids: Tensor, n: int) -> Tensor:  # (N,) int64
+    if not isinstance(sample_ids, Tensor) or sample_ids.shape != (n,) or (
+            sample_ids.is_floating_point() or sample_ids.dtype == torch.bool):
+        raise ValueError(f"{name}: sample_ids must be an integer tensor ({n},), one id per "
+                         f"training row, got {getattr(sample_ids, 'dtype', type(sample_ids))} "
+                         f"{tuple(getattr(sample_ids, 'shape', ()))}")
+    if bool((sample_ids < 0).any()):
+        raise ValueError(f"{name}: sample_ids must be >= 0")
+    return sample_ids.long().cpu()
+
+
 def train_one_pass(
     model: nn.Module,
     data: tuple[Tensor, Tensor, Tensor, Tensor],
@@ -315,6 +326,7 @@ def train_one_pass(
     epochs: int = 1,
     on_epoch_end: Callable[[int], Mapping[str, float]] | None = None,
     incremental_eval: bool = False,
+    sample_ids: Tensor | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` for one pass (or ``epochs`` passes) over the training set; evaluate as
     it goes.
@@ -363,6 +375,11 @@ def train_one_pass(
             its evaluation cost stops growing with the store. Off by default: it costs the
             queries and partials of one evaluation in memory. Training is unaffected either
             way.
+        sample_ids: ``(N,)`` int64, the index each training row is recorded under as the
+            sample that wrote its entries (:mod:`rcdl.memory.provenance`), e.g. its index in
+            the full dataset when ``x_train`` is a subset of it; what
+            :func:`rcdl.memory.forgetting.forget` is then given. Default: the row's position
+            in ``x_train``.
 
     Returns:
         ``{<metric names>, "train_loss", "entries", "bytes", "steps", "samples", "epochs",
@@ -378,6 +395,8 @@ def train_one_pass(
     metrics = dict(metrics or {"test_mse": F.mse_loss})
     _check_arguments(name, data, optimizer, grower, metrics, batch_size, eval_every, epochs)
     x_train, y_train, x_test, y_test = data
+    if sample_ids is not None:
+        sample_ids = _check_sample_ids(name, sample_ids, len(x_train))
     device = torch.device(device)
     schedule = Schedule(len(x_train), batch_size, epochs, seed)
     identity = {"name": name, "seed": seed, "batch_size": batch_size, "train_samples": schedule.n}
@@ -404,7 +423,8 @@ def train_one_pass(
             for step, idx in schedule.batches(loop["step"]):
                 t0 = time.perf_counter()
                 xb, yb = x_train[idx].to(device), y_train[idx].to(device)
-                with samples(model, idx):  # the entries written remember their samples
+                ids = idx if sample_ids is None else sample_ids[idx]
+                with samples(model, ids):  # the entries written remember their samples
                     loss_value = train_step(model, xb, yb, loss_fn, optimizer, grower)
                 if not math.isfinite(loss_value):
                     raise FloatingPointError(

@@ -80,7 +80,8 @@ from rcdl.app.experiments.continual_baselines import (
 from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
-from rcdl.memory.provenance import UNKNOWN, entry_samples, forget, samples
+from rcdl.memory.forgetting import forget
+from rcdl.memory.provenance import UNKNOWN, entry_samples, samples
 from rcdl.nn.layers import growing_layers
 from rcdl.train.loop import epoch_permutation, predict, train_step
 
@@ -433,12 +434,13 @@ def _pixels_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequ
 def own_entries_copy(model: nn.Module, keep: Tensor) -> tuple[nn.Module, dict[str, int]]:
     """A deep copy of ``model`` whose growing layers keep only the entries written by the
     training samples ``keep`` (indices) and those of unknown origin (initial entries): in
-    the copy, :func:`rcdl.memory.provenance.forget` removes every other sample's entries; with the
+    the copy, :func:`rcdl.memory.forgetting.forget` removes every other sample's entries; with the
     entries each layer kept."""
     restricted = copy.deepcopy(model)
     layers = growing_layers(restricted)
     owners = torch.cat([entry_samples(layer) for _, layer in layers]).unique()  # (S,)
-    forget(restricted, owners[~torch.isin(owners, keep.to(owners.device))])  # UNKNOWN stays
+    others = owners[~torch.isin(owners, keep.to(owners.device)) & (owners != UNKNOWN)]
+    forget(restricted, others, scan=False)  # the entries of unknown origin stay
     return restricted, {name: len(layer.store) for name, layer in layers}
 
 

@@ -2,7 +2,7 @@
 "Forgetting: measured").
 
 Run it with ``rcdl reproduce unlearning``. Every entry of a growing layer was written by one
-training sample (:mod:`rcdl.memory.provenance`), so :func:`rcdl.memory.provenance.forget` removes a
+training sample (:mod:`rcdl.memory.provenance`), so :func:`rcdl.memory.forgetting.forget` removes a
 sample's entries in milliseconds. Retraining from scratch without the samples is the gold
 standard any unlearning method is judged against; this experiment puts the two side by side.
 
@@ -14,7 +14,7 @@ For each model and seed, one sub-run:
    training images (drawn from the seed), and ``class``, every training image of class
    ``forget_class``:
 
-   - *forget* (growing models): the original with :func:`rcdl.memory.provenance.forget` applied,
+   - *forget* (growing models): the original with :func:`rcdl.memory.forgetting.forget` applied,
      timed;
    - *fine-tune* (the parametric baseline): the original trained further, with a fresh
      optimizer of its kind, on a random ``finetune_fraction`` of the retained images (one
@@ -43,7 +43,6 @@ import copy
 import dataclasses
 import json
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -61,7 +60,7 @@ from rcdl.app.recipes import train_model
 from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, read_config
 from rcdl.app.runner import Combine, Experiment, Session
-from rcdl.memory.provenance import forget
+from rcdl.memory.forgetting import forget
 from rcdl.train.loop import accuracy, predict, train_one_pass
 
 __all__ = ["ANCHORS", "EXPERIMENT", "EXPERIMENT_SPEC", "SCENARIOS", "UnlearningConfig",
@@ -245,11 +244,10 @@ def unlearn_one(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
                          "seconds": original_seconds}}
         if growing:
             copy_ = copy.deepcopy(original)
-            start = time.perf_counter()
-            removed = forget(copy_, forget_idx)
-            seconds = time.perf_counter() - start
+            receipt = forget(copy_, forget_idx)
             variants["forget"] = {**_measure(copy_, sets, cfg, seed, device),
-                                  "seconds": seconds, "removed": removed}
+                                  "seconds": receipt.seconds, "removed": dict(receipt),
+                                  "receipt": receipt.to_json()}
         else:
             part = retain_idx[torch.randperm(len(retain_idx), generator=g)
                               [: max(1, math.ceil(cfg.finetune_fraction * len(retain_idx)))]]
