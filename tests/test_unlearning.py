@@ -79,6 +79,14 @@ def test_the_command_forgets_what_the_samples_wrote_and_reports(data_dir, tmp_pa
     original, retrained = rbf["variants"]["original"], rbf["variants"]["retrain"]
     assert original["forget_acc"] > forgotten["forget_acc"] + 30
     assert abs(forgotten["forget_acc"] - retrained["forget_acc"]) < 30
+    # exact forgetting is retraining on the stream without the images, bit for bit
+    for scenario in ("random", "class"):
+        variants = by_model["rbf"]["scenarios"][scenario]["variants"]
+        assert variants["exact"]["equals_retrain"]
+        assert {k: variants["exact"][k] for k in ("forget_acc", "retain_acc", "test_acc")} == {
+            k: variants["retrain"][k] for k in ("forget_acc", "retain_acc", "test_acc")}
+        assert variants["exact"]["receipt"]["scan"]["clean"]
+    assert "bit for bit as *retrain* did in 2 of 2" in (out / "results.md").read_text()
     assert set(by_model["mlp-sgd"]["scenarios"]["class"]["variants"]) == {
         "original", "fine-tune", "retrain"}
     cfg = UnlearningConfig.from_dict(json.loads((out / "config.json").read_text()))

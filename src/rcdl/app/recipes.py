@@ -37,7 +37,7 @@ from rcdl.train.loop import Metric, accuracy, train_one_pass
 __all__ = [
     "PAPER_WIDTH", "Build", "ProjectedConfig", "epoch_rows", "epoch_table", "final_table",
     "plot_curves", "project", "projected_tensors", "random_projection", "seed_runs",
-    "train_method", "train_model",
+    "train_method", "train_model", "train_with_learners",
 ]  # fmt: skip
 
 PAPER_WIDTH = 3072  # the flattened image: the paper's residual stream
@@ -56,12 +56,24 @@ def train_model(name: str, seed: int, x: Tensor, y: Tensor, evaluation: tuple[Te
     their samples as indices into ``x``. ``evaluation = (x_eval, y_eval)`` is scored
     (``"acc"``) before and after.
     Returns the model and :func:`rcdl.train.loop.train_one_pass`'s result."""
+    model, _, _, result = train_with_learners(name, seed, x, y, evaluation,
+                                              batch_size=batch_size, device=device)
+    return model, result
+
+
+def train_with_learners(name: str, seed: int, x: Tensor, y: Tensor,
+                        evaluation: tuple[Tensor, Tensor], *, batch_size: int = 16,
+                        device: torch.device | str = "cpu", **loop: Any,
+                        ) -> tuple[nn.Module, Any, Any, dict[str, Any]]:  # fmt: skip
+    """:func:`train_model`, also returning the model's optimizer and grower (``None`` where
+    it has none), with more :func:`rcdl.train.loop.train_one_pass` arguments (``order``,
+    ``replay``)."""
     model, optimizer, grower = build_model(name, seed, device=device, reserve=len(x))
     result = train_one_pass(model, (x, y, *evaluation), batch_size=batch_size, seed=seed,
                             optimizer=optimizer, grower=grower, loss_fn=F.cross_entropy,
                             metrics={"acc": accuracy}, eval_every=10**9, device=device,
-                            progress=False)  # fmt: skip
-    return model, result
+                            progress=False, **loop)  # fmt: skip
+    return model, optimizer, grower, result
 
 
 # --------------------------------------------------------------------------- methods over epochs

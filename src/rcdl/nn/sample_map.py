@@ -66,6 +66,12 @@ class SampleMap(nn.Module):
         self._samples[hit] = UNKNOWN
         return int(hit.sum())
 
+    def rewind(self, next_id: int) -> None:
+        """Forget every id from ``next_id`` on (unknown sample, nothing merged): the map as it
+        was before those ids were handed out (:meth:`rcdl.nn.store.EntryStore.rewind`)."""
+        self._samples[next_id:] = UNKNOWN
+        self._merged[next_id:] = 0
+
     def names_samples(self) -> bool:
         """Whether the map knows the sample of at least one id (a layer trained without
         sample indices, or loaded from a state dict without them, knows none)."""

@@ -350,6 +350,18 @@ class EntryStore(nn.Module):
         for name in self._BUFFERS:
             setattr(self, name, getattr(self, name)[: self.size].clone())
 
+    def rewind(self, size: int, next_id: int) -> None:
+        """Go back to the first ``size`` rows and hand out ids from ``next_id`` again (the rows
+        after are zeroed): the store as it was when it held ``size`` rows, if it only grew
+        since (exact forgetting restores a snapshot so, :mod:`rcdl.train.replay`)."""
+        if not 0 <= size <= self.size or next_id < 0:
+            raise ValueError(f"EntryStore.rewind: need 0 <= size <= {self.size} and next_id >= "
+                             f"0, got size={size}, next_id={next_id}")
+        for name in self._BUFFERS:
+            getattr(self, name)[size : self.size].zero_()
+        self.size, self.next_id = size, next_id
+        self.touch()
+
     def clear(self) -> None:
         """Remove every entry (the rows are zeroed, as :meth:`remove` does)."""
         for name in self._BUFFERS:
@@ -373,10 +385,10 @@ class EntryStore(nn.Module):
         state dict holds besides ``next_id``, and what :meth:`load_rows` takes back."""
         return {name: getattr(self, name).clone() for name in self._ROWS}
 
-    def load_rows(self, rows: dict[str, Tensor]) -> None:
+    def load_rows(self, rows: dict[str, Tensor], next_id: int | None = None) -> None:
         """Replace the entries by ``rows`` (as :meth:`rows` gives them), checked first: a
-        refused load (``ValueError``) leaves the store as it was. ``next_id`` moves past the
-        largest id loaded."""
+        refused load (``ValueError``) leaves the store as it was. ``next_id`` (default: the
+        store's) moves past the largest id loaded."""
         missing = [name for name in self._ROWS if name not in rows]
         if missing:
             raise ValueError(f"EntryStore.load_rows: rows lack {', '.join(missing)}")
@@ -384,7 +396,8 @@ class EntryStore(nn.Module):
         if problem is not None:
             raise ValueError(f"EntryStore.load_rows: {problem}")
         ids = rows["ids"]
-        next_id = max(self.next_id, int(ids.max()) + 1 if ids.numel() else 0)
+        next_id = max(self.next_id if next_id is None else next_id,
+                      int(ids.max()) + 1 if ids.numel() else 0)
         self._replace(*(rows[name] for name in self._ROWS), next_id=next_id)
 
     def _replace(self, keys: Tensor, values: Tensor, weights: Tensor, written_at: Tensor,

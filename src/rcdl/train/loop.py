@@ -38,6 +38,7 @@ from rcdl.nn.layers import growing_layers
 from rcdl.nn.networks import eval_mode
 from rcdl.nn.store import format_bytes
 from rcdl.train.checkpoint import Checkpointer
+from rcdl.train.replay import ReplayLog
 
 __all__ = ["Checkpointer", "Evaluator", "GrowerLike", "MetricLog", "Schedule", "accuracy",
            "epoch_permutation", "evaluate", "predict", "train_one_pass",
@@ -141,12 +142,14 @@ class Schedule:
     """The step arithmetic of ``epochs`` passes over ``n`` samples in batches of
     ``batch_size``: global step ``s`` is batch ``t = s mod S`` of epoch ``e = s div S``
     (``S`` steps per epoch), samples ``perm_e[t·B : (t+1)·B]`` with ``perm_e =
-    epoch_permutation(n, seed, e)``."""
+    epoch_permutation(n, seed, e)``, or ``order`` (one epoch of ``n = len(order)``
+    positions) where it is given."""
 
     n: int
     batch_size: int
     epochs: int
     seed: int
+    order: Tensor | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -167,8 +170,12 @@ class Schedule:
         for step in range(start, self.steps):
             epoch, t = divmod(step, self.steps_per_epoch)
             if epoch != perm_epoch:
-                perm, perm_epoch = epoch_permutation(self.n, self.seed, epoch), epoch  # (N,)
+                perm, perm_epoch = self.permutation(epoch), epoch  # (N,)
             yield step, perm[t * self.batch_size : (t + 1) * self.batch_size]
+
+    def permutation(self, epoch: int) -> Tensor:  # (n,) int64
+        """The order of epoch ``epoch``."""
+        return epoch_permutation(self.n, self.seed, epoch) if self.order is None else self.order
 
     def ends_epoch(self, step: int) -> bool:
         """Whether ``step`` steps done is the end of an epoch."""
@@ -305,6 +312,20 @@ def _check_sample_ids(name: str, sample_ids: Tensor, n: int) -> Tensor:  # (N,) 
     return sample_ids.long().cpu()
 
 
+def _check_order(name: str, order: Tensor, n: int, epochs: int) -> Tensor:  # (M,) int64
+    if not isinstance(order, Tensor) or order.dim() != 1 or order.is_floating_point() or (
+            order.dtype == torch.bool) or order.numel() == 0:
+        raise ValueError(f"{name}: order must be a non-empty 1-D integer tensor of positions "
+                         f"into x_train, got {getattr(order, 'dtype', type(order))} "
+                         f"{tuple(getattr(order, 'shape', ()))}")
+    order = order.long().cpu()
+    if bool(((order < 0) | (order >= n)).any()) or order.unique().numel() != order.numel():
+        raise ValueError(f"{name}: order must hold distinct positions in [0, {n})")
+    if epochs != 1:
+        raise ValueError(f"{name}: an order is one epoch, got epochs={epochs}")
+    return order
+
+
 def train_one_pass(
     model: nn.Module,
     data: tuple[Tensor, Tensor, Tensor, Tensor],
@@ -327,6 +348,8 @@ def train_one_pass(
     on_epoch_end: Callable[[int], Mapping[str, float]] | None = None,
     incremental_eval: bool = False,
     sample_ids: Tensor | None = None,
+    order: Tensor | None = None,
+    replay: ReplayLog | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` for one pass (or ``epochs`` passes) over the training set; evaluate as
     it goes.
@@ -380,6 +403,12 @@ def train_one_pass(
             the full dataset when ``x_train`` is a subset of it; what
             :func:`rcdl.memory.forgetting.forget` is then given. Default: the row's position
             in ``x_train``.
+        order: ``(M,)`` int64 positions into ``x_train``: train one epoch over exactly these
+            rows in this order (each at most once) instead of the seeded permutation; e.g. a
+            run's order with some samples taken out, the run exact forgetting reproduces
+            (:func:`rcdl.train.unlearning.forget_exactly`).
+        replay: a :class:`rcdl.train.replay.ReplayLog` to record the stream and a snapshot
+            every ``replay.every`` steps into, for exact forgetting (one epoch, from step 0).
 
     Returns:
         ``{<metric names>, "train_loss", "entries", "bytes", "steps", "samples", "epochs",
@@ -397,8 +426,13 @@ def train_one_pass(
     x_train, y_train, x_test, y_test = data
     if sample_ids is not None:
         sample_ids = _check_sample_ids(name, sample_ids, len(x_train))
+    if order is not None:
+        order = _check_order(name, order, len(x_train), epochs)
+    if replay is not None and epochs != 1:
+        raise ValueError(f"{name}: a replay log records one epoch, got epochs={epochs}")
     device = torch.device(device)
-    schedule = Schedule(len(x_train), batch_size, epochs, seed)
+    schedule = Schedule(len(x_train) if order is None else len(order), batch_size, epochs,
+                        seed, order)
     identity = {"name": name, "seed": seed, "batch_size": batch_size, "train_samples": schedule.n}
     checkpoints = None if checkpoint_path is None else Checkpointer(
         checkpoint_path, checkpoint_every or eval_every, identity, model, optimizer, grower)
@@ -411,6 +445,12 @@ def train_one_pass(
                 f"{schedule.steps} steps of {epochs} epoch(s); delete it or train for more epochs"
             )
         loop = loop or _new_loop()
+        if replay is not None:
+            if loop["step"] != 0:
+                raise ValueError(f"{name}: a replay log records a run from step 0; this one "
+                                 f"resumes at step {loop['step']}")
+            replay.start(schedule.permutation(0), batch_size, sample_ids)
+            replay.take(0, model, [optimizer, grower])
         bar = tqdm(total=epochs * schedule.n, initial=schedule.seen(loop["step"]), unit="sample",
                    desc=name, disable=not progress, dynamic_ncols=True)  # fmt: skip
         cached = [layer for _, layer in growing_layers(model)] if incremental_eval else []
@@ -436,6 +476,8 @@ def train_one_pass(
                 bar.update(len(idx))
                 if (step + 1) % eval_every == 0 or schedule.ends_epoch(step + 1):
                     final = record(step + 1, loop)
+                if replay is not None and replay.due(step + 1):
+                    replay.take(step + 1, model, [optimizer, grower])
                 if checkpoints is not None and checkpoints.due(step + 1, schedule.steps):
                     checkpoints.save(loop)
     finally:

@@ -16,10 +16,15 @@ For each model and seed, one sub-run:
 
    - *forget* (growing models): the original with :func:`rcdl.memory.forgetting.forget` applied,
      timed;
+   - *exact* (growing models): the original with
+     :func:`rcdl.train.unlearning.forget_exactly` applied (restore the snapshot before the
+     earliest forgotten image, replay the rest of the stream without them), timed; it must
+     equal *retrain* bit for bit, and the run checks that its test predictions do;
    - *fine-tune* (the parametric baseline): the original trained further, with a fresh
      optimizer of its kind, on a random ``finetune_fraction`` of the retained images (one
      pass over them), timed: the cheap approximate method of the unlearning literature;
-   - *retrain*: the same model trained from the same seed on the retained images only.
+   - *retrain*: the same model trained from the same seed on the original's stream with the
+     forgotten images taken out (every other image in the same order, batches re-formed).
 
 Measured for each variant: accuracy on the forget set, on the retained set (at most
 ``retain_eval_size`` of its images, a random subset) and on the test set, and a
@@ -56,12 +61,14 @@ from torch import Tensor, nn
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.experiments.cifar10_models import build_model, model_spec
-from rcdl.app.recipes import train_model
+from rcdl.app.recipes import train_with_learners
 from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, read_config
 from rcdl.app.runner import Combine, Experiment, Session
 from rcdl.memory.forgetting import forget
-from rcdl.train.loop import accuracy, predict, train_one_pass
+from rcdl.train.loop import accuracy, epoch_permutation, predict, train_one_pass
+from rcdl.train.replay import ReplayLog
+from rcdl.train.unlearning import forget_exactly
 
 __all__ = ["ANCHORS", "EXPERIMENT", "EXPERIMENT_SPEC", "SCENARIOS", "UnlearningConfig",
            "combine_runs", "forget_indices", "mia_score", "per_sample_losses", "unlearn_one"]
@@ -102,6 +109,8 @@ class UnlearningConfig(ExperimentConfig):
     seeds: tuple[int, ...] = setting((0, 1, 2), "seeds (initialisation, order, random "
                                      "forget set)", minimum=0, metavar="K")
     batch_size: int = setting(16, "samples per step B", metavar="B")
+    replay_every: int = setting(1, "exact forgetting: a snapshot of a growing model every K "
+                                "training steps (replays up to K - 1 extra steps)", metavar="K")
     eval_batch_size: int = setting(500, "images per prediction batch", metavar="N")
     data_dir: str | None = data_dir_setting()
     data_seed: int = setting(0, "seed of the subsets", minimum=0)
@@ -208,13 +217,31 @@ def _measure(model: nn.Module, sets: _Sets, cfg: UnlearningConfig, seed: int,
 
 
 def _train(name: str, seed: int, x: Tensor, y: Tensor, cfg: UnlearningConfig,
-           session: Session) -> tuple[nn.Module, float]:  # fmt: skip
+           session: Session, **loop: Any) -> tuple[nn.Module, Any, Any, float]:  # fmt: skip
     """Model ``name`` trained one pass over ``(x, y)`` from ``seed``
-    (:func:`rcdl.app.recipes.train_model`, nothing evaluated), with
-    its training seconds. The entries remember their samples as indices into ``x``."""
-    model, result = train_model(name, seed, x, y, (x[:1], y[:1]), batch_size=cfg.batch_size,
-                                device=session.device)
-    return model, result["train_seconds"]
+    (:func:`rcdl.app.recipes.train_with_learners`, nothing evaluated; ``loop``: ``order``,
+    ``replay``), with its learners and training seconds. The entries remember their samples
+    as indices into ``x``."""
+    model, optimizer, grower, result = train_with_learners(
+        name, seed, x, y, (x[:1], y[:1]), batch_size=cfg.batch_size, device=session.device,
+        **loop)
+    return model, optimizer, grower, result["train_seconds"]
+
+
+def _exactly_forgotten(name: str, seed: int, trained: tuple, replay: ReplayLog,
+                       forget_idx: Tensor, x: Tensor, y: Tensor,
+                       device: torch.device) -> tuple[nn.Module, Any]:  # fmt: skip
+    """A copy of the trained ``(model, optimizer, grower)`` with ``forget_idx`` forgotten
+    exactly (the log copied too), and the receipt."""
+    model, optimizer, grower = build_model(name, seed, device=device, reserve=len(x))
+    model.load_state_dict(trained[0].state_dict())
+    for mine, theirs in ((optimizer, trained[1]), (grower, trained[2])):
+        if mine is not None:
+            mine.load_state_dict(theirs.state_dict())
+    receipt = forget_exactly(model, forget_idx, replay=copy.deepcopy(replay), data=(x, y),
+                             loss_fn=F.cross_entropy, optimizer=optimizer, grower=grower,
+                             device=device)
+    return model, receipt
 
 
 def unlearn_one(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
@@ -224,7 +251,10 @@ def unlearn_one(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
     growing = model_spec(name).growing
     device = session.device
     x, y = data.x_train, data.y_train
-    original, original_seconds = _train(name, seed, x, y, cfg, session)
+    replay = ReplayLog(every=cfg.replay_every) if growing else None
+    original, *learners, original_seconds = _train(
+        name, seed, x, y, cfg, session, **({"replay": replay} if replay is not None else {}))
+    stream = epoch_permutation(len(y), seed, 0)  # the original's order
     out: dict[str, Any] = {"model": name, "seed": seed, "growing": growing,
                            "original_train_seconds": original_seconds, "scenarios": {}}
     for scenario in cfg.scenarios:
@@ -242,12 +272,22 @@ def unlearn_one(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
         variants: dict[str, dict[str, Any]] = {
             "original": {**_measure(original, sets, cfg, seed, device),
                          "seconds": original_seconds}}
+        exact_logits = None
         if growing:
             copy_ = copy.deepcopy(original)
             receipt = forget(copy_, forget_idx)
             variants["forget"] = {**_measure(copy_, sets, cfg, seed, device),
                                   "seconds": receipt.seconds, "removed": dict(receipt),
                                   "receipt": receipt.to_json()}
+            assert replay is not None
+            copy_, receipt = _exactly_forgotten(name, seed, (original, *learners), replay,
+                                                forget_idx, x, y, device)
+            exact_logits = predict(copy_, data.x_test, batch_size=cfg.eval_batch_size,
+                                   device=device)
+            variants["exact"] = {**_measure(copy_, sets, cfg, seed, device),
+                                 "seconds": receipt.seconds,
+                                 "replayed": next(iter(receipt.released.values()))[0],
+                                 "receipt": receipt.to_json()}
         else:
             part = retain_idx[torch.randperm(len(retain_idx), generator=g)
                               [: max(1, math.ceil(cfg.finetune_fraction * len(retain_idx)))]]
@@ -261,10 +301,13 @@ def unlearn_one(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
             variants["fine-tune"] = {**_measure(copy_, sets, cfg, seed, device),
                                      "seconds": result["train_seconds"], "images": len(part)}
         del copy_
-        retrained, seconds = _train(name, seed, x[retain_idx], y[retain_idx], cfg,
-                                       session)
+        retrained, _, _, seconds = _train(name, seed, x, y, cfg, session,
+                                          order=stream[keep[stream]])
         variants["retrain"] = {**_measure(retrained, sets, cfg, seed, device),
                                "seconds": seconds}
+        if exact_logits is not None:  # exact forgetting is retraining, bit for bit
+            variants["exact"]["equals_retrain"] = bool(torch.equal(exact_logits, predict(
+                retrained, data.x_test, batch_size=cfg.eval_batch_size, device=device)))
         del retrained
         out["scenarios"][scenario] = {"forget_size": len(forget_idx),
                                       "mia_test_size": int(mia_test.sum()),
@@ -333,8 +376,8 @@ def plot(path: Any, rows_: list[dict[str, Any]], scenarios: tuple[str, ...]) -> 
                ("mia", "MIA accuracy"))
     fig, axes = plt.subplots(len(metrics), len(scenarios), figsize=(5.5 * len(scenarios), 9),
                              squeeze=False)
-    colours = {"original": "#888888", "forget": "#1f77b4", "fine-tune": "#ff7f0e",
-               "retrain": "#2ca02c"}
+    colours = {"original": "#888888", "forget": "#1f77b4", "exact": "#9467bd",
+               "fine-tune": "#ff7f0e", "retrain": "#2ca02c"}
     for col, scenario in enumerate(scenarios):
         mine = [r for r in rows_ if r["scenario"] == scenario]
         models = list(dict.fromkeys(r["model"] for r in mine))
@@ -346,7 +389,7 @@ def plot(path: Any, rows_: list[dict[str, Any]], scenarios: tuple[str, ...]) -> 
                 for j, r in enumerate(bars):
                     first = r["variant"] not in labelled
                     labelled.add(r["variant"])
-                    ax.bar(i + (j - (len(bars) - 1) / 2) * 0.25, r[metric] or 0, 0.24,
+                    ax.bar(i + (j - (len(bars) - 1) / 2) * 0.2, r[metric] or 0, 0.19,
                            yerr=r[metric + "_sd"] or 0, color=colours.get(r["variant"]),
                            label=r["variant"] if first else None)
             ax.set_xticks(range(len(models)), models)
@@ -369,12 +412,16 @@ def write_report(run: RunDir, cfg: UnlearningConfig, summary: dict[str, Any],
     parts = [
         "# Forgetting training samples against retraining without them",
         f"{d['n_train']:,} training / {d['n_test']:,} test CIFAR-10 images (random subsets, "
-        f"data seed {cfg.data_seed}); one epoch, batch {cfg.batch_size}; seeds "
-        f"{' '.join(map(str, cfg.seeds))} (mean ± sd). Growing models: `rcdl.forget` removes "
-        "the forgotten images' entries; parametric ones: fine-tuned with a fresh optimizer on "
+        f"data seed {cfg.data_seed}; JPEG-decoded); one epoch, batch {cfg.batch_size}; seeds "
+        f"{' '.join(map(str, cfg.seeds))} (mean ± sd). Growing models: *forget*, "
+        "`rcdl.forget` removes the forgotten images' entries; *exact*, "
+        "`rcdl.train.unlearning.forget_exactly` restores the snapshot before the earliest "
+        f"forgotten image (one every {cfg.replay_every} step(s)) and replays the rest. "
+        "Parametric ones: fine-tuned with a fresh optimizer on "
         f"{cfg.finetune_fraction:.0%} of the retained images. *retrain*: trained from the "
-        "same seed without the forgotten images. Seconds: training for *original* and "
-        "*retrain*, the unlearning step for *forget* and *fine-tune*. MIA: the accuracy of "
+        "same seed on the original's stream without the forgotten images. Seconds: training "
+        "for *original* and *retrain*, the unlearning step for *forget*, *exact* and "
+        "*fine-tune*. MIA: the accuracy of "
         f"a logistic regression on per-sample losses, forget set against test images, "
         f"{MIA_SPLITS} stratified splits; a perfect unlearner matches *retrain*.",
     ]
@@ -386,6 +433,12 @@ def write_report(run: RunDir, cfg: UnlearningConfig, summary: dict[str, Any],
                 f"{summary.get('forget_class_name', '?')} ({size:,} images; the MIA compares "
                 "them with the test images of that class)")
         parts += [f"## Forgetting {what}", _table(rows_, scenario)]
+    exact = [v["variants"]["exact"] for r in summary["runs"] for v in r["scenarios"].values()
+             if "exact" in v["variants"]]
+    if exact:
+        equal = sum(bool(e.get("equals_retrain")) for e in exact)
+        parts.append(f"*exact* predicted the test images bit for bit as *retrain* did in "
+                     f"{equal} of {len(exact)} (model, scenario, seed) runs.")
     parts += [
         "Anchor (the NeurIPS 2023 unlearning challenge's starting kit, CIFAR-10, ResNet-18, "
         f"a random forget set): MIA {ANCHORS['original']} original, {ANCHORS['fine-tune']} "
