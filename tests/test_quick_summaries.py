@@ -96,6 +96,10 @@ TINY: dict[str, list[str]] = {
         "reproduce", "unlearning", "--quick", "--models", "gws", "mlp-adam", "--train-size",
         "48", "--test-size", "24", "--retain-eval-size", "24", "--forget-fraction", "0.25",
         "--device", "cpu"],
+    "forgetting-quality": [
+        "reproduce", "forgetting-quality", "--quick", "--models", "rbf", "mlp-adam",
+        "--train-size", "40", "--test-size", "16", "--models-per-side", "2",
+        "--device", "cpu"],
     "continual": [
         "reproduce", "continual", "--quick", "--models", "gws", "hybrid", "mlp-sgd",
         "mlp-ewc", "mlp-lwf", "knn-cosine", "ncm", "slda", "--train-size", "48",
@@ -114,6 +118,7 @@ FULL: dict[str, list[str]] = {
     "vit": ["reproduce", "vit", "--quick", "--device", "cpu"],
     "attribution": ["reproduce", "attribution", "--quick", "--device", "cpu"],
     "unlearning": ["reproduce", "unlearning", "--quick", "--device", "cpu"],
+    "forgetting-quality": ["reproduce", "forgetting-quality", "--quick", "--device", "cpu"],
     "continual": ["reproduce", "continual", "--quick", "--device", "cpu"],
 }  # fmt: skip
 
@@ -125,7 +130,8 @@ LONG = set() if FULL_DATA else {"cifar10-1epoch"}  # over 15 s: `make test-long`
 # the ResNet-MLPs' blocks at this width
 # the membership-inference score and the classical baselines need scikit-learn
 NEEDS_SKLEARN = {"unlearning", "continual"}
-SMALL_WIDTH = {"cifar10-1epoch-baselines": 64, "unlearning": 64, "continual": 64}
+SMALL_WIDTH = {"cifar10-1epoch-baselines": 64, "unlearning": 64, "continual": 64,
+               "forgetting-quality": 64}
 
 
 def _check_results():
