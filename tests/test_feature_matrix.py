@@ -10,7 +10,10 @@ float16), the world size (1–3, spawned gloo processes), top-k retrieval with `
 third), the evaluation cache, a save through :class:`rcdl.train.loop.Checkpointer` and a resume
 into freshly built objects at a random step, evaluation passes between steps (whose outputs
 are then changed in place, as a user's post-processing may), an ``nn.Linear`` in front, an
-in-place ReLU between the two growing layers, a memory budget, the initial entries, and the
+in-place ReLU between the two growing layers, a memory budget, the initial entries, forgetting
+some samples part-way (``rcdl.memory.forgetting.forget`` with the learners, on every rank;
+the reference forgets them too; drawn from a generator of its own so that the other
+switches' draws stay as they were), and the
 stored weights split as ``w = 1/2``, ``v = 2(−ηg)`` (the same function; not with float16
 stores, where doubling a subnormal value rounds otherwise).
 
@@ -98,6 +101,8 @@ from rcdl import (
     use_exact,
     use_topk,
 )
+from rcdl.memory.forgetting import forget
+from rcdl.memory.provenance import samples
 from rcdl.train.loop import Checkpointer, train_step
 
 pytestmark = pytest.mark.spawns  # processes of its own: one such test at a time
@@ -109,6 +114,7 @@ except ImportError:
 
 D_IN, WIDTH, D_OUT = 5, 6, 3
 BATCHES = (1, 7, 7, 5, 7, 6)
+FORGOTTEN = (0, 12, 14, 21, 33)  # sample ids (10·step + row) the forget switch removes
 STEPS = len(BATCHES)
 TOLERANCE = 1e-10
 HALF_FACTOR, HALF_ULPS = 10.0, 2.0
@@ -142,6 +148,7 @@ class Case:
     budget: tuple | None = None  # (capacity, policy, merge, slack); world size 1 only
     split: bool = False  # linear and RBF kinds: weights 1/2, values doubled
     initial: int = 4  # softmax kinds: initial entries per layer
+    forget_at: int | None = None  # forget FORGOTTEN after this many steps (learners synced)
     guards: str = ""  # the defect a fixed case is there for
 
     def to_json(self) -> str:
@@ -246,8 +253,15 @@ def draw(rng: random.Random) -> Case:
 
 def drawn_cases() -> list[Case]:
     count = int(os.environ.get("RCDL_MATRIX_DRAWS", "48"))
-    rng = random.Random(int(os.environ.get("RCDL_MATRIX_SEED", "0")))
-    return [draw(rng) for _ in range(count)]
+    seed = int(os.environ.get("RCDL_MATRIX_SEED", "0"))
+    rng, forgets = random.Random(seed), random.Random(seed + 10_000)  # the second one: the
+    cases = []  # forget switch, drawn apart so that the other switches' draws stay as they were
+    for _ in range(count):
+        case = draw(rng)
+        if forgets.random() < 0.3:
+            case = dataclasses.replace(case, forget_at=forgets.randint(2, STEPS - 1))
+        cases.append(case)
+    return cases
 
 
 def expected_refusal(case: Case) -> str | None:
@@ -269,7 +283,8 @@ def layouts_differ(case: Case) -> bool:
 
 def reference_of(case: Case, store: str | None = None) -> Case:
     return Case(kind=case.kind, gate=case.gate, store=store or case.store, front=case.front,
-                budget=case.budget, initial=case.initial, evals=tuple(range(STEPS + 1)))
+                budget=case.budget, initial=case.initial, evals=tuple(range(STEPS + 1)),
+                forget_at=case.forget_at)
 
 
 # --------------------------------------------------------------------------- the model
@@ -407,8 +422,12 @@ def run(case: Case, folder: Path) -> dict:
         if step == case.resume_at:
             model, optimizer, grower = _save_and_resume(case, folder, step, model, optimizer,
                                                         grower)
+        if step == case.forget_at:
+            forget(model, FORGOTTEN, learners=[x for x in (optimizer, grower) if x is not None],
+                   scan=False)
         x, y = batch(step)
-        train_step(model.train(), x, y, F.mse_loss, optimizer, grower)
+        with samples(model, 10 * step + torch.arange(len(x))):  # sample ids: 10·step + row
+            train_step(model.train(), x, y, F.mse_loss, optimizer, grower)
     use_exact(model)
     for _, layer in growing_layers(model):
         layer.disable_eval_cache()
@@ -593,6 +612,7 @@ def test_the_draws_cover_every_switch():
         assert {getattr(c, switch) for c in cases} == {False, True}, switch
     assert any(c.resume_at for c in cases) and any(c.evals for c in cases)
     assert any(c.budget for c in cases) and any(expected_refusal(c) for c in cases)
+    assert {c.world for c in cases if c.forget_at} == {1, 2, 3}
 
 
 @pytest.mark.skipif("RCDL_MATRIX_CASE" not in os.environ,
