@@ -30,10 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from rcdl.app.allocator import keep_freed_memory
-from rcdl.app.experiments.cifar10_config import METRICS, Cifar10Config, load_data
-from rcdl.app.experiments.cifar10_models import build_model
+from rcdl.app.experiments.cifar10_config import Cifar10Config, load_data
+from rcdl.app.recipes import copy_trained, train_with_learners
 from rcdl.app.rundir import cpu_flags, cpu_model
-from rcdl.train.loop import train_one_pass
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly, stream_without
 
@@ -44,13 +43,8 @@ def cpu_line() -> str:
 
 
 def train(name: str, data: tuple, *, order=None, replay=None):  # noqa: ANN001, ANN201
-    model, optimizer, grower = build_model(name, 0, device="cpu", dtype=torch.float32,
-                                           reserve=len(data[0]))
-    result = train_one_pass(model, data, batch_size=16, seed=0, optimizer=optimizer,
-                            grower=grower, loss_fn=F.cross_entropy, metrics=METRICS,
-                            eval_every=10**9, eval_batch_size=500, progress=False,
-                            order=order, replay=replay)
-    return model, optimizer, grower, result
+    loop = {k: v for k, v in (("order", order), ("replay", replay)) if v is not None}
+    return train_with_learners(name, 0, data[0], data[1], (data[2], data[3]), **loop)
 
 
 def predictions(model, x):  # noqa: ANN001, ANN201
@@ -102,13 +96,8 @@ def main() -> None:
               "| same predictions |")
         print("|---|---:|---:|---:|---:|---:|---|")
         for label, gone in requests.items():
-            copied = build_model(name, 0, device="cpu", dtype=torch.float32,
-                                 reserve=len(data[0]))  # a copy of the trained state
-            copied[0].load_state_dict(model.state_dict())
-            for mine, theirs in zip(copied[1:], (optimizer, grower), strict=True):
-                if mine is not None:
-                    mine.load_state_dict(theirs.state_dict())
-            copied = (*copied, copy.deepcopy(log))
+            copied = (*copy_trained(name, 0, (model, optimizer, grower), reserve=len(data[0])),
+                      copy.deepcopy(log))
             position = int(torch.isin(stream, gone).nonzero()[0])
             start = time.perf_counter()
             receipt = forget_exactly(copied[0], gone, replay=copied[3], data=data[:2],

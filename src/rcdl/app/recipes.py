@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData
 from rcdl.app.config import ExperimentConfig
-from rcdl.app.experiments.cifar10_models import build_model
+from rcdl.app.experiments.cifar10_models import build_model, model_spec
 from rcdl.app.report import markdown_table, mean_sd, pm
 from rcdl.app.rundir import RunDir, save_figure
 from rcdl.app.runner import Session, TaggedLog
@@ -37,7 +37,8 @@ from rcdl.train.loop import Metric, accuracy, train_one_pass
 __all__ = [
     "PAPER_WIDTH", "Build", "ProjectedConfig", "epoch_rows", "epoch_table", "final_table",
     "plot_curves", "project", "projected_tensors", "random_projection", "seed_runs",
-    "train_method", "train_model", "train_with_learners",
+    "train_method", "train_model", "train_with_learners", "copy_trained", "fine_tune",
+    "check_unlearning_settings",
 ]  # fmt: skip
 
 PAPER_WIDTH = 3072  # the flattened image: the paper's residual stream
@@ -74,6 +75,52 @@ def train_with_learners(name: str, seed: int, x: Tensor, y: Tensor,
                             metrics={"acc": accuracy}, eval_every=10**9, device=device,
                             progress=False, **loop)  # fmt: skip
     return model, optimizer, grower, result
+
+
+# --------------------------------------------------------------------------- unlearning
+
+
+def copy_trained(name: str, seed: int, trained: tuple, *, reserve: int,
+                 device: torch.device | str = "cpu") -> tuple[nn.Module, Any, Any]:
+    """A fresh ``(model, optimizer, grower)`` of model ``name`` holding the state of
+    ``trained`` (what :func:`train_with_learners` returned, or its first three): what an
+    unlearning method works on while the trained one stays as it was. (A ``copy.deepcopy``
+    of a torch optimizer keeps only its state dict's parts, so the learners are rebuilt.)"""
+    model, optimizer, grower = build_model(name, seed, device=device, reserve=reserve)
+    model.load_state_dict(trained[0].state_dict())
+    for mine, theirs in ((optimizer, trained[1]), (grower, trained[2])):
+        if mine is not None:
+            mine.load_state_dict(theirs.state_dict())
+    return model, optimizer, grower
+
+
+def fine_tune(name: str, seed: int, trained: nn.Module, x: Tensor, y: Tensor, *,
+              batch_size: int = 16, device: torch.device | str = "cpu",
+              ) -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
+    """The unlearning literature's cheap baseline: a copy of the parametric model ``trained``
+    trained one more pass over ``(x, y)`` (some of the retained images) with a fresh
+    optimizer of its kind, in ``seed``'s order; returns it and
+    :func:`rcdl.train.loop.train_one_pass`'s result."""
+    model, optimizer, _ = build_model(name, seed, device=device)
+    model.load_state_dict(trained.state_dict())
+    result = train_one_pass(model, (x, y, x[:1], y[:1]), batch_size=batch_size, seed=seed,
+                            optimizer=optimizer, loss_fn=F.cross_entropy,
+                            metrics={"acc": accuracy}, eval_every=10**9, device=device,
+                            progress=False)  # fmt: skip
+    return model, result
+
+
+def check_unlearning_settings(where: str, models: tuple[str, ...], forget_fraction: float,
+                              finetune_fraction: float) -> None:
+    """Refuse a classical baseline (nothing to unlearn by a pass) and fractions out of
+    range: the checks the unlearning experiments share."""
+    for name in models:
+        if model_spec(name).classical:
+            raise ValueError(f"{where}: {name!r} is a classical baseline, not trained by "
+                             "passes; use a growing model or an MLP")
+    if forget_fraction >= 1 or finetune_fraction > 1:
+        raise ValueError(f"{where}: forget_fraction must be below 1 and finetune_fraction at "
+                         "most 1")
 
 
 # --------------------------------------------------------------------------- methods over epochs

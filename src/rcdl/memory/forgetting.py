@@ -278,14 +278,9 @@ def forget(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
     for name, layer in layers:
         owners = entry_samples(layer)  # (N,)
         mask = torch.isin(owners, wanted.to(owners.device)) & (owners != UNKNOWN)
-        released[name] = []
-        if bool(mask.any()):
-            if scan:
-                gone_keys.append(layer.store.keys[mask].clone())
-            released[name] = layer.release_rows()
-            removed[name] = layer.remove_entries(mask)
-        else:
-            removed[name] = 0
+        if scan and bool(mask.any()):
+            gone_keys.append(layer.store.keys[mask].clone())
+        removed[name], released[name] = layer.remove_rows(mask)
         erased[name] = layer.provenance.erase(wanted)
     synced = []
     for learner in learners:

@@ -95,8 +95,9 @@ class RetrievalMode(Protocol):
 
     def attend(self, layer: Any, q: Tensor, entries: Entries | None = None) -> Tensor: ...
 
-    def rows_removed(self) -> None:
-        """The layer removed rows: drop whatever the mode keeps of them (an index)."""
+    def rows_removed(self) -> bool:
+        """The layer removed rows: drop whatever the mode keeps of them (an index); whether
+        it held any."""
 
 
 class Backend(Protocol):

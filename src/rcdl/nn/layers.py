@@ -470,13 +470,15 @@ class GrowingLayer(nn.Module):
     @torch.no_grad()
     def remove_entries(self, mask: Tensor) -> int:
         """Remove the entries where ``mask (N,)`` is True; returns how many were removed.
-        What the layer keeps derived from its rows goes with them: the evaluation cache's
-        partials, the top-k mode's index (rebuilt at its next call), and, in subclasses,
-        per-step state over the rows (:meth:`release_rows`)."""
+        What the layer keeps derived from its rows goes with them (:meth:`remove_rows`)."""
+        return self.remove_rows(mask)[0]
+
+    def remove_rows(self, mask: Tensor) -> tuple[int, list[str]]:
+        """:meth:`remove_entries`, also saying what went with the rows, by name: the
+        evaluation cache's partials, the top-k mode's index (rebuilt at its next call), and,
+        in subclasses, per-step state over the rows (:meth:`release_rows`)."""
         removed = self.store.remove(mask)
-        if removed:
-            self.release_rows()
-        return removed
+        return removed, (self.release_rows() if removed else [])
 
     def release_rows(self) -> list[str]:
         """Drop what the layer keeps derived from its rows (they changed); returns what it
@@ -488,8 +490,7 @@ class GrowingLayer(nn.Module):
             self.backend = compose(self.backend, cache=EvalCached())
             dropped.append("evaluation cache")
         mode = self.retrieval
-        if mode is not None:
-            mode.rows_removed()
+        if mode is not None and mode.rows_removed():
             dropped.append("top-k index")
         return dropped
 

@@ -322,6 +322,8 @@ class EntryStore(nn.Module):
                 f"EntryStore.remove: mask must be a bool tensor of shape ({self.size},), "
                 f"got {mask.dtype} {tuple(mask.shape)}"
             )
+        if not bool(mask.any()):  # nothing to move
+            return 0
         keep = (~mask).nonzero().squeeze(1).to(self.device)  # (N_keep,)
         n_keep = keep.numel()
         for name in self._BUFFERS:
@@ -330,8 +332,7 @@ class EntryStore(nn.Module):
             buf[n_keep : self.size].zero_()
         removed = self.size - n_keep
         self.size = n_keep
-        if removed:
-            self.touch()
+        self.touch()
         return removed
 
     def touch(self) -> None:

@@ -349,13 +349,16 @@ class TopK:
         self._rows = 0  # its rows indexed
         self._stale = 0  # in-place moves of its rows the index had not followed then
 
-    def rows_removed(self) -> None:
+    def rows_removed(self) -> bool:
         """The layer removed rows: drop the index and a loaded state not yet adopted (both
         may hold the removed keys); the next call rebuilds from the store, and
-        :meth:`state_dict` until then saves no index."""
+        :meth:`state_dict` until then saves no index. Returns whether there was either."""
+        held = self.index is not None or self._saved is not None
         self._saved = None
-        self._rebuild_due = self.index is not None  # counted when the next call rebuilds
+        # counted when the next call rebuilds (a second call before then changes nothing)
+        self._rebuild_due = self._rebuild_due or self.index is not None
         self._forget_index()
+        return held
 
     def __getstate__(self) -> dict[str, Any]:  # copies and pickles rebuild the index
         state = self.__dict__.copy()

@@ -33,6 +33,7 @@ with warnings.catch_warnings():  # in Jupyter without ipywidgets tqdm.auto falls
     warnings.filterwarnings("ignore", message="IProgress not found")  # text bar: say nothing
     from tqdm.auto import tqdm
 
+from rcdl.memory.forgetting import sample_index_tensor
 from rcdl.memory.provenance import samples
 from rcdl.nn.layers import growing_layers
 from rcdl.nn.networks import eval_mode
@@ -302,14 +303,12 @@ def _check_arguments(name: str, data: tuple, optimizer: Any, grower: Any, metric
 
 
 def _check_sample_ids(name: str, sample_ids: Tensor, n: int) -> Tensor:  # (N,) int64
-    if not isinstance(sample_ids, Tensor) or sample_ids.shape != (n,) or (
-            sample_ids.is_floating_point() or sample_ids.dtype == torch.bool):
+    """The caller's ids, checked as forgetting checks sample indices, one per row."""
+    if not isinstance(sample_ids, Tensor) or sample_ids.shape != (n,):
         raise ValueError(f"{name}: sample_ids must be an integer tensor ({n},), one id per "
                          f"training row, got {getattr(sample_ids, 'dtype', type(sample_ids))} "
                          f"{tuple(getattr(sample_ids, 'shape', ()))}")
-    if bool((sample_ids < 0).any()):
-        raise ValueError(f"{name}: sample_ids must be >= 0")
-    return sample_ids.long().cpu()
+    return sample_index_tensor(sample_ids, f"{name}: sample_ids")
 
 
 def _check_order(name: str, order: Tensor, n: int, epochs: int) -> Tensor:  # (M,) int64

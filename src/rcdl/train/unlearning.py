@@ -15,6 +15,7 @@ forgotten sample seen late costs little, one seen in the first batch a whole ret
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -103,7 +104,7 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
         xb, yb = x_train[rows].to(device), y_train[rows].to(device)
         with samples(model, ids[step * batch : (step + 1) * batch]):
             loss = train_step(model, xb, yb, loss_fn, optimizer, grower)
-        if not loss == loss or loss in (float("inf"), float("-inf")):
+        if not math.isfinite(loss):
             raise FloatingPointError(f"forget_exactly: training loss is {loss} at step {step}")
         if replay.due(step + 1):
             replay.take(step + 1, model, learners)

@@ -54,13 +54,18 @@ from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.experiments.cifar10_models import build_model, model_spec
-from rcdl.app.recipes import train_with_learners
+from rcdl.app.experiments.cifar10_models import model_spec
+from rcdl.app.recipes import (
+    check_unlearning_settings,
+    copy_trained,
+    fine_tune,
+    train_with_learners,
+)
 from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
 from rcdl.memory.forgetting import forget
-from rcdl.train.loop import accuracy, epoch_permutation, predict, train_one_pass
+from rcdl.train.loop import epoch_permutation, predict
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly
 
@@ -97,13 +102,8 @@ class ForgettingQualityConfig(ExperimentConfig):
     device: str = device_setting()
 
     def check(self) -> None:
-        for name in self.models:
-            if model_spec(name).classical:
-                raise ValueError(f"ForgettingQualityConfig: {name!r} is a classical baseline, "
-                                 "not trained by passes")
-        if self.forget_fraction >= 1 or self.finetune_fraction > 1:
-            raise ValueError("ForgettingQualityConfig: forget_fraction must be below 1 and "
-                             "finetune_fraction at most 1")
+        check_unlearning_settings("ForgettingQualityConfig", self.models, self.forget_fraction,
+                                  self.finetune_fraction)
         if self.models_per_side < 2:
             raise ValueError("ForgettingQualityConfig: models_per_side must be at least 2")
 
@@ -129,9 +129,8 @@ def example_epsilons(unlearned: Tensor, retrained: Tensor, delta: float = DELTA
     fpr = (r[:, None, :] > thresholds[None]).double().mean(0)  # (T, S)
     fpr = torch.cat([fpr, 1 - fpr])
     fnr = torch.cat([fnr, 1 - fnr])
-    with torch.no_grad():
-        e1 = torch.log(1 - delta - fpr) - torch.log(fnr)
-        e2 = torch.log(1 - delta - fnr) - torch.log(fpr)
+    e1 = torch.log(1 - delta - fpr) - torch.log(fnr)
+    e2 = torch.log(1 - delta - fnr) - torch.log(fpr)
     eps = torch.maximum(torch.nan_to_num(e1, nan=-math.inf), torch.nan_to_num(e2, nan=-math.inf))
     eps = torch.where((fpr == 0) & (fnr == 0), math.inf, eps)  # a perfect split
     eps = torch.where((fpr == 0) ^ (fnr == 0), -math.inf, eps)  # bounds nothing: left out
@@ -174,16 +173,6 @@ def _score(model: nn.Module, data: CifarData, forget_idx: Tensor, retain_idx: Te
     return _Scored(losses, 100 * retain, 100 * test, seconds)
 
 
-def _copy_of(name: str, seed: int, trained: tuple, n: int, device: torch.device) -> tuple:
-    """A fresh ``(model, optimizer, grower)`` holding the state of ``trained``."""
-    model, optimizer, grower = build_model(name, seed, device=device, reserve=n)
-    model.load_state_dict(trained[0].state_dict())
-    for mine, theirs in ((optimizer, trained[1]), (grower, trained[2])):
-        if mine is not None:
-            mine.load_state_dict(theirs.state_dict())
-    return model, optimizer, grower
-
-
 def measure_model(name: str, data: CifarData, cfg: ForgettingQualityConfig,
                   session: Session) -> dict[str, Any]:  # fmt: skip
     """One sub-run: ``N`` originals unlearned by each method, ``N`` retrained models, and
@@ -210,7 +199,7 @@ def measure_model(name: str, data: CifarData, cfg: ForgettingQualityConfig,
             receipt = forget(copy_, forget_idx, scan=False)
             scored.setdefault("forget", []).append(
                 _score(copy_, data, forget_idx, retain_idx, cfg, device, receipt.seconds))
-            copy_, c_opt, c_grower = _copy_of(name, k, trained, n, device)
+            copy_, c_opt, c_grower = copy_trained(name, k, trained, reserve=n, device=device)
             start = time.perf_counter()
             forget_exactly(copy_, forget_idx, replay=copy.deepcopy(replay), data=(x, y),
                            loss_fn=F.cross_entropy, optimizer=c_opt, grower=c_grower,
@@ -222,12 +211,8 @@ def measure_model(name: str, data: CifarData, cfg: ForgettingQualityConfig,
             g = torch.Generator().manual_seed(20_000 + k)
             part = retain_idx[torch.randperm(len(retain_idx), generator=g)
                               [: max(1, math.ceil(cfg.finetune_fraction * len(retain_idx)))]]
-            copy_, c_opt, _ = build_model(name, k, device=device)
-            copy_.load_state_dict(model.state_dict())
-            res = train_one_pass(copy_, (x[part], y[part], x[:1], y[:1]),
-                                 batch_size=cfg.batch_size, seed=k, optimizer=c_opt,
-                                 loss_fn=F.cross_entropy, metrics={"acc": accuracy},
-                                 eval_every=10**9, device=device, progress=False)
+            copy_, res = fine_tune(name, k, model, x[part], y[part],
+                                   batch_size=cfg.batch_size, device=device)
             scored.setdefault("fine-tune", []).append(
                 _score(copy_, data, forget_idx, retain_idx, cfg, device, res["train_seconds"]))
         del model, optimizer, grower, copy_

@@ -60,13 +60,18 @@ from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.experiments.cifar10_models import build_model, model_spec
-from rcdl.app.recipes import train_with_learners
+from rcdl.app.experiments.cifar10_models import model_spec
+from rcdl.app.recipes import (
+    check_unlearning_settings,
+    copy_trained,
+    fine_tune,
+    train_with_learners,
+)
 from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, read_config
 from rcdl.app.runner import Combine, Experiment, Session
 from rcdl.memory.forgetting import forget
-from rcdl.train.loop import accuracy, epoch_permutation, predict, train_one_pass
+from rcdl.train.loop import epoch_permutation, predict
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly
 
@@ -117,13 +122,8 @@ class UnlearningConfig(ExperimentConfig):
     device: str = device_setting()
 
     def check(self) -> None:
-        for name in self.models:
-            if model_spec(name).classical:
-                raise ValueError(f"UnlearningConfig: {name!r} is a classical baseline, not "
-                                 "trained by passes; use a growing model or an MLP")
-        if self.forget_fraction >= 1 or self.finetune_fraction > 1:
-            raise ValueError("UnlearningConfig: forget_fraction must be below 1 and "
-                             "finetune_fraction at most 1")
+        check_unlearning_settings("UnlearningConfig", self.models, self.forget_fraction,
+                                  self.finetune_fraction)
         if self.forget_class >= 10:
             raise ValueError(f"UnlearningConfig: forget_class must be a CIFAR-10 class, "
                              f"0-9, got {self.forget_class}")
@@ -233,11 +233,7 @@ def _exactly_forgotten(name: str, seed: int, trained: tuple, replay: ReplayLog,
                        device: torch.device) -> tuple[nn.Module, Any]:  # fmt: skip
     """A copy of the trained ``(model, optimizer, grower)`` with ``forget_idx`` forgotten
     exactly (the log copied too), and the receipt."""
-    model, optimizer, grower = build_model(name, seed, device=device, reserve=len(x))
-    model.load_state_dict(trained[0].state_dict())
-    for mine, theirs in ((optimizer, trained[1]), (grower, trained[2])):
-        if mine is not None:
-            mine.load_state_dict(theirs.state_dict())
+    model, optimizer, grower = copy_trained(name, seed, trained, reserve=len(x), device=device)
     receipt = forget_exactly(model, forget_idx, replay=copy.deepcopy(replay), data=(x, y),
                              loss_fn=F.cross_entropy, optimizer=optimizer, grower=grower,
                              device=device)
@@ -291,13 +287,8 @@ def unlearn_one(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
         else:
             part = retain_idx[torch.randperm(len(retain_idx), generator=g)
                               [: max(1, math.ceil(cfg.finetune_fraction * len(retain_idx)))]]
-            # the original's weights under a fresh optimizer of its kind
-            copy_, optimizer, _ = build_model(name, seed, device=device)
-            copy_.load_state_dict(original.state_dict())
-            result = train_one_pass(
-                copy_, (x[part], y[part], x[:1], y[:1]), batch_size=cfg.batch_size,
-                seed=seed, optimizer=optimizer, loss_fn=F.cross_entropy,
-                metrics={"acc": accuracy}, eval_every=10**9, device=device, progress=False)
+            copy_, result = fine_tune(name, seed, original, x[part], y[part],
+                                      batch_size=cfg.batch_size, device=device)
             variants["fine-tune"] = {**_measure(copy_, sets, cfg, seed, device),
                                      "seconds": result["train_seconds"], "images": len(part)}
         del copy_
