@@ -86,6 +86,14 @@ def test_the_command_forgets_what_the_samples_wrote_and_reports(data_dir, tmp_pa
         assert {k: variants["exact"][k] for k in ("forget_acc", "retain_acc", "test_acc")} == {
             k: variants["retrain"][k] for k in ("forget_acc", "retain_acc", "test_acc")}
         assert variants["exact"]["receipt"]["scan"]["clean"]
+        # the fast mode: removed everywhere, the readout re-written, nothing left
+        for fast in ("repair", "repair+keys"):
+            receipt = variants[fast]["receipt"]
+            assert receipt["removed"] == variants["forget"]["receipt"]["removed"]
+            assert any("re-wrote" in note for note in receipt["released"]["readout"])
+            assert receipt["scan"]["clean"]
+        assert any("recomputed" in note
+                   for note in variants["repair+keys"]["receipt"]["released"]["readout"])
     assert "bit for bit as *retrain* did in 2 of 2" in (out / "results.md").read_text()
     assert set(by_model["mlp-sgd"]["scenarios"]["class"]["variants"]) == {
         "original", "fine-tune", "retrain"}

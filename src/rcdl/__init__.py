@@ -36,6 +36,7 @@ from rcdl._version import __version__
 from rcdl.memory.attribution import explain
 from rcdl.memory.budgets import EVICTION_POLICIES, MemoryBudget
 from rcdl.memory.forgetting import forget
+from rcdl.memory.repair import forget_and_repair
 from rcdl.nn.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate, default_tau
 from rcdl.nn.hybrid import GrowthStalledWarning, HybridSoftmax
 from rcdl.nn.layers import (
@@ -100,7 +101,7 @@ __all__ = [
     # training
     "evaluate", "train_one_pass",
     # attribution and forgetting
-    "explain", "forget",
+    "explain", "forget", "forget_and_repair",
     # checkpoints
     "CheckpointInUse", "DamagedCheckpoint", "UnsafeCheckpoint", "load_checkpoint",
     "load_model_state", "save_checkpoint",

@@ -23,7 +23,8 @@ import dataclasses
 import functools
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -479,6 +480,25 @@ class GrowingLayer(nn.Module):
         in subclasses, per-step state over the rows (:meth:`release_rows`)."""
         removed = self.store.remove(mask)
         return removed, (self.release_rows() if removed else [])
+
+    def rewrite_rows(self, rows: slice, *, keys: Tensor | None = None,
+                     values: Tensor | None = None, weights: Tensor | None = None) -> list[str]:
+        """Replace the keys, values and/or weights of the store's rows ``rows``
+        (:meth:`rcdl.nn.store.EntryStore.rewrite`) and drop what the layer keeps derived
+        from its rows (:meth:`release_rows`); returns what it dropped, by name."""
+        self.store.rewrite(rows, keys=keys, values=values, weights=weights)
+        return self.release_rows()
+
+    @contextmanager
+    def backend_wrapped(self, wrap: Callable[[Backend], Backend]) -> Iterator[None]:
+        """Within the block, attend through ``wrap(backend)`` (as :meth:`wrap_backend`);
+        the backend of before is back after it."""
+        before = self.backend
+        self.wrap_backend(wrap)
+        try:
+            yield
+        finally:
+            self.backend = before
 
     def release_rows(self) -> list[str]:
         """Drop what the layer keeps derived from its rows (they changed); returns what it

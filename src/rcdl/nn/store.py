@@ -335,6 +335,35 @@ class EntryStore(nn.Module):
         self.touch()
         return removed
 
+    def rewrite(self, rows: slice, *, keys: Tensor | None = None, values: Tensor | None = None,
+                weights: Tensor | None = None) -> None:
+        """Replace the keys, values and/or weights of the live rows ``rows`` (a slice) in
+        place; ids and write steps stay. ``keys (R, d_in)``, ``values (R, d_out)``,
+        ``weights (R,)`` are in the store's ``dtype`` and finite (keys and values are rounded
+        to ``storage_dtype``); all are checked before anything is written."""
+        n = len(range(*rows.indices(self.size)))
+        new = {"_keys": (keys, (n, self.d_in)), "_values": (values, (n, self.d_out)),
+               "_weights": (weights, (n,))}
+        checked = {}
+        for name, (t, shape) in new.items():
+            if t is None:
+                continue
+            what = name[1:]
+            if t.shape != shape:
+                raise ValueError(f"EntryStore.rewrite: {n} rows take {what} {shape}, got "
+                                 f"{tuple(t.shape)}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"EntryStore.rewrite: {what} must be {self.dtype}, got {t.dtype}")
+            t = t.to(getattr(self, name).dtype)
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"EntryStore.rewrite: non-finite {what} (or {what} that "
+                                 f"overflow {t.dtype}); nothing rewritten")
+            checked[name] = t
+        for name, t in checked.items():
+            getattr(self, name)[: self.size][rows] = t
+        if checked:
+            self.touch()
+
     def touch(self) -> None:
         """Record an in-place change of stored rows (what appends do not do)."""
         self.version += 1

@@ -16,6 +16,10 @@ For each model and seed, one sub-run:
 
    - *forget* (growing models): the original with :func:`rcdl.memory.forgetting.forget` applied,
      timed;
+   - *repair* (growing models whose readout a rule writes: not the hybrid): the original
+     with :func:`rcdl.memory.repair.forget_and_repair` applied, timed (the readout's
+     later entries re-written on its stored keys); *repair+keys*: the same with the
+     readout's keys recomputed first from the training images;
    - *exact* (growing models): the original with
      :func:`rcdl.train.unlearning.forget_exactly` applied (restore the snapshot before the
      earliest forgotten image, replay the rest of the stream without them), timed; it must
@@ -71,6 +75,7 @@ from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, read_config
 from rcdl.app.runner import Combine, Experiment, Session
 from rcdl.memory.forgetting import forget
+from rcdl.memory.repair import forget_and_repair, repair_refusal
 from rcdl.train.loop import epoch_permutation, predict
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly
@@ -275,6 +280,12 @@ def unlearn_one(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
             variants["forget"] = {**_measure(copy_, sets, cfg, seed, device),
                                   "seconds": receipt.seconds, "removed": dict(receipt),
                                   "receipt": receipt.to_json()}
+            repairs = (("repair", None), ("repair+keys", x))
+            for variant, inputs in repairs if repair_refusal(original) is None else ():
+                copy_ = copy.deepcopy(original)
+                receipt = forget_and_repair(copy_, forget_idx, labels=y, inputs=inputs)
+                variants[variant] = {**_measure(copy_, sets, cfg, seed, device),
+                                     "seconds": receipt.seconds, "receipt": receipt.to_json()}
             assert replay is not None
             copy_, receipt = _exactly_forgotten(name, seed, (original, *learners), replay,
                                                 forget_idx, x, y, device)
@@ -367,7 +378,8 @@ def plot(path: Any, rows_: list[dict[str, Any]], scenarios: tuple[str, ...]) -> 
                ("mia", "MIA accuracy"))
     fig, axes = plt.subplots(len(metrics), len(scenarios), figsize=(5.5 * len(scenarios), 9),
                              squeeze=False)
-    colours = {"original": "#888888", "forget": "#1f77b4", "exact": "#9467bd",
+    colours = {"original": "#888888", "forget": "#1f77b4", "repair": "#17becf",
+               "repair+keys": "#bcbd22", "exact": "#9467bd",
                "fine-tune": "#ff7f0e", "retrain": "#2ca02c"}
     for col, scenario in enumerate(scenarios):
         mine = [r for r in rows_ if r["scenario"] == scenario]
@@ -380,7 +392,7 @@ def plot(path: Any, rows_: list[dict[str, Any]], scenarios: tuple[str, ...]) -> 
                 for j, r in enumerate(bars):
                     first = r["variant"] not in labelled
                     labelled.add(r["variant"])
-                    ax.bar(i + (j - (len(bars) - 1) / 2) * 0.2, r[metric] or 0, 0.19,
+                    ax.bar(i + (j - (len(bars) - 1) / 2) * 0.14, r[metric] or 0, 0.13,
                            yerr=r[metric + "_sd"] or 0, color=colours.get(r["variant"]),
                            label=r["variant"] if first else None)
             ax.set_xticks(range(len(models)), models)
@@ -405,13 +417,15 @@ def write_report(run: RunDir, cfg: UnlearningConfig, summary: dict[str, Any],
         f"{d['n_train']:,} training / {d['n_test']:,} test CIFAR-10 images (random subsets, "
         f"data seed {cfg.data_seed}; JPEG-decoded); one epoch, batch {cfg.batch_size}; seeds "
         f"{' '.join(map(str, cfg.seeds))} (mean ± sd). Growing models: *forget*, "
-        "`rcdl.forget` removes the forgotten images' entries; *exact*, "
+        "`rcdl.forget` removes the forgotten images' entries; *repair*, "
+        "`rcdl.forget_and_repair` removes them and re-writes the readout's later entries "
+        "(*repair+keys*: its keys recomputed first from the training images); *exact*, "
         "`rcdl.train.unlearning.forget_exactly` restores the snapshot before the earliest "
         f"forgotten image (one every {cfg.replay_every} step(s)) and replays the rest. "
         "Parametric ones: fine-tuned with a fresh optimizer on "
         f"{cfg.finetune_fraction:.0%} of the retained images. *retrain*: trained from the "
         "same seed on the original's stream without the forgotten images. Seconds: training "
-        "for *original* and *retrain*, the unlearning step for *forget*, *exact* and "
+        "for *original* and *retrain*, the unlearning step for *forget*, *repair*, *exact* and "
         "*fine-tune*. MIA: the accuracy of "
         f"a logistic regression on per-sample losses, forget set against test images, "
         f"{MIA_SPLITS} stratified splits; a perfect unlearner matches *retrain*.",
