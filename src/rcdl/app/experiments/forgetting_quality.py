@@ -4,7 +4,8 @@ cores afford (docs/unlearning.md, "Forgetting quality").
 Run it with ``rcdl reproduce forgetting-quality`` (see docs/unlearning.md). The challenge
 judges an unlearning method by how well an attacker tells, for each forgotten example on its
 own, the outputs of many unlearned models from those of many models retrained without the
-forget set; this experiment measures that for ``forget``, exact forgetting and, for a
+forget set; this experiment measures that for ``forget``, the fast mode, exact forgetting
+and, for a
 parametric model, fine-tuning on the retained images.
 
 For each model (one sub-run), with one fixed forget set (a random ``forget_fraction`` of the
@@ -12,7 +13,9 @@ training subset, drawn from ``forget_seed``):
 
 - ``N = models_per_side`` originals, seeds ``0 … N−1``, each trained one pass (batch 16) on
   the whole training subset, then unlearned by each method: *forget*
-  (:func:`rcdl.memory.forgetting.forget`) and *exact*
+  (:func:`rcdl.memory.forgetting.forget`), *repair* and *repair+keys*
+  (:func:`rcdl.memory.repair.forget_and_repair`, with the readout's stored or recomputed
+  keys; not for the hybrid) and *exact*
   (:func:`rcdl.train.unlearning.forget_exactly`) for growing models, *fine-tune* (a fresh
   optimizer, one pass over a random ``finetune_fraction`` of the retained images) for
   parametric ones; *original* (no unlearning) is scored too, as the floor;
@@ -65,6 +68,7 @@ from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
 from rcdl.memory.forgetting import forget
+from rcdl.memory.repair import forget_and_repair, repair_refusal
 from rcdl.train.loop import epoch_permutation, predict
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly
@@ -199,6 +203,13 @@ def measure_model(name: str, data: CifarData, cfg: ForgettingQualityConfig,
             receipt = forget(copy_, forget_idx, scan=False)
             scored.setdefault("forget", []).append(
                 _score(copy_, data, forget_idx, retain_idx, cfg, device, receipt.seconds))
+            repairs = (("repair", None), ("repair+keys", x))
+            for method, inputs in repairs if repair_refusal(model) is None else ():
+                copy_ = copy.deepcopy(model)
+                receipt = forget_and_repair(copy_, forget_idx, labels=y, inputs=inputs,
+                                            scan=False)
+                scored.setdefault(method, []).append(
+                    _score(copy_, data, forget_idx, retain_idx, cfg, device, receipt.seconds))
             copy_, c_opt, c_grower = copy_trained(name, k, trained, reserve=n, device=device)
             start = time.perf_counter()
             forget_exactly(copy_, forget_idx, replay=copy.deepcopy(replay), data=(x, y),
