@@ -34,7 +34,8 @@ much per layer and three times over (forward, backward, the look-ahead).
 Given the training inputs, the readout's keys are recomputed first: each retained
 sample's features as the layers below, without the forgotten entries, would have given them
 when it was written (every layer attending only to the entries of the steps before its
-own, the layers' other entries as training left them). The keys a readout stored were its
+own, the layers' other entries as training left them; ordinary parameters, such as a
+trained ``nn.Linear`` in front, as they are now). The keys a readout stored were its
 queries under layers that still held the forgotten samples; after :func:`forget` the layers
 below answer differently, so the stored keys no longer match the features a test image
 gets. This costs a no-gradient pass of the layers below over the re-written samples, each
@@ -48,9 +49,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -362,8 +364,8 @@ def _record(q: Tensor, s: Tensor, y: Tensor, loss_fn: Loss, n_samples: int, part
 def forget_and_repair(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
                       labels: Tensor, loss_fn: Loss = F.cross_entropy,
                       inputs: Tensor | None = None, readout: str = "readout",
-                      steps: int | None = None,
-                      block: int = 512, scan: bool = True) -> ForgetReceipt:
+                      steps: int | None = None, block: int = 512,
+                      learners: Iterable[Any] = (), scan: bool = True) -> ForgetReceipt:
     """Forget the training samples ``sample_indices`` (:func:`rcdl.memory.forgetting.forget`,
     in every growing layer), then re-write the readout's entries written from the earliest
     forgotten sample's step on (module docstring); returns the
@@ -380,6 +382,7 @@ def forget_and_repair(model: nn.Module, sample_indices: Tensor | Sequence[int], 
         steps: re-write only this many steps from the first one a forgotten sample wrote
             at (``None``: every later step): the time budget.
         block: queries whose kernel values are formed at once.
+        learners: as for :func:`~rcdl.memory.forgetting.forget`.
         scan: as for :func:`~rcdl.memory.forgetting.forget`.
 
     One process (a sharded model is refused); the readout must store its queries as keys,
@@ -404,7 +407,7 @@ def forget_and_repair(model: nn.Module, sample_indices: Tensor | Sequence[int], 
         _owners(layer, r0, r1, len(labels), "labels")
         if inputs is not None:
             _owners(layer, r0, r1, len(inputs), "inputs")
-    receipt = forget(model, wanted, scan=scan)
+    receipt = forget(model, wanted, learners=learners, scan=scan)
     if first is None:
         return receipt
     notes = []
