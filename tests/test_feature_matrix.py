@@ -11,7 +11,8 @@ third), the evaluation cache, a save through :class:`rcdl.train.loop.Checkpointe
 into freshly built objects at a random step, evaluation passes between steps (whose outputs
 are then changed in place, as a user's post-processing may), an ``nn.Linear`` in front, an
 in-place ReLU between the two growing layers, a memory budget, the initial entries, forgetting
-some samples part-way (``rcdl.memory.forgetting.forget`` with the learners, on every rank;
+some samples part-way (``rcdl.memory.forgetting.forget`` with the learners, on every rank,
+or ``rcdl.forget_and_repair`` with stored or recomputed keys where the readout allows it;
 the reference forgets them too; drawn from a generator of its own so that the other
 switches' draws stay as they were), and the
 stored weights split as ``w = 1/2``, ``v = 2(−ηg)`` (the same function; not with float16
@@ -103,6 +104,7 @@ from rcdl import (
 )
 from rcdl.memory.forgetting import forget
 from rcdl.memory.provenance import samples
+from rcdl.memory.repair import forget_and_repair
 from rcdl.train.loop import Checkpointer, train_step
 
 pytestmark = pytest.mark.spawns  # processes of its own: one such test at a time
@@ -149,6 +151,7 @@ class Case:
     split: bool = False  # linear and RBF kinds: weights 1/2, values doubled
     initial: int = 4  # softmax kinds: initial entries per layer
     forget_at: int | None = None  # forget FORGOTTEN after this many steps (learners synced)
+    repair: str = ""  # with forget_at: "values" or "keys", rcdl.forget_and_repair instead
     guards: str = ""  # the defect a fixed case is there for
 
     def to_json(self) -> str:
@@ -208,6 +211,14 @@ FIXED = (
          guards="merging into a half-precision RBF store (found by a long run)"),
     Case("rbf", topk=("exact", False, 1), world=2, guards="refused: top-k over shards"),
     Case("linear", budget=(10, "oldest", True, 0), guards="refused: merging a linear layer"),
+    Case("gws", forget_at=3, repair="keys", cache=True, evals=(2, 4),
+         guards="fast forgetting, keys recomputed, the cache released"),
+    Case("rbf", store="bfloat16", forget_at=2, repair="values", front=True,
+         guards="fast forgetting, a half store and a trained layer in front"),
+    Case("gauge", forget_at=4, repair="keys", resume_at=2, inplace=True,
+         guards="fast forgetting after a resume, in-place activation"),
+    Case("laplacian", forget_at=2, repair="keys", budget=(14, "oldest", False, 0),
+         guards="fast forgetting after evictions"),
 )
 
 
@@ -260,8 +271,18 @@ def drawn_cases() -> list[Case]:
         case = draw(rng)
         if forgets.random() < 0.3:
             case = dataclasses.replace(case, forget_at=forgets.randint(2, STEPS - 1))
+            if repairable(case):
+                case = dataclasses.replace(case, repair=forgets.choice(("", "values", "keys")))
         cases.append(case)
     return cases
+
+
+def repairable(case: Case) -> bool:
+    """Whether ``forget_and_repair`` takes the case's readout: one a rule writes with its
+    queries as keys, unsharded, without top-k, ageing or merges."""
+    return (case.kind in ("rbf", "laplacian", "gws", "gws-normalized", "gauge")
+            and case.world == 1 and case.topk is None
+            and (case.budget is None or not case.budget[2]))
 
 
 def expected_refusal(case: Case) -> str | None:
@@ -284,7 +305,7 @@ def layouts_differ(case: Case) -> bool:
 def reference_of(case: Case, store: str | None = None) -> Case:
     return Case(kind=case.kind, gate=case.gate, store=store or case.store, front=case.front,
                 budget=case.budget, initial=case.initial, evals=tuple(range(STEPS + 1)),
-                forget_at=case.forget_at)
+                forget_at=case.forget_at, repair=case.repair)
 
 
 # --------------------------------------------------------------------------- the model
@@ -371,6 +392,16 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(2 * x[:, :D_OUT])
 
 
+def all_samples() -> tuple[torch.Tensor, torch.Tensor]:
+    """Every step's inputs and targets, by sample id (10·step + row)."""
+    inputs = torch.zeros(10 * STEPS, D_IN, dtype=torch.float64)
+    targets = torch.zeros(10 * STEPS, D_OUT, dtype=torch.float64)
+    for step in range(STEPS):
+        x, y = batch(step)
+        inputs[10 * step : 10 * step + len(x)], targets[10 * step : 10 * step + len(x)] = x, y
+    return inputs, targets
+
+
 def held_out() -> torch.Tensor:
     return torch.randn(9, D_IN, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
 
@@ -422,7 +453,13 @@ def run(case: Case, folder: Path) -> dict:
         if step == case.resume_at:
             model, optimizer, grower = _save_and_resume(case, folder, step, model, optimizer,
                                                         grower)
-        if step == case.forget_at:
+        if step == case.forget_at and case.repair:
+            inputs, labels = all_samples()
+            forget_and_repair(model, FORGOTTEN, labels=labels, loss_fn=F.mse_loss,
+                              inputs=inputs if case.repair == "keys" else None,
+                              readout=str(len(model) - 1), scan=False,
+                              learners=[x for x in (optimizer, grower) if x is not None])
+        elif step == case.forget_at:
             forget(model, FORGOTTEN, learners=[x for x in (optimizer, grower) if x is not None],
                    scan=False)
         x, y = batch(step)
@@ -613,6 +650,7 @@ def test_the_draws_cover_every_switch():
     assert any(c.resume_at for c in cases) and any(c.evals for c in cases)
     assert any(c.budget for c in cases) and any(expected_refusal(c) for c in cases)
     assert {c.world for c in cases if c.forget_at} == {1, 2, 3}
+    assert {c.repair for c in cases if c.forget_at} == {"", "values", "keys"}
 
 
 @pytest.mark.skipif("RCDL_MATRIX_CASE" not in os.environ,
