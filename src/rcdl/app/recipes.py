@@ -13,6 +13,7 @@ here, never from each other (docs/adding_an_experiment.md).
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +32,7 @@ from rcdl.app.experiments.cifar10_models import build_model, model_spec
 from rcdl.app.report import markdown_table, mean_sd, pm
 from rcdl.app.rundir import RunDir, save_figure
 from rcdl.app.runner import Session, TaggedLog
+from rcdl.memory.repair import forget_and_repair, repair_refusal
 from rcdl.optim.grower import Grower
 from rcdl.train.loop import Metric, accuracy, train_one_pass
 
@@ -38,6 +40,7 @@ __all__ = [
     "PAPER_WIDTH", "Build", "ProjectedConfig", "epoch_rows", "epoch_table", "final_table",
     "plot_curves", "project", "projected_tensors", "random_projection", "seed_runs",
     "train_method", "train_model", "train_with_learners", "copy_trained", "fine_tune",
+    "repaired_copies",
     "check_unlearning_settings",
 ]  # fmt: skip
 
@@ -92,6 +95,21 @@ def copy_trained(name: str, seed: int, trained: tuple, *, reserve: int,
         if mine is not None:
             mine.load_state_dict(theirs.state_dict())
     return model, optimizer, grower
+
+
+def repaired_copies(trained: nn.Module, forget_idx: Tensor, x: Tensor, y: Tensor, *,
+                    scan: bool = True) -> Iterator[tuple[str, nn.Module, Any]]:
+    """The fast-mode variants of the unlearning experiments, each a copy of ``trained`` with
+    ``forget_idx`` forgotten by :func:`rcdl.memory.repair.forget_and_repair`: ``"repair"``
+    (the readout's stored keys) and ``"repair+keys"`` (its keys recomputed from ``x``),
+    yielded as ``(variant, model, receipt)``; none where the readout cannot be repaired
+    (the hybrid)."""
+    if repair_refusal(trained) is not None:
+        return
+    for variant, inputs in (("repair", None), ("repair+keys", x)):
+        model = copy.deepcopy(trained)
+        receipt = forget_and_repair(model, forget_idx, labels=y, inputs=inputs, scan=scan)
+        yield variant, model, receipt
 
 
 def fine_tune(name: str, seed: int, trained: nn.Module, x: Tensor, y: Tensor, *,

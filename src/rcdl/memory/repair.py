@@ -107,22 +107,25 @@ def _problems(layer: GrowingLayer) -> list[str]:
     return problems
 
 
-def repair_refusal(model: nn.Module, readout: str = "readout") -> str | None:
-    """Why :func:`forget_and_repair` would refuse ``model`` (``None``: it would not)."""
-    try:
-        layer = readout_of(model, readout)
-    except (ValueError, TypeError) as error:
-        return str(error)
+def _refusal(layer: GrowingLayer) -> str | None:
+    """Why the re-write of ``layer`` would be refused, in words (``None``: it would not)."""
     problems = _problems(layer)
     return f"cannot re-write {layer.where}: " + "; ".join(problems) if problems else None
 
 
+def repair_refusal(model: nn.Module, readout: str = "readout") -> str | None:
+    """Why :func:`forget_and_repair` would refuse ``model`` (``None``: it would not)."""
+    try:
+        return _refusal(readout_of(model, readout))
+    except (ValueError, TypeError) as error:
+        return str(error)
+
+
 def _check_repairable(layer: GrowingLayer) -> None:
     """Refuse what the re-write cannot do faithfully, naming it."""
-    problems = _problems(layer)
-    if problems:
-        raise ValueError(f"forget_and_repair: cannot re-write {layer.where}: "
-                         + "; ".join(problems))
+    refusal = _refusal(layer)
+    if refusal is not None:
+        raise ValueError(f"forget_and_repair: {refusal}")
 
 
 def _blocks(steps: Tensor, block: int) -> list[tuple[int, int]]:
@@ -417,9 +420,8 @@ def forget_and_repair(model: nn.Module, sample_indices: Tensor | Sequence[int], 
         notes.append(f"recomputed {count} keys from step {first}")
     entries, done = rewrite_readout(layer, labels, from_step=first, steps=steps,
                                     loss_fn=loss_fn, batch_sizes=batch_sizes, block=block)
-    name = next(n for n, m in model.named_modules() if m is layer)
     released = dict(receipt.released)
-    released[name] = [*released.get(name, []), *notes,
+    released[readout] = [*released.get(readout, []), *notes,
                       f"re-wrote {entries} entries of {done} steps from step {first}"]
     return dataclasses.replace(receipt, released=released,
                                seconds=time.perf_counter() - start)

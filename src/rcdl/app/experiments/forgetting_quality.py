@@ -62,13 +62,13 @@ from rcdl.app.recipes import (
     check_unlearning_settings,
     copy_trained,
     fine_tune,
+    repaired_copies,
     train_with_learners,
 )
 from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
 from rcdl.memory.forgetting import forget
-from rcdl.memory.repair import forget_and_repair, repair_refusal
 from rcdl.train.loop import epoch_permutation, predict
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly
@@ -203,11 +203,7 @@ def measure_model(name: str, data: CifarData, cfg: ForgettingQualityConfig,
             receipt = forget(copy_, forget_idx, scan=False)
             scored.setdefault("forget", []).append(
                 _score(copy_, data, forget_idx, retain_idx, cfg, device, receipt.seconds))
-            repairs = (("repair", None), ("repair+keys", x))
-            for method, inputs in repairs if repair_refusal(model) is None else ():
-                copy_ = copy.deepcopy(model)
-                receipt = forget_and_repair(copy_, forget_idx, labels=y, inputs=inputs,
-                                            scan=False)
+            for method, copy_, receipt in repaired_copies(model, forget_idx, x, y, scan=False):
                 scored.setdefault(method, []).append(
                     _score(copy_, data, forget_idx, retain_idx, cfg, device, receipt.seconds))
             copy_, c_opt, c_grower = copy_trained(name, k, trained, reserve=n, device=device)

@@ -69,13 +69,13 @@ from rcdl.app.recipes import (
     check_unlearning_settings,
     copy_trained,
     fine_tune,
+    repaired_copies,
     train_with_learners,
 )
 from rcdl.app.report import csv_text, markdown_table, mean_sd, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine, read_config
 from rcdl.app.runner import Combine, Experiment, Session
 from rcdl.memory.forgetting import forget
-from rcdl.memory.repair import forget_and_repair, repair_refusal
 from rcdl.train.loop import epoch_permutation, predict
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly
@@ -280,10 +280,7 @@ def unlearn_one(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
             variants["forget"] = {**_measure(copy_, sets, cfg, seed, device),
                                   "seconds": receipt.seconds, "removed": dict(receipt),
                                   "receipt": receipt.to_json()}
-            repairs = (("repair", None), ("repair+keys", x))
-            for variant, inputs in repairs if repair_refusal(original) is None else ():
-                copy_ = copy.deepcopy(original)
-                receipt = forget_and_repair(copy_, forget_idx, labels=y, inputs=inputs)
+            for variant, copy_, receipt in repaired_copies(original, forget_idx, x, y):
                 variants[variant] = {**_measure(copy_, sets, cfg, seed, device),
                                      "seconds": receipt.seconds, "receipt": receipt.to_json()}
             assert replay is not None
