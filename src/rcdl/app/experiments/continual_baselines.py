@@ -18,6 +18,15 @@ another torch. The methods are short, so they are written from their papers:
   (frozen) and of the network being trained, both softened by the temperature ``T = 2``;
   ``λ_o = 1`` as in the paper. With one head over every class (the class-incremental
   setting), "the old head's outputs" are the logits of the old classes.
+- :class:`LabelsTrick` — the labels trick (Zeno et al. 2018, "Task agnostic continual
+  learning using online variational Bayes"; the "LT" baseline of the PEC paper): the
+  cross-entropy over the classes of the current task (or batch) only, so that the loss
+  gradient of every other class's logit is zero. For a growing layer this is a
+  restricted write: a new entry's value ``−η g`` touches only those classes' logits.
+- :class:`PEC` — prediction-error-based classification (Zając, Tuytelaars & van de Ven,
+  ICLR 2024): one small student network per class, trained on that class's images alone
+  to reproduce a frozen random teacher; a class's score is minus its student's squared
+  error. Written from the paper and its public scripts (architecture and settings below).
 - :class:`NearestClassMean` — each class's running mean; an image goes to the nearest.
 - :class:`StreamingLDA` — streaming linear discriminant analysis (Hayes & Kanan 2020,
   CVPR-W, "Lifelong machine learning with deep streaming linear discriminant analysis"):
@@ -39,8 +48,8 @@ from torch import Tensor, nn
 
 from rcdl.nn.networks import eval_mode
 
-__all__ = ["EWC", "LwF", "NearestClassMean", "PlainLoss", "StreamingLDA", "fisher_diagonal",
-           "fisher_diagonal_naive"]
+__all__ = ["EWC", "PEC", "LabelsTrick", "LwF", "NearestClassMean", "PlainLoss", "StreamingLDA",
+           "fisher_diagonal", "fisher_diagonal_naive", "restricted_cross_entropy"]
 
 
 # --------------------------------------------------------------------------- the losses
@@ -53,9 +62,51 @@ class PlainLoss:
     def loss(self, logits: Tensor, y: Tensor, x: Tensor) -> Tensor:  # noqa: ARG002
         return F.cross_entropy(logits, y)
 
+    def start_task(self, classes: Iterable[int]) -> None:
+        """Called before each task with its classes; plain fine-tuning needs nothing."""
+
     def after_task(self, model: nn.Module, x: Tensor, seen: Iterable[int]) -> None:
         """Called at the end of each task with its training images ``x (n, D_in)`` and the
         classes seen so far; plain fine-tuning keeps nothing."""
+
+
+def restricted_cross_entropy(logits: Tensor, y: Tensor, classes: Tensor) -> Tensor:
+    """The cross-entropy over the logits of ``classes (K,)`` only (every ``y`` among them):
+    ``−log softmax(z_K)_y``, mean over the batch. Its gradient with respect to the logit of
+    any class outside ``classes`` is exactly zero."""
+    inside = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    inside[classes.to(logits.device)] = True
+    if not bool(inside[y].all()):
+        raise ValueError(f"restricted_cross_entropy: labels {sorted(set(y.tolist()))} are not "
+                         f"all among the classes {sorted(classes.tolist())}")
+    masked = logits.masked_fill(~inside, float("-inf"))  # (B, C): −inf outside, no gradient
+    return F.cross_entropy(masked, y)
+
+
+class LabelsTrick(PlainLoss):
+    """The labels trick: :func:`restricted_cross_entropy` over the classes of the current
+    task (``scope="task"``) or of the batch (``scope="batch"``).
+
+    With ``scope="task"`` one task holding every class (i.i.d. training) is plain
+    cross-entropy, so its i.i.d. run is the plain model's; ``scope="batch"`` needs no task
+    boundaries and changes i.i.d. training too (a batch of 16 rarely holds all ten classes).
+    """
+
+    def __init__(self, scope: str = "task") -> None:
+        if scope not in ("task", "batch"):
+            raise ValueError(f"LabelsTrick: scope must be 'task' or 'batch', got {scope!r}")
+        self.scope = scope
+        self.classes: Tensor | None = None  # (K,) the current task's
+
+    def start_task(self, classes: Iterable[int]) -> None:
+        self.classes = torch.tensor(sorted(set(classes)), dtype=torch.long)
+
+    def loss(self, logits: Tensor, y: Tensor, x: Tensor) -> Tensor:  # noqa: ARG002
+        if self.scope == "batch":
+            return restricted_cross_entropy(logits, y, y.unique())
+        if self.classes is None:
+            raise RuntimeError("LabelsTrick(scope='task'): call start_task(classes) first")
+        return restricted_cross_entropy(logits, y, self.classes)
 
 
 def _sample_labels(logits: Tensor, generator: torch.Generator | None) -> Tensor:  # (B,)
@@ -300,4 +351,104 @@ class StreamingLDA:
         bias = -0.5 * (weights * means).sum(1)  # (C_seen,)
         out = torch.full((len(x), len(self.counts)), -torch.inf, dtype=torch.float64)
         out[:, seen] = x.cpu().double() @ weights.T + bias
+        return out
+
+
+# --------------------------------------------------------------------------- PEC
+
+
+def _pec_network(channels: int, out_dim: int, pool: int) -> nn.Sequential:
+    """PEC's convolutional network: a 3×3 convolution (stride 1, padding 1) to
+    ``channels``, instance normalisation with an affine map, ReLU, adaptive average pooling
+    to ``pool × pool``, and a linear map to ``out_dim``."""
+    return nn.Sequential(
+        nn.Conv2d(3, channels, 3, stride=1, padding=1), nn.InstanceNorm2d(channels, affine=True),
+        nn.ReLU(), nn.AdaptiveAvgPool2d(pool), nn.Flatten(1),
+        nn.Linear(channels * pool * pool, out_dim))
+
+
+class PEC:
+    """Prediction-error-based classification (Zając, Tuytelaars & van de Ven, ICLR 2024).
+
+    A frozen, randomly initialised teacher ``h`` and, per class ``c``, a student ``g_c``
+    (all students start from the same initialisation). Training on an image ``x`` of class
+    ``c`` takes one Adam step on ``g_c`` alone for ``‖g_c(x) − h(x)‖² / out_dim``; the score
+    of class ``c`` is ``−‖g_c(x) − h(x)‖² / out_dim`` (classes never trained: ``−inf``).
+    Each class's module learns only from its own images, so nothing learnt is overwritten
+    by a later class: the method is rehearsal-free by construction.
+
+    The settings are the paper's CIFAR-10 ones (its public script
+    ``scripts/table1/cifar10/pec.sh``): students of one convolution with 60 channels,
+    pooled to 5 × 5, 743 outputs; the teacher 100 times wider (6 000 channels); Adam with
+    learning rate 3·10⁻⁴ decayed linearly to 0 over each task's steps; batch size 1; the
+    images standardised per channel, no augmentation.
+
+    Args:
+        classes: number of classes.
+        seed: seeds the teacher's and the students' initialisation.
+        channels, teacher_multiplier, out_dim, pool, lr: as above.
+    """
+
+    def __init__(self, classes: int, *, seed: int = 0, channels: int = 60,
+                 teacher_multiplier: int = 100, out_dim: int = 743, pool: int = 5,
+                 lr: float = 3e-4, device: torch.device | str = "cpu") -> None:  # fmt: skip
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            self.teacher = _pec_network(channels * teacher_multiplier, out_dim, pool)
+            first = _pec_network(channels, out_dim, pool)
+        finally:
+            torch.random.set_rng_state(gen_state)
+        self.teacher.requires_grad_(False).to(device).eval()
+        self.students = nn.ModuleList(copy.deepcopy(first) for _ in range(classes)).to(device)
+        self.optimizers = [torch.optim.Adam(s.parameters(), lr=lr) for s in self.students]
+        self.lr = lr
+        self.trained = torch.zeros(classes, dtype=torch.bool)
+        self.device = torch.device(device)
+
+    @staticmethod
+    def images(x: Tensor) -> Tensor:  # (n, 3, 32, 32)
+        """CIFAR rows ``(n, 3072)``, flattened in HWC order, as ``(n, 3, 32, 32)``."""
+        return x.reshape(len(x), 32, 32, 3).permute(0, 3, 1, 2).contiguous()
+
+    @torch.no_grad()
+    def targets(self, x: Tensor, batch_size: int = 16) -> Tensor:  # (n, out_dim)
+        """The teacher's outputs ``h(x)`` on CIFAR rows ``x (n, 3072)``."""
+        return torch.cat([self.teacher(self.images(b.to(self.device)))
+                          for b in x.split(batch_size)]) if len(x) else torch.empty(0)
+
+    def update(self, x: Tensor, y: Tensor, *, batch_size: int = 1,
+               targets: Tensor | None = None) -> None:  # fmt: skip
+        """One pass over one task's images ``x (n, 3072)`` with classes ``y (n,)``, in the
+        given order, ``batch_size`` at a time; each class's learning rate decays linearly
+        from ``lr`` to 0 over the task's steps. ``targets``: the teacher's outputs on ``x``
+        when already known (:meth:`targets`; the teacher is frozen)."""
+        steps = -(-len(x) // batch_size)
+        targets = self.targets(x) if targets is None else targets  # (n, out_dim)
+        for step, rows in enumerate(torch.arange(len(x)).split(batch_size)):
+            xb, yb, tb = x[rows].to(self.device), y[rows], targets[rows]
+            for c in yb.unique().tolist():
+                mine = yb == c
+                opt = self.optimizers[c]
+                for group in opt.param_groups:
+                    group["lr"] = self.lr * (1 - step / steps)
+                error = (self.students[c](self.images(xb[mine.to(self.device)]))
+                         - tb[mine.to(tb.device)]).square().mean(1)  # (b_c,)
+                opt.zero_grad(set_to_none=True)
+                error.mean().backward()
+                opt.step()
+                self.trained[c] = True
+
+    @torch.no_grad()
+    def scores(self, x: Tensor, *, targets: Tensor | None = None,
+               batch_size: int = 256) -> Tensor:  # (n, C), −inf for classes never trained
+        """``−‖g_c(x) − h(x)‖² / out_dim`` for every class; ``targets`` are the teacher's
+        outputs on ``x`` when already known (:meth:`targets`)."""
+        h = self.targets(x) if targets is None else targets
+        out = torch.full((len(x), len(self.students)), -torch.inf)
+        for rows in torch.arange(len(x)).split(batch_size):
+            xb = self.images(x[rows].to(self.device))
+            for c in self.trained.nonzero().squeeze(1).tolist():
+                out[rows, c] = -(self.students[c](xb) - h[rows].to(self.device)).square().mean(
+                    1).cpu()
         return out
