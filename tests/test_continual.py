@@ -349,3 +349,162 @@ def test_the_command_runs_every_kind_of_model_and_reports(data_dir, tmp_path, mo
     assert rows["ncm", "all"]["aware_bwt"] == 0  # a class mean never moves
     assert {r["model"] for r in summary["silent"]} == {"gws", "mlp-ewc"}
     assert "Silent memories" in (out / "results.md").read_text()
+
+
+# --------------------------------------------------------------------------- the labels trick
+
+
+def test_restricted_cross_entropy_is_the_cross_entropy_of_the_kept_logits_only():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 10, dtype=torch.float64, generator=gen, requires_grad=True)
+    y = torch.tensor([3, 7, 7, 3, 3, 7])
+    classes = torch.tensor([7, 3])
+    loss = cb.restricted_cross_entropy(logits, y, classes)
+    kept = logits[:, [3, 7]]
+    expected = F.cross_entropy(kept, (y == 7).long())
+    torch.testing.assert_close(loss, expected)
+    (grad,) = torch.autograd.grad(loss, logits)
+    outside = torch.ones(10, dtype=torch.bool)
+    outside[[3, 7]] = False
+    assert torch.equal(grad[:, outside], torch.zeros(6, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="not all among the classes"):
+        cb.restricted_cross_entropy(logits, torch.tensor([3, 1, 7, 3, 3, 7]), classes)
+
+
+def test_labels_trick_over_every_class_is_plain_cross_entropy_and_needs_its_task():
+    logits, y = torch.randn(5, 10, dtype=torch.float64), torch.tensor([0, 4, 9, 2, 2])
+    trick = cb.LabelsTrick("task")
+    with pytest.raises(RuntimeError, match="start_task"):
+        trick.loss(logits, y, logits)
+    trick.start_task(range(10))
+    torch.testing.assert_close(trick.loss(logits, y, logits), F.cross_entropy(logits, y))
+    batch = cb.LabelsTrick("batch").loss(logits, y, logits)  # the batch holds 0, 2, 4, 9
+    torch.testing.assert_close(batch, cb.restricted_cross_entropy(logits, y, y.unique()))
+    with pytest.raises(ValueError, match="scope"):
+        cb.LabelsTrick("epoch")
+
+
+@pytest.mark.parametrize("kind", ["rbf", "gws"])
+def test_a_restricted_write_leaves_every_other_class_untouched(kind):
+    """float64: a step under the labels trick writes readout values that are exactly zero
+    outside the task's classes; for the RBF readout (a plain kernel sum) the logits of
+    every other class, as a function of the readout's input, are exactly unchanged."""
+    torch.manual_seed(0)
+    if kind == "rbf":
+        net = GrowingRBFNet(8, 6, 1, temperature=0.5, rule=FunctionalSGD(1.0))
+    else:
+        net = GrowingSoftmaxNet(8, 6, 1, temperature=2.0, rule=ClippedSoftmaxRule(0.1, 1.0))
+    net = net.double()
+    grower = Grower(net)
+    x, y = torch.randn(32, 8, dtype=torch.float64), torch.randint(0, 6, (32,))
+    for i in range(0, 16, 4):  # a first task over every class
+        train_step(net, x[i:i + 4], y[i:i + 4], F.cross_entropy, grower=grower)
+    trick = cb.LabelsTrick("task")
+    trick.start_task((2, 5))
+    probe = torch.randn(20, 8, dtype=torch.float64)  # readout inputs
+    others = [0, 1, 3, 4]
+    with torch.no_grad():
+        before = net.readout(probe)[:, others]
+    n = len(net.readout.store)
+    xb = torch.randn(8, 8, dtype=torch.float64)
+    yb = torch.tensor([2, 5, 5, 2, 2, 5, 2, 5])
+    train_step(net, xb, yb, functools.partial(trick.loss, x=xb), grower=grower)
+    written = net.readout.store.values[n:]  # (8, 6)
+    assert len(written) == 8
+    assert torch.equal(written[:, others], torch.zeros(8, 4, dtype=torch.float64))
+    assert written[:, [2, 5]].abs().sum() > 0
+    if kind == "rbf":
+        with torch.no_grad():
+            torch.testing.assert_close(net.readout(probe)[:, others], before, rtol=0, atol=0)
+
+
+def test_labels_trick_names_and_their_iid_references():
+    from rcdl.app.experiments.continual import iid_base, labels_trick, model_kind
+
+    assert labels_trick("rbf+labels") == ("rbf", "task")
+    assert labels_trick("gws+batch-labels") == ("gws", "batch")
+    assert model_kind("hybrid+labels") == "growing"
+    assert model_kind("mlp-adam+labels") == "parametric"
+    assert iid_base("rbf+labels", "mlp-adam") == "rbf"  # one task of every class: plain
+    assert iid_base("rbf+batch-labels", "mlp-adam") == "rbf+batch-labels"
+    with pytest.raises(ValueError, match="labels trick"):
+        model_kind("slda+labels")
+    with pytest.raises(ValueError, match="unknown model"):
+        model_kind("nope+labels")
+
+
+def test_value_mass_sums_the_readout_values_each_task_wrote_per_class():
+    from rcdl.app.experiments.continual import value_mass
+
+    tasks = _two_tasks()
+    torch.manual_seed(0)
+    net = GrowingRBFNet(8, 4, 1, temperature=0.5, rule=FunctionalSGD(1.0)).double()
+    grower = Grower(net)
+    trick = cb.LabelsTrick("task")
+    offset = 0
+    for (x, y, *_), classes in zip(tasks, ((0, 1), (2, 3)), strict=True):
+        trick.start_task(classes)
+        for i in range(0, len(x), 8):
+            ids = torch.arange(offset + i, offset + i + len(x[i:i + 8]))
+            with samples(net, ids):
+                xb = x[i:i + 8].double()
+                train_step(net, xb, y[i:i + 8], functools.partial(trick.loss, x=xb),
+                           grower=grower)
+        offset += len(x)
+    task_of_sample = torch.cat([torch.zeros(96, dtype=torch.long),
+                                torch.ones(96, dtype=torch.long)])
+    mass = torch.tensor(value_mass(net, task_of_sample, ((0, 1), (2, 3))),
+                        dtype=torch.float64)  # (2, 4)
+    values = net.readout.store.values
+    torch.testing.assert_close(mass.sum(0), values.sum(0))
+    assert torch.equal(mass[0, 2:], torch.zeros(2, dtype=torch.float64))  # restricted writes
+    assert torch.equal(mass[1, :2], torch.zeros(2, dtype=torch.float64))
+    # each task's entries raise one class and lower the other by the same amount
+    torch.testing.assert_close(mass.sum(1), torch.zeros(2, dtype=torch.float64))
+    assert (mass[0, :2].abs() > 0).all()
+
+
+def test_labels_trick_keeps_the_first_task_in_the_ten_way_head():
+    """Plain writes lower task 1's classes when task 2 is learnt (their entries' values
+    point away from what the model then predicted); under the labels trick they do not."""
+    tasks = _two_tasks(seed=3)
+    scores = {}
+    for name, loss in (("plain", cb.PlainLoss()), ("labels", cb.LabelsTrick("task"))):
+        torch.manual_seed(0)
+        net = GrowingRBFNet(8, 4, 1, temperature=4.0, rule=FunctionalSGD(1.0))
+        grower = Grower(net)
+        for (x, y, *_), classes in zip(tasks, ((0, 1), (2, 3)), strict=True):
+            loss.start_task(classes)
+            for i in range(0, len(x), 8):
+                xb = x[i:i + 8]
+                train_step(net, xb, y[i:i + 8], functools.partial(loss.loss, x=xb),
+                           grower=grower)
+        scores[name] = _task_accuracy(net, *tasks[0][2:])
+    assert scores["labels"] == 1.0
+    assert scores["labels"] > scores["plain"]
+
+
+# --------------------------------------------------------------------------- PEC
+
+
+def test_pec_learns_each_class_from_its_own_images_and_scores_only_trained_classes():
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 32, 32, 3, generator=gen)  # one pattern per class, plus noise
+
+    def draw(classes: torch.Tensor) -> torch.Tensor:
+        noise = 0.3 * torch.randn(len(classes), 32, 32, 3, generator=gen)
+        return (base[classes] + noise).reshape(len(classes), -1)
+
+    pec = cb.PEC(4, seed=0, channels=4, teacher_multiplier=4, out_dim=16, lr=3e-3)
+    first = torch.tensor([0, 1] * 12)[torch.randperm(24, generator=gen)]
+    pec.update(draw(first), first, batch_size=2)
+    before = [{k: v.clone() for k, v in s.state_dict().items()} for s in pec.students]
+    pec.update(draw(torch.full((12,), 2)), torch.full((12,), 2))
+    for c in (0, 1, 3):  # a later class moves only its own student
+        assert all(torch.equal(v, before[c][k]) for k, v in pec.students[c].state_dict().items())
+    yt = torch.tensor([0, 1, 2] * 8)
+    xt = draw(yt)
+    scores = pec.scores(xt)
+    assert torch.isinf(scores[:, 3]).all() and torch.isfinite(scores[:, :3]).all()
+    assert (scores.argmax(1) == yt).float().mean() > 0.9
+    torch.testing.assert_close(pec.scores(xt, targets=pec.targets(xt)), scores)

@@ -101,8 +101,8 @@ TINY: dict[str, list[str]] = {
         "--train-size", "40", "--test-size", "16", "--models-per-side", "2",
         "--device", "cpu"],
     "continual": [
-        "reproduce", "continual", "--quick", "--models", "gws", "hybrid", "mlp-sgd",
-        "mlp-ewc", "mlp-lwf", "knn-cosine", "ncm", "slda", "--train-size", "48",
+        "reproduce", "continual", "--quick", "--models", "gws", "hybrid", "rbf+labels",
+        "mlp-sgd", "mlp-ewc", "mlp-lwf", "knn-cosine", "ncm", "slda", "--train-size", "48",
         "--test-size", "24", "--device", "cpu"],
 }  # fmt: skip
 

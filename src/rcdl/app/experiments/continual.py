@@ -18,6 +18,11 @@ Models (``models``):
   zoo), and with EWC (``mlp-ewc``) and LwF (``mlp-lwf``) on the ResNet-MLP with
   ``regularised_base``'s optimizer (:mod:`rcdl.app.experiments.continual_baselines`, which
   says why they are not Avalanche's);
+- any network with the labels trick (``rbf+labels``: the loss over the task's classes
+  only, so a growing layer's new entries touch only their logits; ``rbf+batch-labels``:
+  over the batch's classes), :class:`~rcdl.app.experiments.continual_baselines.LabelsTrick`;
+- PEC (``pec``, Zając et al. 2024): one student per class imitating a frozen random
+  teacher, on raw pixels, :class:`~rcdl.app.experiments.continual_baselines.PEC`;
 - on raw pixels, classifiers whose result does not depend on the order of the images:
   kNN with the L2 or cosine distance (``knn-l2``, ``knn-cosine``; ``k`` chosen on a
   held-out 10 % of the images seen so far, :func:`rcdl.app.classical.fit_knn`), the
@@ -37,7 +42,8 @@ Measured, for each (model, order, seed) — one sub-run:
   images wrote (and the initial entries, which no image wrote): :func:`own_entries_copy`.
   Restriction, not re-weighting: it is exact, takes nothing to tune, and asks one plain
   question — can the task's own entries still classify its images? (docs/continual.md).
-  A parametric network has nothing to restrict.
+  A parametric network has nothing to restrict. And the signed value mass the readout's
+  entries put on each class, by the task that wrote them (:func:`value_mass`).
 
 and for each (model, seed) the i.i.d. reference: one pass over the same training images
 shuffled over all classes (EWC and LwF: their network and optimizer, which is plain
@@ -248,8 +254,10 @@ class ContinualConfig(ExperimentConfig):
     models: tuple[str, ...] = setting(
         ("gws", "gauge", "rbf", "hybrid", "mlp-sgd", "mlp-adam", "mlp-ewc", "mlp-lwf",
          "knn-l2", "knn-cosine", "ncm", "slda"),
-        "models: growing networks, networks of the zoo fine-tuned, mlp-ewc / mlp-lwf, and "
-        "the raw-pixel knn-l2, knn-cosine, ncm, slda", metavar="NAME")
+        "models: growing networks, networks of the zoo fine-tuned, either with the labels "
+        "trick (NAME+labels: the task's classes, NAME+batch-labels: the batch's), "
+        "mlp-ewc / mlp-lwf, pec, and the raw-pixel knn-l2, knn-cosine, ncm, slda",
+        metavar="NAME")
     orders: tuple[str, ...] = setting(
         ("0", "random-1", "random-2"), "class orders: 0 (natural), random-K (drawn from K) "
         "or ten digits", metavar="ORDER")
@@ -1002,6 +1010,11 @@ def plot_mass(path: Any, mass: dict[str, list[list[float]]]) -> None:
     save_figure(fig, path)
 
 
+# --full: the issue's full-scale protocol (docs/continual.md, "Running it")
+FULL = {"train_size": None, "test_size": None, "orders": ("0", "random-1"), "seeds": (0,),
+        "models": ("gws", "rbf", "hybrid", "gws+labels", "rbf+labels", "hybrid+labels", "pec",
+                   "knn-l2", "knn-cosine", "ncm", "slda")}
+
 EXPERIMENT_SPEC = Experiment(
     name=EXPERIMENT, config=ContinualConfig,
     help="class-incremental Split CIFAR-10 without replay: growing models against "
@@ -1014,5 +1027,9 @@ EXPERIMENT_SPEC = Experiment(
     "for the growing models, whether an earlier task's entries are still stored and "
     "whether they alone still classify its images. See docs/continual.md.",
     sub_runs=_sub_runs, report=write_report, load_data=load_data, start=_start,
-    finish=_finish,
+    finish=_finish, switches={"full": (
+        "the whole CIFAR-10 (all 50 000 / 10 000 images), the natural order and random-1, "
+        "seed 0: the growing models with and without the labels trick, PEC and the "
+        "raw-pixel classifiers (the MLPs stay at the reduced scale; docs/continual.md)",
+        FULL)},
 )  # fmt: skip
