@@ -320,7 +320,7 @@ def test_the_command_runs_every_kind_of_model_and_reports(data_dir, tmp_path, mo
     monkeypatch.setattr(zoo, "ResNetMLP", functools.partial(zoo.ResNetMLP, width=64))
     out = tmp_path / "run"
     main(["reproduce", "continual", "--quick", "--models", "gws", "mlp-ewc", "knn-l2",
-          "ncm", "--orders", "0", "random-1", "--train-size", "64",
+          "ncm", "rbf+labels+vote", "--orders", "0", "random-1", "--train-size", "64",
           "--test-size", "32", "--data-dir", str(data_dir), "--out", str(out),
           "--no-progress", "--device", "cpu"])
     summary = json.loads((out / "summary.json").read_text())
@@ -328,8 +328,10 @@ def test_the_command_runs_every_kind_of_model_and_reports(data_dir, tmp_path, mo
     assert {"results.md", "results.csv", "continual_matrix.png", "continual_curves.png",
             "silent_memories.png"} <= {p.name for p in out.iterdir()}
     runs = {(r["model"], r["order"]): r for r in summary["runs"]}
-    # the i.i.d. references: EWC and LwF share mlp-adam's
-    assert {m for m, o in runs if o == "iid"} == {"gws", "mlp-adam", "knn-l2", "ncm"}
+    # the i.i.d. references: EWC and LwF share mlp-adam's; the labels trick over the task
+    # is plain training when one task holds every class, read out by the same vote
+    assert {m for m, o in runs if o == "iid"} == {"gws", "mlp-adam", "knn-l2", "ncm",
+                                                   "rbf+vote"}
     gws = runs["gws", "random-1"]
     assert gws["tasks"] == [list(t) for t in task_split("random-1")]
     assert len(gws["matrix"]) == 5 and all(len(row) == 5 for row in gws["matrix"])
@@ -347,7 +349,9 @@ def test_the_command_runs_every_kind_of_model_and_reports(data_dir, tmp_path, mo
     rows = {(r["model"], r["order"]): r for r in summary["rows"]}
     assert rows["knn-l2", "all"]["gap"] == 0 and rows["gws", "all"]["runs"] == 2
     assert rows["ncm", "all"]["aware_bwt"] == 0  # a class mean never moves
-    assert {r["model"] for r in summary["silent"]} == {"gws", "mlp-ewc"}
+    assert {r["model"] for r in summary["silent"]} == {"gws", "mlp-ewc", "rbf+labels+vote"}
+    voted = runs["rbf+labels+vote", "0"]
+    assert voted["silent"]["entries_stored"] == voted["entries_written"]
     assert "Silent memories" in (out / "results.md").read_text()
 
 
@@ -508,3 +512,94 @@ def test_pec_learns_each_class_from_its_own_images_and_scores_only_trained_class
     assert torch.isinf(scores[:, 3]).all() and torch.isfinite(scores[:, :3]).all()
     assert (scores.argmax(1) == yt).float().mean() > 0.9
     torch.testing.assert_close(pec.scores(xt, targets=pec.targets(xt)), scores)
+
+
+# --------------------------------------------------------------------------- the label vote
+
+
+@pytest.mark.parametrize("kind", ["rbf", "gws"])
+def test_label_vote_is_the_log_class_kernel_mass_of_the_entries_samples_wrote(kind):
+    """float64: ``score_c(q) = log Σ_{j: y_j = c} φ(q, k_j; τ/s)`` over the readout's
+    entries that a sample wrote, by a loop; restricting the store restricts the vote."""
+    torch.manual_seed(0)
+    if kind == "rbf":
+        net = GrowingRBFNet(8, 4, 1, temperature=0.5, rule=FunctionalSGD(1.0))
+    else:
+        net = GrowingSoftmaxNet(8, 4, 1, temperature=2.0, rule=ClippedSoftmaxRule(0.1, 1.0))
+    net = net.double()
+    grower = Grower(net)
+    x, y = torch.randn(24, 8, dtype=torch.float64), torch.tensor([0, 1, 3] * 8)
+    for i in range(0, 24, 6):
+        with samples(net, torch.arange(i, i + 6)):
+            train_step(net, x[i:i + 6], y[i:i + 6], F.cross_entropy, grower=grower)
+    vote = cb.LabelVote(net, y, sharpness=3.0)
+    probe = torch.randn(5, 8, dtype=torch.float64)
+    with torch.no_grad():
+        got = vote(probe)
+    captured = []
+    hook = net.readout.register_forward_pre_hook(lambda m, a: captured.append(a[0]))
+    with torch.no_grad():
+        net(probe)
+    hook.remove()
+    q = captured[0]
+    layer = net.readout
+    tau = layer.temperature * 8 ** 0.5 / 3.0
+    owners = entry_samples(layer)
+    expected = torch.full((5, 4), -torch.inf, dtype=torch.float64)
+    for c in (0, 1, 3):
+        mass = torch.zeros(5, dtype=torch.float64)
+        for j in range(len(layer.store)):
+            if owners[j] == UNKNOWN or y[owners[j]] != c:
+                continue  # the softmax store's initial entries do not vote
+            k = layer.store.keys[j]
+            if kind == "rbf":
+                mass += torch.exp(-((q - k) ** 2).sum(1) / (2 * tau))
+            else:
+                mass += torch.exp(q @ k / tau)
+        expected[:, c] = mass.log()
+    torch.testing.assert_close(got, expected)
+    assert torch.isinf(got[:, 2]).all()  # no sample of class 2
+    restricted, _ = own_entries_copy(net, torch.tensor([0, 3, 6]))  # class-0 samples only
+    with torch.no_grad():
+        kept = cb.LabelVote(restricted, y, sharpness=3.0)(probe)
+    assert torch.isfinite(kept[:, 0]).all() and torch.isinf(kept[:, 1:]).all()
+
+
+def test_label_vote_names_and_refusals():
+    from rcdl.app.experiments.continual import iid_base, label_vote, labels_trick, model_kind
+
+    assert label_vote("rbf+labels+vote") == ("rbf+labels", True)
+    assert labels_trick("rbf+labels+vote") == ("rbf", "task")
+    assert model_kind("rbf+labels+vote") == "growing"
+    assert iid_base("rbf+labels+vote", "mlp-adam") == "rbf+vote"  # the i.i.d. rbf, voted
+    assert iid_base("rbf+batch-labels+vote", "mlp-adam") == "rbf+batch-labels+vote"
+    for bad, match in (("mlp-adam+vote", "growing readout"), ("knn-l2+vote", "growing"),
+                       ("rbf+vote+labels", "label vote last")):
+        with pytest.raises(ValueError, match=match):
+            model_kind(bad)
+    with pytest.raises(ValueError, match="no growing readout"):
+        cb.LabelVote(MLP(8, 16, 4), torch.zeros(3))
+    net = GrowingRBFNet(8, 4, 1, temperature=0.5, rule=FunctionalSGD(1.0))
+    with pytest.raises(ValueError, match="sharpness"):
+        cb.LabelVote(net, torch.zeros(3), sharpness=0.0)
+
+
+def test_label_vote_keeps_the_first_task_where_the_learnt_values_lose_it():
+    """Learnt class by class, the plain RBF net's values push task 1's classes down; the
+    vote of the same entries' labels still answers task 1's images."""
+    tasks = _two_tasks(seed=3)
+    torch.manual_seed(0)
+    net = GrowingRBFNet(8, 4, 1, temperature=4.0, rule=FunctionalSGD(1.0))
+    grower = Grower(net)
+    offset = 0
+    for x, y, *_ in tasks:
+        for i in range(0, len(x), 8):
+            with samples(net, torch.arange(offset + i, offset + i + 8)):
+                train_step(net, x[i:i + 8], y[i:i + 8], F.cross_entropy, grower=grower)
+        offset += len(x)
+    labels = torch.cat([tasks[0][1], tasks[1][1]])
+    vote = cb.LabelVote(net, labels)
+    x1, y1 = tasks[0][2:]
+    assert _task_accuracy(vote, x1, y1) == 1.0
+    assert _task_accuracy(vote, *tasks[1][2:]) == 1.0
+    assert _task_accuracy(net, x1, y1) < 1.0

@@ -80,6 +80,7 @@ from rcdl.app.experiments.continual_baselines import (
     EWC,
     PEC,
     LabelsTrick,
+    LabelVote,
     LwF,
     NearestClassMean,
     PlainLoss,
@@ -105,6 +106,8 @@ PIXELS = {"knn-l2": "kNN, L2", "knn-cosine": "kNN, cosine", "ncm": "nearest clas
           "slda": "streaming LDA", "pec": "PEC"}
 # the labels trick as a switch of any network: a name's suffix, and the scope it restricts to
 LABELS = {"+labels": "task", "+batch-labels": "batch"}
+# a growing network read out by its readout entries' labels (continual_baselines.LabelVote)
+VOTE = "+vote"
 # Split CIFAR-10, class-incremental, 5 tasks (DER, Buzzega et al. 2020, Table 2: ResNet-18,
 # 50 epochs per task): final accuracy in percent; and 1-NN on raw pixels
 ANCHORS = {"fine-tuning": 19.62, "EWC (online)": 19.49, "SI": 19.48, "LwF": 19.61,
@@ -204,7 +207,14 @@ def model_kind(name: str) -> str:
         return "pixels"
     if name in REGULARISED:
         return "parametric"
+    if label_vote(name)[1]:
+        if model_kind(label_vote(name)[0]) != "growing":
+            raise ValueError(f"{name!r}: the label vote reads a growing readout's entries "
+                             f"(rbf+vote, rbf+labels+vote, ...), not {label_vote(name)[0]}'s")
+        return "growing"
     base, scope = labels_trick(name)
+    if VOTE in base:
+        raise ValueError(f"{name!r}: write the label vote last (NAME+labels+vote)")
     if scope is not None and (base in PIXELS or base in REGULARISED):
         raise ValueError(f"{name!r}: the labels trick is a switch of a network trained by its "
                          f"loss (gws+labels, rbf+labels, mlp-adam+labels, ...), not of {base}")
@@ -215,10 +225,17 @@ def model_kind(name: str) -> str:
     return "growing" if spec.growing else "parametric"
 
 
+def label_vote(name: str) -> tuple[str, bool]:
+    """``(the model trained, whether it is read out by its labels)``: ``"rbf+labels+vote"``
+    is ``("rbf+labels", True)``."""
+    return name.removesuffix(VOTE), name.endswith(VOTE)
+
+
 def labels_trick(name: str) -> tuple[str, str | None]:
-    """``(the network, the labels trick's scope or None)`` of model ``name``:
-    ``"rbf+labels"`` is ``("rbf", "task")``, ``"rbf+batch-labels"`` ``("rbf", "batch")``,
-    ``"rbf"`` ``("rbf", None)``."""
+    """``(the network, the labels trick's scope or None)`` of model ``name`` (a label vote
+    dropped): ``"rbf+labels"`` is ``("rbf", "task")``, ``"rbf+batch-labels"``
+    ``("rbf", "batch")``, ``"rbf"`` ``("rbf", None)``."""
+    name = label_vote(name)[0]
     for suffix, scope in LABELS.items():
         if name.endswith(suffix):
             return name.removesuffix(suffix), scope
@@ -230,11 +247,13 @@ def iid_base(name: str, regularised_base: str) -> str:
     ``regularised_base``'s network with its optimizer (one task: plain training), and the
     labels trick over the task's classes is plain training when one task holds every class
     (``rbf+labels``: ``rbf``'s run). The batch-scoped trick changes i.i.d. training too, so
-    it is its own reference."""
+    it is its own reference. A label vote reads the i.i.d.-trained network the same way
+    (``rbf+labels+vote``: ``rbf+vote``'s run)."""
     if name in REGULARISED:
         return regularised_base
-    base, scope = labels_trick(name)
-    return base if scope == "task" else name
+    trained, vote = label_vote(name)
+    base, scope = labels_trick(trained)
+    return (base if scope == "task" else trained) + (VOTE if vote else "")
 
 
 def _size(text: str) -> int | None:
@@ -255,7 +274,8 @@ class ContinualConfig(ExperimentConfig):
         ("gws", "gauge", "rbf", "hybrid", "mlp-sgd", "mlp-adam", "mlp-ewc", "mlp-lwf",
          "knn-l2", "knn-cosine", "ncm", "slda"),
         "models: growing networks, networks of the zoo fine-tuned, either with the labels "
-        "trick (NAME+labels: the task's classes, NAME+batch-labels: the batch's), "
+        "trick (NAME+labels: the task's classes, NAME+batch-labels: the batch's), a "
+        "growing network read out by its entries' labels (NAME+vote, NAME+labels+vote), "
         "mlp-ewc / mlp-lwf, pec, and the raw-pixel knn-l2, knn-cosine, ncm, slda",
         metavar="NAME")
     orders: tuple[str, ...] = setting(
@@ -279,6 +299,10 @@ class ContinualConfig(ExperimentConfig):
                                "accuracy of 1-1000 at the default size; docs/continual.md)",
                                positive=True, metavar="λ_o")
     lwf_temperature: float = setting(2.0, "LwF's temperature T", positive=True, metavar="T")
+    vote_sharpness: float = setting(4.0, "NAME+vote: the readout's temperature is divided "
+                                    "by s for the label vote (4: chosen on seed 0, orders 0 "
+                                    "and random-1; docs/continual.md)", positive=True,
+                                    metavar="s")
     slda_shrinkage: float = setting(0.5, "streaming LDA's shrinkage ε towards the identity "
                                     "(0.5: chosen on held-out training images at the "
                                     "default size)", positive=True, metavar="ε")
@@ -313,9 +337,12 @@ def _label(name: str, cfg: ContinualConfig) -> str:
     if name in REGULARISED:
         return f"{model_spec(cfg.regularised_base).label}, {REGULARISED[name]}"
     base, scope = labels_trick(name)
+    label = model_spec(base).label
     if scope is not None:
-        return f"{model_spec(base).label}, labels trick ({scope}'s classes)"
-    return model_spec(base).label
+        label += f", labels trick ({scope}'s classes)"
+    if label_vote(name)[1]:
+        label += f", label vote (s = {cfg.vote_sharpness:g})"
+    return label
 
 
 # --------------------------------------------------------------------------- measuring
@@ -357,6 +384,14 @@ def _learner(name: str, seed: int, cfg: ContinualConfig, device: torch.device,
     return model, optimizer, grower, method
 
 
+def _readout(name: str, model: nn.Module, data: CifarData, cfg: ContinualConfig) -> nn.Module:
+    """What answers the test images: the model, or its :class:`LabelVote` for ``NAME+vote``."""
+    if not label_vote(name)[1]:
+        return model
+    device = next(iter(model.buffers())).device
+    return LabelVote(model, data.y_train.to(device), cfg.vote_sharpness)
+
+
 def _task_order(n: int, seed: int, task: int) -> Tensor:  # (n,)
     """The order task ``task``'s ``n`` images are seen in (the i.i.d. run, ``task = -1``,
     is :func:`rcdl.train.loop.epoch_permutation`'s one-pass order)."""
@@ -387,6 +422,7 @@ def run_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequence
         return None, _pixels_sequence(name, seed, data, tasks, cfg)
     x, y = data.x_train, data.y_train
     model, optimizer, grower, method = _learner(name, seed, cfg, device, reserve=len(y))
+    scorer = _readout(name, model, data, cfg)
     out: dict[str, Any] = {"matrix": [], "aware_matrix": [], "entries_written": [],
                            "train_seconds": 0.0, "eval_seconds": 0.0}
     seen: list[int] = []
@@ -408,7 +444,7 @@ def run_sequence(name: str, seed: int, data: CifarData, tasks: Sequence[Sequence
         out["train_seconds"] += time.perf_counter() - start
         out["entries_written"].append(_store_entries(model) - before)
         start = time.perf_counter()
-        measured = _accuracies(_scores(model, data.x_test, cfg.eval_batch_size, device),
+        measured = _accuracies(_scores(scorer, data.x_test, cfg.eval_batch_size, device),
                                data.y_test, tasks)
         out["eval_seconds"] += time.perf_counter() - start
         _record(out, measured)
@@ -543,8 +579,9 @@ def value_mass(model: nn.Module, task_of_sample: Tensor,
     return mass.tolist()
 
 
-def _silent_memories(model: nn.Module, data: CifarData, tasks: Sequence[Sequence[int]],
-                     cfg: ContinualConfig, device: torch.device) -> dict[str, Any]:
+def _silent_memories(name: str, model: nn.Module, data: CifarData,
+                     tasks: Sequence[Sequence[int]], cfg: ContinualConfig,
+                     device: torch.device) -> dict[str, Any]:  # fmt: skip
     """Per task: the entries its images wrote that are stored after the last task, and the
     accuracy (10-way) on its test images of :func:`own_entries_copy` with its images."""
     task_of_class = torch.empty(CLASSES, dtype=torch.long)
@@ -554,7 +591,8 @@ def _silent_memories(model: nn.Module, data: CifarData, tasks: Sequence[Sequence
     own = []
     for t in range(len(tasks)):
         restricted, _ = own_entries_copy(model, (task_of_sample == t).nonzero().squeeze(1))
-        scores = _scores(restricted, data.x_test, cfg.eval_batch_size, device)
+        scores = _scores(_readout(name, restricted, data, cfg), data.x_test,
+                         cfg.eval_batch_size, device)
         own.append(_accuracies(scores, data.y_test, tasks)["per_task"][t])
         del restricted
     return {"own_entries": own,
@@ -573,7 +611,7 @@ def continual_one(name: str, order: str, seed: int, data: CifarData, cfg: Contin
               "tasks": [list(c) for c in tasks], **out}
     if model is not None and model_kind(name) == "growing":
         start = time.perf_counter()
-        result["silent"] = _silent_memories(model, data, tasks, cfg, session.device)
+        result["silent"] = _silent_memories(name, model, data, tasks, cfg, session.device)
         result["silent_seconds"] = time.perf_counter() - start
     return result
 
@@ -1012,8 +1050,8 @@ def plot_mass(path: Any, mass: dict[str, list[list[float]]]) -> None:
 
 # --full: the issue's full-scale protocol (docs/continual.md, "Running it")
 FULL = {"train_size": None, "test_size": None, "orders": ("0", "random-1"), "seeds": (0,),
-        "models": ("gws", "rbf", "hybrid", "gws+labels", "rbf+labels", "hybrid+labels", "pec",
-                   "knn-l2", "knn-cosine", "ncm", "slda")}
+        "models": ("gws", "rbf", "gws+labels", "rbf+labels", "rbf+vote", "rbf+labels+vote",
+                   "pec", "knn-l2", "knn-cosine", "ncm", "slda")}
 
 EXPERIMENT_SPEC = Experiment(
     name=EXPERIMENT, config=ContinualConfig,
@@ -1029,7 +1067,8 @@ EXPERIMENT_SPEC = Experiment(
     sub_runs=_sub_runs, report=write_report, load_data=load_data, start=_start,
     finish=_finish, switches={"full": (
         "the whole CIFAR-10 (all 50 000 / 10 000 images), the natural order and random-1, "
-        "seed 0: the growing models with and without the labels trick, PEC and the "
+        "seed 0: the growing models with and without the labels trick and the label vote, "
+        "PEC and the "
         "raw-pixel classifiers (the MLPs stay at the reduced scale; docs/continual.md)",
         FULL)},
 )  # fmt: skip

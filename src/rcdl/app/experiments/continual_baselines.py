@@ -23,6 +23,10 @@ another torch. The methods are short, so they are written from their papers:
   cross-entropy over the classes of the current task (or batch) only, so that the loss
   gradient of every other class's logit is zero. For a growing layer this is a
   restricted write: a new entry's value ``−η g`` touches only those classes' logits.
+- :class:`LabelVote` — a readout of a growing network that answers by its readout entries'
+  *labels* instead of their values: each class's kernel mass at the query, at a sharper
+  temperature. Not a baseline but a method of this experiment (docs/continual.md, "What
+  recalls them").
 - :class:`PEC` — prediction-error-based classification (Zając, Tuytelaars & van de Ven,
   ICLR 2024): one small student network per class, trained on that class's images alone
   to reproduce a frozen random teacher; a class's score is minus its student's squared
@@ -41,11 +45,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rcdl.memory.provenance import UNKNOWN, entry_samples
+from rcdl.nn.layers import GrowingLayer
 from rcdl.nn.networks import eval_mode
 
 __all__ = ["EWC", "PEC", "LabelsTrick", "LwF", "NearestClassMean", "PlainLoss", "StreamingLDA",
@@ -107,6 +114,79 @@ class LabelsTrick(PlainLoss):
         if self.classes is None:
             raise RuntimeError("LabelsTrick(scope='task'): call start_task(classes) first")
         return restricted_cross_entropy(logits, y, self.classes)
+
+
+class LabelVote(nn.Module):
+    """A growing network read out by the labels of the samples that wrote its readout
+    entries: for a query ``q`` (the readout's input),
+
+    ``score_c(q) = log Σ_{j : y_j = c} φ(q, k_j; τ / s)``,
+
+    the log of class ``c``'s kernel mass over the readout's stored keys ``k_j``, with the
+    readout's own kernel ``φ`` (RBF, Laplacian or softmax logits) at its temperature
+    ``τ = T √d`` divided by the sharpness ``s``; ``y_j = labels[sample of entry j]``
+    (:func:`rcdl.memory.provenance.entry_samples`). Entries no sample wrote (the initial
+    entries of a softmax store) do not vote; a class without entries scores ``−∞``.
+
+    The values the entries learnt are not used, only their keys, which the layers before
+    the readout shaped by learning. Restricting or forgetting entries restricts the vote
+    (it reads the store at every call). The vote weighs every entry by its kernel alone,
+    so which task wrote an entry does not change how loudly it answers: the cause of
+    class-incremental forgetting in the learnt values (each task's entries pushing the
+    earlier classes down) does not reach it. The model is not changed.
+
+    Args:
+        model: a network with a growing ``readout`` (:class:`rcdl.nn.networks.ResidualNet`).
+        labels: ``(n,)`` the label of every training sample, by sample index.
+        sharpness: ``s > 0``; 1 is the readout's own kernel.
+    """
+
+    labels: Tensor
+
+    def __init__(self, model: nn.Module, labels: Tensor, sharpness: float = 4.0) -> None:
+        super().__init__()
+        readout = getattr(model, "readout", None)
+        if not isinstance(readout, GrowingLayer):
+            raise ValueError(f"LabelVote: {type(model).__name__} has no growing readout")
+        if readout.kernel.index_metric is None:
+            raise ValueError(f"LabelVote: the {readout.kernel} kernel is not a similarity "
+                             "(it has no log-kernel to vote with)")
+        if not sharpness > 0:
+            raise ValueError(f"LabelVote: sharpness must be > 0, got {sharpness}")
+        self.model, self.sharpness = model, sharpness
+        self.register_buffer("labels", labels.long().clone(), persistent=False)
+        self.classes = int(readout.d_out)
+
+    @property
+    def readout(self) -> GrowingLayer:
+        return cast(GrowingLayer, self.model.readout)
+
+    def log_kernel(self, q: Tensor) -> Tensor:  # (B, d) -> (B, N)
+        """``log φ(q, k_j; τ / s)`` for every readout entry ``j``."""
+        layer = self.readout
+        keys = layer.store.keys.to(q.dtype)  # (N, d)
+        q = layer.query_keys(q)
+        tau = layer.entries().tau(keys.shape[1]) / self.sharpness
+        metric = layer.kernel.index_metric
+        score = torch.cdist(q, keys).square() if metric == "l2" else q @ keys.T  # (B, N)
+        return layer.kernel.log_kernel(score, tau)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, d_in) -> (B, C)
+        got: list[Tensor] = []
+        hook = self.readout.register_forward_pre_hook(lambda m, a: got.append(a[0]))
+        try:
+            self.model(x)
+        finally:
+            hook.remove()
+        layer = self.readout
+        ids = entry_samples(layer).to(self.labels.device)  # (N,)
+        known = ids != UNKNOWN
+        log_phi = self.log_kernel(got[0])[:, known]  # (B, N')
+        label = self.labels[ids[known]].to(log_phi.device)  # (N',)
+        scores = log_phi.new_full((len(log_phi), self.classes), -torch.inf)  # (B, C)
+        for c in label.unique().tolist():
+            scores[:, c] = torch.logsumexp(log_phi[:, label == c], 1)
+        return scores
 
 
 def _sample_labels(logits: Tensor, generator: torch.Generator | None) -> Tensor:  # (B,)
