@@ -21,6 +21,10 @@ Models (``models``):
 - any network with the labels trick (``rbf+labels``: the loss over the task's classes
   only, so a growing layer's new entries touch only their logits; ``rbf+batch-labels``:
   over the batch's classes), :class:`~rcdl.app.experiments.continual_baselines.LabelsTrick`;
+- any growing network read out by the labels of the samples that wrote its readout's
+  entries (``rbf+vote``, ``rbf+labels+vote``): each class's kernel mass at the query, the
+  readout's kernel sharpened by ``vote_sharpness``,
+  :class:`~rcdl.app.experiments.continual_baselines.LabelVote`;
 - PEC (``pec``, Zając et al. 2024): one student per class imitating a frozen random
   teacher, on raw pixels, :class:`~rcdl.app.experiments.continual_baselines.PEC`;
 - on raw pixels, classifiers whose result does not depend on the order of the images:
@@ -55,7 +59,8 @@ class-incremental sub-runs and 18 i.i.d. ones (and fit the raw-pixel classifiers
 training and 1 000 test images (random subsets: about 200 training images per class, 25
 steps per task); most of their time is the ResNet-MLPs' passes (run times in
 docs/continual.md, "Time").
-``--train-size all --test-size all`` is the whole CIFAR-10, for a GPU.
+``--train-size all --test-size all`` is the whole CIFAR-10, for a GPU; ``--full`` is that
+with the natural order and ``random-1``, seed 0, and the models of :data:`FULL`.
 """
 
 from __future__ import annotations
@@ -729,12 +734,14 @@ KEPT_TARGET = 90.0  # percent of its own i.i.d. one-pass accuracy (docs/continua
 def verdict(rows_: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per growing model, over every order and seed: is its final accuracy above every
     non-replay MLP method's and above raw-pixel kNN and streaming LDA (the best of them,
-    ``best_knn``), and does it keep :data:`KEPT_TARGET` percent of its i.i.d. accuracy?"""
+    ``best_knn``), is it above PEC (where PEC was run), and does it keep
+    :data:`KEPT_TARGET` percent of its i.i.d. accuracy?"""
     overall = [r for r in rows_ if r["order"] == "all"]
     mlps = [r for r in overall if r["kind"] == "parametric"]
     knns = [r for r in overall if r["model"].startswith("knn-") or r["model"] == "slda"]
     best_mlp = max(mlps, key=lambda r: r["acc"], default=None)
     best_knn = max(knns, key=lambda r: r["acc"], default=None)
+    pec = next((r for r in overall if r["model"] == "pec"), None)
     out = {}
     for r in overall:
         if r["kind"] != "growing":
@@ -745,6 +752,7 @@ def verdict(rows_: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "best_mlp": None if best_mlp is None else best_mlp["model"],
             "above_knn": None if best_knn is None else r["acc"] > best_knn["acc"],
             "best_knn": None if best_knn is None else best_knn["model"],
+            "above_pec": None if pec is None else r["acc"] > pec["acc"],
             "most_kept": None if r["kept"] is None else r["kept"] >= KEPT_TARGET}
     return out
 
@@ -814,6 +822,8 @@ def _verdict_lines(verdicts: dict[str, dict[str, Any]]) -> str:
         if v["above_knn"] is not None:
             parts.append(f"{'above' if v['above_knn'] else 'NOT above'} raw-pixel kNN and "
                          f"streaming LDA (best: {v['best_knn']})")
+        if v.get("above_pec") is not None:
+            parts.append(f"{'above' if v['above_pec'] else 'NOT above'} PEC")
         if v["kept"] is not None:
             parts.append(f"keeps {v['kept']:.0f} % of its i.i.d. accuracy "
                          f"({'at least' if v['most_kept'] else 'NOT'} {KEPT_TARGET:.0f} %)")
@@ -866,7 +876,7 @@ def write_report(run: RunDir, cfg: ContinualConfig, summary: dict[str, Any],
         "## Verdict",
         "Goal: the best growing model above every non-replay MLP method, above raw-pixel "
         f"kNN and streaming LDA, keeping at least {KEPT_TARGET:.0f} % of its own i.i.d. "
-        "accuracy.",
+        "accuracy; and, the strongest rehearsal-free peer, PEC (where it was run).",
         _verdict_lines(summary["verdict"]),
         "Anchors (Split CIFAR-10 class-incremental, 5 tasks, ResNet-18, 50 epochs per task, "
         "DER, Buzzega et al. 2020): fine-tuning 19.62 %, online EWC 19.49 %, SI 19.48 %, "
