@@ -53,8 +53,8 @@ and for each (model, seed) the i.i.d. reference: one pass over the same training
 shuffled over all classes (EWC and LwF: their network and optimizer, which is plain
 training with one task). The gap is i.i.d. minus class-incremental final accuracy.
 
-Scale. The whole CIFAR-10 is far beyond two CPU cores: the defaults train networks in 72
-class-incremental sub-runs and 18 i.i.d. ones (and fit the raw-pixel classifiers in 36 and
+Scale. The whole CIFAR-10 is far beyond two CPU cores: the defaults train networks in 90
+class-incremental sub-runs and 21 i.i.d. ones (and fit the raw-pixel classifiers in 36 and
 12 more), each full-width ResNet-MLP pass over all 50 000 images. The defaults are 2 000
 training and 1 000 test images (random subsets: about 200 training images per class, 25
 steps per task); most of their time is the ResNet-MLPs' passes (run times in
@@ -276,8 +276,8 @@ class ContinualConfig(ExperimentConfig):
                         "knn-l2", "knn-cosine", "ncm", "slda")}
 
     models: tuple[str, ...] = setting(
-        ("gws", "gauge", "rbf", "hybrid", "mlp-sgd", "mlp-adam", "mlp-ewc", "mlp-lwf",
-         "knn-l2", "knn-cosine", "ncm", "slda"),
+        ("gws", "gauge", "rbf", "rbf+labels", "rbf+vote", "mlp-sgd", "mlp-adam", "mlp-ewc",
+         "mlp-lwf", "pec", "knn-l2", "knn-cosine", "ncm", "slda"),
         "models: growing networks, networks of the zoo fine-tuned, either with the labels "
         "trick (NAME+labels: the task's classes, NAME+batch-labels: the batch's), a "
         "growing network read out by its entries' labels (NAME+vote, NAME+labels+vote), "
