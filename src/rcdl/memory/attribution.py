@@ -114,14 +114,20 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
     shard = model_shard(model, "explain")  # None: one process holds every entry
     inputs: dict[str, Tensor] = {}
     outputs: dict[str, Tensor] = {}
+    calls: dict[str, int] = {}
 
     def keep_input(name: str):  # noqa: ANN202 - a forward pre-hook
-        return lambda module, args: inputs.__setitem__(name, args[0].detach())
+        def hook(module: nn.Module, args: tuple) -> None:
+            calls[name] = calls.get(name, 0) + 1
+            inputs[name] = args[0].detach()
+        return hook
 
     def keep_output(name: str):  # noqa: ANN202 - a forward hook
-        def hook(module: nn.Module, args: tuple, out: Tensor) -> None:
-            out.retain_grad()
+        def hook(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
             outputs[name] = out
+            # what the model does next gets a copy: an in-place op after the layer (an
+            # activation with inplace=True) must not move the node whose gradient we take
+            return out.clone()
         return hook
 
     handles = [h for name, layer in layers for h in (
@@ -133,14 +139,26 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
             logits = model(x)  # (B, C)
             chosen = logits.argmax(dim=1) if target is None else target.to(logits.device)
             f = logits.gather(1, chosen[:, None]).squeeze(1)  # (B,)
-            f.sum().backward()
     finally:
         for handle in handles:
             handle.remove()
+    twice = {name: n for name, n in calls.items() if n > 1}
+    if twice:
+        raise ValueError(
+            "explain: " + ", ".join(f"growing layer {name!r} was called {n} times"
+                                    for name, n in twice.items())
+            + " in one forward pass (weight tying?); an entry's contribution is defined "
+            "for one call of its layer, so explain needs each growing layer called once")
+    called = [name for name, _ in layers if name in outputs and outputs[name].requires_grad]
+    # torch.autograd.grad: the gradients of f at the layers' outputs only; no .grad is
+    # left on any parameter (a training step after explain must not see one)
+    grads = dict(zip(called, torch.autograd.grad(
+        f.sum(), [outputs[name] for name in called], allow_unused=True), strict=True)
+        ) if called else {}
     found = {}
     per_sample: list[tuple[Tensor, Tensor]] = []  # (contributions (B, n), samples (n,))
     for name, layer in layers:
-        grad = outputs[name].grad
+        grad = grads.get(name)
         if grad is None:  # the same on every rank: the backward is replicated
             continue
         total = layer.num_entries_all_ranks()  # every rank's (a collective when sharded)

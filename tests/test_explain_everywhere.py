@@ -1,0 +1,61 @@
+"""`explain` correct wherever a model runs (docs/attribution.md): an in-place activation
+after a growing layer, ordinary parameters beside the growing layers, and a growing layer
+called twice in one forward pass. Each case failed before its fix."""
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from rcdl import GrowingLayer
+from rcdl.memory.attribution import explain
+from rcdl.nn.rules import FunctionalSGD
+
+
+def _filled(d_in: int, d_out: int, seed: int, n: int = 40) -> GrowingLayer:
+    gen = torch.Generator().manual_seed(seed)
+    layer = GrowingLayer(d_in, d_out, kernel="rbf", temperature=0.5, dtype=torch.float64,
+                         rule=FunctionalSGD(0.1))
+    layer.commit((torch.randn(n, d_in, generator=gen, dtype=torch.float64),
+                  torch.randn(n, d_out, generator=gen, dtype=torch.float64),
+                  torch.ones(n, dtype=torch.float64)))
+    return layer
+
+
+def _two_layers(inplace: bool) -> nn.Module:
+    return nn.Sequential(_filled(5, 6, 0), nn.LeakyReLU(0.1, inplace=inplace),
+                         _filled(6, 3, 1))
+
+
+def test_an_inplace_activation_after_a_growing_layer_changes_nothing():
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    plain, inplace = explain(_two_layers(False), x, k=5), explain(_two_layers(True), x, k=5)
+    assert torch.equal(plain.target, inplace.target)
+    for name in plain.layers:
+        assert_close(inplace.layers[name][0], plain.layers[name][0])
+        assert torch.equal(inplace.layers[name][1], plain.layers[name][1])
+
+
+def test_explain_leaves_no_gradient_on_the_models_parameters():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5).double(), _filled(5, 3, 0))
+    x = torch.randn(4, 5, dtype=torch.float64)
+    explain(model, x)
+    assert all(p.grad is None for p in model.parameters())
+    model[0].weight.grad = torch.ones_like(model[0].weight)  # a gradient already there
+    explain(model, x)
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.readout = _filled(5, 5, 0), _filled(5, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.readout(self.block(self.block(x)))
+
+
+def test_a_growing_layer_called_twice_in_one_forward_is_refused():
+    with pytest.raises(ValueError, match="block.*called 2 times"):
+        explain(_Tied(), torch.randn(4, 5, dtype=torch.float64))
