@@ -59,3 +59,46 @@ class _Tied(nn.Module):
 def test_a_growing_layer_called_twice_in_one_forward_is_refused():
     with pytest.raises(ValueError, match="block.*called 2 times"):
         explain(_Tied(), torch.randn(4, 5, dtype=torch.float64))
+
+
+def test_explain_sums_each_inputs_token_rows_in_the_rcdl_vit():
+    """A growing layer inside the ViT sees ``(B, S, d)`` tokens: an entry's contribution
+    to an image's output is the sum over the image's tokens, ``Σ_t ⟨u_t, share_j(q_t)⟩``."""
+    import torch.nn.functional as F
+
+    from rcdl import Grower
+    from rcdl.memory.attribution import entry_contributions
+    from rcdl.memory.provenance import samples
+    from rcdl.nn.layers import growing_layers
+    from rcdl.nn.vit import rcdl_vit
+    from rcdl.optim.entry_adam import EntryAdam
+
+    torch.manual_seed(0)
+    model = rcdl_vit(temperature=1.0, tau=0.0, initial_entries=4, patch_size=8, width=16,
+                     depth=2, heads=2)
+    optimizer, grower = EntryAdam(model, lr=1e-3), Grower(model)
+    x, y = torch.randn(3, 3072), torch.tensor([0, 1, 2])
+    with samples(model, torch.tensor([10, 11, 12])):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        grower.step()
+    probe = torch.randn(2, 3072)
+    got = explain(model, probe, k=3)
+    assert set(got.samples[1].flatten().tolist()) <= {10, 11, 12}
+    name, layer = growing_layers(model)[-1]
+    kept: dict[str, torch.Tensor] = {}
+    h_in = layer.register_forward_pre_hook(lambda m, a: kept.__setitem__("q", a[0].detach()))
+    h_out = layer.register_forward_hook(lambda m, a, out: kept.__setitem__("s", out))
+    model.eval()
+    logits = model(probe)
+    h_in.remove()
+    h_out.remove()
+    f = logits.gather(1, got.target[:, None]).sum()
+    (u,) = torch.autograd.grad(f, kept["s"])
+    q = kept["q"]  # (2, S, d)
+    contrib = entry_contributions(layer, q.reshape(-1, 16), u.reshape(-1, 16))  # (2·S, N)
+    per_image = contrib.view(2, q.shape[1], -1).sum(1)  # (2, N)
+    top = per_image.topk(3, dim=1)
+    assert_close(got.layers[name][0], top.values, rtol=1e-4, atol=1e-6)
+    assert torch.equal(got.layers[name][1], layer.store.ids[top.indices])

@@ -95,10 +95,12 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
     """For each input, each growing layer's ``k`` entries with the largest first-order
     contribution to output ``target`` (default: the predicted class), from one backward
     pass: the contribution of entry ``j`` of layer ``l`` is ``⟨∂f/∂s_l, share_j^l⟩``
-    (:func:`entry_contributions`). For the model's last growing layer, when the model's
-    output is that layer's output, this is the entry's exact share of ``f``; for earlier
-    layers it is first order in the share. The model is evaluated in eval mode (nothing
-    is recorded or written) and restored to its mode after.
+    (:func:`entry_contributions`), summed over the rows an input puts through the layer
+    when it puts several (a ViT's tokens, ``(B, S, d)``). For the model's last growing
+    layer, when the model's output is that layer's output, this is the entry's exact
+    share of ``f``; for earlier layers it is first order in the share. The model is
+    evaluated in eval mode (nothing is recorded or written) and restored to its mode
+    after.
 
     Sharded over ranks (:func:`rcdl.distributed.shard`), call it on every rank with the
     same ``x``: every rank returns the explanation one process over the whole store gives
@@ -156,6 +158,7 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
         f.sum(), [outputs[name] for name in called], allow_unused=True), strict=True)
         ) if called else {}
     found = {}
+    batch = x.shape[0]
     per_sample: list[tuple[Tensor, Tensor]] = []  # (contributions (B, n), samples (n,))
     for name, layer in layers:
         grad = grads.get(name)
@@ -164,8 +167,14 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
         total = layer.num_entries_all_ranks()  # every rank's (a collective when sharded)
         if total == 0:
             continue
-        q = inputs[name].reshape(-1, layer.d_in)
-        contrib = entry_contributions(layer, q, grad.reshape(-1, layer.d_out))  # (B, N)
+        q = inputs[name].reshape(-1, layer.d_in)  # (B·S, d_in): S rows per input
+        contrib = entry_contributions(layer, q, grad.reshape(-1, layer.d_out))  # (B·S, N)
+        if len(q) != batch:  # tokens (a ViT): an entry's contribution to an input's output
+            # is the sum over the rows that input put through the layer
+            if len(q) % batch:
+                raise ValueError(f"explain: growing layer {name!r} saw {len(q)} rows for "
+                                 f"{batch} inputs; expected a whole number of rows per input")
+            contrib = contrib.view(batch, len(q) // batch, -1).sum(1)  # (B, N)
         found[name] = _top_entries(contrib, layer.store.ids, min(k, total), shard)
         owners = entry_samples(layer).to(contrib.device)  # (N,)
         known = owners != UNKNOWN
