@@ -102,3 +102,19 @@ def test_explain_sums_each_inputs_token_rows_in_the_rcdl_vit():
     top = per_image.topk(3, dim=1)
     assert_close(got.layers[name][0], top.values, rtol=1e-4, atol=1e-6)
     assert torch.equal(got.layers[name][1], layer.store.ids[top.indices])
+
+
+def test_explain_refuses_a_model_that_answers_by_top_k_retrieval():
+    """In top-k mode the output rests on each query's k retrieved rows (and, for the
+    softmax, their own denominator); shares over every entry would not sum to it."""
+    from rcdl.retrieval.topk import use_exact, use_topk
+
+    model = _two_layers(False)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    exact = explain(model, x, k=3)
+    use_topk(model, 5, backend="exact")
+    with pytest.raises(ValueError, match="top-k retrieval.*use_exact"):
+        explain(model, x, k=3)
+    use_exact(model)
+    again = explain(model, x, k=3)
+    assert_close(again.layers["2"][0], exact.layers["2"][0])

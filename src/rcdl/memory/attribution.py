@@ -114,6 +114,14 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
     if not layers:
         raise ValueError(f"explain: {type(model).__name__} has no growing layers")
     shard = model_shard(model, "explain")  # None: one process holds every entry
+    topk = [name for name, layer in layers if layer.retrieval is not None]
+    if topk:
+        raise ValueError(
+            f"explain: growing layers {topk} answer by top-k retrieval (layer.retrieval): "
+            "their output rests on each query's k retrieved rows (and, for the softmax, on "
+            "those rows' own denominator), which the shares over every entry do not sum "
+            "to; explain the exact model (rcdl.retrieval.topk.use_exact(model), then "
+            "use_topk again)")
     inputs: dict[str, Tensor] = {}
     outputs: dict[str, Tensor] = {}
     calls: dict[str, int] = {}
