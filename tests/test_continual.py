@@ -603,3 +603,16 @@ def test_label_vote_keeps_the_first_task_where_the_learnt_values_lose_it():
     assert _task_accuracy(vote, x1, y1) == 1.0
     assert _task_accuracy(vote, *tasks[1][2:]) == 1.0
     assert _task_accuracy(net, x1, y1) < 1.0
+
+
+def test_pec_teacher_blocked_over_channels_is_the_dense_network():
+    """float64: the channel-blocked forward (what PEC's targets use) against the network."""
+    torch.manual_seed(0)
+    net = cb._pec_network(12, 7, 5).double().eval()
+    with torch.no_grad():
+        net[1].weight.uniform_(0.5, 1.5)  # a non-trivial affine map of the normalisation
+        net[1].bias.uniform_(-0.5, 0.5)
+        images = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+        dense = net(images)
+        for block in (1, 5, 12, 50):
+            torch.testing.assert_close(cb.pec_forward_blocked(net, images, block), dense)
