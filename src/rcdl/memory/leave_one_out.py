@@ -1,0 +1,118 @@
+"""Leave-one-out predictions of a growing model, exactly, in one forward pass
+(docs/attribution.md, "Leave-one-out predictions").
+
+Deleting a training sample's entries changes a growing model's output on an input only
+through those entries' terms: no other stored number moves. So the model with sample
+``i``'s entries deleted, asked about input ``x_b``, is the model itself with, in every
+growing layer, the terms of ``i``'s entries taken out of that layer's attention at
+``x_b``'s query. With ``E_b`` the entries of the sample row ``b`` leaves out and the
+layer's partial sums over the whole store at the query ``q_b`` (:class:`rcdl.ops.entries.Partial`:
+numerator, denominator, weight mass and shift ``m``):
+
+- kernels that do not normalise: ``s_{−E}(q) = s(q) − Σ_{j∈E} w_j κ(q, k_j) v_j``;
+- the weighted softmax: ``s_{−E}(q) = (N − Σ_{j∈E} e^{z_j−m} ṽ_j) / g(D − Σ_{j∈E} w_j e^{z_j−m},
+  A − Σ_{j∈E} |w_j| e^{z_j−m})``, with ``g`` the attention's guard of the denominator
+  (:func:`rcdl.ops.kernels.guard_denominator`) and ``A`` the weight mass it scales by.
+
+The corrected output of each layer is what the next layer sees, so the result is the
+deleted model's output exactly (a float64 test compares it with
+:func:`rcdl.memory.forgetting.forget` on a copy, sample by sample), for the price of one
+forward pass and, per layer, one kernel value per left-out entry.
+
+Typical use: each training image with its own entries left out, ``leave_one_out(model,
+x_train, torch.arange(n))``, gives every image's prediction by a model that never stored
+it — a label check (docs/attribution.md: flipped labels rank by the leave-one-out margin).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from rcdl.distributed import model_shard
+from rcdl.memory.provenance import UNKNOWN, entry_samples
+from rcdl.nn.layers import GrowingLayer, growing_layers
+from rcdl.nn.networks import eval_mode
+from rcdl.ops.attention import attend_partial
+from rcdl.ops.entries import Entries, Partial
+from rcdl.ops.kernels import guard_denominator
+
+__all__ = ["leave_one_out", "left_out_attention"]
+
+
+@torch.no_grad()
+def left_out_attention(layer: GrowingLayer, q: Tensor, leave: Tensor,
+                       pair_chunk: int = 256) -> tuple[Tensor, Tensor]:  # (B, d_out) each
+    """The layer's attention at the inputs ``q (B, d_in)`` over its whole store, and over
+    the store without the entries written by sample ``leave[b] (B,)`` for row ``b``
+    (``UNKNOWN``: none left out). Returns ``(whole, left_out)``; the layer's output with
+    those entries deleted is its output plus ``left_out − whole`` (module docstring)."""
+    if leave.shape != (q.shape[0],):
+        raise ValueError(f"left_out_attention: expected one sample per row, ({q.shape[0]},), "
+                         f"got {tuple(leave.shape)}")
+    entries: Entries = layer.entries()
+    qk = layer.query_keys(q)  # (B, key_dim)
+    part: Partial = attend_partial(qk, entries)
+    owners = entry_samples(layer).to(leave.device)  # (N,)
+    rows, cols = (owners[None, :] == leave[:, None]).nonzero(as_tuple=True)  # pairs (P,)
+    keep = leave[rows] != UNKNOWN
+    rows, cols = rows[keep].to(q.device), cols[keep].to(q.device)
+    kernel, tau = entries.kernel, entries.tau(qk.shape[1])
+    terms = []  # per pair: κ (or e^{z − m} for the softmax)
+    for a in range(0, len(rows), pair_chunk):
+        r, c = rows[a : a + pair_chunk], cols[a : a + pair_chunk]
+        block = kernel.dense(qk[r], entries.keys[c].to(qk.dtype), tau)  # (p, p)
+        terms.append(block.diagonal())
+    kappa = torch.cat(terms) if terms else qk.new_zeros(0)  # (P,)
+    weights = entries.weights.to(qk.dtype)[cols]  # (P,)
+    values = entries.values.to(qk.dtype)[cols]  # (P, d_out)
+    if not kernel.normalised:  # the left-out terms w_j κ_j v_j taken away
+        return part.num, part.num.clone().index_add_(0, rows, -(weights * kappa)[:, None]
+                                                     * values)
+    e = (kappa - part.m[rows]).exp()  # (P,) e^{z_j − m}
+    num = part.num.clone().index_add_(0, rows, -e[:, None] * values)
+    den = part.den.clone().index_add_(0, rows, -weights * e)
+    mass = part.mass.clone().index_add_(0, rows, -weights.abs() * e)
+    whole = part.num / guard_denominator(part.den, part.mass, entries.eps)[:, None]
+    return whole, num / guard_denominator(den, mass, entries.eps)[:, None]
+
+
+@torch.no_grad()
+def leave_one_out(model: nn.Module, x: Tensor, leave: Tensor) -> Tensor:
+    """The model's output on ``x (B, d_in)`` with, for row ``b``, every entry that training
+    sample ``leave[b]`` wrote deleted from every growing layer (``UNKNOWN`` for a row that
+    leaves nothing out), exactly, in one forward pass in eval mode (module docstring).
+
+    Raises:
+        ValueError: for a sharded model, a growing layer that sees several rows per input
+            (tokens), or ``leave`` not one sample per row.
+    """
+    if model_shard(model, "leave_one_out") is not None:
+        raise ValueError("leave_one_out: the model's stores are sharded; gather them into "
+                         "one process first (rcdl.distributed)")
+    if leave.shape != (x.shape[0],):
+        raise ValueError(f"leave_one_out: expected one sample per input, ({x.shape[0]},), "
+                         f"got {tuple(leave.shape)}")
+    layers = growing_layers(model)
+    if not layers:
+        raise ValueError(f"leave_one_out: {type(model).__name__} has no growing layers")
+    leave = leave.long()
+
+    def correct(name: str):  # noqa: ANN202 - a forward hook
+        def hook(layer: nn.Module, args: tuple, out: Tensor) -> Tensor:
+            q = args[0]
+            if q.dim() != 2 or q.shape[0] != leave.shape[0]:
+                raise ValueError(f"leave_one_out: growing layer {name!r} saw inputs of shape "
+                                 f"{tuple(q.shape)}; one row per input is needed")
+            assert isinstance(layer, GrowingLayer)
+            whole, left = left_out_attention(layer, q, leave.to(q.device))
+            return out + (left - whole).to(out.dtype)
+        return hook
+
+    handles = [layer.register_forward_hook(correct(name)) for name, layer in layers]
+    try:
+        with eval_mode(model):
+            return model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
