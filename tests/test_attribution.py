@@ -1,5 +1,7 @@
 """Entry shares (rcdl.memory.attribution): exact per layer, first-order through a model."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -137,3 +139,30 @@ def test_explain_sums_each_training_samples_contributions_over_its_entries():
         entry_samples([m for m in model.modules() if isinstance(m, GrowingLayer)][-1]).tolist(),
         strict=True)}
     assert all(sample_of_top[int(i)] in range(n) for i in ids[0])
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_deletion_effects_are_the_change_from_deleting_each_entry(kernel):
+    """float64: for every entry, the exact change of ⟨u, s(x)⟩ when it alone is deleted;
+    for the softmax it differs from minus the share (the normaliser shrinks too)."""
+    from rcdl.memory.attribution import deletion_effects
+
+    layer = filled_layer(kernel, seed=3)
+    n = 30
+    layer.remove_entries(torch.arange(len(layer.store)) >= n)  # a small store
+    x = torch.randn(B, D_IN, dtype=torch.float64)
+    u = torch.randn(B, D_OUT, dtype=torch.float64)
+    got = deletion_effects(layer, x, u, chunk=7)
+    with torch.no_grad():
+        base = (u * layer.attend(layer.query_keys(x))).sum(1)
+    for j in range(n):
+        deleted = copy.deepcopy(layer)
+        deleted.remove_entries(torch.arange(n) == j)
+        with torch.no_grad():
+            after = (u * deleted.attend(deleted.query_keys(x))).sum(1)
+        assert_close(got[:, j], after - base, rtol=1e-9, atol=1e-12)
+    share = entry_contributions(layer, x, u)
+    if kernel == "softmax":
+        assert not torch.allclose(got, -share)
+    else:
+        assert_close(got, -share)
