@@ -22,9 +22,13 @@ readout's exact shares alone.
 class, at random; seed 2), train once (seed 0), and rank the training images by
 **self-influence**: the contribution of an image's own entries, in every layer, to its own
 (noisy) label's logit. A flipped image can only be fitted by its own entries, so it should
-rank high. Baselines: the trained model's cross-entropy on each training image, and a
-random ranking. Measured: the ROC-AUC of telling flipped from clean images, and the share
-of the flipped images among the top 10 % and 20 % of each ranking (inspected).
+rank high. And by the **leave-one-out margin**: minus the image's label margin when the
+model answers it with its own entries deleted from every layer, exactly
+(:func:`rcdl.memory.leave_one_out.leave_one_out`): a flipped label that only its own
+entries supported loses its margin. Baselines: the trained model's cross-entropy on each
+training image, and a random ranking. Measured: the ROC-AUC of telling flipped from clean
+images, and the share of the flipped images among the top 10 % and 20 % of each ranking
+(inspected).
 
 **Explanations** (``explanations.png``): the first ``shown`` test images, each beside the
 ``top`` training images with the largest summed contribution to its predicted logit under
@@ -65,6 +69,7 @@ from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
 from rcdl.memory.attribution import explain
+from rcdl.memory.leave_one_out import leave_one_out
 from rcdl.memory.provenance import UNKNOWN
 from rcdl.nn.layers import growing_layers
 from rcdl.train.loop import predict
@@ -74,7 +79,8 @@ __all__ = [
     "MEASUREMENTS", "RANKINGS", "TRAK_AUC", "VARIANTS", "AttributionConfig",
     "attribution_scores", "auc", "detection", "draw_explanations", "draw_results",
     "flip_labels", "found_in_top", "half_masks", "half_sums", "lds_full", "lds_halves",
-    "lds_score", "load_data", "margins", "mislabel_one", "rows", "self_influence", "spearman",
+    "leave_one_out_margins", "lds_score", "load_data", "margins", "mislabel_one", "rows",
+    "self_influence", "spearman",
     "to_pixels", "train_model", "write_report",
 ]  # fmt: skip
 
@@ -84,6 +90,8 @@ MEASUREMENTS = {"lds": "the linear datamodeling score against models retrained o
 VARIANTS = {"all layers": "summed over every growing layer",
             "readout": "the readout's exact shares alone"}  # fmt: skip
 RANKINGS = {"self-influence": "its own entries' contribution to its own label's logit",
+            "leave-one-out margin": "minus its label's margin when the model answers it "
+            "with its own entries deleted from every layer (exact, rcdl.memory.leave_one_out)",
             "training loss": "the trained model's cross-entropy on it",
             "random": "a random ranking"}  # fmt: skip
 # published anchors, other models and data: (what, LDS) from the dattri benchmark
@@ -358,6 +366,23 @@ def detection(scores: Tensor, flipped: Tensor) -> dict[str, Any]:
             "curve": [found_in_top(scores, flipped, s) for s in CURVE]}  # fmt: skip
 
 
+def leave_one_out_margins(model: nn.Module, x: Tensor, y: Tensor, *,
+                          batch_size: int = 500, device: torch.device | str = "cpu",
+                          ) -> Tensor:  # (n,) float64  # fmt: skip
+    """Each training image's label margin ``f_y − log Σ_{c ≠ y} e^{f_c}`` when the model
+    answers it with the image's own entries deleted from every growing layer, exactly
+    (:func:`rcdl.memory.leave_one_out.leave_one_out`; ``x`` in the order the model's
+    samples are indexed)."""
+    out = torch.zeros(len(x), dtype=torch.float64)
+    for begin in range(0, len(x), batch_size):
+        rows = torch.arange(begin, min(len(x), begin + batch_size))
+        logits = leave_one_out(model, x[rows].to(device), rows.to(device)).cpu()  # (b, C)
+        correct = logits.gather(1, y[rows, None]).squeeze(1)
+        others = logits.scatter(1, y[rows, None], -torch.inf).logsumexp(1)
+        out[rows] = (correct - others).double()
+    return out
+
+
 def self_influence(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 50,
                    device: torch.device | str = "cpu") -> Tensor:  # (n,) float64  # fmt: skip
     """Each training image's own entries' contribution, in every layer, to the logit of its
@@ -403,12 +428,17 @@ def mislabel_one(name: str, cfg: AttributionConfig, data: CifarData,
     start = time.perf_counter()
     influence = self_influence(model, x, y, batch_size=cfg.explain_batch_size, device=device)
     explain_seconds = (time.perf_counter() - start) / n
+    start = time.perf_counter()
+    held_out = -leave_one_out_margins(model, x, y, device=device)
+    loo_seconds = (time.perf_counter() - start) / n
     loss = F.cross_entropy(_logits(model, x, device), y, reduction="none")
-    rankings = {"self-influence": influence, "training loss": loss,
+    rankings = {"self-influence": influence, "leave-one-out margin": held_out,
+                "training loss": loss,
                 "random": torch.rand(n, generator=gen)}
     return {"model": name, "measurement": "mislabel", "flipped": count,
             "test_acc": 100 * result["acc"], "train_seconds": train_seconds,
             "explain_seconds_per_image": explain_seconds,
+            "leave_one_out_seconds_per_image": loo_seconds,
             "rankings": {r: detection(s, flipped) for r, s in rankings.items()}}  # fmt: skip
 
 
@@ -549,7 +579,8 @@ def draw_results(path: Path, rows_: Sequence[Mapping[str, Any]],
         ax.legend(fontsize=7)
     if mislabel:
         ax = next(axes)
-        styles = {"self-influence": "-", "training loss": "--", "random": ":"}
+        styles = {"self-influence": "-", "leave-one-out margin": "-.", "training loss": "--",
+                  "random": ":"}
         for run in mislabel:
             colour: str | None = None
             for ranking, d in run["rankings"].items():
@@ -615,7 +646,9 @@ def write_report(run: RunDir, cfg: AttributionConfig, summary: dict[str, Any],
             "llrrr")  # fmt: skip
         models = "; ".join(f"{r['model']}: {r['flipped']:,} labels flipped, test accuracy "
                            f"{r['test_acc']:.1f} % (clean test labels), self-influence "
-                           f"{r['explain_seconds_per_image']:.4f} s per training image"
+                           f"{r['explain_seconds_per_image']:.4f} s per training image, "
+                           "leave-one-out "
+                           f"{r.get('leave_one_out_seconds_per_image', float('nan')):.4f} s"
                            for r in flips)  # fmt: skip
         found = KRONFLUENCE_FOUND
         parts += [
@@ -623,6 +656,7 @@ def write_report(run: RunDir, cfg: AttributionConfig, summary: dict[str, Any],
             f"{100 * cfg.flip:g} % of the training labels flipped to another class at random "
             f"(seed {FLIP_SEED}); one model trained on them; the training images ranked by "
             "self-influence (their own entries' contribution to their own label's logit), "
+            "by minus their label's margin with their own entries deleted (leave-one-out), "
             f"by the trained model's loss on them, and at random. {models}.",
             table,
             f"Anchors (other models, more data): Kronfluence finds "
