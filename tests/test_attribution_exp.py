@@ -75,9 +75,9 @@ def test_the_command_writes_tables_and_figures_and_resumes(data_dir, tmp_path, c
         assert (out / figure).read_bytes().startswith(PNG)
     for name in ("gws", "rbf"):
         assert torch.load(out / f"lds-{name}-margins-2.pt").shape == (1, 32)  # the 3rd half
-        assert torch.load(out / f"lds-{name}-predicted.pt").shape == (3, 2, 32)
+        assert torch.load(out / f"lds-{name}-predicted.pt").shape == (3, 3, 32)
         variants = lds_of(summary, name)
-        assert set(variants) == {"all layers", "readout"}
+        assert set(variants) == {"all layers", "readout", "readout deletion"}
         assert all(-1 <= v["lds"] <= 1 and v["test_images"] == 32 for v in variants.values())
     full = next(r for r in summary["runs"] if r["measurement"] == "lds-full")
     assert len(full["shown"]) == 3
@@ -95,9 +95,9 @@ def test_the_command_writes_tables_and_figures_and_resumes(data_dir, tmp_path, c
     with open(out / "results.csv", newline="") as f:
         table = list(csv.DictReader(f))
     assert tuple(table[0]) == COLUMNS
-    assert [(r["measurement"], r["model"], r["scores"]) for r in table][:3] == [
-        ("lds", "gws", "all layers"), ("lds", "gws", "readout"), ("mislabel", "gws",
-                                                                  "self-influence")]
+    assert [(r["measurement"], r["model"], r["scores"]) for r in table][:4] == [
+        ("lds", "gws", "all layers"), ("lds", "gws", "readout"),
+        ("lds", "gws", "readout deletion"), ("mislabel", "gws", "self-influence")]
     capsys.readouterr()
     assert main(["reproduce", "attribution", "--resume", str(out), "--no-progress"]) == 0
     assert capsys.readouterr().out.count("finished in an earlier session, skipped") == 10
@@ -192,3 +192,43 @@ def test_config_refuses_what_cannot_be_measured():
     AttributionConfig(train_size=5, flip=0.1, measurements=("lds",))  # no flips needed
     with pytest.raises(ValueError, match="shown"):
         AttributionConfig(test_size=4)
+
+
+@pytest.mark.parametrize("kind", ["rbf", "gws"])
+def test_readout_deletion_scores_are_minus_the_logits_change_from_deleting(kind):
+    """float64: a sample's "readout deletion" score is minus the change of the explained
+    logit when its readout entries alone are deleted; for RBF it equals the readout's share."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from rcdl import FunctionalSGD, Grower, GrowingRBFNet, GrowingSoftmaxNet
+    from rcdl.memory.provenance import samples
+    from rcdl.nn.rules import ClippedSoftmaxRule
+    from rcdl.train.loop import train_step
+
+    torch.manual_seed(0)
+    if kind == "rbf":
+        net = GrowingRBFNet(6, 3, 1, temperature=0.5, rule=FunctionalSGD(1.0))
+    else:
+        net = GrowingSoftmaxNet(6, 3, 1, temperature=2.0, rule=ClippedSoftmaxRule(0.5, 2.0))
+    net = net.double()
+    grower = Grower(net)
+    x, y = torch.randn(16, 6, dtype=torch.float64), torch.arange(16) % 3
+    for i in range(0, 16, 4):
+        with samples(net, torch.arange(i, i + 4)):
+            train_step(net, x[i:i + 4], y[i:i + 4], F.cross_entropy, grower=grower)
+    probe, target = torch.randn(5, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    scores = attribution_exp.attribution_scores(net, probe, target, 16)
+    net.eval()
+    with torch.no_grad():
+        base = net(probe).gather(1, target[:, None]).squeeze(1)
+    for i in (0, 5, 13):
+        deleted = copy.deepcopy(net)
+        owners = deleted.readout.provenance.of(deleted.readout.store.ids)
+        deleted.readout.remove_entries(owners == i)
+        with torch.no_grad():
+            after = deleted(probe).gather(1, target[:, None]).squeeze(1)
+        torch.testing.assert_close(scores["readout deletion"][:, i], base - after)
+    if kind == "rbf":
+        torch.testing.assert_close(scores["readout deletion"], scores["readout"])

@@ -15,8 +15,9 @@ the model trained on the whole subset (seed 0); retrain ``M = halves`` models on
 halves ``S_m`` of the subset (seeds 100, 101, ...); for each test image, the Spearman
 correlation over ``m`` between ``Σ_{i ∈ S_m} τ(x, i)`` and the retrained model's
 correct-class margin ``f_y(x) − log Σ_{c ≠ y} e^{f_c(x)}``; LDS is its mean over test
-images. Two variants of ``τ`` (:data:`VARIANTS`): summed over every growing layer, and the
-readout's exact shares alone.
+images. Three variants of ``τ`` (:data:`VARIANTS`): summed over every growing layer, the
+readout's exact shares alone, and minus the readout's exact deletion effect
+(:func:`rcdl.memory.attribution.deletion_effects`).
 
 **Mislabel detection.** Flip the labels of ``flip`` of the training images (to another
 class, at random; seed 2), train once (seed 0), and rank the training images by
@@ -68,10 +69,11 @@ from rcdl.app.recipes import train_model
 from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
-from rcdl.memory.attribution import explain
+from rcdl.memory.attribution import deletion_effects, explain
 from rcdl.memory.leave_one_out import leave_one_out
 from rcdl.memory.provenance import UNKNOWN
 from rcdl.nn.layers import growing_layers
+from rcdl.nn.networks import eval_mode
 from rcdl.train.loop import predict
 
 __all__ = [
@@ -88,7 +90,9 @@ EXPERIMENT = "attribution"
 MEASUREMENTS = {"lds": "the linear datamodeling score against models retrained on halves",
                 "mislabel": "mislabel detection by self-influence"}  # fmt: skip
 VARIANTS = {"all layers": "summed over every growing layer",
-            "readout": "the readout's exact shares alone"}  # fmt: skip
+            "readout": "the readout's exact shares alone",
+            "readout deletion": "minus the exact change of the logit when the sample's "
+            "readout entries alone are deleted (the softmax's normaliser shrinks too)"}  # fmt: skip
 RANKINGS = {"self-influence": "its own entries' contribution to its own label's logit",
             "leave-one-out margin": "minus its label's margin when the model answers it "
             "with its own entries deleted from every layer (exact, rcdl.memory.leave_one_out)",
@@ -184,14 +188,22 @@ def attribution_scores(model: nn.Module, x: Tensor, y: Tensor, n_train: int, *,
                        ) -> dict[str, Tensor]:  # {variant: (T, n_train) float64}  # fmt: skip
     """``τ(x_t, i)`` for every test image ``x (T, 3072)`` and training sample ``i`` towards
     the logit of class ``y (T,)``, one :func:`rcdl.memory.attribution.explain` per batch: summed
-    over every growing layer (``"all layers"``) and the readout's exact shares alone
-    (``"readout"``). Samples without entries score 0."""
+    over every growing layer (``"all layers"``), the readout's exact shares alone
+    (``"readout"``), and minus the exact change of the logit when a sample's readout
+    entries alone are deleted (``"readout deletion"``). Samples without entries score 0."""
     readout_name, readout = growing_layers(model)[-1]
     k = _every_entry(model)
     scores = {v: torch.zeros(len(x), n_train, dtype=torch.float64) for v in VARIANTS}
+    owners_all = readout.provenance.of(readout.store.ids).cpu()  # (N,)
+    known_all = owners_all != UNKNOWN
     for begin in range(0, len(x), batch_size):
         xb, yb = x[begin:begin + batch_size], y[begin:begin + batch_size]
         rows = slice(begin, begin + len(xb))
+        q = _readout_inputs(model, readout, xb.to(device))  # (b, d)
+        u = F.one_hot(yb, readout.d_out).to(q)  # (b, C)
+        effect = deletion_effects(readout, q, u).cpu().double()  # (b, N)
+        scores["readout deletion"][rows].index_add_(1, owners_all[known_all],
+                                                    -effect[:, known_all])
         exp = explain(model, xb.to(device), target=yb.to(device), k=k)
         values, samples = (t.cpu() for t in exp.samples)  # (b, S) each
         scores["all layers"][rows].scatter_(1, samples, values.double())
@@ -202,6 +214,19 @@ def attribution_scores(model: nn.Module, x: Tensor, y: Tensor, n_train: int, *,
         scores["readout"][rows].index_put_((batch_rows[known], owners[known]),
                                            values.cpu()[known].double(), accumulate=True)
     return scores
+
+
+@torch.no_grad()
+def _readout_inputs(model: nn.Module, readout: nn.Module, x: Tensor) -> Tensor:  # (B, d)
+    """What ``readout`` receives when ``model`` (in eval mode) answers ``x``."""
+    got: list[Tensor] = []
+    hook = readout.register_forward_pre_hook(lambda m, a: got.append(a[0].detach()))
+    try:
+        with eval_mode(model):
+            model(x)
+    finally:
+        hook.remove()
+    return got[0]
 
 
 def half_masks(n: int, count: int, *, seed: int = HALVES_SEED) -> Tensor:  # (count, n) bool
@@ -563,12 +588,12 @@ def draw_results(path: Path, rows_: Sequence[Mapping[str, Any]],
     if lds:
         ax = next(axes)
         models = list(dict.fromkeys(r["model"] for r in lds))
-        for v, (variant, fill) in enumerate(zip(VARIANTS, ("tab:purple", "tab:olive"),
-                                                strict=True)):
+        fills = ("tab:purple", "tab:olive", "tab:cyan")
+        for v, (variant, fill) in enumerate(zip(VARIANTS, fills, strict=True)):
             bars = [next((r for r in lds if r["model"] == m and r["scores"] == variant), None)
                     for m in models]  # fmt: skip
-            ax.bar([i + (v - 0.5) * 0.38 for i in range(len(models))],
-                   [b["lds"] if b else 0 for b in bars], 0.36, label=variant, color=fill)
+            ax.bar([i + (v - 1) * 0.27 for i in range(len(models))],
+                   [b["lds"] if b else 0 for b in bars], 0.26, label=variant, color=fill)
         for (what, value), style in zip(LDS_ANCHORS, (":", "--", "-."), strict=True):
             ax.axhline(value, color="black", lw=0.9, ls=style, label=f"{what}: {value}")
         ax.axhline(0, color="black", lw=0.5)
