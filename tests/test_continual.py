@@ -616,3 +616,19 @@ def test_pec_teacher_blocked_over_channels_is_the_dense_network():
         dense = net(images)
         for block in (1, 5, 12, 50):
             torch.testing.assert_close(cb.pec_forward_blocked(net, images, block), dense)
+
+
+def test_the_full_preset_gives_way_to_the_flags_given():
+    """`--full --orders 0 --models rbf+vote`: the preset fills the config, the flags given
+    win."""
+    from types import SimpleNamespace
+
+    from rcdl.app.cli import _settings, config_flags
+    from rcdl.app.experiments.continual import EXPERIMENT_SPEC
+
+    args = SimpleNamespace(full=True, **{f.name: None
+                                         for f in config_flags(EXPERIMENT_SPEC.config)})
+    args.orders, args.models = ("0",), ("rbf+vote",)
+    got = _settings(args, EXPERIMENT_SPEC)
+    assert got["orders"] == ("0",) and got["models"] == ("rbf+vote",)
+    assert got["train_size"] is None and got["test_size"] is None and got["seeds"] == (0,)

@@ -207,13 +207,14 @@ def _add_experiment(which: argparse._SubParsersAction, name: str) -> None:
 
 
 def _settings(args: argparse.Namespace, spec: Any) -> dict[str, Any]:
-    """The config settings the flags give: fields, then switches."""
-    settings = {f.name: getattr(args, f.name) for f in config_flags(spec.config)
-                if getattr(args, f.name) is not None}
+    """The config settings the flags give: the switches' presets, then the fields given,
+    which win (``--full --orders 0`` is the full preset in the natural order only)."""
+    settings: dict[str, Any] = {}
     for name, (_, extra) in spec.switches.items():
         if getattr(args, name):
             settings |= extra
-    return settings
+    return settings | {f.name: getattr(args, f.name) for f in config_flags(spec.config)
+                       if getattr(args, f.name) is not None}
 
 
 def _given(args: argparse.Namespace, spec: Any, also: Sequence[str] = ()) -> list[str]:
