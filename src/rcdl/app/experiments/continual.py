@@ -1058,7 +1058,7 @@ def plot_mass(path: Any, mass: dict[str, list[list[float]]]) -> None:
     save_figure(fig, path)
 
 
-# --full: the full-scale protocol (docs/continual.md, "Running it")
+# --full: the full-scale protocol (docs/continual.md, "Running it")
 FULL = {"train_size": None, "test_size": None, "orders": ("0", "random-1"), "seeds": (0,),
         "models": ("gws", "rbf", "gws+labels", "rbf+labels", "rbf+vote", "rbf+labels+vote",
                    "pec", "knn-l2", "knn-cosine", "ncm", "slda")}
