@@ -40,17 +40,14 @@ from rcdl.app.experiments.continual import (
 )
 from rcdl.app.rundir import describe_machine
 from rcdl.memory.provenance import entry_samples
+from rcdl.nn.networks import eval_mode, layer_input
 
 
 def _readout_inputs(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The readout's queries ``(M, d)`` on ``x`` and the model's logits ``(M, C)``."""
-    got: list[torch.Tensor] = []
-    hook = model.readout.register_forward_pre_hook(lambda m, a: got.append(a[0].detach()))
-    model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(model):
         logits = torch.cat([model(b) for b in x.split(500)])
-    hook.remove()
-    return torch.cat(got), logits
+    return torch.cat([layer_input(model, model.readout, b) for b in x.split(500)]), logits
 
 
 def readouts(model: torch.nn.Module, data, tasks) -> dict[str, float]:  # noqa: ANN001

@@ -46,6 +46,15 @@ from rcdl.ops.kernels import guard_denominator
 
 __all__ = ["Explanation", "deletion_effects", "entry_contributions", "explain"]
 
+def _check_layer_args(where: str, layer: GrowingLayer, x: Tensor, direction: Tensor) -> None:
+    """Inputs ``(B, d_in)`` and a direction ``(B, d_out)`` for ``layer``, or a ValueError."""
+    if x.dim() != 2 or x.shape[1] != layer.d_in:
+        raise ValueError(f"{where}: expected inputs (B, {layer.d_in}), got {tuple(x.shape)}")
+    if direction.shape != (x.shape[0], layer.d_out):
+        raise ValueError(f"{where}: expected a direction ({x.shape[0]}, {layer.d_out}), got "
+                         f"{tuple(direction.shape)}")
+
+
 @torch.no_grad()
 def entry_contributions(layer: GrowingLayer, x: Tensor, direction: Tensor, *,
                         chunk_size: int | None = None) -> Tensor:  # (B, N)
@@ -62,12 +71,7 @@ def entry_contributions(layer: GrowingLayer, x: Tensor, direction: Tensor, *,
         chunk_size: entries per block (default: the layer's; the ``(B, chunk)`` blocks are
             the working memory).
     """
-    if x.dim() != 2 or x.shape[1] != layer.d_in:
-        raise ValueError(f"entry_contributions: expected inputs (B, {layer.d_in}), got "
-                         f"{tuple(x.shape)}")
-    if direction.shape != (x.shape[0], layer.d_out):
-        raise ValueError(f"entry_contributions: expected a direction ({x.shape[0]}, "
-                         f"{layer.d_out}), got {tuple(direction.shape)}")
+    _check_layer_args("entry_contributions", layer, x, direction)
     q = layer.query_keys(x.to(layer.store.dtype))  # (B, key_dim)
     entries = layer.entries()
     if chunk_size is not None:
@@ -90,12 +94,7 @@ def deletion_effects(layer: GrowingLayer, x: Tensor, direction: Tensor,
 
     Arguments as :func:`entry_contributions` (``chunk``: entries per block). Tested against
     deleting each entry in float64."""
-    if x.dim() != 2 or x.shape[1] != layer.d_in:
-        raise ValueError(f"deletion_effects: expected inputs (B, {layer.d_in}), got "
-                         f"{tuple(x.shape)}")
-    if direction.shape != (x.shape[0], layer.d_out):
-        raise ValueError(f"deletion_effects: expected a direction ({x.shape[0]}, "
-                         f"{layer.d_out}), got {tuple(direction.shape)}")
+    _check_layer_args("deletion_effects", layer, x, direction)
     if not layer.kernel.normalised:
         return -entry_contributions(layer, x, direction)
     q = layer.query_keys(x.to(layer.store.dtype))  # (B, key_dim)

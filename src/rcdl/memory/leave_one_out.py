@@ -42,7 +42,7 @@ __all__ = ["leave_one_out", "left_out_attention"]
 
 @torch.no_grad()
 def left_out_attention(layer: GrowingLayer, q: Tensor, leave: Tensor,
-                       pair_chunk: int = 256) -> tuple[Tensor, Tensor]:  # (B, d_out) each
+                       ) -> tuple[Tensor, Tensor]:  # (B, d_out) each
     """The layer's attention at the inputs ``q (B, d_in)`` over its whole store, and over
     the store without the entries written by sample ``leave[b] (B,)`` for row ``b``
     (``UNKNOWN``: none left out). Returns ``(whole, left_out)``; the layer's output with
@@ -58,12 +58,11 @@ def left_out_attention(layer: GrowingLayer, q: Tensor, leave: Tensor,
     keep = leave[rows] != UNKNOWN
     rows, cols = rows[keep].to(q.device), cols[keep].to(q.device)
     kernel, tau = entries.kernel, entries.tau(qk.shape[1])
-    terms = []  # per pair: κ (or e^{z − m} for the softmax)
-    for a in range(0, len(rows), pair_chunk):
-        r, c = rows[a : a + pair_chunk], cols[a : a + pair_chunk]
-        block = kernel.dense(qk[r], entries.keys[c].to(qk.dtype), tau)  # (p, p)
-        terms.append(block.diagonal())
-    kappa = torch.cat(terms) if terms else qk.new_zeros(0)  # (P,)
+    # per pair (b, j): κ(q_b, k_j), or the logit z for the softmax; the kernel's dense
+    # reference mapped over the pairs, one value each
+    pair = torch.vmap(lambda a, b: kernel.dense(a[None], b[None], tau)[0, 0])
+    kappa = (pair(qk[rows], entries.keys[cols].to(qk.dtype)) if len(rows)
+             else qk.new_zeros(0))  # (P,)
     weights = entries.weights.to(qk.dtype)[cols]  # (P,)
     values = entries.values.to(qk.dtype)[cols]  # (P, d_out)
     if not kernel.normalised:  # the left-out terms w_j κ_j v_j taken away

@@ -33,7 +33,7 @@ from rcdl.nn.rules import FunctionalSGD, LearningRule
 __all__ = [
     "MLP", "GrowingRBFNet", "GrowingSoftmaxNet", "HybridSoftmaxNet", "ParametricSoftmaxNet",
     "ResNetMLP", "ResidualNet", "from_dual_form", "rms_norm", "lecun_normal_", "to_dual_form",
-    "eval_mode",
+    "eval_mode", "layer_input",
 ]
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -292,3 +292,20 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
         # Pre-order: each module's own train() comes after its ancestors' and sets it last.
         for module, training in modes:
             module.train(training)
+
+
+@torch.no_grad()
+def layer_input(model: nn.Module, layer: nn.Module, x: Tensor) -> Tensor:
+    """What ``layer`` receives (its first call) when ``model``, in eval mode, answers ``x``:
+    for a :class:`ResidualNet`'s ``readout``, ``RMSNorm`` of the residual stream."""
+    got: list[Tensor] = []
+    hook = layer.register_forward_pre_hook(lambda module, args: got.append(args[0]))
+    try:
+        with eval_mode(model):
+            model(x)
+    finally:
+        hook.remove()
+    if not got:
+        raise ValueError(f"layer_input: {type(layer).__name__} was not called by "
+                         f"{type(model).__name__}")
+    return got[0].detach()

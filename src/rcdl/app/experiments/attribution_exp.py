@@ -71,9 +71,9 @@ from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
 from rcdl.memory.attribution import deletion_effects, explain
 from rcdl.memory.leave_one_out import leave_one_out
-from rcdl.memory.provenance import UNKNOWN
+from rcdl.memory.provenance import UNKNOWN, entry_samples
 from rcdl.nn.layers import growing_layers
-from rcdl.nn.networks import eval_mode
+from rcdl.nn.networks import layer_input
 from rcdl.train.loop import predict
 
 __all__ = [
@@ -194,12 +194,12 @@ def attribution_scores(model: nn.Module, x: Tensor, y: Tensor, n_train: int, *,
     readout_name, readout = growing_layers(model)[-1]
     k = _every_entry(model)
     scores = {v: torch.zeros(len(x), n_train, dtype=torch.float64) for v in VARIANTS}
-    owners_all = readout.provenance.of(readout.store.ids).cpu()  # (N,)
+    owners_all = entry_samples(readout).cpu()  # (N,)
     known_all = owners_all != UNKNOWN
     for begin in range(0, len(x), batch_size):
         xb, yb = x[begin:begin + batch_size], y[begin:begin + batch_size]
         rows = slice(begin, begin + len(xb))
-        q = _readout_inputs(model, readout, xb.to(device))  # (b, d)
+        q = layer_input(model, readout, xb.to(device))  # (b, d)
         u = F.one_hot(yb, readout.d_out).to(q)  # (b, C)
         effect = deletion_effects(readout, q, u).cpu().double()  # (b, N)
         scores["readout deletion"][rows].index_add_(1, owners_all[known_all],
@@ -214,19 +214,6 @@ def attribution_scores(model: nn.Module, x: Tensor, y: Tensor, n_train: int, *,
         scores["readout"][rows].index_put_((batch_rows[known], owners[known]),
                                            values.cpu()[known].double(), accumulate=True)
     return scores
-
-
-@torch.no_grad()
-def _readout_inputs(model: nn.Module, readout: nn.Module, x: Tensor) -> Tensor:  # (B, d)
-    """What ``readout`` receives when ``model`` (in eval mode) answers ``x``."""
-    got: list[Tensor] = []
-    hook = readout.register_forward_pre_hook(lambda m, a: got.append(a[0].detach()))
-    try:
-        with eval_mode(model):
-            model(x)
-    finally:
-        hook.remove()
-    return got[0]
 
 
 def half_masks(n: int, count: int, *, seed: int = HALVES_SEED) -> Tensor:  # (count, n) bool

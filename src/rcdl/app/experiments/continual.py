@@ -212,10 +212,11 @@ def model_kind(name: str) -> str:
         return "pixels"
     if name in REGULARISED:
         return "parametric"
-    if label_vote(name)[1]:
-        if model_kind(label_vote(name)[0]) != "growing":
+    trained, vote = label_vote(name)
+    if vote:
+        if model_kind(trained) != "growing":
             raise ValueError(f"{name!r}: the label vote reads a growing readout's entries "
-                             f"(rbf+vote, rbf+labels+vote, ...), not {label_vote(name)[0]}'s")
+                             f"(rbf+vote, rbf+labels+vote, ...), not {trained}'s")
         return "growing"
     base, scope = labels_trick(name)
     if VOTE in base:

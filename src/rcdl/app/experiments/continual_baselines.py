@@ -53,7 +53,8 @@ from torch import Tensor, nn
 
 from rcdl.memory.provenance import UNKNOWN, entry_samples
 from rcdl.nn.layers import GrowingLayer
-from rcdl.nn.networks import eval_mode
+from rcdl.nn.networks import eval_mode, layer_input
+from rcdl.ops.kernels import softmax_scale
 
 __all__ = ["EWC", "PEC", "LabelsTrick", "LwF", "NearestClassMean", "PlainLoss", "StreamingLDA",
            "fisher_diagonal", "fisher_diagonal_naive", "restricted_cross_entropy"]
@@ -166,22 +167,16 @@ class LabelVote(nn.Module):
         layer = self.readout
         keys = layer.store.keys.to(q.dtype)  # (N, d)
         q = layer.query_keys(q)
-        tau = layer.entries().tau(keys.shape[1]) / self.sharpness
+        tau = softmax_scale(layer.temperature, keys.shape[1]) / self.sharpness
         metric = layer.kernel.index_metric
         score = torch.cdist(q, keys).square() if metric == "l2" else q @ keys.T  # (B, N)
         return layer.kernel.log_kernel(score, tau)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, d_in) -> (B, C)
-        got: list[Tensor] = []
-        hook = self.readout.register_forward_pre_hook(lambda m, a: got.append(a[0]))
-        try:
-            self.model(x)
-        finally:
-            hook.remove()
         layer = self.readout
         ids = entry_samples(layer).to(self.labels.device)  # (N,)
         known = ids != UNKNOWN
-        log_phi = self.log_kernel(got[0])[:, known]  # (B, N')
+        log_phi = self.log_kernel(layer_input(self.model, layer, x))[:, known]  # (B, N')
         label = self.labels[ids[known]].to(log_phi.device)  # (N',)
         scores = log_phi.new_full((len(log_phi), self.classes), -torch.inf)  # (B, C)
         for c in label.unique().tolist():
