@@ -200,24 +200,10 @@ def test_readout_deletion_scores_are_minus_the_logits_change_from_deleting(kind)
     logit when its readout entries alone are deleted; for RBF it equals the readout's share."""
     import copy
 
-    import torch.nn.functional as F
+    from tiny_nets import tiny_net, train_with_samples
 
-    from rcdl import FunctionalSGD, Grower, GrowingRBFNet, GrowingSoftmaxNet
-    from rcdl.memory.provenance import samples
-    from rcdl.nn.rules import ClippedSoftmaxRule
-    from rcdl.train.loop import train_step
-
-    torch.manual_seed(0)
-    if kind == "rbf":
-        net = GrowingRBFNet(6, 3, 1, temperature=0.5, rule=FunctionalSGD(1.0))
-    else:
-        net = GrowingSoftmaxNet(6, 3, 1, temperature=2.0, rule=ClippedSoftmaxRule(0.5, 2.0))
-    net = net.double()
-    grower = Grower(net)
-    x, y = torch.randn(16, 6, dtype=torch.float64), torch.arange(16) % 3
-    for i in range(0, 16, 4):
-        with samples(net, torch.arange(i, i + 4)):
-            train_step(net, x[i:i + 4], y[i:i + 4], F.cross_entropy, grower=grower)
+    net = tiny_net(kind, 6, 3, gws_rule=(0.5, 2.0))
+    train_with_samples(net, torch.randn(16, 6, dtype=torch.float64), torch.arange(16) % 3, 4)
     probe, target = torch.randn(5, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
     scores = attribution_exp.attribution_scores(net, probe, target, 16)
     net.eval()

@@ -30,6 +30,7 @@ from rcdl.nn.layers import growing_layers
 from rcdl.nn.networks import MLP, GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
 from rcdl.nn.rules import ClippedSoftmaxRule
 from rcdl.train.loop import train_step
+from tiny_nets import tiny_net, train_with_samples
 
 # --------------------------------------------------------------------------- metrics
 
@@ -393,16 +394,9 @@ def test_a_restricted_write_leaves_every_other_class_untouched(kind):
     """float64: a step under the labels trick writes readout values that are exactly zero
     outside the task's classes; for the RBF readout (a plain kernel sum) the logits of
     every other class, as a function of the readout's input, are exactly unchanged."""
-    torch.manual_seed(0)
-    if kind == "rbf":
-        net = GrowingRBFNet(8, 6, 1, temperature=0.5, rule=FunctionalSGD(1.0))
-    else:
-        net = GrowingSoftmaxNet(8, 6, 1, temperature=2.0, rule=ClippedSoftmaxRule(0.1, 1.0))
-    net = net.double()
-    grower = Grower(net)
+    net = tiny_net(kind, 8, 6)
     x, y = torch.randn(32, 8, dtype=torch.float64), torch.randint(0, 6, (32,))
-    for i in range(0, 16, 4):  # a first task over every class
-        train_step(net, x[i:i + 4], y[i:i + 4], F.cross_entropy, grower=grower)
+    grower = train_with_samples(net, x[:16], y[:16], 4)  # a first task over every class
     trick = cb.LabelsTrick("task")
     trick.start_task((2, 5))
     probe = torch.randn(20, 8, dtype=torch.float64)  # readout inputs
@@ -521,17 +515,9 @@ def test_pec_learns_each_class_from_its_own_images_and_scores_only_trained_class
 def test_label_vote_is_the_log_class_kernel_mass_of_the_entries_samples_wrote(kind):
     """float64: ``score_c(q) = log Σ_{j: y_j = c} φ(q, k_j; τ/s)`` over the readout's
     entries that a sample wrote, by a loop; restricting the store restricts the vote."""
-    torch.manual_seed(0)
-    if kind == "rbf":
-        net = GrowingRBFNet(8, 4, 1, temperature=0.5, rule=FunctionalSGD(1.0))
-    else:
-        net = GrowingSoftmaxNet(8, 4, 1, temperature=2.0, rule=ClippedSoftmaxRule(0.1, 1.0))
-    net = net.double()
-    grower = Grower(net)
+    net = tiny_net(kind, 8, 4)
     x, y = torch.randn(24, 8, dtype=torch.float64), torch.tensor([0, 1, 3] * 8)
-    for i in range(0, 24, 6):
-        with samples(net, torch.arange(i, i + 6)):
-            train_step(net, x[i:i + 6], y[i:i + 6], F.cross_entropy, grower=grower)
+    train_with_samples(net, x, y, 6)
     vote = cb.LabelVote(net, y, sharpness=3.0)
     probe = torch.randn(5, 8, dtype=torch.float64)
     with torch.no_grad():

@@ -5,28 +5,18 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.testing import assert_close
 
-from rcdl import FunctionalSGD, Grower, GrowingRBFNet, GrowingSoftmaxNet, forget
+from rcdl import forget
 from rcdl.memory.leave_one_out import leave_one_out
-from rcdl.memory.provenance import UNKNOWN, samples
-from rcdl.nn.rules import ClippedSoftmaxRule
-from rcdl.train.loop import train_step
+from rcdl.memory.provenance import UNKNOWN
+from tiny_nets import tiny_net, train_with_samples
 
 
 def _trained(kind: str, n: int = 24) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    if kind == "rbf":
-        net = GrowingRBFNet(6, 3, 2, temperature=0.5, rule=FunctionalSGD(1.0))
-    else:  # gws: initial entries (of no sample) and a normalised kernel
-        net = GrowingSoftmaxNet(6, 3, 2, temperature=2.0, rule=ClippedSoftmaxRule(0.5, 2.0))
-    net = net.double()
-    grower = Grower(net)
+    net = tiny_net(kind, 6, 3, depth=2, gws_rule=(0.5, 2.0))
     x, y = torch.randn(n, 6, dtype=torch.float64), torch.arange(n) % 3
-    for i in range(0, n, 4):
-        with samples(net, torch.arange(i, i + 4)):
-            train_step(net, x[i:i + 4], y[i:i + 4], F.cross_entropy, grower=grower)
+    train_with_samples(net, x, y, 4)
     return net, x, y
 
 
