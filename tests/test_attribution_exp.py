@@ -90,7 +90,8 @@ def test_the_command_writes_tables_and_figures_and_resumes(data_dir, tmp_path, c
     report = (out / "results.md").read_text()
     for text in ("## Linear datamodeling score", "## Mislabel detection", "TRAK-10, MNIST MLP 0.33",
                  "TRAK-50, MNIST MLP 0.45", "TRAK-50, CIFAR-2 ResNet-9 0.37", "80 % / 97 %",
-                 "ROC-AUC 0.67", summary["data"]["provenance"]):
+                 "ROC-AUC 0.67", summary["data"]["provenance"], "## Targets",
+                 "- gws, LDS: best", "against the target 0.30", "- rbf, mislabels: best ROC-AUC"):
         assert text in report, text
     with open(out / "results.csv", newline="") as f:
         table = list(csv.DictReader(f))
@@ -218,3 +219,19 @@ def test_readout_deletion_scores_are_minus_the_logits_change_from_deleting(kind)
         torch.testing.assert_close(scores["readout deletion"][:, i], base - after)
     if kind == "rbf":
         torch.testing.assert_close(scores["readout deletion"], scores["readout"])
+
+
+def test_targets_say_met_or_not_met_for_the_best_score():
+    rows = [{"model": "rbf", "measurement": "lds", "scores": "readout", "lds": 0.46},
+            {"model": "rbf", "measurement": "lds", "scores": "all layers", "lds": 0.40},
+            {"model": "gws", "measurement": "lds", "scores": "readout", "lds": 0.10},
+            {"model": "gws", "measurement": "mislabel", "scores": "random", "roc_auc": 0.99,
+             "found_top10": 0.99},
+            {"model": "gws", "measurement": "mislabel", "scores": "training loss",
+             "roc_auc": 0.85, "found_top10": 0.50}]
+    assert attribution_exp.targets(rows) == [
+        "- rbf, LDS: best 0.460 (the readout's exact shares alone) against the target 0.45: met",
+        "- gws, LDS: best 0.100 (the readout's exact shares alone) against the target 0.30: "
+        "not met",
+        "- gws, mislabels: best ROC-AUC 0.850 (training loss), 50 % of the flipped labels in "
+        "its top 10 %, against ROC-AUC 0.80 with 60 %: not met"]

@@ -78,11 +78,12 @@ from rcdl.train.loop import predict
 
 __all__ = [
     "COLUMNS", "EXPERIMENT", "EXPERIMENT_SPEC", "KRONFLUENCE_FOUND", "LDS_ANCHORS",
-    "MEASUREMENTS", "RANKINGS", "TRAK_AUC", "VARIANTS", "AttributionConfig",
+    "LDS_TARGETS", "MEASUREMENTS", "MISLABEL_TARGET", "RANKINGS", "TRAK_AUC", "VARIANTS",
+    "AttributionConfig",
     "attribution_scores", "auc", "detection", "draw_explanations", "draw_results",
     "flip_labels", "found_in_top", "half_masks", "half_sums", "lds_full", "lds_halves",
     "leave_one_out_margins", "lds_score", "load_data", "margins", "mislabel_one", "rows",
-    "self_influence", "spearman",
+    "self_influence", "spearman", "targets",
     "to_pixels", "train_model", "write_report",
 ]  # fmt: skip
 
@@ -105,6 +106,10 @@ LDS_ANCHORS = (("TRAK-10, MNIST MLP", 0.33), ("TRAK-50, MNIST MLP", 0.45),
 # dattri: TRAK's ROC-AUC on CIFAR-10 with a ResNet-9
 KRONFLUENCE_FOUND = {0.1: 0.80, 0.2: 0.97}
 TRAK_AUC = 0.67
+# what rcdl aims at (docs/attribution.md, "Targets"): the LDS of a model's best score, and
+# the best ranking's ROC-AUC with the share of the flipped labels in its top 10 %
+LDS_TARGETS = {"gws": 0.30, "rbf": 0.45}
+MISLABEL_TARGET = (0.80, 0.60)
 FULL_SEED, HALVES_SEED, FIRST_HALF_SEED, FLIP_SEED = 0, 1, 100, 2
 EVAL_IMAGES = 16  # test images the trainer scores before and after a pass (not reported)
 CURVE = tuple(i / 50 for i in range(1, 51))  # shares inspected, for the detection curve
@@ -616,6 +621,31 @@ def _num(value: float | None, spec: str) -> str:
     return "—" if value is None else f"{value:{spec}}"
 
 
+def targets(rows_: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per model and measurement: its best score or ranking against
+    :data:`LDS_TARGETS` and :data:`MISLABEL_TARGET`, met or not."""
+    lines = []
+    for name in dict.fromkeys(r["model"] for r in rows_):
+        lds = [r for r in rows_ if r["model"] == name and r["measurement"] == "lds"]
+        if lds and name in LDS_TARGETS:
+            best = max(lds, key=lambda r: r["lds"])
+            goal = LDS_TARGETS[name]
+            lines.append(f"- {name}, LDS: best {best['lds']:.3f} ({VARIANTS[best['scores']]}) "
+                         f"against the target {goal:.2f}: "
+                         f"{'met' if best['lds'] >= goal else 'not met'}")
+        flips = [r for r in rows_ if r["model"] == name and r["measurement"] == "mislabel"
+                 and r["scores"] != "random"]
+        if flips:
+            best = max(flips, key=lambda r: r["roc_auc"])
+            auc_goal, top_goal = MISLABEL_TARGET
+            met = best["roc_auc"] >= auc_goal and best["found_top10"] >= top_goal
+            lines.append(f"- {name}, mislabels: best ROC-AUC {best['roc_auc']:.3f} "
+                         f"({best['scores']}), {100 * best['found_top10']:.0f} % of the flipped "
+                         f"labels in its top 10 %, against ROC-AUC {auc_goal:.2f} with "
+                         f"{100 * top_goal:.0f} %: {'met' if met else 'not met'}")
+    return lines
+
+
 def write_report(run: RunDir, cfg: AttributionConfig, summary: dict[str, Any],
                  device: torch.device) -> str:  # fmt: skip
     """Write ``results.md``, ``results.csv``, ``explanations.png`` and ``attribution.png``;
@@ -677,6 +707,8 @@ def write_report(run: RunDir, cfg: AttributionConfig, summary: dict[str, Any],
             f"ResNet-9 has ROC-AUC {TRAK_AUC}. The numbers above are on "
             f"{copy}.",
         ]
+    if verdicts := targets(rows_):
+        parts += ["## Targets", "\n".join(verdicts)]
     figures: dict[str, Any] = {}
     shown = {r["model"]: r["shown"] for r in runs if r["measurement"] == "lds-full"
              and r["shown"]}  # fmt: skip
