@@ -235,3 +235,24 @@ def test_targets_say_met_or_not_met_for_the_best_score():
         "not met",
         "- gws, mislabels: best ROC-AUC 0.850 (training loss), 50 % of the flipped labels in "
         "its top 10 %, against ROC-AUC 0.80 with 60 %: not met"]
+
+
+@pytest.mark.parametrize("kind", ["rbf", "gws"])
+def test_leave_one_out_vote_is_the_vote_of_a_readout_without_the_images_entries(kind):
+    import copy
+
+    from rcdl.app.experiments.continual_baselines import LabelVote
+    from rcdl.memory.provenance import entry_samples
+    from tiny_nets import tiny_net, train_with_samples
+
+    torch.manual_seed(3)
+    x, y = torch.randn(18, 6, dtype=torch.float64), torch.randint(0, 3, (18,))
+    net = tiny_net(kind, 6, 3)
+    train_with_samples(net, x, y, batch=3)
+    found = attribution_exp.leave_one_out_vote_margins(net, x, y, sharpness=2.0, batch_size=7)
+    for i in range(len(x)):
+        without = copy.deepcopy(net)
+        without.readout.store.remove(entry_samples(without.readout) == i)
+        scores = LabelVote(without, y, sharpness=2.0)(x[i:i + 1])[0].double()  # (C,)
+        others = torch.cat([scores[:y[i]], scores[y[i] + 1:]])
+        torch.testing.assert_close(found[i], scores[y[i]] - others.logsumexp(0))

@@ -26,7 +26,11 @@ class, at random; seed 2), train once (seed 0), and rank the training images by
 rank high. And by the **leave-one-out margin**: minus the image's label margin when the
 model answers it with its own entries deleted from every layer, exactly
 (:func:`rcdl.memory.leave_one_out.leave_one_out`): a flipped label that only its own
-entries supported loses its margin. Baselines: the trained model's cross-entropy on each
+entries supported loses its margin. By the **leave-one-out label vote**: minus the label's
+margin when the labels of the samples that wrote the readout's entries vote, weighed by the
+readout's kernel (:class:`~rcdl.app.experiments.continual_baselines.LabelVote`), the image's
+own entries left out (:func:`leave_one_out_vote_margins`); and by the mean of its ranks
+under the two leave-one-out rankings. Baselines: the trained model's cross-entropy on each
 training image, and a random ranking. Measured: the ROC-AUC of telling flipped from clean
 images, and the share of the flipped images among the top 10 % and 20 % of each ranking
 (inspected).
@@ -65,6 +69,7 @@ from rcdl._io import atomic_save_torch, save_figure
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.experiments.cifar10_models import model_spec
+from rcdl.app.experiments.continual_baselines import LabelVote
 from rcdl.app.recipes import train_model
 from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
@@ -82,8 +87,8 @@ __all__ = [
     "AttributionConfig",
     "attribution_scores", "auc", "detection", "draw_explanations", "draw_results",
     "flip_labels", "found_in_top", "half_masks", "half_sums", "lds_full", "lds_halves",
-    "leave_one_out_margins", "lds_score", "load_data", "margins", "mislabel_one", "rows",
-    "self_influence", "spearman", "targets",
+    "leave_one_out_margins", "leave_one_out_vote_margins", "lds_score", "load_data",
+    "margins", "mislabel_one", "rows", "self_influence", "spearman", "targets",
     "to_pixels", "train_model", "write_report",
 ]  # fmt: skip
 
@@ -97,6 +102,10 @@ VARIANTS = {"all layers": "summed over every growing layer",
 RANKINGS = {"self-influence": "its own entries' contribution to its own label's logit",
             "leave-one-out margin": "minus its label's margin when the model answers it "
             "with its own entries deleted from every layer (exact, rcdl.memory.leave_one_out)",
+            "leave-one-out label vote": "minus its label's margin in the readout's label "
+            "vote (the labels of the samples that wrote the readout's entries, weighed by "
+            "the readout's kernel at a quarter of its temperature), its own entries left out",
+            "leave-one-out, both": "the mean of its ranks by the two leave-one-out rankings",
             "training loss": "the trained model's cross-entropy on it",
             "random": "a random ranking"}  # fmt: skip
 # published anchors, other models and data: (what, LDS) from the dattri benchmark
@@ -111,6 +120,7 @@ TRAK_AUC = 0.67
 LDS_TARGETS = {"gws": 0.30, "rbf": 0.45}
 MISLABEL_TARGET = (0.80, 0.60)
 FULL_SEED, HALVES_SEED, FIRST_HALF_SEED, FLIP_SEED = 0, 1, 100, 2
+VOTE_SHARPNESS = 4.0  # the label vote's default (continual_baselines.LabelVote), not tuned here
 EVAL_IMAGES = 16  # test images the trainer scores before and after a pass (not reported)
 CURVE = tuple(i / 50 for i in range(1, 51))  # shares inspected, for the detection curve
 
@@ -400,6 +410,43 @@ def leave_one_out_margins(model: nn.Module, x: Tensor, y: Tensor, *,
     return out
 
 
+def leave_one_out_vote_margins(model: nn.Module, x: Tensor, y: Tensor, *,
+                               sharpness: float = VOTE_SHARPNESS, batch_size: int = 500,
+                               device: torch.device | str = "cpu") -> Tensor:  # (n,) float64
+    """Each training image's label margin ``score_y − log Σ_{c ≠ y} e^{score_c}`` under the
+    readout's label vote (:class:`rcdl.app.experiments.continual_baselines.LabelVote`:
+    ``score_c = log Σ_{j : y_j = c} φ(q, k_j; τ / s)`` over the readout's entries, ``y_j``
+    the label, ``y``, of the sample that wrote entry ``j``) with the entries the image wrote
+    left out: what the labels of the other stored samples near it in the readout's input
+    say. ``x`` in the order the model's samples are indexed; a class with no entry left
+    scores ``−∞``."""
+    vote = LabelVote(model, y.to(device), sharpness=sharpness)
+    owners = entry_samples(vote.readout).to(device)  # (N,)
+    known = owners != UNKNOWN
+    owners, labels = owners[known], y.to(device)[owners[known]]  # (N',)
+    classes = vote.classes
+    out = torch.zeros(len(x), dtype=torch.float64)
+    for begin in range(0, len(x), batch_size):
+        rows = torch.arange(begin, min(len(x), begin + batch_size), device=device)
+        with torch.no_grad():
+            q = layer_input(model, vote.readout, x[rows.cpu()].to(device))
+            log_phi = vote.log_kernel(q)[:, known].double()  # (b, N')
+        log_phi = log_phi.masked_fill(owners[None, :] == rows[:, None], -torch.inf)
+        score = torch.full((len(rows), classes), -torch.inf, dtype=torch.float64,
+                           device=log_phi.device)
+        for c in range(classes):
+            if bool((mine := labels == c).any()):
+                score[:, c] = log_phi[:, mine].logsumexp(1)
+        own = y[rows.cpu()].to(device)[:, None]
+        margin = score.gather(1, own).squeeze(1) - score.scatter(1, own, -torch.inf).logsumexp(1)
+        out[rows.cpu()] = margin.cpu()
+    return out
+
+
+def _rank(scores: Tensor) -> Tensor:  # (n,) -> (n,) float64: 0 = lowest
+    return scores.argsort().argsort().double()
+
+
 def self_influence(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 50,
                    device: torch.device | str = "cpu") -> Tensor:  # (n,) float64  # fmt: skip
     """Each training image's own entries' contribution, in every layer, to the logit of its
@@ -448,14 +495,20 @@ def mislabel_one(name: str, cfg: AttributionConfig, data: CifarData,
     start = time.perf_counter()
     held_out = -leave_one_out_margins(model, x, y, device=device)
     loo_seconds = (time.perf_counter() - start) / n
+    start = time.perf_counter()
+    voted = -leave_one_out_vote_margins(model, x, y, device=device)
+    vote_seconds = (time.perf_counter() - start) / n
     loss = F.cross_entropy(_logits(model, x, device), y, reduction="none")
     rankings = {"self-influence": influence, "leave-one-out margin": held_out,
+                "leave-one-out label vote": voted,
+                "leave-one-out, both": _rank(held_out) + _rank(voted),
                 "training loss": loss,
                 "random": torch.rand(n, generator=gen)}
     return {"model": name, "measurement": "mislabel", "flipped": count,
             "test_acc": 100 * result["acc"], "train_seconds": train_seconds,
             "explain_seconds_per_image": explain_seconds,
             "leave_one_out_seconds_per_image": loo_seconds,
+            "vote_seconds_per_image": vote_seconds,
             "rankings": {r: detection(s, flipped) for r, s in rankings.items()}}  # fmt: skip
 
 
@@ -690,7 +743,9 @@ def write_report(run: RunDir, cfg: AttributionConfig, summary: dict[str, Any],
                            f"{r['test_acc']:.1f} % (clean test labels), self-influence "
                            f"{r['explain_seconds_per_image']:.4f} s per training image, "
                            "leave-one-out "
-                           f"{r.get('leave_one_out_seconds_per_image', float('nan')):.4f} s"
+                           f"{r.get('leave_one_out_seconds_per_image', float('nan')):.4f} s, "
+                           "label vote "
+                           f"{r.get('vote_seconds_per_image', float('nan')):.4f} s"
                            for r in flips)  # fmt: skip
         found = KRONFLUENCE_FOUND
         parts += [
@@ -699,6 +754,8 @@ def write_report(run: RunDir, cfg: AttributionConfig, summary: dict[str, Any],
             f"(seed {FLIP_SEED}); one model trained on them; the training images ranked by "
             "self-influence (their own entries' contribution to their own label's logit), "
             "by minus their label's margin with their own entries deleted (leave-one-out), "
+            "by minus their label's margin in the readout's label vote with their own "
+            "entries left out, by the mean of those two ranks, "
             f"by the trained model's loss on them, and at random. {models}.",
             table,
             f"Anchors (other models, more data): Kronfluence finds "
