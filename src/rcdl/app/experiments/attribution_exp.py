@@ -649,12 +649,15 @@ def draw_results(path: Path, rows_: Sequence[Mapping[str, Any]],
         ax.legend(fontsize=7)
     if mislabel:
         ax = next(axes)
-        styles = {"self-influence": "-", "leave-one-out margin": "-.", "training loss": "--",
-                  "random": ":"}
+        styles: dict[str, tuple[Any, float]] = {  # (line style, width) per ranking
+            "self-influence": ((0, (1, 1.5)), 1.6), "leave-one-out margin": ("-.", 1.2),
+            "leave-one-out label vote": ((0, (6, 2)), 1.2), "leave-one-out, both": ("-", 2.2),
+            "training loss": ((0, (2, 3)), 0.8), "random": (":", 0.7)}
         for run in mislabel:
             colour: str | None = None
             for ranking, d in run["rankings"].items():
-                (line,) = ax.plot([0, *CURVE], [0, *d["curve"]], ls=styles.get(ranking, "-"),
+                style, width = styles.get(ranking, ("-", 1.0))
+                (line,) = ax.plot([0, *CURVE], [0, *d["curve"]], ls=style, lw=width,
                                   color=colour, label=f"{run['model']}, {ranking}")
                 colour = line.get_color()
         found = KRONFLUENCE_FOUND
