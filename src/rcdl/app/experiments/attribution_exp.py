@@ -69,7 +69,7 @@ from rcdl._io import atomic_save_torch, save_figure
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.experiments.cifar10_models import model_spec
-from rcdl.app.experiments.continual_baselines import LabelVote
+from rcdl.app.experiments.continual_baselines import LabelVote, class_scores
 from rcdl.app.recipes import train_model
 from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
@@ -432,11 +432,7 @@ def leave_one_out_vote_margins(model: nn.Module, x: Tensor, y: Tensor, *,
             q = layer_input(model, vote.readout, x[rows.cpu()].to(device))
             log_phi = vote.log_kernel(q)[:, known].double()  # (b, N')
         log_phi = log_phi.masked_fill(owners[None, :] == rows[:, None], -torch.inf)
-        score = torch.full((len(rows), classes), -torch.inf, dtype=torch.float64,
-                           device=log_phi.device)
-        for c in range(classes):
-            if bool((mine := labels == c).any()):
-                score[:, c] = log_phi[:, mine].logsumexp(1)
+        score = class_scores(log_phi, labels, classes)  # (b, C)
         own = y[rows.cpu()].to(device)[:, None]
         margin = score.gather(1, own).squeeze(1) - score.scatter(1, own, -torch.inf).logsumexp(1)
         out[rows.cpu()] = margin.cpu()

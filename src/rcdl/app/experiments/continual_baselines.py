@@ -57,7 +57,7 @@ from rcdl.nn.networks import eval_mode, layer_input
 from rcdl.ops.kernels import softmax_scale
 
 __all__ = ["EWC", "PEC", "LabelsTrick", "LwF", "NearestClassMean", "PlainLoss", "StreamingLDA",
-           "fisher_diagonal", "fisher_diagonal_naive", "restricted_cross_entropy"]
+           "class_scores", "fisher_diagonal", "fisher_diagonal_naive", "restricted_cross_entropy"]
 
 
 # --------------------------------------------------------------------------- the losses
@@ -178,10 +178,17 @@ class LabelVote(nn.Module):
         known = ids != UNKNOWN
         log_phi = self.log_kernel(layer_input(self.model, layer, x))[:, known]  # (B, N')
         label = self.labels[ids[known]].to(log_phi.device)  # (N',)
-        scores = log_phi.new_full((len(log_phi), self.classes), -torch.inf)  # (B, C)
-        for c in label.unique().tolist():
-            scores[:, c] = torch.logsumexp(log_phi[:, label == c], 1)
-        return scores
+        return class_scores(log_phi, label, self.classes)
+
+
+def class_scores(log_phi: Tensor, label: Tensor, classes: int) -> Tensor:  # (B, C)
+    """``log Σ_{j : label_j = c} e^{log_phi[:, j]}`` for every class ``c`` of ``classes``
+    (``−∞`` where no entry is left): a label vote from the log-kernel ``(B, N)`` of its
+    voters and their labels ``(N,)``."""
+    scores = log_phi.new_full((len(log_phi), classes), -torch.inf)  # (B, C)
+    for c in label.unique().tolist():
+        scores[:, c] = torch.logsumexp(log_phi[:, label == c], 1)
+    return scores
 
 
 def _sample_labels(logits: Tensor, generator: torch.Generator | None) -> Tensor:  # (B,)
