@@ -293,10 +293,31 @@ def test_the_product_path_follows_the_cpu_and_can_be_forced(monkeypatch):
     with half.half_products("native"):
         assert not half.upcast_chunks(torch.bfloat16, torch.device("cpu"))
     monkeypatch.setattr(half, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(half, "_aten_capability", lambda: "AVX512")  # as that CPU runs
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     assert not half.upcast_chunks(torch.bfloat16, torch.device("cpu"))
     assert half.upcast_chunks(torch.float16, torch.device("cpu"))  # no avx512_fp16
     with half.half_products("float32"):
         assert half.upcast_chunks(torch.bfloat16, torch.device("cpu"))
+
+
+def test_an_emulated_machine_class_takes_the_path_of_a_real_one(monkeypatch):
+    """Capping torch or oneDNN below half-precision units (how an AVX2-only or an AVX512
+    CPU without bf16 is emulated) takes the float32-chunk path a real CPU of that class
+    takes, though the CPU's own flags name avx512_bf16."""
+    from rcdl.ops import half
+
+    monkeypatch.setattr(half.PRODUCTS, "_value", "auto")
+    monkeypatch.setattr(half, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(half, "_aten_capability", lambda: "AVX512")
+    for cap, native in (("", True), ("AVX512_CORE_BF16", True), ("avx512_core_amx", True),
+                        ("AVX512_CORE", False), ("AVX2", False)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert half.native_products(torch.bfloat16) is native, cap
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(half, "_aten_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
+    assert half.upcast_chunks(torch.bfloat16, torch.device("cpu"))
+    assert half.product_path(torch.bfloat16, torch.device("cpu")) == "float32 chunks"
     with pytest.raises(ValueError, match="one of auto, native, float32, got 'fast'"):
         half.set_half_products("fast")
 

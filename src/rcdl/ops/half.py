@@ -20,6 +20,8 @@ the unrounded queries, the native one by queries rounded to the store's dtype.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -51,12 +53,34 @@ def _cpu_flags() -> frozenset[str]:  # a seam for tests that pose as another CPU
     return cpuinfo_flags()
 
 
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) under which it may still use half-precision units
+_HALF_ISAS = ("BF16", "FP16", "AMX", "AVX10", "ALL", "DEFAULT")
+
+
+@functools.cache
+def _aten_capability() -> str:  # fixed when torch starts (ATEN_CPU_CAPABILITY is read then)
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _capped_below_half() -> bool:
+    """Whether the process was told to run below the ISA of half-precision products (how
+    another machine class is emulated, docs/precision.md): ATen's kernels capped below
+    AVX512 (``ATEN_CPU_CAPABILITY``), or oneDNN's GEMMs capped at an ISA without bf16, fp16
+    or AMX (``ONEDNN_MAX_CPU_ISA``, read at oneDNN's first use)."""
+    if not _aten_capability().startswith("AVX512"):
+        return True
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return bool(cap) and not any(isa in cap for isa in _HALF_ISAS)
+
+
 def native_products(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether ``device`` multiplies ``dtype`` natively: any GPU; a CPU with the flags of
-    :data:`_NATIVE_FLAGS` (read once from ``/proc/cpuinfo``; none where it is unreadable)."""
+    :data:`_NATIVE_FLAGS` (read once from ``/proc/cpuinfo``; none where it is unreadable),
+    unless the process is capped below them (:func:`_capped_below_half`: an emulated
+    machine class takes the path a real CPU of that class takes)."""
     if torch.device(device).type != "cpu":
         return True
-    return bool(_NATIVE_FLAGS.get(dtype, set()) & _cpu_flags())
+    return bool(_NATIVE_FLAGS.get(dtype, set()) & _cpu_flags()) and not _capped_below_half()
 
 
 def upcast_chunks(dtype: torch.dtype, device: torch.device | str,
