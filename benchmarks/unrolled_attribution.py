@@ -53,6 +53,7 @@ from rcdl.app.experiments.attribution_exp import (
     AttributionConfig,
     attribution_scores,
     half_masks,
+    half_sums,
     margins,
     spearman,
 )
@@ -96,14 +97,13 @@ def readout_cascade(layer: GrowingLayer, q: Tensor, d: Tensor) -> dict[str, Tens
     d = d.double()
     share = a * (d @ values.T)  # (B, N)
 
-    def jacobian_times(lam: Tensor, rows: Tensor) -> Tensor:  # (n, C, B) -> (n, C, B)
-        pr = p[rows][:, :, None]
+    def jacobian_times(lam: Tensor, pr: Tensor) -> Tensor:  # (n, C, B), (n, C) -> (n, C, B)
+        pr = pr[:, :, None]
         return pr * lam - pr * (pr * lam).sum(1, keepdim=True)
 
     # one level: λ_j = a_j d − η Σ_u Φ_uj J_u (a_u d)
     direct = a.T[:, None, :] * d.T[None]  # (N, C, B)
-    every = torch.arange(len(store))
-    first = direct - eta * torch.einsum("uj,ucb->jcb", phi, jacobian_times(direct, every))
+    first = direct - eta * torch.einsum("uj,ucb->jcb", phi, jacobian_times(direct, p))
     # whole cascade: backwards over the steps, the later rows a contiguous suffix
     order = steps.argsort(stable=True)
     sorted_steps = steps[order]
@@ -115,7 +115,7 @@ def readout_cascade(layer: GrowingLayer, q: Tensor, d: Tensor) -> dict[str, Tens
         rows = slice(begin, end)
         fb = (phi_sorted[end:, rows].T @ jl[end:].flatten(1)).view(end - begin, classes, -1)
         lam[rows] = direct[order[rows]] - eta * fb
-        jl[rows] = jacobian_times(lam[rows], order[rows])
+        jl[rows] = jacobian_times(lam[rows], p[order[rows]])
     whole = torch.empty_like(lam)
     whole[order] = lam
     return {"share": share, "one_level": torch.einsum("jcb,jc->bj", first, values),
@@ -174,9 +174,7 @@ def _per_sample(effect: Tensor, owners: Tensor, n: int) -> Tensor:  # (T, n)
     return out.index_add_(1, owners[known], effect[:, known])
 
 
-def _lds(score: Tensor, masks: Tensor, found: Tensor) -> float:
-    predicted = torch.stack([score[:, mask].sum(1) for mask in masks])  # (M, T)
-    r = spearman(predicted, found)
+def _mean_finite(r: Tensor) -> float:
     return float(r[torch.isfinite(r)].mean())
 
 
@@ -230,11 +228,13 @@ def main() -> None:
         print(f"half {m + 1}/{args.halves} retrained twice", flush=True)
     seconds["retraining, per model"] = (time.perf_counter() - start) / (2 * args.halves)
     retrained_t, again_t = torch.stack(retrained), torch.stack(again)
+    predicted = half_sums(scores, masks)  # (M, V, T)
     ceiling = spearman(again_t, retrained_t)
     result = {
         "model": args.model, "train_size": n, "test_size": len(xt), "halves": args.halves,
-        "lds": {k: _lds(v, masks, retrained_t) for k, v in scores.items()},
-        "seed_ceiling": float(ceiling[torch.isfinite(ceiling)].mean()),
+        "lds": {k: _mean_finite(spearman(predicted[:, v], retrained_t))
+                for v, k in enumerate(scores)},
+        "seed_ceiling": _mean_finite(ceiling),
         "seconds": seconds, "cascade": cascade_ok,
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
                    f"{torch.get_num_threads()} threads",

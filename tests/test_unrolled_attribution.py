@@ -38,9 +38,15 @@ def test_cascade_starts_from_the_shares_and_one_level_is_its_truncation():
     q, d = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     found = unrolled.readout_cascade(layer, q, d)
     assert_close(found["share"], entry_contributions(layer, q, d))
-    last = layer.store.written_at == layer.store.written_at.max()  # nothing written after
+    steps = layer.store.written_at
+    last = steps == steps.max()  # nothing written after
     assert_close(found["cascade"][:, last], found["share"][:, last])
     assert_close(found["one_level"][:, last], found["share"][:, last])
+    # one step before the last: only one later write, so one level is the whole cascade
+    penultimate = steps == steps[~last].max()
+    assert_close(found["one_level"][:, penultimate], found["cascade"][:, penultimate])
+    first = steps == steps.min()  # two later steps: the truncation differs
+    assert not torch.allclose(found["one_level"][:, first], found["cascade"][:, first])
     assert not torch.allclose(found["cascade"][:, ~last], found["share"][:, ~last])
 
 

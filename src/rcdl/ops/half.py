@@ -49,6 +49,7 @@ product_mode: Callable[[], str] = PRODUCTS.get
 half_products: Callable[[str], AbstractContextManager[None]] = PRODUCTS.using
 
 
+@functools.cache  # parsed once: the attention asks on every call with a half store
 def _cpu_flags() -> frozenset[str]:  # a seam for tests that pose as another CPU
     return cpuinfo_flags()
 

@@ -184,10 +184,13 @@ def _logits(model: nn.Module, x: Tensor, device: torch.device | str,
 def margins(model: nn.Module, x: Tensor, y: Tensor, *, device: torch.device | str = "cpu",
             ) -> Tensor:  # (T,) float64  # fmt: skip
     """Each image's correct-class margin ``f_y(x) − log Σ_{c ≠ y} e^{f_c(x)}``."""
-    logits = _logits(model, x, device)  # (T, C)
-    correct = logits.gather(1, y[:, None]).squeeze(1)
-    others = logits.scatter(1, y[:, None], -torch.inf).logsumexp(1)
-    return (correct - others).double()
+    return _label_margin(_logits(model, x, device), y).double()
+
+
+def _label_margin(scores: Tensor, y: Tensor) -> Tensor:  # (n, C), (n,) -> (n,)
+    """``scores_y − log Σ_{c ≠ y} e^{scores_c}`` row by row."""
+    correct = scores.gather(1, y[:, None]).squeeze(1)
+    return correct - scores.scatter(1, y[:, None], -torch.inf).logsumexp(1)
 
 
 def _every_entry(model: nn.Module) -> int:
@@ -248,13 +251,15 @@ def half_sums(scores: Mapping[str, Tensor], masks: Tensor) -> Tensor:  # (M, V, 
                         for mask in masks])
 
 
+def _rank(t: Tensor) -> Tensor:  # (n, ...) -> (n, ...) float64
+    """Each entry's rank along dimension 0 (0: the lowest; ties in order of appearance)."""
+    return t.argsort(0).argsort(0).double()
+
+
 def spearman(a: Tensor, b: Tensor) -> Tensor:  # (M, T), (M, T) -> (T,)
     """Spearman's rank correlation between the columns of ``a`` and ``b`` (ties ranked in
     order of appearance)."""
-    def ranks(t: Tensor) -> Tensor:
-        return t.argsort(0).argsort(0).double()
-
-    ra, rb = ranks(a), ranks(b)
+    ra, rb = _rank(a), _rank(b)
     ra, rb = ra - ra.mean(0), rb - rb.mean(0)
     return (ra * rb).sum(0) / (ra.norm(dim=0) * rb.norm(dim=0)).clamp_min(1e-12)
 
@@ -372,7 +377,7 @@ def lds_score(name: str, cfg: AttributionConfig, session: Session) -> dict[str, 
 def auc(scores: Tensor, positive: Tensor) -> float:
     """ROC-AUC of ``scores (n,)`` (higher: more likely positive) for ``positive (n,)``
     bool, by the rank-sum formula (ties ranked in order of appearance)."""
-    ranks = scores.double().argsort().argsort().double() + 1  # 1 = lowest
+    ranks = _rank(scores.double()) + 1  # 1 = lowest
     n_pos, n_neg = int(positive.sum()), int((~positive).sum())
     if n_pos == 0 or n_neg == 0:
         raise ValueError(f"auc: need positives and negatives, got {n_pos} and {n_neg}")
@@ -404,9 +409,7 @@ def leave_one_out_margins(model: nn.Module, x: Tensor, y: Tensor, *,
     for begin in range(0, len(x), batch_size):
         rows = torch.arange(begin, min(len(x), begin + batch_size))
         logits = leave_one_out(model, x[rows].to(device), rows.to(device)).cpu()  # (b, C)
-        correct = logits.gather(1, y[rows, None]).squeeze(1)
-        others = logits.scatter(1, y[rows, None], -torch.inf).logsumexp(1)
-        out[rows] = (correct - others).double()
+        out[rows] = _label_margin(logits, y[rows]).double()
     return out
 
 
@@ -420,27 +423,19 @@ def leave_one_out_vote_margins(model: nn.Module, x: Tensor, y: Tensor, *,
     left out: what the labels of the other stored samples near it in the readout's input
     say. ``x`` in the order the model's samples are indexed; a class with no entry left
     scores ``−∞``."""
-    vote = LabelVote(model, y.to(device), sharpness=sharpness)
-    owners = entry_samples(vote.readout).to(device)  # (N,)
+    vote = LabelVote(model, y, sharpness=sharpness)
+    owners = entry_samples(vote.readout).cpu()  # (N,)
     known = owners != UNKNOWN
-    owners, labels = owners[known], y.to(device)[owners[known]]  # (N',)
-    classes = vote.classes
+    owners, labels = owners[known], y[owners[known]]  # (N',)
     out = torch.zeros(len(x), dtype=torch.float64)
     for begin in range(0, len(x), batch_size):
-        rows = torch.arange(begin, min(len(x), begin + batch_size), device=device)
+        rows = torch.arange(begin, min(len(x), begin + batch_size))
         with torch.no_grad():
-            q = layer_input(model, vote.readout, x[rows.cpu()].to(device))
-            log_phi = vote.log_kernel(q)[:, known].double()  # (b, N')
+            q = layer_input(model, vote.readout, x[rows].to(device))
+            log_phi = vote.log_kernel(q)[:, known.to(q.device)].double().cpu()  # (b, N')
         log_phi = log_phi.masked_fill(owners[None, :] == rows[:, None], -torch.inf)
-        score = class_scores(log_phi, labels, classes)  # (b, C)
-        own = y[rows.cpu()].to(device)[:, None]
-        margin = score.gather(1, own).squeeze(1) - score.scatter(1, own, -torch.inf).logsumexp(1)
-        out[rows.cpu()] = margin.cpu()
+        out[rows] = _label_margin(class_scores(log_phi, labels, vote.classes), y[rows])
     return out
-
-
-def _rank(scores: Tensor) -> Tensor:  # (n,) -> (n,) float64: 0 = lowest
-    return scores.argsort().argsort().double()
 
 
 def self_influence(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 50,
