@@ -4,19 +4,26 @@
 A growing layer's outputs can blow up when its learning rate or temperature does not suit
 its inputs. Each layer holds a :class:`DivergenceGuard`, and the learners wrap their step in
 it, as ``optax.apply_if_finite`` wraps an update: :meth:`DivergenceGuard.check_records`
-before anything is proposed (finite outputs and gradients, outputs within
-``max_output_growth`` times the layer's reference scale), and
-:meth:`DivergenceGuard.checked` around each proposal (the outputs the step would leave on its
-own batch, predicted in ``O(B²d)`` by :meth:`rcdl.nn.layers.GrowingLayer.outputs_after`). A
-refusal raises a ``ValueError`` naming the layer and what to change; the learner then drops
-the step's records (:class:`rcdl.optim.grower.Grower`). The guard's one piece of state is the
-reference scale, set at the first step that writes; a grower's state dict saves it.
+before anything is proposed (finite inputs, outputs and gradients, outputs within
+``max_output_growth`` times the layer's reference scale), and :meth:`DivergenceGuard.lookahead`
+on each proposal (the outputs the step would leave on its own batch, predicted in ``O(B²d)``
+by :meth:`rcdl.nn.layers.GrowingLayer.outputs_after`).
+
+Every check is computed on the layer's device and answered as a :data:`Fault`, a ``(3,)``
+float64 tensor ``[code, value, reference]`` (code 0: passed), so that a step reads nothing
+back to the host: the learner reads the faults of all its layers at once where it raises
+(:meth:`raise_first`), now or at a later check point (``Grower(defer_checks=True)``,
+docs/precision.md, "Host reads in a step"). A refusal raises a ``ValueError`` naming the
+layer and what to change; the learner then drops the step's records
+(:class:`rcdl.optim.grower.Grower`). The guard's one piece of state is the reference scale,
+set at the first step that writes; a grower's state dict saves it.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,7 +32,12 @@ from torch import Tensor
 from rcdl.nn.records import Record
 from rcdl.nn.rules import NewEntries
 
-__all__ = ["DivergenceGuard", "GuardedLayer"]
+__all__ = ["DivergenceGuard", "Fault", "GuardedLayer", "first_fault", "raise_first"]
+
+Fault = Tensor  # (3,) float64 [code, value, reference]; code 0: the check passed
+# the codes of a fault, in the order the checks of one record run
+INPUT, OUTPUT, GROWTH, GRAD, KEYS, VALUES, WEIGHTS, AFTER = range(1, 9)
+_ENTRY_CODES = {KEYS: "keys", VALUES: "values", WEIGHTS: "weights"}
 
 
 class GuardedLayer(Protocol):
@@ -33,6 +45,9 @@ class GuardedLayer(Protocol):
 
     @property
     def where(self) -> str: ...
+
+    @property
+    def max_output_growth(self) -> float | None: ...
 
     def ready_records(self) -> list[Record]: ...
 
@@ -42,18 +57,79 @@ class GuardedLayer(Protocol):
     def divergence_advice(self) -> str: ...
 
 
+def no_fault(device: torch.device | str) -> Fault:
+    """A passed check ``[0, 0, 0]``."""
+    return torch.zeros(3, dtype=torch.float64, device=device)
+
+
+def _fault(code: int, value: Tensor, reference: Tensor | float) -> Fault:  # (3,)
+    reference = torch.as_tensor(reference, dtype=torch.float64, device=value.device)
+    return torch.stack([value.new_tensor(float(code)), value, reference])
+
+
+def first_fault(*faults: Fault) -> Fault:
+    """The first of ``faults`` whose code is not 0 (else a passed one): the fault the checks,
+    run in this order, would have raised first."""
+    out = faults[-1]
+    for fault in reversed(faults[:-1]):
+        out = torch.where(fault[0] != 0, fault, out)
+    return out
+
+
+def raise_first(layers: Sequence[GuardedLayer], faults: Tensor, suffix: str = "") -> None:
+    """Raise the ``ValueError`` of the first fault of ``faults (L, 3)`` (row ``i`` is layer
+    ``layers[i % len(layers)]``'s); nothing if none. One read of ``faults`` to the host."""
+    rows = faults.tolist()
+    for i, (code, value, reference) in enumerate(rows):
+        if code:
+            layer = layers[i % len(layers)]
+            raise ValueError(_message(layer, int(code), value, reference) + suffix)
+
+
+def _message(layer: GuardedLayer, code: int, value: float, reference: float) -> str:
+    """The error of a fault: what was found, in which layer, and what to change."""
+    where, limit = layer.where, layer.max_output_growth
+    advice = f"the layer is diverging: {layer.divergence_advice()}; no entry written"
+    if code == INPUT:
+        return f"{where}: input contains NaN or inf; no entry written"
+    if code == OUTPUT:
+        return f"{where}: outputs contain NaN or inf; {advice}"
+    if code == GROWTH:
+        return (f"{where}: output RMS {value:.3g} is over {limit:g} times its reference "
+                f"scale {reference:.3g}; {advice} (or raise max_output_growth)")
+    if code == GRAD:
+        return (f"{where}: the output gradient contains NaN or inf (a NaN in the targets or "
+                "the loss?); no entry written")
+    if code in _ENTRY_CODES:
+        return f"{where}: the rule produced non-finite {_ENTRY_CODES[code]}; no entry written"
+    return (f"{where}: this step would raise the output RMS on its own batch to {value:.3g}, "
+            f"over {limit:g} times the layer's reference scale {reference:.3g}; {advice} "
+            "(or raise max_output_growth)")
+
+
+def _rms(x: Tensor) -> Tensor:  # () float64
+    return x.double().square().mean().sqrt()
+
+
 @dataclass(eq=False)
 class DivergenceGuard:
     """Refuses a layer's step whose outputs are not finite or grow past ``max_output_growth``
     times the reference scale (``None``: only non-finite outputs are refused).
 
-    The reference scale ``output_scale`` is the outputs' RMS at the first step where they
-    were non-zero, but at least :attr:`SCALE_FLOOR` times the inputs' RMS then: without the
-    floor, a sharp kernel whose first answers are nearly zero (the far tail of an RBF, 1e−7)
-    would refuse ordinary growth as divergence."""
+    The reference scale is the outputs' RMS at the first step where they were non-zero, but
+    at least :attr:`SCALE_FLOOR` times the inputs' RMS then: without the floor, a sharp
+    kernel whose first answers are nearly zero (the far tail of an RBF, 1e−7) would refuse
+    ordinary growth as divergence. It is kept as a 0-dim float64 tensor on the layer's
+    device, ``scale`` (0 while unset), so that setting it reads nothing back;
+    :attr:`output_scale` reads it (``None`` while unset).
+
+    ``deferred`` (set by the learner, :meth:`rcdl.optim.grower.Grower`'s ``defer_checks``)
+    says that the layer's faults are read at check points, not in the step: its training
+    forward then leaves the check of its inputs for NaN/inf to :meth:`check_records`."""
 
     max_output_growth: float | None = 1e4
-    output_scale: float | None = None
+    deferred: bool = False
+    scale: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
 
     SCALE_FLOOR = 1e-3  # the reference scale is at least this fraction of the inputs' RMS
 
@@ -64,44 +140,59 @@ class DivergenceGuard:
 
     def restore(self, output_scale: float | None) -> None:
         """The reference scale from a learner's state dict."""
-        self.output_scale = output_scale
+        self.scale = torch.tensor(output_scale or 0.0, dtype=torch.float64,
+                                  device=self.scale.device)
+
+    def replace(self, **changes: object) -> DivergenceGuard:
+        """This guard with ``changes`` (the limit, ``deferred``), keeping its scale."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def output_scale(self) -> float | None:
+        """The reference scale (``None`` before the first step that wrote); a host read."""
+        value = float(self.scale)
+        return value if value > 0 else None
 
     @torch.no_grad()
-    def check_records(self, layer: GuardedLayer) -> None:
-        """Raise ``ValueError`` naming ``layer`` if a ready record's output or gradient is not
-        finite, or its outputs grew past ``max_output_growth`` (nothing is changed but the
-        reference scale, set at the first records with non-zero outputs)."""
-        for record in layer.ready_records():
-            checks = [record.s.double().square().mean().sqrt(),
-                      torch.isfinite(record.grad_mean).all().double()]
-            if self.output_scale is None:  # the reference scale's floor, needed once
-                checks.append(record.q.double().square().mean().sqrt())
-            rms, grad_finite, *q_rms = torch.stack(checks).tolist()  # one device sync
-            self._check_output_scale(layer, rms,
-                                     floor=self.SCALE_FLOOR * q_rms[0] if q_rms else 0.0)
-            if not grad_finite:
-                raise ValueError(
-                    f"{layer.where}: the output gradient contains NaN or inf (a NaN in the "
-                    "targets or the loss?); no entry written")
+    def check_records(self, layer: GuardedLayer, clean: Tensor | None = None) -> Fault:
+        """The first fault of ``layer``'s ready records, in the order of the checks of each
+        record: an input with NaN/inf (:data:`INPUT`), non-finite outputs (:data:`OUTPUT`),
+        an output RMS over ``max_output_growth`` times the reference scale (:data:`GROWTH`),
+        a non-finite output gradient (:data:`GRAD`). Reads nothing back.
 
-    def _check_output_scale(self, layer: GuardedLayer, rms: float, floor: float) -> None:
-        advice = f"the layer is diverging: {layer.divergence_advice()}; no entry written"
-        if not math.isfinite(rms):
-            raise ValueError(f"{layer.where}: outputs contain NaN or inf; {advice}")
-        if self.output_scale is None:
-            if rms > 0:
-                self.output_scale = max(rms, floor)  # set at the first step that writes
-            return
+        The reference scale is set, ``max(rms, SCALE_FLOOR · rms(q))``, at the first record
+        with finite non-zero outputs, if no fault came before it: in this layer's earlier
+        records, or before this layer (``clean``, a 0-dim bool, False where an earlier layer
+        of the step faulted)."""
+        records = layer.ready_records()
+        device = records[0].q.device if records else self.scale.device
+        self.scale = self.scale.to(device)
+        fault = no_fault(device)
+        ok = torch.ones((), dtype=torch.bool, device=device) if clean is None else clean
         limit = self.max_output_growth
-        if limit is not None and rms > limit * self.output_scale:
-            raise ValueError(
-                f"{layer.where}: output RMS {rms:.3g} is over {limit:g} times its reference "
-                f"scale {self.output_scale:.3g}; {advice} (or raise max_output_growth)")
+        for record in records:
+            rms = _rms(record.s)
+            unset = self.scale == 0
+            checks = [_fault(INPUT, rms, 0.0).where(~torch.isfinite(record.q).all(), 0.0),
+                      _fault(OUTPUT, rms, 0.0).where(~rms.isfinite(), 0.0)]
+            if limit is not None:
+                over = ~unset & (rms > limit * self.scale)
+                checks.append(_fault(GROWTH, rms, self.scale).where(over, 0.0))
+            record_fault = first_fault(*checks)
+            sets = ok & (record_fault[0] == 0) & unset & (rms > 0)
+            floored = torch.maximum(rms, self.SCALE_FLOOR * _rms(record.q))
+            self.scale = torch.where(sets, floored, self.scale)
+            grad_bad = ~torch.isfinite(record.grad_mean).all()
+            record_fault = first_fault(record_fault,
+                                       _fault(GRAD, rms, 0.0).where(grad_bad, 0.0))
+            fault = first_fault(fault, record_fault)
+            ok = ok & (record_fault[0] == 0)
+        return fault
 
     @torch.no_grad()
-    def checked(self, layer: GuardedLayer, proposal: NewEntries | None) -> NewEntries | None:
-        """``proposal`` (what ``layer.propose()`` returned), after refusing it if it would
-        make this batch's outputs diverge, before it writes.
+    def lookahead(self, layer: GuardedLayer, proposal: NewEntries | None) -> Fault:
+        """The fault of ``proposal`` (what ``layer.proposal()`` made) if it would make this
+        batch's outputs diverge (:data:`AFTER`), else a passed one. Reads nothing back.
 
         For the linear and RBF kernels the new entries add ``Δs(q) = Σ_new w κ(q, k) v`` to
         the output; for the weighted softmax, ``s' = (Z s + N_new) / (Z + Z_new)`` with the
@@ -112,19 +203,22 @@ class DivergenceGuard:
         times the reference scale, or, while the store has answered only zeros (an empty
         store), the RMS of the batch's inputs."""
         limit = self.max_output_growth
+        device = self.scale.device
         if proposal is None or limit is None or proposal[0].shape[0] == 0:
-            return proposal
+            return no_fault(device)
         records = layer.ready_records()
         after_s = layer.outputs_after(records, *proposal)
         if after_s is None:
-            return proposal
-        q = torch.cat([r.q for r in records])  # (B, d_in)
-        after = float(after_s.double().square().mean().sqrt())
-        reference = self.output_scale or float(q.double().square().mean().sqrt())
-        if not math.isfinite(after) or (reference > 0 and after > limit * reference):
-            raise ValueError(
-                f"{layer.where}: this step would raise the output RMS on its own batch to "
-                f"{after:.3g}, over {limit:g} times the layer's reference scale "
-                f"{reference:.3g}; the layer is diverging: {layer.divergence_advice()}; no "
-                "entry written (or raise max_output_growth)")
+            return no_fault(device)
+        after = _rms(after_s)
+        reference = torch.where(self.scale > 0, self.scale,
+                                _rms(torch.cat([r.q for r in records])))
+        bad = ~after.isfinite() | ((reference > 0) & (after > limit * reference))
+        return _fault(AFTER, after, reference).where(bad, 0.0)
+
+    @torch.no_grad()
+    def checked(self, layer: GuardedLayer, proposal: NewEntries | None) -> NewEntries | None:
+        """``proposal``, after raising the ``ValueError`` of its :meth:`lookahead` fault, if
+        any (one read back)."""
+        raise_first([layer], self.lookahead(layer, proposal)[None])
         return proposal

@@ -125,7 +125,7 @@ class HybridSoftmax(GrowingSoftmax):
         rounding_seed = int(torch.randint(1 << 62, ())) if seed is None else seed
         self.register_buffer("rounding_seed", torch.tensor(rounding_seed, dtype=torch.long))
         self._leaves: tuple[Tensor, Tensor, Tensor] | None = None
-        self._refused = 0  # refused by the trigger in the pending proposal
+        self._refused: Tensor | int = 0  # refused by the trigger in the pending proposal
         self._dry_steps = 0  # growth steps in a row that wrote nothing (host-side count)
         self._last_sq_distance: Tensor | None = None  # (B,) of the last gated batch
         self._adam_skipped = False  # a growth step dropped entry gradients Adam never used
@@ -214,7 +214,7 @@ class HybridSoftmax(GrowingSoftmax):
         size = self.num_entries_all_ranks() if getattr(self.trigger, "needs_size", True) else 0
         accept = self.trigger.accept(sq_distance, size, errors)  # (B,) bool
         self._last_accept = accept
-        self._refused += int((~accept).sum())
+        self._refused = self._refused + (~accept).sum()  # () on the device: no read
         return keys[accept], values[accept], weights[accept]
 
     _last_accept: Tensor | None = None
@@ -222,9 +222,9 @@ class HybridSoftmax(GrowingSoftmax):
     def kept_rows(self) -> Tensor | None:  # (B,) bool
         return self._last_accept
 
-    def propose(self) -> NewEntries | None:
+    def proposal(self) -> tuple[NewEntries | None, Tensor]:
         self._refused = 0
-        return super().propose()
+        return super().proposal()
 
     def discard(self) -> None:
         super().discard()

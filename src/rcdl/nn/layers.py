@@ -19,7 +19,6 @@ as its out-of-place twin does.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import sys
@@ -42,7 +41,16 @@ from rcdl.nn.backends import (
     wrapped,
 )
 from rcdl.nn.backends import TopK as _TopKBackend
-from rcdl.nn.divergence import DivergenceGuard
+from rcdl.nn.divergence import (
+    KEYS,
+    VALUES,
+    WEIGHTS,
+    DivergenceGuard,
+    Fault,
+    first_fault,
+    no_fault,
+    raise_first,
+)
 from rcdl.nn.records import EvalModeOutput, Record, Recorder
 from rcdl.nn.rules import FunctionalSGD, LearningRule, NewEntries, Step
 from rcdl.nn.sample_map import UNKNOWN, SampleMap
@@ -169,6 +177,12 @@ class GrowingLayer(nn.Module):
         if lr != self.rule.lr:
             self.rule = self.rule.with_lr(lr)
 
+    def defer_checks(self, deferred: bool) -> None:
+        """Say whether the learner reads this layer's check faults at check points rather
+        than in each step (:class:`~rcdl.optim.grower.Grower`'s ``defer_checks``): a training
+        forward then leaves its inputs' NaN/inf check to the divergence guard, on the device."""
+        self.guard = self.guard.replace(deferred=deferred)
+
     def restore_step_state(self, steps: int, output_scale: float | None) -> None:
         """The step count and the divergence guard's reference scale from a grower's
         state dict."""
@@ -182,7 +196,7 @@ class GrowingLayer(nn.Module):
 
     @max_output_growth.setter
     def max_output_growth(self, limit: float | None) -> None:
-        self.guard = dataclasses.replace(self.guard, max_output_growth=limit)
+        self.guard = self.guard.replace(max_output_growth=limit)
 
     @property
     def output_scale(self) -> float | None:
@@ -306,8 +320,10 @@ class GrowingLayer(nn.Module):
 
     @_run_eagerly  # records and hooks are Python side effects
     def forward(self, x: Tensor) -> Tensor:  # (..., d_in) -> (..., d_out)
-        q = self._check_input(x).reshape(-1, self.d_in)  # (B, d_in)
         recording = self.training and torch.is_grad_enabled()
+        # deferred checks: the guard checks a recorded query for NaN/inf on the device
+        q = self._check_input(x, finite=not (recording and self.guard.deferred))
+        q = q.reshape(-1, self.d_in)  # (B, d_in)
         if recording:
             self._drop_unstepped()
             if self.kernel.normalised and not self.trains_entries:
@@ -334,7 +350,9 @@ class GrowingLayer(nn.Module):
         same batch."""
         self.recorder.drop_unstepped(self.where)
 
-    def _check_input(self, x: Tensor) -> Tensor:
+    def _check_input(self, x: Tensor, finite: bool = True) -> Tensor:
+        """``x`` after checking its shape, dtype and device, and, if ``finite``, that it holds
+        no NaN or inf (a read back to the host)."""
         where = self.where
         if x.dim() == 1 and x.shape[0] == self.d_in:
             raise ValueError(
@@ -352,7 +370,7 @@ class GrowingLayer(nn.Module):
             raise TypeError(f"{where}: input dtype {x.dtype} != layer dtype {self.store.dtype}")
         if x.device != self.store.device:
             raise ValueError(f"{where}: input on {x.device}, layer on {self.store.device}")
-        if not torch.isfinite(x).all():
+        if finite and not torch.isfinite(x).all():
             raise ValueError(f"{where}: input contains NaN or inf")
         return x
 
@@ -369,11 +387,22 @@ class GrowingLayer(nn.Module):
     @torch.no_grad()
     def propose(self) -> NewEntries | None:
         """The entries this step's records would write (nothing is written). Raises
-        ``ValueError`` naming the layer if the rule produced non-finite entries. The
-        learners pass the proposal through the layer's :attr:`guard` before committing it."""
+        ``ValueError`` naming the layer if the rule produced non-finite entries (a read
+        back to the host: the learners call :meth:`proposal` and read the faults of every
+        layer at once)."""
+        entries, fault = self.proposal()
+        raise_first([self], fault[None])
+        return entries
+
+    @torch.no_grad()
+    def proposal(self) -> tuple[NewEntries | None, Fault]:
+        """:meth:`propose`'s entries, with the fault of its finiteness check instead of the
+        error (:mod:`rcdl.nn.divergence`: the first of non-finite keys, values, weights;
+        code 0 where all are finite), read nothing back. The learners pass the entries
+        through the layer's :attr:`guard` before committing them."""
         records = self.ready_records()
         if not records:
-            return None
+            return None, no_fault(self.store.device)
         parts, samples = [], []
         for record in records:
             parts.append(self.make_entries(record))
@@ -384,21 +413,23 @@ class GrowingLayer(nn.Module):
             samples.append(known if kept is None else known[kept.to(known.device)])
         keys, values, weights = (torch.cat(p) for p in zip(*parts, strict=True))
         self._proposed_samples = torch.cat(samples)
-        finite = torch.stack([torch.isfinite(t).all() for t in (keys, values, weights)])
-        for name, ok in zip(("keys", "values", "weights"), finite.tolist(), strict=True):
-            if not ok:  # one device sync for the three checks
-                raise ValueError(
-                    f"{self.where}: the rule produced non-finite {name}; no entry written")
-        return keys, values, weights
+        zero = weights.new_zeros((), dtype=torch.float64)
+        fault = first_fault(*(torch.stack([zero + code, zero, zero]).where(
+            ~torch.isfinite(t).all(), 0.0) for code, t in ((KEYS, keys), (VALUES, values),
+                                                          (WEIGHTS, weights))))
+        return (keys, values, weights), fault
 
     @torch.no_grad()
     def outputs_after(self, records: list[Record], keys: Tensor, values: Tensor,
                       weights: Tensor) -> Tensor | None:  # (B, d_out)
         """The outputs on the records' queries once ``(keys, values, weights)`` are appended
-        (what the divergence guard reads, :meth:`rcdl.nn.divergence.DivergenceGuard.checked`;
+        (what the divergence guard reads, :meth:`rcdl.nn.divergence.DivergenceGuard.lookahead`;
         ``None`` where they cannot be had cheaply: a softmax forward that recorded no
-        normaliser, or one whose denominator the guard changed). The age coefficients of
-        the existing entries' next step are not applied."""
+        normaliser). Where the attention's guard changed a softmax denominator (negative
+        weights) there is no cheap answer either: the recorded outputs ``s`` are returned
+        in its place, which the divergence guard has already passed (a choice made on the
+        device, with no read back). The age coefficients of the existing entries' next step
+        are not applied."""
         q = torch.cat([r.q for r in records])  # (B, d_in)
         s = torch.cat([r.s for r in records])  # (B, d_out)
         new_entries = self.entries(keys, values, weights).replace(chunk_size=None)
@@ -407,14 +438,14 @@ class GrowingLayer(nn.Module):
         if any(r.normaliser is None for r in records):  # none recorded (top-k, the hybrid)
             return None
         m, den = (torch.cat(t) for t in zip(*(r.normaliser for r in records), strict=True))
-        if not bool((den > 0).all()):  # the guard acted (negative weights): no cheap answer
-            return None
+        cheap = (den > 0).all()  # () False where the guard acted (negative weights)
         log_z = m + torch.log(den)  # (B,) of the pre-step store
         new = attend_partial(q, new_entries)  # the new entries alone
         top = torch.maximum(log_z, new.m)  # (B,)
         old_w, new_w = torch.exp(log_z - top), torch.exp(new.m - top)  # (B,)
-        return (s * old_w[:, None] + new.num * new_w[:, None]) / (
+        after = (s * old_w[:, None] + new.num * new_w[:, None]) / (
             old_w + new.den * new_w)[:, None]
+        return torch.where(cheap, after, s)
 
     def query_keys(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, key_dim)
         """Queries as the store's keys see them (the linear dual form appends a 1)."""
@@ -454,7 +485,8 @@ class GrowingLayer(nn.Module):
         count = entries[0].shape[0]  # B, the same on every rank
         ids = self.store.new_ids(count)  # (B,) the batch's ids, the same on every rank
         self.provenance.record(ids, proposed if proposed is not None
-                               and proposed.shape[0] == count else None)
+                               and proposed.shape[0] == count else None,
+                               end=self.store.next_id)
         if self.shard is not None:  # this rank stores its rows of the batch
             keep = self.shard.owned(count, entries[0].device,
                                     offset=int(self.steps) * count)  # (B,) bool

@@ -37,9 +37,9 @@ class SampleMap(nn.Module):
         self._merged = fn(self._merged)
         return super()._apply(fn, recurse)
 
-    def _cover(self, ids: Tensor) -> None:
-        """Grow both maps to hold ``ids`` (new ids: unknown sample, nothing merged)."""
-        needed = int(ids.max()) + 1
+    def _cover(self, needed: int) -> None:
+        """Grow both maps to hold ids ``[0, needed)`` (new ids: unknown sample, nothing
+        merged)."""
         have = self._samples.shape[0]
         if needed <= have:
             return
@@ -49,11 +49,13 @@ class SampleMap(nn.Module):
         samples[:have], merged[:have] = self._samples, self._merged
         self._samples, self._merged = samples, merged
 
-    def record(self, ids: Tensor, samples: Tensor | None) -> None:
-        """Entries ``ids (B,)`` were written by ``samples (B,)`` (``None``: unknown)."""
+    def record(self, ids: Tensor, samples: Tensor | None, end: int | None = None) -> None:
+        """Entries ``ids (B,)`` were written by ``samples (B,)`` (``None``: unknown). ``end``
+        bounds the ids from above (``max(ids) < end``, e.g. the store's next id) where the
+        caller knows it, so that the map need not read ``max(ids)`` back from the device."""
         if ids.numel() == 0:
             return
-        self._cover(ids)
+        self._cover(int(ids.max()) + 1 if end is None else end)
         if samples is not None:
             self._samples[ids] = samples.to(self._samples.device, torch.long)
 
@@ -99,7 +101,7 @@ class SampleMap(nn.Module):
                              f"{tuple(into.shape)} and {tuple(merged.shape)}")
         if into.numel() == 0:
             return
-        self._cover(torch.cat([into, merged]))
+        self._cover(int(torch.cat([into, merged]).max()) + 1)
         device = self._merged.device
         into, merged = into.to(device), merged.to(device)
         self._merged.index_add_(0, into, 1 + self._merged[merged])

@@ -91,7 +91,8 @@ class EntryMoments:
                 moments.append(torch.zeros(count, store.d_in, dtype=dtype, device=device),
                                torch.zeros(count, store.d_out, dtype=dtype, device=device),
                                torch.zeros(count, dtype=dtype, device=device),
-                               written_at=self.steps, ids=store.ids[n:])
+                               written_at=self.steps, ids=store.ids[n:],
+                               check_finite=False)  # zeros: nothing to read back
 
     def state(self) -> dict:
         """``{adam_steps, m, v}``: the step count and both moments' rows, row-aligned with

@@ -33,6 +33,17 @@ stores sharded over ranks (:mod:`rcdl.distributed`) the budget is per shard: eac
 at most ``capacity`` entries of its shard, choosing (and merging) among its own entries, so
 a layer holds at most ``W · capacity`` in all and ``evicted`` counts this rank's evictions.
 
+The checks read nothing back to the host while the step runs: each is a fault tensor on the
+device (:mod:`rcdl.nn.divergence`). By default (on CPU, where a read costs nothing) the grower
+reads a step's faults twice, once after validating the records and once before committing,
+and raises at once as described above. With ``defer_checks`` (the default for stores on a
+GPU, where each read stalls the device until it has caught up) it reads nothing in the step:
+a refused step writes its entries with zero keys, values and weights (its batch changes no
+output, and no NaN reaches a store), and the error of the first refused step is raised at
+the next check point, :meth:`Grower.check`, which the training loop calls at every
+evaluation, checkpoint and at the end, and :meth:`Grower.state_dict` calls before anything
+is saved (docs/precision.md, "Host reads in a step").
+
 For a hybrid network (entries also trained by Adam) use
 :class:`rcdl.optim.hybrid_grower.HybridGrower`,
 which runs the Adam step and then this one. (Growing first would drop the entries'
@@ -45,9 +56,10 @@ from collections.abc import Callable
 from typing import Any, NoReturn, overload
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from rcdl.memory.budgets import MemoryBudget
+from rcdl.nn.divergence import first_fault, raise_first
 from rcdl.nn.layers import GrowingLayer, growing_layers
 
 __all__ = ["Grower"]
@@ -63,6 +75,9 @@ class Grower(torch.optim.Optimizer):
         model: a module holding at least one growing layer.
         budget: if given, every layer is brought back to at most ``budget.capacity``
             entries after each step (:mod:`rcdl.memory.budgets`); ``None`` lets the stores grow.
+        defer_checks: read the step's checks at check points (:meth:`check`) rather than in
+            the step, so that a step reads nothing back from the device; ``None`` (default):
+            deferred where the stores are on a GPU, immediate elsewhere.
 
     Attributes:
         layers (list[GrowingLayer]): the growing layers, in module order (their ``name`` is
@@ -73,7 +88,8 @@ class Grower(torch.optim.Optimizer):
             budget).
     """
 
-    def __init__(self, model: nn.Module, budget: MemoryBudget | None = None) -> None:
+    def __init__(self, model: nn.Module, budget: MemoryBudget | None = None,
+                 defer_checks: bool | None = None) -> None:
         if budget is not None and not isinstance(budget, MemoryBudget):
             raise TypeError(f"Grower: budget must be a rcdl.memory.budgets.MemoryBudget or None, "
                             f"got {type(budget).__name__}")
@@ -88,6 +104,14 @@ class Grower(torch.optim.Optimizer):
             for layer in self.layers:
                 budget.check(layer)
         self.budget = budget
+        if defer_checks is None:
+            defer_checks = self.layers[0].store.device.type == "cuda"
+        self.defer_checks = defer_checks
+        for layer in self.layers:
+            layer.defer_checks(defer_checks)
+        self._record_faults: Tensor | None = None  # (L, 3) this step's, deferred
+        self._pending: Tensor | None = None  # (2L, 4) the first refused step's faults and step
+        self._steps = 0  # steps that reached write(): the step a deferred error names
         self.evicted: dict[str, int] = {layer.name: 0 for layer in self.layers}
         groups = [{"params": [], "lr": layer.rule.lr, "layer": layer.name} for layer in self.layers]
         super().__init__(groups, {})
@@ -129,21 +153,85 @@ class Grower(torch.optim.Optimizer):
                     "backward reached: call loss.backward() before grower.step(), with a loss "
                     "that depends on the model's output")
             return False
-        self._refusing(lambda: [layer.guard.check_records(layer) for layer in self.layers])
+        faults, clean = [], None  # a layer sets its scale only if none faulted before it
+        for layer in self.layers:
+            fault = layer.guard.check_records(layer, clean)  # (3,)
+            clean = (fault[0] == 0) if clean is None else clean & (fault[0] == 0)
+            faults.append(fault)
+        self._record_faults = record_faults = self._stack(faults)  # (L, 3)
+        if not self.defer_checks:
+            self._refusing(lambda: raise_first(self.layers, record_faults))
         return True
 
     def write(self) -> None:
         """Commit every layer's proposed entries, or none, then evict down to the budget
-        (after :meth:`validate`)."""
+        (after :meth:`validate`). With ``defer_checks`` a refused step commits its entries
+        zeroed and is remembered for :meth:`check`."""
         self._apply_learning_rates()
-        proposals = self._refusing(lambda: [layer.guard.checked(layer, layer.propose())
-                                             for layer in self.layers])
+
+        def propose() -> tuple[list, list]:
+            proposals, faults = [], []
+            for layer in self.layers:
+                entries, fault = layer.proposal()
+                proposals.append(entries)
+                faults.append(first_fault(fault, layer.guard.lookahead(layer, entries)))
+            return proposals, faults
+
+        proposals, faults = self._refusing(propose)
+        write_faults = self._stack(faults)  # (L, 3)
+        if not self.defer_checks:
+            self._refusing(lambda: raise_first(self.layers, write_faults))
+        else:
+            proposals = self._defer(write_faults, proposals)
+        self._record_faults = None
+        self._steps += 1
         for layer, entries in zip(self.layers, proposals, strict=True):
             layer.commit(entries)
         if self.budget is not None:
             masks = [self.budget.evict_mask(layer) for layer in self.layers]  # (N,) each
             for layer, mask in zip(self.layers, masks, strict=True):
                 self.evicted[layer.name] += self.budget.apply(layer, mask)
+
+    def _stack(self, faults: list[Tensor]) -> Tensor:  # (L, 3) on the first layer's device
+        device = faults[0].device
+        return torch.stack([fault.to(device) for fault in faults])
+
+    def _defer(self, write_faults: Tensor, proposals: list) -> list:
+        """Remember this step's faults if it is the first refused one since the last
+        :meth:`check`; return the proposals zeroed where the step is refused (no read)."""
+        records = self._record_faults  # None: write() without validate(), no record faults
+        faults = torch.cat([torch.zeros_like(write_faults) if records is None else records,
+                            write_faults])  # (2L, 3)
+        step = faults.new_full((faults.shape[0], 1), float(self._steps))
+        rows = torch.cat([faults, step], dim=1)  # (2L, 4)
+        if self._pending is None:
+            self._pending = torch.zeros_like(rows)
+        first = (self._pending[:, 0] == 0).all()  # no refused step remembered yet
+        self._pending = torch.where(first, rows, self._pending)
+        ok = (faults[:, 0] == 0).all()  # () the step passed every check
+        return [None if entries is None else
+                tuple(torch.where(ok, t, t.new_zeros(())) for t in entries)
+                for entries in proposals]
+
+    def check(self) -> None:
+        """Raise the error of the first step refused since the last check, if any (one read
+        back to the host; a no-op without ``defer_checks``). The training loop calls it at
+        every evaluation, before every checkpoint and at the end.
+
+        Raises:
+            ValueError: as :meth:`step` would have raised at the refused step, naming the
+                layer and the check, followed by the grower step it happened at.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        rows = torch.tensor(pending.tolist(), dtype=torch.float64)  # the one read
+        refused = rows[:, 0].nonzero()
+        if refused.numel():
+            step = int(rows[int(refused[0]), 3])
+            raise_first(self.layers, rows[:, :3], suffix=(
+                f" (found at a deferred check: grower step {step} was refused and wrote "
+                "entries of zero weight, so its batch changed no output)"))
 
     def _refusing(self, check: Callable[[], Any]) -> Any:
         """``check()``; if it raises, drop the records first: a refused batch leaves nothing
@@ -171,6 +259,7 @@ class Grower(torch.optim.Optimizer):
         backward runs later are ignored too. ``set_to_none`` is accepted for compatibility."""
         for layer in self.layers:
             layer.discard()
+        self._record_faults = None
 
     def discard(self) -> None:
         """Same as :meth:`zero_grad`: drop this step's records without writing."""
@@ -193,7 +282,9 @@ class Grower(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Everything besides the model's own state dict that a resumed run needs: per layer
         its step counter, evictions, output scale (the divergence check's reference) and
-        its group's learning rate."""
+        its group's learning rate. A refusal deferred since the last :meth:`check` is raised
+        first: the state of a run with a refused step is never saved."""
+        self.check()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {
             "param_groups": groups,

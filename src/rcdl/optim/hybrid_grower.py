@@ -27,6 +27,10 @@ class HybridGrower(torch.optim.Optimizer):
     the rule's η), so a ``torch.optim.lr_scheduler`` scheduler drives both;
     :meth:`state_dict` holds both halves' state. ``half_adam`` is :class:`EntryAdam`'s: how
     the Adam pass over a half-precision store runs (:mod:`rcdl.optim.half_adam`).
+    ``defer_checks`` is the grower's (:class:`rcdl.optim.grower.Grower`): deferred, the
+    records' checks no longer refuse the Adam step (they refuse the growth and are raised at
+    :meth:`check`); the Adam step's own check of the entry gradients is the step's one read
+    back to the host.
 
     Like any optimizer it leaves the gradients of the model's ordinary parameters (an
     ``nn.Linear`` in front, a ViT's embeddings) in place after ``step()``: call
@@ -43,9 +47,9 @@ class HybridGrower(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9,
                  0.999), eps: float = 1e-8, budget: MemoryBudget | None = None,
-                 half_adam: str | None = None) -> None:
+                 half_adam: str | None = None, defer_checks: bool | None = None) -> None:
         self.adam = EntryAdam(model, lr=lr, betas=betas, eps=eps, half_adam=half_adam)
-        self.grower = Grower(model, budget=budget)
+        self.grower = Grower(model, budget=budget, defer_checks=defer_checks)
         # the same group dicts as the two halves: a scheduler's change reaches them
         groups = [*self.adam.param_groups, *self.grower.param_groups]
         super().__init__(groups, {})
@@ -73,11 +77,21 @@ class HybridGrower(torch.optim.Optimizer):
         self.adam.zero_grad(set_to_none)
         self.grower.zero_grad(set_to_none)
 
+    @property
+    def defer_checks(self) -> bool:
+        """Whether the growth checks are read at :meth:`check` rather than in the step."""
+        return self.grower.defer_checks
+
+    def check(self) -> None:
+        """:meth:`rcdl.optim.grower.Grower.check`: raise a refusal deferred since the last one."""
+        self.grower.check()
+
     def sync(self) -> None:
         """:meth:`EntryAdam.sync`: the moments follow the rows now."""
         self.adam.sync()
 
     def state_dict(self) -> dict:
+        self.check()  # a state with a refused step is never saved
         return {"adam": self.adam.state_dict(), "grower": self.grower.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,11 @@ class GrowerLike(Protocol):
     def step(self) -> None: ...
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    @property
+    def defer_checks(self) -> bool: ...
+
+    def check(self) -> None: ...
 
 
 def _sync(device: torch.device) -> None:
@@ -256,9 +261,19 @@ def _store_size(grower: Any) -> tuple[int | None, int | None]:
     return grower.num_entries_all_ranks(), grower.nbytes_all_ranks()  # every rank runs this
 
 
+@overload
 def train_step(model: nn.Module, xb: Tensor, yb: Tensor, loss_fn: Metric,
                optimizer: torch.optim.Optimizer | None = None,
-               grower: GrowerLike | None = None) -> float:  # fmt: skip
+               grower: GrowerLike | None = None, *, sync: Literal[True] = True) -> float: ...
+@overload
+def train_step(model: nn.Module, xb: Tensor, yb: Tensor, loss_fn: Metric,
+               optimizer: torch.optim.Optimizer | None = None,
+               grower: GrowerLike | None = None, *, sync: Literal[False]) -> Tensor: ...
+
+
+def train_step(model: nn.Module, xb: Tensor, yb: Tensor, loss_fn: Metric,
+               optimizer: torch.optim.Optimizer | None = None,
+               grower: GrowerLike | None = None, *, sync: bool = True) -> float | Tensor:
     """One training step, the learner protocol of :func:`train_one_pass`:
     ``loss = loss_fn(model(xb), yb)``, ``loss.backward()``, then each learner in turn —
     ``optimizer`` first, then ``grower`` — ``step()`` and ``zero_grad()``. Whichever learner
@@ -267,17 +282,63 @@ def train_step(model: nn.Module, xb: Tensor, yb: Tensor, loss_fn: Metric,
     ``grower=HybridGrower(m)`` and ``optimizer=EntryAdam(m), grower=Grower(m)`` train alike.
 
     Returns the loss as a float (a device sync, so clocks are honest). A non-finite loss is
-    returned before any backward or step (the caller names the step)."""
+    returned before any backward or step (the caller names the step). With ``sync=False``
+    the step reads nothing back: it returns the loss as a detached 0-dim tensor and runs the
+    backward and the steps whatever its value (a grower with ``defer_checks`` then refuses
+    the step on the device; the caller checks the loss later, as :func:`train_one_pass`
+    does at its check points)."""
     loss = loss_fn(model(xb), yb)
+    if not sync:
+        loss.backward()
+        _step_learners(optimizer, grower)
+        return loss.detach()
     loss_value = loss.item()
     if not math.isfinite(loss_value):
         return loss_value
     loss.backward()
-    for learner in (optimizer, grower):
+    _step_learners(optimizer, grower)
+    return loss_value
+
+
+def _step_learners(*learners: torch.optim.Optimizer | GrowerLike | None) -> None:
+    for learner in learners:
         if learner is not None:
             learner.step()
             learner.zero_grad(set_to_none=True)
-    return loss_value
+
+
+class _DeferredLoss:
+    """The training losses of sync-free steps, kept on the device: their sum since the last
+    :meth:`settle`, and the first non-finite one with its step, as ``(3,)`` float64
+    ``[sum, step, loss]`` (step −1: none). :meth:`settle` reads them in one go."""
+
+    def __init__(self) -> None:
+        self.state: Tensor | None = None
+        self.count = 0
+
+    def add(self, loss: Tensor, step: int) -> None:
+        loss = loss.double()
+        if self.state is None:
+            self.state = torch.tensor([0.0, -1.0, 0.0], dtype=torch.float64, device=loss.device)
+        first_bad = (self.state[1] < 0) & ~loss.isfinite()
+        bad = torch.where(first_bad, torch.stack([loss.new_tensor(float(step)), loss]),
+                          self.state[1:])
+        self.state = torch.cat([(self.state[0] + loss)[None], bad])
+        self.count += 1
+
+    def settle(self, name: str, loop: dict[str, Any]) -> None:
+        """Fold the losses into ``loop``'s sum; raise ``FloatingPointError`` naming the first
+        step whose loss was not finite."""
+        if self.state is None:
+            return
+        total, step, value = self.state.tolist()  # the one read
+        self.state = None
+        if step >= 0:
+            raise FloatingPointError(f"{name}: training loss is {value} at step {int(step)} "
+                                     "(found at a deferred check)")
+        loop["loss_sum"] += total
+        loop["loss_count"] += self.count
+        self.count = 0
 
 
 def _check_arguments(name: str, data: tuple, optimizer: Any, grower: Any, metrics: Mapping,
@@ -419,6 +480,13 @@ def train_one_pass(
 
     Raises:
         FloatingPointError: if a training loss is not finite (naming the step).
+        ValueError: a growth step refused (:meth:`rcdl.optim.grower.Grower.step`).
+
+    With a grower whose checks are deferred (``defer_checks``, the default for stores on a
+    GPU) a step reads nothing back to the host: the losses are summed on the device, and
+    both errors are raised at the next check point (an evaluation, a checkpoint, a replay
+    snapshot, the last step), naming the first step at fault, before anything is recorded
+    or saved (docs/precision.md, "Host reads in a step").
     """
     metrics = dict(metrics or {"test_mse": F.mse_loss})
     _check_arguments(name, data, optimizer, grower, metrics, batch_size, eval_every, epochs)
@@ -457,6 +525,15 @@ def train_one_pass(
                            batch_size=eval_batch_size, device=device, name=name, grower=grower,
                            run=run, bar=bar, on_epoch_end=on_epoch_end, cached=cached)  # fmt: skip
         model.train()
+        deferred = grower is not None and grower.defer_checks
+        losses = _DeferredLoss()
+
+        def settle() -> None:  # the deferred checks, before anything is recorded or saved
+            if deferred:
+                losses.settle(name, loop)
+                assert grower is not None
+                grower.check()
+
         with bar, _eval_caches(cached):
             final = loop["history"][-1] if loop["history"] else record(0, loop)
             for step, idx in schedule.batches(loop["step"]):
@@ -464,20 +541,31 @@ def train_one_pass(
                 xb, yb = x_train[idx].to(device), y_train[idx].to(device)
                 ids = idx if sample_ids is None else sample_ids[idx]
                 with samples(model, ids):  # the entries written remember their samples
-                    loss_value = train_step(model, xb, yb, loss_fn, optimizer, grower)
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(
-                        f"{name}: training loss is {loss_value} at step {step}")
-                loop["loss_sum"] += loss_value
-                loop["loss_count"] += 1
+                    if deferred:  # no read back: the loss is checked at the next settle()
+                        losses.add(train_step(model, xb, yb, loss_fn, optimizer, grower,
+                                              sync=False), step)
+                    else:
+                        loss_value = train_step(model, xb, yb, loss_fn, optimizer, grower)
+                        if not math.isfinite(loss_value):
+                            raise FloatingPointError(
+                                f"{name}: training loss is {loss_value} at step {step}")
+                        loop["loss_sum"] += loss_value
+                        loop["loss_count"] += 1
                 loop["step"] = step + 1
                 loop["clock"]["train"] += time.perf_counter() - t0
                 bar.update(len(idx))
-                if (step + 1) % eval_every == 0 or schedule.ends_epoch(step + 1):
+                evaluating = (step + 1) % eval_every == 0 or schedule.ends_epoch(step + 1)
+                snapshot = replay is not None and replay.due(step + 1)
+                saving = checkpoints is not None and checkpoints.due(step + 1, schedule.steps)
+                if evaluating or snapshot or saving or step + 1 == schedule.steps:
+                    settle()
+                if evaluating:
                     final = record(step + 1, loop)
-                if replay is not None and replay.due(step + 1):
+                if snapshot:
+                    assert replay is not None
                     replay.take(step + 1, model, [optimizer, grower])
-                if checkpoints is not None and checkpoints.due(step + 1, schedule.steps):
+                if saving:
+                    assert checkpoints is not None
                     checkpoints.save(loop)
     finally:
         if checkpoints is not None:
