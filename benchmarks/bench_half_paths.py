@@ -19,6 +19,7 @@ import time
 import torch
 
 from rcdl.app.rundir import cpu_flags, cpu_model
+from rcdl.ops import widen
 from rcdl.ops.attention import attention
 from rcdl.ops.half import half_products, native_products
 
@@ -39,6 +40,9 @@ def main() -> None:
     parser.add_argument("--eval-batch", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kernels", nargs="+", default=["softmax", "rbf"])
+    parser.add_argument("--native", action="store_true",
+                        help="time the native path also where it is emulated (slow)")
     args = parser.parse_args()
     print(f"# {cpu_model()} (flags {' '.join(cpu_flags())}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; bfloat16 native here: "
@@ -48,13 +52,16 @@ def main() -> None:
     values = torch.randn(args.entries, args.width, generator=gen)
     weights = torch.rand(args.entries, generator=gen) + 0.1
     stores = {"float32": (keys, values), "bfloat16": (keys.bfloat16(), values.bfloat16())}
-    cases = [("float32", "float32", "auto"), ("bfloat16 native", "bfloat16", "native"),
-             ("bfloat16 float32 chunks", "bfloat16", "float32")]
+    cases = [("float32", "float32", "auto"), ("bfloat16 float32 chunks", "bfloat16", "float32")]
+    if widen.available():
+        cases.append(("bfloat16 widened", "bfloat16", "widen"))
+    if native_products(torch.bfloat16) or args.native:  # emulated: 20-160x float32, skipped
+        cases.append(("bfloat16 native", "bfloat16", "native"))
     print(f"# width {args.width}, {args.entries} entries, train batch {args.train_batch}, "
           f"eval batch {args.eval_batch}; median of {args.rounds} interleaved rounds")
     print("| kernel | store / path | train call ms | × float32 | eval call ms | × float32 |")
     print("|---|---|---:|---:|---:|---:|")
-    for kernel in ("softmax", "rbf"):
+    for kernel in args.kernels:
         times: dict[str, dict[str, list[float]]] = {n: {"train": [], "eval": []}
                                                     for n, _, _ in cases}
         q_train = torch.randn(args.train_batch, args.width, generator=gen, requires_grad=True)

@@ -72,7 +72,8 @@ def pytest_collection_modifyitems(config, items):
 # extra's module does not import it skips, naming the install command, unless the test
 # command requires the extra (RCDL_REQUIRE_EXTRAS=classical,faiss, as `make test` sets; the
 # older RCDL_REQUIRE_FAISS=1 requires faiss): there it fails, so a broken install cannot pass.
-EXTRA_MODULES = {"classical": "sklearn", "faiss": "faiss", "peers": "dattri"}
+EXTRA_MODULES = {"classical": "sklearn", "faiss": "faiss", "peers": "dattri", "triton": "triton",
+                 "fast-cpu": "numba"}
 _IMPORT_PROBLEMS: dict[str, str | None] = {}
 
 

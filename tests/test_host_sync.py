@@ -8,9 +8,9 @@ the default for stores on a GPU): zero for gws, gauge and RBF, one (the Adam ste
 the entry gradients) for the hybrid. The deferred checks must still fire, naming the
 problem, at the next check point.
 
-Not counted: the streaming attention's backward asks ``bool(clamped.any())`` for the softmax
-kernel on CPU only (``clamped.is_cuda or ...``: on a GPU it takes the guarded branch without
-asking), so reads from ``rcdl/ops/streaming.py`` are left out of the count.
+Not counted: the bfloat16 products widened in registers (``rcdl/ops/widen.py``, a CPU-only
+path taken on CPUs without native bfloat16) hand CPU tensors to numba as numpy arrays, which
+reads nothing back from a device.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from rcdl.train.loop import train_one_pass, train_step
 
 D, CLASSES, B = 16, 4, 8
 _READS = ("item", "__bool__", "tolist", "__int__", "__float__", "__index__", "cpu", "numpy")
-_CPU_ONLY = "rcdl/ops/streaming.py"  # see the module docstring
+_CPU_ONLY = "rcdl/ops/widen.py"  # see the module docstring
 
 
 @contextmanager

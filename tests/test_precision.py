@@ -6,6 +6,8 @@ numbers (queries, keys and values rounded to the storage dtype): the streaming o
 from it only by the rounding of its products' outputs, a few half-precision ulps.
 """
 
+import importlib.util
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -33,10 +35,13 @@ TEMPERATURE = {name: 1.0 for name in KERNELS} | {"rbf": 2.0, "softmax": 0.7}
 RTOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
-@pytest.fixture(params=["native", "float32"])
+@pytest.fixture(params=["native", "float32", "widen"])
 def path(request):
-    """Both product paths of a half store on every machine (rcdl.ops.half): the one this CPU
-    would pick and the other, forced."""
+    """Every product path of a half store on every machine (rcdl.ops.half): the one this CPU
+    would pick and the others, forced (``widen`` where numba is installed; it falls back to
+    float32 chunks for float16 and batches over WIDEN_MAX_BATCH)."""
+    if request.param == "widen" and importlib.util.find_spec("numba") is None:
+        pytest.skip("needs the fast-cpu extra (numba): pip install -e '.[fast-cpu]'")
     with half_products(request.param):
         yield request.param
 
@@ -317,8 +322,9 @@ def test_an_emulated_machine_class_takes_the_path_of_a_real_one(monkeypatch):
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     monkeypatch.setattr(half, "_aten_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
     assert half.upcast_chunks(torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setattr(half, "widen_pays", lambda: False)  # where numba is slower here
     assert half.product_path(torch.bfloat16, torch.device("cpu")) == "float32 chunks"
-    with pytest.raises(ValueError, match="one of auto, native, float32, got 'fast'"):
+    with pytest.raises(ValueError, match="one of auto, native, float32, widen, got 'fast'"):
         half.set_half_products("fast")
 
 

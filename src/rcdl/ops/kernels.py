@@ -85,10 +85,12 @@ class Kernel:
         return 1.0 / tau
 
     def values_(self, scores: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float,
-                dtype: torch.dtype) -> Tensor:  # (c, B)
+                dtype: torch.dtype, k_sqnorm: Tensor | None = None) -> Tensor:  # (c, B)
         """The chunk's kernel values from its dot products ``scores (c, B)`` (in ``dtype``,
         written in place); ``q_sqnorm (B,)`` for distance kernels, ``keys (c, d)`` the
-        chunk's keys."""
+        chunk's keys. A distance kernel also takes ``k_sqnorm (c,)``, the keys' squared
+        norms where the caller has them (a product path that widens half-precision keys
+        forms them in float32 as it multiplies)."""
         raise NotImplementedError
 
     def grad_factor_(self, grad: Tensor, block: Tensor, tau: float) -> Tensor:  # (c, B)
@@ -120,10 +122,12 @@ class Kernel:
 
 
 def _sq_distances_(scores: Tensor, q_sqnorm: Tensor | None, keys: Tensor,
-                   dtype: torch.dtype) -> Tensor:  # (c, B)
-    """``2⟨q, k⟩ − ‖q‖² − ‖k‖² = −‖q − k‖²`` built in place on the dot products."""
+                   dtype: torch.dtype, k_sqnorm: Tensor | None = None) -> Tensor:  # (c, B)
+    """``2⟨q, k⟩ − ‖q‖² − ‖k‖² = −‖q − k‖²`` built in place on the dot products; ``‖k‖²``
+    from ``keys`` unless given."""
     assert q_sqnorm is not None  # computed for distance kernels (attention._queries_as_keys)
-    k_sqnorm = (keys * keys).sum(1, dtype=dtype)  # (c,)
+    if k_sqnorm is None:
+        k_sqnorm = (keys * keys).sum(1, dtype=dtype)  # (c,)
     return scores.mul_(2).sub_(q_sqnorm).sub_(k_sqnorm[:, None])
 
 
@@ -142,7 +146,7 @@ class LinearKernel(Kernel):
         return 1.0
 
     def values_(self, scores: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float,
-                dtype: torch.dtype) -> Tensor:
+                dtype: torch.dtype, k_sqnorm: Tensor | None = None) -> Tensor:
         return scores
 
     def grad_factor_(self, grad: Tensor, block: Tensor, tau: float) -> Tensor:
@@ -160,9 +164,9 @@ class RBFKernel(Kernel):
     index_metric = "l2"
 
     def values_(self, scores: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float,
-                dtype: torch.dtype) -> Tensor:
+                dtype: torch.dtype, k_sqnorm: Tensor | None = None) -> Tensor:
         # exp(-(|q|^2 - 2 q.k + |k|^2) / (2 tau)), built in place on the score block
-        return _sq_distances_(scores, q_sqnorm, keys, dtype).div_(2 * tau).exp_()
+        return _sq_distances_(scores, q_sqnorm, keys, dtype, k_sqnorm).div_(2 * tau).exp_()
 
     def grad_factor_(self, grad: Tensor, block: Tensor, tau: float) -> Tensor:
         return grad.mul_(block)
@@ -187,8 +191,8 @@ class LaplacianKernel(Kernel):
     index_metric = "l2"
 
     def values_(self, scores: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float,
-                dtype: torch.dtype) -> Tensor:
-        neg_sq = _sq_distances_(scores, q_sqnorm, keys, dtype)  # −‖q − k‖²
+                dtype: torch.dtype, k_sqnorm: Tensor | None = None) -> Tensor:
+        neg_sq = _sq_distances_(scores, q_sqnorm, keys, dtype, k_sqnorm)  # −‖q − k‖²
         return neg_sq.neg_().clamp_min_(0.0).sqrt_().div_(-tau).exp_()
 
     def grad_factor_(self, grad: Tensor, block: Tensor, tau: float) -> Tensor:
@@ -211,7 +215,7 @@ class SoftmaxKernel(Kernel):
     index_metric = "ip"
 
     def values_(self, scores: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float,
-                dtype: torch.dtype) -> Tensor:
+                dtype: torch.dtype, k_sqnorm: Tensor | None = None) -> Tensor:
         return scores.div_(tau)
 
     def grad_factor_(self, grad: Tensor, block: Tensor, tau: float) -> Tensor:

@@ -10,8 +10,9 @@ or reuses the blocks the forward kept (:meth:`Streaming.forward`'s ``keep``). Th
 (:meth:`Streaming.shares`) are formed from the same products, rounded as the output's are,
 so they sum to the output to its own rounding.
 
-A half-precision store multiplies natively or on float32 copies of each chunk
-(:mod:`rcdl.ops.half`, chosen per call by the entries' ``half_products``).
+A half-precision store multiplies natively, on float32 copies of each chunk, or widened in
+registers inside the products (:mod:`rcdl.ops.half`, :mod:`rcdl.ops.widen`; chosen per call
+by the entries' ``half_products`` and the batch size).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rcdl.ops import widen
 from rcdl.ops.entries import Entries, Partial, empty_partial
-from rcdl.ops.half import HALF_DTYPES, upcast_chunks
+from rcdl.ops.half import HALF_DTYPES, chunk_products
 from rcdl.ops.kernels import Kernel, guard_denominator
 
 __all__ = ["STREAMING", "Streaming", "default_chunk_size", "nearest_sq_distance"]
@@ -42,9 +44,19 @@ def default_chunk_size(batch: int, device: torch.device | str | None = None) -> 
     return 2048 if batch <= 128 else 1024
 
 
-def _upcast(entries: Entries) -> bool:
-    """Whether this call converts each chunk of the store to the queries' dtype."""
-    return upcast_chunks(entries.keys.dtype, entries.keys.device, entries.half_products)
+def _products(q: Tensor, keys: Tensor, values: Tensor | None, mode: str | None) -> str:
+    """How this call's products run (:func:`rcdl.ops.half.chunk_products`): ``"store"``,
+    ``"float32"`` (each chunk converted to the queries' dtype) or ``"widen"`` (in
+    registers: float32 queries and contiguous stores only, else ``"float32"``)."""
+    path = chunk_products(keys.dtype, keys.device, q.shape[0], mode)
+    if path == "widen" and not (q.dtype == torch.float32 and keys.is_contiguous()
+                                and (values is None or values.is_contiguous())):
+        return "float32"
+    return path
+
+
+def _entries_products(q: Tensor, entries: Entries) -> str:
+    return _products(q, entries.keys, entries.values, entries.half_products)
 
 
 def _chunk_rows(q: Tensor, keys: Tensor, upcast: bool, chunk_size: int | None) -> int:
@@ -64,7 +76,8 @@ def _chunk_rows(q: Tensor, keys: Tensor, upcast: bool, chunk_size: int | None) -
 
 def _chunk(q: Tensor, entries: Entries) -> int:
     """The rows one chunk of ``entries`` holds for the queries ``q``."""
-    return _chunk_rows(q, entries.keys, _upcast(entries), entries.chunk_size)
+    upcast = _entries_products(q, entries) == "float32"
+    return _chunk_rows(q, entries.keys, upcast, entries.chunk_size)
 
 
 # Blocks are entry-major, (c, B): ``keys_c @ q.T`` reads the store rows contiguously, which
@@ -76,10 +89,17 @@ def _chunk(q: Tensor, entries: Entries) -> int:
 
 
 def _chunk_kernel_values(kernel: Kernel, q: Tensor, q_sqnorm: Tensor | None, keys: Tensor,
-                         tau: float, dtype: torch.dtype) -> Tensor:  # (c, B)
+                         tau: float, dtype: torch.dtype, widened: bool = False
+                         ) -> Tensor:  # (c, B)
     """Unweighted kernel values of one chunk, in ``dtype``; for a normalised kernel the raw
     logits ``z``. ``q`` is in the keys' dtype (the product runs in it, see
-    :func:`_sum_over_entries_`)."""
+    :func:`_sum_over_entries_`), or float32 where the bfloat16 keys are ``widened`` in
+    registers (with their squared norms, for a distance kernel)."""
+    if widened:
+        scores, k_sqnorm = widen.scores(keys, q, sqnorm=kernel.distance)
+        if kernel.distance:
+            return kernel.values_(scores, q_sqnorm, keys, tau, dtype, k_sqnorm=k_sqnorm)
+        return kernel.values_(scores, q_sqnorm, keys, tau, dtype)
     if keys.dtype in HALF_DTYPES and q.shape[0] > 128:  # see the layout note above
         scores = (q @ keys.T).T.to(dtype)  # (c, B) view of a (B, c) product
     else:
@@ -87,22 +107,29 @@ def _chunk_kernel_values(kernel: Kernel, q: Tensor, q_sqnorm: Tensor | None, key
     return kernel.values_(scores, q_sqnorm, keys, tau, dtype)
 
 
-def _sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1.0) -> Tensor:
+def _sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1.0,
+                       widened: bool = False) -> Tensor:
     """``acc += alpha · blockᵀ @ rows``: ``acc (B, d)`` accumulates a chunk's ``block (c, B)``
     (in ``acc``'s dtype) times its store ``rows (c, d)``. The block is copied transposed into
     a contiguous ``(B, c)`` operand. For a half-precision store the product runs in the
     rows' dtype (the block rounded to it; the matrix unit accumulates in float32) and is added
-    to ``acc`` in its dtype."""
+    to ``acc`` in its dtype; ``widened`` bfloat16 rows are widened in registers instead
+    (:mod:`rcdl.ops.widen`: the block is not rounded)."""
+    if widened:
+        return widen.sum_over_entries_(acc, block, rows, alpha)
     left = block.T.to(rows.dtype, memory_format=torch.contiguous_format)  # (B, c)
     if rows.dtype == acc.dtype:
         return acc.addmm_(left, rows, alpha=alpha)
     return acc.add_(left @ rows, alpha=alpha)
 
 
-def _as_multiplied(block: Tensor, rows: Tensor) -> Tensor:  # (c, B)
+def _as_multiplied(block: Tensor, rows: Tensor, widened: bool = False) -> Tensor:  # (c, B)
     """``block`` rounded as :func:`_sum_over_entries_` rounds it before multiplying ``rows``
-    (to their dtype, and back), so that a share formed from it is the term the output sums."""
-    return block if rows.dtype == block.dtype else block.to(rows.dtype).to(block.dtype)
+    (to their dtype, and back; not at all where they are ``widened``), so that a share
+    formed from it is the term the output sums."""
+    if widened or rows.dtype == block.dtype:
+        return block
+    return block.to(rows.dtype).to(block.dtype)
 
 
 def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
@@ -112,18 +139,18 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return out.copy_(a @ b)
 
 
-def _fold_chunk(kernel: Kernel, part: Partial, block: Tensor, values: Tensor, weights: Tensor
-                ) -> tuple[Partial, Tensor | None]:
+def _fold_chunk(kernel: Kernel, part: Partial, block: Tensor, values: Tensor, weights: Tensor,
+                widened: bool = False) -> tuple[Partial, Tensor | None]:
     """Fold one chunk's block ``(c, B)`` into ``part``. A normalised kernel (the softmax)
     turns ``block`` into ``e^{z − m_new}`` in place and returns ``m_new``; the others leave
-    it as it is."""
+    it as it is. ``widened``: the values are bfloat16 widened in registers."""
     if not kernel.normalised:
-        _sum_over_entries_(part.num, block * weights[:, None], values)
+        _sum_over_entries_(part.num, block * weights[:, None], values, widened=widened)
         return part, None
     m_new = torch.maximum(part.m, block.amax(dim=0))  # (B,)
     rescale = torch.exp(part.m - m_new)  # (B,), 0 where m was -inf
     block.sub_(m_new).exp_()
-    _sum_over_entries_(part.num.mul_(rescale[:, None]), block, values)
+    _sum_over_entries_(part.num.mul_(rescale[:, None]), block, values, widened=widened)
     den = part.den.mul_(rescale).add_(weights @ block)
     mass = part.mass.mul_(rescale).add_(weights.abs() @ block)
     return Partial(m_new, part.num, den, mass), m_new
@@ -156,10 +183,12 @@ class _Pass:
     products take them, their norms for a distance kernel, ``τ`` and the chunk readers."""
 
     def __init__(self, q: Tensor, entries: Entries, chunk: int) -> None:
-        upcast = _upcast(entries)
+        products = _entries_products(q, entries)
+        upcast, self.widened = products == "float32", products == "widen"
         keys = entries.keys
         self.kernel, self.chunk, self.tau = entries.kernel, chunk, entries.tau(q.shape[1])
-        self.q = q if upcast else q.to(keys.dtype)  # (B, key_dim), q itself if dtypes agree
+        # (B, key_dim), q itself if dtypes agree or the store is converted or widened
+        self.q = q if upcast or self.widened else q.to(keys.dtype)
         self.q_sqnorm = ((self.q * self.q).sum(1, dtype=q.dtype)
                          if self.kernel.distance else None)  # (B,)
         self.read_keys, self.read_values = _Reader(q.dtype, upcast), _Reader(q.dtype, upcast)
@@ -169,7 +198,14 @@ class _Pass:
         """A chunk's unweighted kernel values (the softmax's raw logits), in the queries'
         dtype; ``keys`` as read."""
         return _chunk_kernel_values(self.kernel, self.q, self.q_sqnorm, keys, self.tau,
-                                    self.dtype)
+                                    self.dtype, self.widened)
+
+    def scores(self, rows: Tensor, x: Tensor) -> Tensor:  # (c, B)
+        """``rows @ xᵀ`` in the queries' dtype: a chunk's store rows (as read) times
+        ``x (B, d)`` (in the dtype the products take)."""
+        if self.widened:
+            return widen.scores(rows, x)[0]
+        return (rows @ x.T).to(self.dtype)
 
     def folds(self, entries: Entries, part: Partial, first_row: int
               ) -> Iterator[tuple[int, Partial, Tensor, Tensor | None]]:
@@ -180,7 +216,7 @@ class _Pass:
             rows = slice(begin, begin + self.chunk)
             block = self.block(self.read_keys(keys[rows]))
             part, m_used = _fold_chunk(self.kernel, part, block, self.read_values(values[rows]),
-                                       weights[rows])
+                                       weights[rows], self.widened)
             yield begin + self.chunk, part, block, m_used
 
 
@@ -264,11 +300,9 @@ class Streaming:
             # the part multiplying w_j and the part multiplying |w_j|.
             g_dot_s = (grad_out * out).sum(1)  # (B,)
             gs_w = g_dot_s.masked_fill(clamped, 0.0)  # (B,)
-            # on a GPU, take the guarded branch always (it adds zeros where the guard did not
-            # act) rather than wait for the device to say whether it acted anywhere
-            any_clamped = clamped.is_cuda or bool(clamped.any())
-            if any_clamped:
-                gs_abs = torch.where(clamped, entries.eps * torch.sign(den) * g_dot_s, 0.0)
+            # the guarded terms are added everywhere (zeros where the guard did not act) rather
+            # than after asking the device whether it acted anywhere (a host read per step)
+            gs_abs = torch.where(clamped, entries.eps * torch.sign(den) * g_dot_s, 0.0)  # (B,)
             inv_den = 1.0 / den  # (B,), 0 where there is no weight mass (den = inf)
         for i, start in enumerate(range(0, keys.shape[0], chunk)):
             rows = slice(start, start + chunk)
@@ -279,20 +313,17 @@ class Streaming:
                 block, m_used = run.block(k_c), m
                 if kernel.normalised:
                     block.sub_(m).exp_()
-            g_dot_v = (v_c @ grad_out_v.T).to(q.dtype)  # (c, B)
+            g_dot_v = run.scores(v_c, grad_out_v)  # (c, B)
             if kernel.normalised:
                 # a_j = e^{z_j - m} / D;  ∂s/∂z_j = a_j (ṽ_j − w_j s)
                 attn = block * (torch.exp(m_used - m) * inv_den)  # (c, B)
                 u_gs = w_c[:, None] * gs_w  # (c, B) u_j ⟨g, s⟩
-                if any_clamped:
-                    u_gs += w_c.abs()[:, None] * gs_abs
+                u_gs += w_c.abs()[:, None] * gs_abs
                 grad_scores = attn * g_dot_v.sub_(u_gs)  # (c, B) wrt z
                 if grad_v is not None:  # written in place: no (c, d_out) temporary to copy
                     _mm_into(grad_v[rows], attn, grad_out)
                 if grad_w is not None:
-                    grad_w[rows] = -(attn @ gs_w)
-                    if any_clamped:
-                        grad_w[rows] -= torch.sign(w_c) * (attn @ gs_abs)
+                    grad_w[rows] = -(attn @ gs_w) - torch.sign(w_c) * (attn @ gs_abs)
             else:
                 if grad_v is not None:
                     _mm_into(grad_v[rows], block * w_c[:, None], grad_out)
@@ -302,7 +333,7 @@ class Streaming:
                 # φ = exp(−|q−k|²/2τ), dφ/dq = φ (k − q)/τ, so the factor is φ
                 grad_scores = kernel.grad_factor_(g_dot_v.mul_(w_c[:, None]), block, tau)
             if grad_q is not None:
-                _sum_over_entries_(grad_q, grad_scores, k_c, alpha=scale)
+                _sum_over_entries_(grad_q, grad_scores, k_c, alpha=scale, widened=run.widened)
                 if kernel.distance:
                     dist_q_coef += grad_scores.sum(0)
             if grad_k is not None:
@@ -334,9 +365,9 @@ class Streaming:
             block = run.block(run.read_keys(keys[rows]))  # (c, B)
             along = v_c.to(q.dtype) @ direction.T  # (c, B) ⟨u_b, v_j⟩, in the queries' dtype
             if kernel.normalised:
-                term = _as_multiplied(block.sub_(whole.m).exp_(), v_c) / den
+                term = _as_multiplied(block.sub_(whole.m).exp_(), v_c, run.widened) / den
             else:
-                term = _as_multiplied(block * weights[rows][:, None], v_c)
+                term = _as_multiplied(block * weights[rows][:, None], v_c, run.widened)
             blocks.append((term * along).T)  # (B, c)
         return torch.cat(blocks, dim=1) if blocks else q.new_zeros(q.shape[0], 0)
 
@@ -362,15 +393,21 @@ def nearest_sq_distance(
     if q.dim() != 2 or keys.dim() != 2 or q.shape[1] != keys.shape[1]:
         raise ValueError(f"nearest_sq_distance expects q (B, d) and keys (N, d), got "
                          f"{tuple(q.shape)} and {tuple(keys.shape)}")
-    upcast = upcast_chunks(keys.dtype, keys.device, half_products)
+    products = _products(q, keys, None, half_products)
+    upcast, widened = products == "float32", products == "widen"
     chunk = _chunk_rows(q, keys, upcast, chunk_size)
-    q_keys = q if upcast else q.to(keys.dtype)
+    q_keys = q if upcast or widened else q.to(keys.dtype)
     q_sqnorm = (q_keys * q_keys).sum(1, dtype=q.dtype)  # (B,)
     read = _Reader(q.dtype, upcast)
     best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
     for start in range(0, keys.shape[0], chunk):
         k_c = read(keys[start : start + chunk])  # (c, d)
-        k_sqnorm = (k_c * k_c).sum(1, dtype=q.dtype)  # (c,)
-        block = (k_c @ q_keys.T).to(q.dtype).mul_(-2).add_(k_sqnorm[:, None])  # (c, B)
+        if widened:
+            block, k_sqnorm = widen.scores(k_c, q_keys, sqnorm=True)  # (c, B), (c,)
+            assert k_sqnorm is not None
+        else:
+            block = (k_c @ q_keys.T).to(q.dtype)  # (c, B)
+            k_sqnorm = (k_c * k_c).sum(1, dtype=q.dtype)  # (c,)
+        block.mul_(-2).add_(k_sqnorm[:, None])  # ‖k‖² − 2⟨q, k⟩
         best = torch.minimum(best, block.amin(0))
     return (best + q_sqnorm).clamp_min_(0.0)

@@ -1,0 +1,111 @@
+"""The numba kernels of :mod:`rcdl.ops.widen` (imported by it on first use, after it has
+chosen the CPU numba compiles for). Module-level functions, so that numba's on-disk cache
+finds them again in the next process."""
+
+import functools
+
+import numba
+import numpy as np
+
+_ROWS = 4  # rows widened together: 4 float32 rows of width 1 024 are 16 KiB, within L1
+_SUM_ROWS = 8  # rows summed into the accumulator at once
+_COLUMNS = 256  # columns of the accumulator one thread owns in sum_kernel
+
+_jit = functools.partial(numba.njit, parallel=True, fastmath=True, boundscheck=False,
+                        cache=True, nogil=True)
+_SHIFT = np.uint32(16)  # a bfloat16's bits are the upper half of a float32's
+
+
+@numba.njit(fastmath=True, inline="always", cache=True)
+def dot4x4(f, x, b0, d):  # noqa: ANN001, ANN202 - the 16 dot products of 4 rows, 4 queries
+    s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0)
+    s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = np.float32(0)
+    f0, f1, f2, f3 = f[0], f[1], f[2], f[3]
+    x0, x1, x2, x3 = x[b0], x[b0 + 1], x[b0 + 2], x[b0 + 3]
+    for j in range(d):
+        k0, k1, k2, k3 = f0[j], f1[j], f2[j], f3[j]
+        a0, a1, a2, a3 = x0[j], x1[j], x2[j], x3[j]
+        s00 += k0 * a0
+        s01 += k0 * a1
+        s02 += k0 * a2
+        s03 += k0 * a3
+        s10 += k1 * a0
+        s11 += k1 * a1
+        s12 += k1 * a2
+        s13 += k1 * a3
+        s20 += k2 * a0
+        s21 += k2 * a1
+        s22 += k2 * a2
+        s23 += k2 * a3
+        s30 += k3 * a0
+        s31 += k3 * a1
+        s32 += k3 * a2
+        s33 += k3 * a3
+    return (s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23,
+            s30, s31, s32, s33)
+
+@_jit
+def scores_kernel(rows, x, out, sqnorm, want_norm):  # noqa: ANN001, ANN202
+    # out (c, B) = widen(rows (c, d)) @ x (B, d)ᵀ; sqnorm (c,) the rows' squared norms
+    c, d = rows.shape
+    batch = x.shape[0]
+    for t in numba.prange((c + _ROWS - 1) // _ROWS):
+        i0 = t * _ROWS
+        m = min(_ROWS, c - i0)
+        bits = np.zeros((_ROWS, d), np.uint32)
+        for r in range(m):
+            src, dst = rows[i0 + r], bits[r]
+            for j in range(d):
+                dst[j] = np.uint32(src[j]) << _SHIFT
+        f = bits.view(np.float32)  # (4, d) the widened rows, zero past the last
+        if want_norm:
+            for r in range(m):
+                s = np.float32(0)
+                for j in range(d):
+                    s += f[r, j] * f[r, j]
+                sqnorm[i0 + r] = s
+        b0 = 0
+        while b0 + 4 <= batch:
+            s16 = dot4x4(f, x, b0, d)
+            for r in range(m):
+                for q in range(4):
+                    out[i0 + r, b0 + q] = s16[r * 4 + q]
+            b0 += 4
+        for b in range(b0, batch):
+            for r in range(m):
+                s = np.float32(0)
+                for j in range(d):
+                    s += f[r, j] * x[b, j]
+                out[i0 + r, b] = s
+
+@_jit
+def sum_kernel(acc, block, rows, alpha):  # noqa: ANN001, ANN202
+    # acc (B, d) += alpha · block (c, B)ᵀ @ widen(rows (c, d)); a thread owns columns
+    c, d = rows.shape
+    batch = acc.shape[0]
+    for s in numba.prange((d + _COLUMNS - 1) // _COLUMNS):
+        j0 = s * _COLUMNS
+        w = min(_COLUMNS, d - j0)
+        bits = np.zeros((_SUM_ROWS, _COLUMNS), np.uint32)
+        f = bits.view(np.float32)  # (8, w) the widened rows, zero past the last
+        coef = np.zeros((_SUM_ROWS, batch), np.float32)  # (8, B) their block rows · α
+        f0, f1, f2, f3, f4, f5, f6, f7 = f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]
+        for i0 in range(0, c, _SUM_ROWS):
+            m = min(_SUM_ROWS, c - i0)
+            for r in range(m):
+                src, dst = rows[i0 + r, j0 : j0 + w], bits[r]
+                for j in range(w):
+                    dst[j] = np.uint32(src[j]) << _SHIFT
+                for b in range(batch):
+                    coef[r, b] = alpha * block[i0 + r, b]
+            for r in range(m, _SUM_ROWS):
+                bits[r, :] = 0
+                coef[r, :] = 0
+            for b in range(batch):
+                a0, a1, a2, a3 = coef[0, b], coef[1, b], coef[2, b], coef[3, b]
+                a4, a5, a6, a7 = coef[4, b], coef[5, b], coef[6, b], coef[7, b]
+                out = acc[b, j0 : j0 + w]
+                for j in range(w):
+                    out[j] += ((a0 * f0[j] + a1 * f1[j]) + (a2 * f2[j] + a3 * f3[j])
+                               + ((a4 * f4[j] + a5 * f5[j]) + (a6 * f6[j] + a7 * f7[j])))
+

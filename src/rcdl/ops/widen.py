@@ -1,0 +1,115 @@
+"""Products of a bfloat16 store widened to float32 in registers, for CPUs that cannot
+multiply bfloat16 natively (docs/precision.md, "Product paths").
+
+A bfloat16 number is the upper half of a float32 one: widening it is a 16-bit shift. On a
+CPU without ``avx512_bf16`` or AMX, the ``"float32"`` product path (:mod:`rcdl.ops.half`)
+widens each chunk of the store into a float32 buffer and then multiplies that buffer: one
+extra pass over every chunk, which at the training batch (B = 16) costs half of the float32
+product's own time. The two kernels here widen a few rows at a time into an L1-sized block
+and multiply it at once, so the store is read once, in half the bytes of a float32 store:
+
+- :func:`scores` — ``out = widen(rows) @ xᵀ``, ``(c, B)``, and optionally each row's squared
+  norm ``‖widen(rows_i)‖²`` (what a distance kernel needs, in float32);
+- :func:`sum_over_entries_` — ``acc += α · blockᵀ @ widen(rows)``, ``(B, d)``.
+
+They are compiled by numba (the ``fast-cpu`` extra) on first use for the CPU they run on
+and run on torch's thread count; without numba, :func:`available` is ``False`` and the
+attention takes the float32-chunk path. Results equal the float32-chunk path's up to the
+order of float32 summation (the tests compare the two). The machine class numba compiles for
+can be lowered like torch's with ``NUMBA_CPU_NAME`` (docs/precision.md, "Emulating another
+machine class").
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "scores", "sum_over_entries_"]
+
+
+def _emulated_cpu_name() -> None:
+    """Where the process is capped below this CPU's ISA (an emulated machine class,
+    :func:`rcdl.ops.half.capped_below_half`) and numba was not told otherwise, compile for a
+    CPU of that class: Haswell (AVX2) where torch's kernels are capped below AVX512,
+    Skylake-AVX512 (no bfloat16 instructions) where only oneDNN is capped, so that the
+    emulation takes the path a real CPU of that class takes. Must run before numba is
+    imported."""
+    from rcdl.ops.half import capped_below_half
+
+    if os.environ.get("NUMBA_CPU_NAME") or not capped_below_half():
+        return
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    os.environ["NUMBA_CPU_NAME"] = "skylake-avx512" if avx512 else "haswell"
+
+
+@functools.cache
+def _kernels() -> dict[str, Any] | None:
+    """The compiled kernels by name, or ``None`` where numba is not installed."""
+    _emulated_cpu_name()
+    try:
+        import numba
+        import numpy as np
+
+        from rcdl.ops import _widen_kernels as kernels
+    except ImportError:
+        return None
+    return {"scores": kernels.scores_kernel, "sum": kernels.sum_kernel, "np": np,
+            "numba": numba}
+
+
+def available() -> bool:
+    """Whether the widening kernels can run here (numba is installed)."""
+    return _kernels() is not None
+
+
+def _bits(rows: Tensor) -> Any:  # (c, d) numpy uint16 view of a bfloat16 tensor
+    return rows.view(torch.int16).numpy().view("uint16")
+
+
+def _threads(k: dict[str, Any]) -> None:
+    """Run on torch's thread count (what the user set with ``torch.set_num_threads``)."""
+    n = min(torch.get_num_threads(), k["numba"].config.NUMBA_NUM_THREADS)
+    if k["numba"].get_num_threads() != n:
+        k["numba"].set_num_threads(n)
+
+
+def _check(rows: Tensor, *others: Tensor) -> dict[str, Any]:
+    k = _kernels()
+    if k is None:
+        raise RuntimeError("rcdl.ops.widen needs numba: pip install 'rcdl[fast-cpu]'")
+    if rows.dtype != torch.bfloat16 or rows.device.type != "cpu" or not rows.is_contiguous():
+        raise ValueError(f"widen: the store rows must be a contiguous bfloat16 CPU tensor, got "
+                         f"{rows.dtype} on {rows.device}")
+    for t in others:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"widen: the other operands must be float32 CPU tensors, got "
+                             f"{t.dtype} on {t.device}")
+    _threads(k)
+    return k
+
+
+def scores(rows: Tensor, x: Tensor, *, sqnorm: bool = False
+           ) -> tuple[Tensor, Tensor | None]:  # (c, B), (c,)
+    """``widen(rows) @ xᵀ`` for bfloat16 ``rows (c, d)`` and float32 ``x (B, d)``, and with
+    ``sqnorm`` the rows' squared norms ``Σ_j widen(rows)_{ij}²``, both float32."""
+    k = _check(rows, x)
+    x = x.contiguous()
+    out = torch.empty(rows.shape[0], x.shape[0])  # (c, B)
+    norms = torch.empty(rows.shape[0] if sqnorm else 0)  # (c,)
+    k["scores"](_bits(rows), x.numpy(), out.numpy(), norms.numpy(), sqnorm)
+    return out, (norms if sqnorm else None)
+
+
+def sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1.0) -> Tensor:
+    """``acc += α · blockᵀ @ widen(rows)`` in place: float32 ``acc (B, d)`` and
+    ``block (c, B)``, bfloat16 ``rows (c, d)``. Returns ``acc``."""
+    k = _check(rows, acc, block)
+    if not acc.is_contiguous():
+        raise ValueError("widen.sum_over_entries_: acc must be contiguous")
+    k["sum"](acc.numpy(), block.contiguous().numpy(), _bits(rows), k["np"].float32(alpha))
+    return acc

@@ -1,0 +1,125 @@
+"""bfloat16 products widened in registers (rcdl.ops.widen) against float64 products of the
+stored numbers, and the attention on that path against the float32-chunk path it replaces
+for training batches on CPUs without native bfloat16 (docs/precision.md, "Product paths")."""
+
+import pytest
+import torch
+
+from rcdl.ops import half
+from rcdl.ops.attention import attention, attention_partial, nearest_sq_distance
+from rcdl.ops.half import chunk_products, half_products
+from rcdl.ops.kernels import KERNELS, naive_attention
+
+pytestmark = pytest.mark.extra("fast-cpu")
+
+
+def relative_error(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def store(n, d, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=gen).bfloat16()
+
+
+# odd sizes: row tiles of 4 and 8 and column blocks of 256 all have remainders
+@pytest.mark.parametrize(("c", "d", "b"), [(1, 3, 1), (7, 13, 5), (37, 300, 17), (64, 512, 16)])
+def test_the_widened_products_are_float32_products_of_the_stored_numbers(c, d, b):
+    from rcdl.ops import widen
+
+    rows = store(c, d)
+    gen = torch.Generator().manual_seed(1)
+    x, block = torch.randn(b, d, generator=gen), torch.randn(c, b, generator=gen)
+    exact = rows.double()  # the stored numbers, exactly
+    out, sqnorm = widen.scores(rows, x, sqnorm=True)
+    assert out.dtype == torch.float32 and out.shape == (c, b)
+    torch.testing.assert_close(out.double(), exact @ x.double().T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sqnorm.double(), exact.square().sum(1), rtol=1e-5, atol=1e-5)
+    acc = torch.randn(b, d, generator=gen)
+    want = acc.double() + 0.5 * block.double().T @ exact
+    assert widen.sum_over_entries_(acc, block, rows, 0.5) is acc
+    torch.testing.assert_close(acc.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_wrong_operands_are_refused_by_name():
+    from rcdl.ops import widen
+
+    with pytest.raises(ValueError, match="contiguous bfloat16 CPU tensor, got torch.float16"):
+        widen.scores(torch.zeros(3, 4, dtype=torch.float16), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="float32 CPU tensors, got torch.float64"):
+        widen.scores(store(3, 4), torch.zeros(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_widened_matches_float32_chunks_in_outputs_and_every_gradient(kernel):
+    """Training batches: the same answers as the float32-chunk path (both multiply the
+    stored numbers in float32; only the order of summation differs), gradients of the
+    queries, keys, values and weights (the hybrid trains its entries) included."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(6, 40, generator=gen)
+    keys, values = store(203, 40, seed=3), store(203, 7, seed=4)
+    weights = torch.rand(203, generator=gen) + 0.1
+    grad_out = torch.randn(6, 7, generator=gen)
+    got = {}
+    for mode in ("float32", "widen"):
+        leaves = [t.clone().requires_grad_() for t in (q, keys, values, weights)]
+        with half_products(mode):
+            out = attention(*leaves, kernel=kernel, chunk_size=64)
+        out.backward(grad_out)
+        got[mode] = [out.detach()] + [t.grad for t in leaves]
+    for name, a, b in zip(["out", "q", "k", "v", "w"], got["widen"], got["float32"],
+                          strict=True):
+        assert a.dtype == b.dtype, name
+        assert relative_error(a, b) < 1e-5, name
+    ref = naive_attention(q.double(), keys.double(), values.double(), weights.double(),
+                          kernel=kernel)
+    assert relative_error(got["widen"][0], ref) < 1e-5  # float32 products of stored numbers
+
+
+def test_partials_nearest_distances_and_shares_take_the_widened_path():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(9, 24, generator=gen)
+    keys, values = store(150, 24, seed=6), store(150, 5, seed=7)
+    weights = torch.rand(150, generator=gen) + 0.1
+    with half_products("widen"):
+        part = attention_partial(q, keys, values, weights, kernel="rbf", chunk_size=32)
+        near = nearest_sq_distance(q, keys, chunk_size=32)
+    with half_products("float32"):
+        ref_part = attention_partial(q, keys, values, weights, kernel="rbf", chunk_size=32)
+    assert relative_error(part.num, ref_part.num) < 1e-5
+    exact = torch.cdist(q.double(), keys.double()).amin(1) ** 2
+    assert relative_error(near, exact) < 1e-5
+
+
+def test_the_widened_path_is_for_training_batches_of_bfloat16_stores_on_cpu(monkeypatch):
+    """Where it is taken: bfloat16 on a CPU without native products, at most
+    WIDEN_MAX_BATCH queries; by ``auto`` only where it measured faster than converting."""
+    monkeypatch.setattr(half.PRODUCTS, "_value", "auto")
+    monkeypatch.setattr(half, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    for pays, path in ((True, "widen"), (False, "float32")):
+        monkeypatch.setattr(half, "widen_pays", lambda pays=pays: pays)
+        assert chunk_products(bf16, cpu, 16) == path
+        assert chunk_products(bf16, cpu, half.WIDEN_MAX_BATCH + 1) == "float32"
+    assert chunk_products(torch.float16, cpu, 16) == "float32"  # bfloat16 only
+    assert chunk_products(torch.float32, cpu, 16) == "store"
+    assert chunk_products(bf16, torch.device("meta"), 16) == "store"  # a GPU-like device
+    with half_products("widen"):
+        assert chunk_products(bf16, cpu, 16) == "widen"
+        assert chunk_products(bf16, cpu, 500) == "float32"
+        assert half.product_path(bf16, cpu).startswith("widened in registers")
+    with half_products("native"):
+        assert chunk_products(bf16, cpu, 16) == "store"
+    # float64 queries are not widened (the kernels multiply float32)
+    keys, values = store(10, 4), store(10, 3)
+    with half_products("widen"):
+        out = attention(torch.randn(2, 4, dtype=torch.float64), keys, values,
+                        torch.ones(10, dtype=torch.float64), kernel="softmax")
+    assert out.dtype == torch.float64
+
+
+def test_widen_pays_measures_both_ways_once():
+    half.widen_pays.cache_clear()
+    answer = half.widen_pays()
+    assert isinstance(answer, bool)
+    assert half.widen_pays() is answer and half.widen_pays.cache_info().hits == 1
