@@ -20,10 +20,10 @@ def _rows(n=40, w=24, seed=0):
     return param, m, v, grad, a, c
 
 
-def _step(param, m, v, grad, a, c, compiled):
+def _step(param, m, v, grad, a, c, compiled, fused=False):
     adam_rows(param, m, v, grad, a, c, ids=torch.arange(len(param)) + 100,
               seed=torch.tensor(7), step=torch.tensor(3), stream=1, b1=0.9, b2=0.999,
-              compiled=compiled)
+              compiled=compiled, fused=fused)
     return param
 
 
@@ -35,7 +35,7 @@ def test_modes_and_the_auto_threshold():
     with half_adam.half_adam("auto"):
         assert use_compiled(half_adam.AUTO_ELEMENTS)
         assert not use_compiled(half_adam.AUTO_ELEMENTS - 1)
-    with pytest.raises(ValueError, match="must be one of auto, eager, compiled"):
+    with pytest.raises(ValueError, match="must be one of auto, eager, compiled, fused"):
         set_half_adam("fast")
 
 
@@ -161,8 +161,8 @@ def test_the_mode_is_an_option_of_the_learner_saved_in_its_state(monkeypatch):
     from rcdl.nn.rules import ClippedSoftmaxRule
 
     seen = []
-    monkeypatch.setattr("rcdl.optim.entry_adam.use_compiled",
-                        lambda elements, mode=None: seen.append(mode) or False)
+    monkeypatch.setattr("rcdl.optim.entry_adam.adam_path",
+                        lambda elements, dtype, device, mode=None: seen.append(mode) or "eager")
     layer = HybridSoftmax(8, 3, temperature=1.0, rule=ClippedSoftmaxRule(1.0, 3.0),
                           trigger=AlwaysGrow(), seed=0, store_dtype=torch.bfloat16)
     net = torch.nn.Sequential(layer)
@@ -176,7 +176,7 @@ def test_the_mode_is_an_option_of_the_learner_saved_in_its_state(monkeypatch):
     assert other.param_groups[0]["half_adam"] is None  # the process-wide default
     other.load_state_dict(state)
     assert other.param_groups[0]["half_adam"] == "eager"
-    with pytest.raises(ValueError, match="must be one of auto, eager, compiled"):
+    with pytest.raises(ValueError, match="must be one of auto, eager, compiled, fused"):
         EntryAdam(net, half_adam="fast")
     bad = {**state, "param_groups": [{**state["param_groups"][0], "half_adam": "fast"}]}
     with pytest.raises(ValueError, match="half_adam 'fast'"):
@@ -196,3 +196,38 @@ def test_environment_variables_set_defaults_read_at_first_use(monkeypatch):
     monkeypatch.setenv("RCDL_TEST_MODE", "c")
     with pytest.raises(ValueError, match="test mode must be one of a, b, got 'c'"):
         ProcessDefault("test mode", "RCDL_TEST_MODE", ("a", "b"), "a").get()
+
+
+@pytest.mark.extra("fast-cpu")
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_step_equals_the_eager_one(grad_dtype):
+    """The numba loop is the eager step element by element (the moments' updates rounded as
+    torch's fused multiply-adds round them; the same counter-based noise): on a CPU with
+    FMA every number agrees; a float32 rounding apart elsewhere."""
+    eager_in, fused_in = _rows(n=37, w=70), _rows(n=37, w=70)
+    for rows in (eager_in, fused_in):
+        rows[3].data = rows[3].to(grad_dtype)
+    expected = _step(*eager_in, compiled=False)
+    got = _step(*fused_in, compiled=False, fused=True)
+    for got_moment, moment in zip(fused_in[1:3], eager_in[1:3], strict=True):  # m, v
+        torch.testing.assert_close(got_moment, moment, rtol=1e-6,
+                                   atol=1e-6 * float(moment.abs().max()))
+    ulps = ((got.float() - expected.float()).abs() / (expected.float().abs() * 2.0**-8))
+    assert float(ulps.max()) <= 1.0 + 1e-6
+    assert float((got != expected).float().mean()) < 0.01
+
+
+@pytest.mark.extra("fast-cpu")
+def test_auto_fuses_bfloat16_rows_on_cpu_at_every_size():
+    from rcdl.optim.half_adam import adam_path
+
+    with half_adam.half_adam("auto"):
+        assert adam_path(1, torch.bfloat16, "cpu") == "fused"
+        assert adam_path(1 << 40, torch.bfloat16, "cpu") == "fused"
+        assert adam_path(1, torch.float16, "cpu") == "eager"  # numba has no float16 here
+        assert adam_path(1 << 40, torch.float16, "cpu") == "compiled"
+        assert adam_path(1, torch.bfloat16, "meta") == "eager"  # not a CPU
+    with half_adam.half_adam("eager"):
+        assert adam_path(1, torch.bfloat16, "cpu") == "eager"
+    with half_adam.half_adam("fused"):
+        assert adam_path(1, torch.float16, "cpu") == "eager"  # where it does not apply: auto

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["round_stochastically", "rounding_noise"]
+__all__ = ["noise_keys", "round_stochastically", "rounding_noise"]
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # 2^32 / golden ratio, odd: spreads consecutive counters apart
@@ -66,6 +66,18 @@ def rounding_noise(*, seed: int | Tensor, step: int | Tensor, ids: Tensor, width
     (int64 arithmetic, exact); an element mixes its row's and its column's in two int32
     multiply–xorshift rounds, the cost that matters (about ten cheap passes over the block).
     """
+    row, col = noise_keys(seed=seed, step=step, ids=ids, width=width, stream=stream)
+    x = row[:, None] ^ col[None, :]  # (N, width)
+    x.mul_(_C1 - (1 << 32)).bitwise_xor_(_shift_right_(x, 16))  # int32 products wrap
+    return x.mul_(_C2 - (1 << 32)).bitwise_xor_(_shift_right_(x, 16))
+
+
+def noise_keys(*, seed: int | Tensor, step: int | Tensor, ids: Tensor, width: int,
+               stream: int = 0) -> tuple[Tensor, Tensor]:  # (N,), (width,) int32
+    """The full hashes of :func:`rounding_noise`'s rows and columns (int32 bit patterns):
+    element ``(i, c)``'s bits are ``row_i ^ col_c`` mixed by two int32 multiply–xorshift
+    rounds with the finaliser's multipliers (a fused kernel may do that part itself:
+    :mod:`rcdl.optim.half_adam`)."""
     seed, step = (torch.as_tensor(t, dtype=torch.long, device=ids.device) for t in (seed, step))
     base = _mix_(_mix_(_mix_(seed & _MASK32) ^ ((seed >> 32) & _MASK32)) ^ stream)  # ()
     row = _mix_((step & _MASK32) ^ base)  # () the step's key
@@ -73,9 +85,7 @@ def rounding_noise(*, seed: int | Tensor, step: int | Tensor, ids: Tensor, width
     row = _mix_(row ^ ((ids >> 32) & _MASK32))
     columns = torch.arange(width, dtype=torch.long, device=ids.device)
     col = _mix_(((columns * _GOLDEN) & _MASK32) ^ base)  # (width,)
-    x = _as_int32(row)[:, None] ^ _as_int32(col)[None, :]  # (N, width)
-    x.mul_(_C1 - (1 << 32)).bitwise_xor_(_shift_right_(x, 16))  # int32 products wrap
-    return x.mul_(_C2 - (1 << 32)).bitwise_xor_(_shift_right_(x, 16))
+    return _as_int32(row), _as_int32(col)
 
 
 def round_stochastically(x: Tensor, dtype: torch.dtype, noise: Tensor | None = None) -> Tensor:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["available", "scores", "sum_over_entries_"]
+__all__ = ["as_bits", "available", "scores", "sum_over_entries_", "use_torch_threads"]
 
 
 def _emulated_cpu_name() -> None:
@@ -67,15 +67,18 @@ def available() -> bool:
     return _kernels() is not None
 
 
-def _bits(rows: Tensor) -> Any:  # (c, d) numpy uint16 view of a bfloat16 tensor
-    return rows.view(torch.int16).numpy().view("uint16")
+def as_bits(t: Tensor) -> Any:  # numpy uint16 view of a bfloat16 CPU tensor's bits
+    """A bfloat16 CPU tensor's bits as a numpy ``uint16`` array (no copy), for a numba
+    kernel."""
+    return t.detach().view(torch.int16).numpy().view("uint16")
 
 
-def _threads(k: dict[str, Any]) -> None:
-    """Run on torch's thread count (what the user set with ``torch.set_num_threads``)."""
-    n = min(torch.get_num_threads(), k["numba"].config.NUMBA_NUM_THREADS)
-    if k["numba"].get_num_threads() != n:
-        k["numba"].set_num_threads(n)
+def use_torch_threads() -> None:
+    """Let numba's kernels run on torch's thread count (``torch.set_num_threads``)."""
+    numba = _kernels()["numba"]  # type: ignore[index]
+    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
 
 
 def _check(rows: Tensor, *others: Tensor) -> dict[str, Any]:
@@ -89,7 +92,7 @@ def _check(rows: Tensor, *others: Tensor) -> dict[str, Any]:
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"widen: the other operands must be float32 CPU tensors, got "
                              f"{t.dtype} on {t.device}")
-    _threads(k)
+    use_torch_threads()
     return k
 
 
@@ -101,7 +104,7 @@ def scores(rows: Tensor, x: Tensor, *, sqnorm: bool = False
     x = x.contiguous()
     out = torch.empty(rows.shape[0], x.shape[0])  # (c, B)
     norms = torch.empty(rows.shape[0] if sqnorm else 0)  # (c,)
-    k["scores"](_bits(rows), x.numpy(), out.numpy(), norms.numpy(), sqnorm)
+    k["scores"](as_bits(rows), x.detach().numpy(), out.numpy(), norms.numpy(), sqnorm)
     return out, (norms if sqnorm else None)
 
 
@@ -111,5 +114,6 @@ def sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1
     k = _check(rows, acc, block)
     if not acc.is_contiguous():
         raise ValueError("widen.sum_over_entries_: acc must be contiguous")
-    k["sum"](acc.numpy(), block.contiguous().numpy(), _bits(rows), k["np"].float32(alpha))
+    k["sum"](acc.detach().numpy(), block.detach().contiguous().numpy(), as_bits(rows),
+             k["np"].float32(alpha))
     return acc

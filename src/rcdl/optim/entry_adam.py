@@ -21,7 +21,7 @@ from torch import nn
 
 from rcdl.nn.hybrid import HybridSoftmax, hybrid_layers
 from rcdl.nn.store import EntryStore
-from rcdl.optim.half_adam import ADAM_MODE, adam_rows, use_compiled
+from rcdl.optim.half_adam import ADAM_MODE, adam_path, adam_rows
 
 __all__ = ["EntryAdam", "EntryMoments", "adam_block_elements"]
 
@@ -142,8 +142,8 @@ class EntryMoments:
         float16 entry moved past ±65 504 (float16's largest finite number) saturates there
         instead of becoming ``inf``, with a ``RuntimeWarning`` (once per layer, looked for at
         the first Adam step and every ``SATURATION_CHECK_EVERY`` after) naming the entry and
-        suggesting bfloat16 or float32. ``half_adam`` says whether that pass is compiled
-        (:mod:`rcdl.optim.half_adam`; ``None``: the process-wide default).
+        suggesting bfloat16 or float32. ``half_adam`` says how that pass runs: eager, fused
+        or compiled (:mod:`rcdl.optim.half_adam`; ``None``: the process-wide default).
         """
         grads = self.layer.take_entry_grads()
         if grads is None:
@@ -169,8 +169,8 @@ class EntryMoments:
             rows_per_chunk = max(1, block // math.prod(param.shape[1:]))
             shape = (-1,) + (1,) * (param.dim() - 1)  # per-entry scales broadcast over a row
             half = param.dtype != m.dtype
-            compiled = half and use_compiled(half_elements, half_adam)
-            if compiled:  # one fused loop: no temporaries to keep in cache, one call
+            path = adam_path(half_elements, param.dtype, param.device, half_adam) if half else ""
+            if path in ("compiled", "fused"):  # one loop: no temporaries to keep in cache
                 rows_per_chunk = n
             scratch = None if half else m.new_empty((min(rows_per_chunk, n), *param.shape[1:]))
             for start in range(0, n, rows_per_chunk):
@@ -179,7 +179,7 @@ class EntryMoments:
                     adam_rows(
                         param[rows], m[rows], v[rows], grad[rows], a[rows], c[rows],
                         ids=ids[rows], seed=seed, step=self.steps, stream=stream,
-                        b1=b1, b2=b2, compiled=compiled)
+                        b1=b1, b2=b2, compiled=path == "compiled", fused=path == "fused")
                     continue
                 g, m_c, v_c = grad[rows].to(m.dtype), m[rows], v[rows]
                 assert scratch is not None  # made for a float store
