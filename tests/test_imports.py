@@ -18,8 +18,9 @@ from rcdl.app.experiments import COMMANDS
 # each probe starts an interpreter of its own: one at a time with the other spawning tests
 spawns = pytest.mark.spawns
 
-# imported only where a figure is drawn, something is compiled or a tensor is sharded
-LAZY = ("matplotlib", "torch._dynamo", "torch._inductor", "torch.distributed.tensor")
+# imported only where a figure is drawn, something is compiled, a tensor is sharded or a
+# Triton kernel runs
+LAZY = ("matplotlib", "torch._dynamo", "torch._inductor", "torch.distributed.tensor", "triton")
 EXPERIMENT_MODULES = {f"rcdl.app.experiments.{module}" for module in COMMANDS.values()}
 
 # argv None: `import rcdl`; else `rcdl argv` (its output dropped); prints the modules loaded

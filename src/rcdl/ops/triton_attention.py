@@ -1,0 +1,262 @@
+"""A fused compute path of the attention op in Triton (docs/precision.md, "The GPU path"): the
+forward partial and every gradient, each in one kernel launch, for the linear, RBF,
+Laplacian and softmax kernels.
+
+**Chosen** for queries on a CUDA device when triton is installed (``pip install -e
+'.[triton]'``): importing ``rcdl`` registers :data:`TRITON` for ``"cuda"``, float32
+queries and float32, bfloat16 and float16 stores; never on CPU. Anywhere else (and for
+float64 queries, or any other kernel) the streaming path computes. ``unregister_path(TRITON)``
+(:func:`rcdl.ops.attention.unregister_path`) turns it off.
+
+**The maths** (``b`` a query, ``j`` an entry; ``τ = T √key_dim``; docs/reference.md §2), as
+:mod:`rcdl.ops.streaming` computes it:
+
+- kernel values ``φ_bj``: ``⟨q_b, k_j⟩`` (linear), ``exp(−‖q_b − k_j‖² / 2τ)`` (RBF),
+  ``exp(−‖q_b − k_j‖ / τ)`` (Laplacian), with ``‖q − k‖² = ‖q‖² − 2⟨q, k⟩ + ‖k‖²``; the softmax
+  has logits ``z_bj = ⟨q_b, k_j⟩ / τ``;
+- forward, the :class:`~rcdl.ops.entries.Partial` over all entries: ``num_b = Σ_j w_j φ_bj v_j``
+  (``m = den = mass = 0``), or for the softmax ``m_b = max_j z_bj``,
+  ``num_b = Σ_j e^{z_bj − m_b} ṽ_j``, ``den_b = Σ_j w_j e^{z_bj − m_b}``,
+  ``mass_b = Σ_j |w_j| e^{z_bj − m_b}``, folded block by block with the log-sum-exp rescaling.
+  The entries are cut into ``S`` splits of consecutive rows, each folded by its own programs
+  (so that a small batch still fills the device), and the ``S`` partials are merged as
+  :func:`~rcdl.ops.entries.merge_partials` merges two;
+- backward, with ``g_b = ∂L/∂s_b`` and ``gv_bj = ⟨g_b, v_j⟩``. The softmax, with
+  ``a_bj = e^{z_bj − m_b} / D'_b`` (``D'`` the guarded denominator,
+  :func:`~rcdl.ops.kernels.guard_denominator`) and ``u_bj = w_j`` where the guard did not
+  act, ``eps·sign(D'_b)·|w_j|`` where it did:
+  ``∂L/∂z_bj = a_bj (gv_bj − u_bj ⟨g_b, s_b⟩)``, ``∂L/∂ṽ_j = Σ_b a_bj g_b``,
+  ``∂L/∂w_j = −Σ_b a_bj ∂u_bj/∂w_j ⟨g_b, s_b⟩``. The other kernels:
+  ``∂L/∂φ_bj = w_j gv_bj``, ``∂L/∂v_j = Σ_b w_j φ_bj g_b``, ``∂L/∂w_j = Σ_b φ_bj gv_bj``.
+  Then with ``c_bj = ∂L/∂(argument) / scale`` (``scale = kernel.scale(τ)``: ``1/τ``, or 1 for
+  the linear kernel): ``∂L/∂q_b = scale Σ_j c_bj k_j`` and ``∂L/∂k_j = scale Σ_b c_bj q_b``,
+  and for the distance kernels also ``− scale q_b Σ_j c_bj`` and ``− scale k_j Σ_b c_bj``.
+
+**Precision.** Every product and sum runs in the queries' dtype: a tile of a bfloat16 or
+float16 store is converted to it in registers as it is loaded (the store keeps its bytes), and
+float32 products are exact float32 (no TF32). This is the streaming path's ``"float32"``
+product mode (:mod:`rcdl.ops.half`) whatever ``half_products`` says; the results differ from
+the streaming path's by rounding only.
+
+**Blocks.** A program holds a ``(block_b, block_n)`` block of scores; the key and value
+dimensions are read in chunks of ``block_d`` and ``block_v`` columns. Accumulators are
+register tiles of ``block_v`` value columns (forward), ``block_d`` key columns (the query
+gradient) or both (the entries' gradients): a program owns one such column block and
+recomputes the scores of its entries, so wide layers recompute the scores once per column
+block (``⌈d_out / block_v⌉`` times forward). No ``(B, N)`` tensor is formed, and no program
+reads what another writes.
+
+**Checking it** without a GPU: the kernels run on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1`` before triton is imported); tests/test_triton_attention.py registers a
+:class:`TritonAttention` for ``"cpu"`` there and compares it with the streaming path and the
+dense twin, outputs and every gradient, and compiles the kernels for an sm_90 GPU (Triton's
+compiler runs without one). No GPU has run them yet.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from importlib.util import find_spec
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rcdl.ops.attention import register_path
+from rcdl.ops.entries import Entries, Partial, empty_partial
+from rcdl.ops.half import HALF_DTYPES
+
+__all__ = ["KERNEL_CODES", "TRITON", "TritonAttention", "interpreting", "triton_available"]
+
+# the kernels the Triton path expresses, by name, and their codes in the kernels
+KERNEL_CODES = {"linear": 0, "rbf": 1, "laplacian": 2, "softmax": 3}
+
+
+def triton_available() -> bool:
+    """Whether triton is installed (found, not imported)."""
+    return find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET`` set true): then
+    they take CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
+_loaded: dict[str, ModuleType | str] = {}
+
+
+def _kernels() -> ModuleType | None:
+    """The module of Triton kernels, imported on first use (``None`` where triton does not
+    import; :attr:`TritonAttention.unavailable` says why)."""
+    if "module" not in _loaded:
+        try:
+            _loaded["module"] = importlib.import_module("rcdl.ops._triton_kernels")
+        except ImportError as err:  # missing, or installed but broken
+            _loaded["module"] = f"{type(err).__name__}: {err}"
+    module = _loaded["module"]
+    return module if isinstance(module, ModuleType) else None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, eq=False)
+class TritonAttention:
+    """The Triton compute path (see the module docstring); its methods are the compute-path
+    contract of :mod:`rcdl.ops.attention`.
+
+    Args:
+        block_b: queries per block of scores (a power of two, at least 16).
+        block_n: entries per block of scores (a power of two, at least 16).
+        block_d: key columns per chunk and per key-column block (a power of two, ≥ 16).
+        block_v: value columns per chunk and per value-column block (a power of two, ≥ 16).
+        splits: how many splits of consecutive entries are folded apart and merged (at most
+            one per block of entries); ``None``: enough for four programs per
+            multiprocessor of the device (CUDA), 4 elsewhere.
+    """
+
+    block_b: int = 16
+    block_n: int = 64
+    block_d: int = 64
+    block_v: int = 64
+    splits: int | None = None
+
+    name = "triton"
+
+    def __post_init__(self) -> None:
+        for field in ("block_b", "block_n", "block_d", "block_v"):
+            size = getattr(self, field)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"TritonAttention: {field} must be a power of two >= 16, "
+                                 f"got {size}")
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"TritonAttention: splits must be >= 1, got {self.splits}")
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why the kernels cannot run here (triton does not import), else ``None``."""
+        problem = _loaded.get("module") if _kernels() is None else None
+        return problem if isinstance(problem, str) else None
+
+    def supports(self, q: Tensor, entries: Entries) -> bool:
+        """The kernels of :data:`KERNEL_CODES`, float32 queries over a store of their dtype
+        or a half one, on a CUDA device, where triton imports; under the interpreter also CPU
+        tensors and float64 queries (the tests')."""
+        dtypes = (torch.float32,) if q.is_cuda else (torch.float32, torch.float64)
+        return (entries.kernel.name in KERNEL_CODES and q.dtype in dtypes
+                and entries.keys.dtype in (q.dtype, *HALF_DTYPES)
+                and (q.is_cuda or interpreting()) and _kernels() is not None)
+
+    def _rows_per_split(self, q: Tensor, n: int) -> int:
+        """Entries per split: a whole number of blocks of entries."""
+        blocks = _cdiv(n, self.block_n)
+        if self.splits is not None:
+            splits = self.splits
+        elif q.is_cuda:
+            programs = 4 * torch.cuda.get_device_properties(q.device).multi_processor_count
+            splits = _cdiv(programs, _cdiv(q.shape[0], self.block_b))
+        else:
+            splits = 4
+        return _cdiv(blocks, max(1, min(splits, blocks))) * self.block_n
+
+    def _constants(self, entries: Entries) -> dict[str, int | bool]:
+        """The kernels' compile-time arguments for these entries."""
+        return {"KERNEL": KERNEL_CODES[entries.kernel.name], "DISTANCE": entries.kernel.distance,
+                "BLOCK_B": self.block_b, "BLOCK_N": self.block_n, "BLOCK_D": self.block_d,
+                "BLOCK_V": self.block_v}
+
+    def forward(self, q: Tensor, entries: Entries, *, keep: bool) -> tuple[Partial, Any]:
+        """The partial over all the entries (no autograd); nothing is kept for the backward
+        (it recomputes the scores), whatever ``keep`` says."""
+        kernel = entries.kernel
+        (b, d), n, d_out = q.shape, len(entries), entries.values.shape[1]
+        if n == 0 or b == 0:
+            return empty_partial(q, d_out, kernel), None
+        kernels = _kernels()
+        assert kernels is not None  # supports() said so
+        q = q.contiguous()
+        rows = self._rows_per_split(q, n)
+        splits = _cdiv(n, rows)
+        stats = q.new_empty(3, splits, b)  # m, den, mass of each split
+        num = q.new_empty(splits, b, d_out)  # (S, B, d_out)
+        grid = (max(1, _cdiv(d_out, self.block_v)), splits, _cdiv(b, self.block_b))
+        kernels.attention_forward[grid](
+            q, entries.keys.contiguous(), entries.values.contiguous(),
+            entries.weights.contiguous(), stats, num, b, n, d, d_out, rows,
+            entries.tau(d), **self._constants(entries))
+        if not kernel.normalised:
+            zero = q.new_zeros(b)
+            return Partial(zero, num.sum(0), zero, zero.clone()), None
+        m_splits, den, mass = stats  # each (S, B)
+        m = m_splits.amax(0)  # (B,)
+        rescale = torch.exp(m_splits - m)  # (S, B); every split has entries: m finite
+        return Partial(m, (num * rescale[:, :, None]).sum(0), (den * rescale).sum(0),
+                       (mass * rescale).sum(0)), None
+
+    def backward(self, grad_out: Tensor, q: Tensor, entries: Entries, out: Tensor, m: Tensor,
+                 den: Tensor | None, clamped: Tensor | None, *,
+                 needs: tuple[bool, bool, bool, bool], saved: Any
+                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        """Gradients w.r.t. ``(q, keys, values, weights)`` (those ``needs`` asks for),
+        recomputing the scores: one launch for the query gradient (its splits' shares summed
+        here), one for the entries'. As :meth:`rcdl.ops.streaming.Streaming.backward`,
+        ``out``, ``m``, ``den`` and ``clamped`` describe the attention over all entries (the
+        entries given may be one part of them); no host read of a device value."""
+        kernel = entries.kernel
+        need_q, need_k, need_v, need_w = needs
+        (b, d), n, d_out = q.shape, len(entries), entries.values.shape[1]
+        q = q.contiguous()
+        g = grad_out.to(q.dtype).contiguous()  # (B, d_out)
+        stats = q.new_zeros(4, b)  # per query: m, 1/D', ⟨g,s⟩ unguarded, eps·sign(D')·⟨g,s⟩
+        if kernel.normalised:
+            assert den is not None and clamped is not None  # given for the softmax kernel
+            g_dot_s = (g * out).sum(1)  # (B,)
+            stats[0], stats[1] = m, 1.0 / den
+            stats[2] = g_dot_s.masked_fill(clamped, 0.0)
+            stats[3] = torch.where(clamped, entries.eps * torch.sign(den) * g_dot_s, 0.0)
+        keys, values = entries.keys.contiguous(), entries.values.contiguous()
+        weights = entries.weights.contiguous()
+        tau = entries.tau(d)
+        common = self._constants(entries)
+        kernels = _kernels() if n and b else None
+        grad_q = None
+        if need_q:
+            if kernels is None:  # no entries (or no queries): nothing depends on q
+                grad_q = torch.zeros_like(q)
+            else:
+                rows = self._rows_per_split(q, n)
+                splits = _cdiv(n, rows)
+                shares = q.new_empty(splits, b, d)  # (S, B, d_in)
+                grid = (_cdiv(d, self.block_d), splits, _cdiv(b, self.block_b))
+                kernels.attention_grad_queries[grid](
+                    q, keys, values, weights, g, stats, shares, b, n, d, d_out, rows, tau,
+                    kernel.scale(tau), **common)
+                grad_q = shares.sum(0)
+        if not (need_k or need_v or need_w):
+            return grad_q, None, None, None
+        # accumulated in the queries' dtype, returned in the store's
+        grad_k = q.new_zeros(n, d) if need_k else q.new_empty(0)
+        grad_v = q.new_zeros(n, d_out) if need_v else q.new_empty(0)
+        grad_w = q.new_zeros(n) if need_w else q.new_empty(0)
+        if kernels is not None:
+            columns = max(_cdiv(d, self.block_d), _cdiv(d_out, self.block_v), 1)
+            kernels.attention_grad_entries[(columns, _cdiv(n, self.block_n))](
+                q, keys, values, weights, g, stats, grad_k, grad_v, grad_w, b, n, d, d_out,
+                tau, kernel.scale(tau), NEED_K=need_k, NEED_V=need_v, NEED_W=need_w, **common)
+        return (grad_q, grad_k.to(keys.dtype) if need_k else None,
+                grad_v.to(values.dtype) if need_v else None,
+                grad_w.to(weights.dtype) if need_w else None)
+
+
+TRITON = TritonAttention()
+"""The path ``rcdl`` registers on CUDA devices where triton is installed."""
+
+if triton_available() and torch.cuda.is_available():
+    register_path(TRITON, device="cuda", dtypes=[torch.float32, *HALF_DTYPES],
+                  kernels=list(KERNEL_CODES))
+
