@@ -9,10 +9,10 @@ PYTHON ?= python3
 SETUP_KEY = $(shell $(PYTHON) -c "import hashlib, sys; print(sys.executable, hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])")
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==2.13.0"
-	@if [ "$$(cat .setup-stamp 2>/dev/null)" = "$(SETUP_KEY)" ] && $(PYTHON) -c "import os, sys; from importlib.util import find_spec as f; sys.exit(not all(map(f, ('sklearn', 'faiss', 'triton', 'pytest', 'xdist'))) or not f('rcdl').origin.startswith(os.path.abspath('src')))" 2>/dev/null; then \
+	@if [ "$$(cat .setup-stamp 2>/dev/null)" = "$(SETUP_KEY)" ] && $(PYTHON) -c "import os, sys; from importlib.util import find_spec as f; sys.exit(not all(map(f, ('sklearn', 'faiss', 'triton', 'numba', 'pytest', 'xdist'))) or not f('rcdl').origin.startswith(os.path.abspath('src')))" 2>/dev/null; then \
 		echo "setup: rcdl is installed from this checkout and pyproject.toml is unchanged (rm .setup-stamp to reinstall)"; \
 	else \
-		$(PYTHON) -m pip install -e ".[dev,classical,faiss,triton]" && echo "$(SETUP_KEY)" > .setup-stamp; \
+		$(PYTHON) -m pip install -e ".[dev,classical,faiss,triton,fast-cpu]" && echo "$(SETUP_KEY)" > .setup-stamp; \
 	fi
 
 demo: setup
@@ -27,12 +27,12 @@ demo: setup
 # over 15 s on 2 cores; the 15 slowest are printed.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1; print(min(n, 4) if n > 1 else 0)")
 test: setup
-	RCDL_REQUIRE_EXTRAS=classical,faiss,triton $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+	RCDL_REQUIRE_EXTRAS=classical,faiss,triton,fast-cpu $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 # The tests marked `long` (over 15 s on 2 cores, left out of `make test`), e.g. the quick
 # cifar10-1epoch outcome with the ResNet-MLP baselines at the paper's width.
 test-long: setup
-	RCDL_REQUIRE_EXTRAS=classical,faiss,triton $(PYTHON) -m pytest -q -m long --durations=15
+	RCDL_REQUIRE_EXTRAS=classical,faiss,triton,fast-cpu $(PYTHON) -m pytest -q -m long --durations=15
 
 bench:
 	$(PYTHON) benchmarks/bench_attention.py

@@ -16,19 +16,34 @@ then measures in one run on this machine:
   reads the store as the attention does);
 - ``× floor``: the measured time over the floor (1: the step costs only its products at
   the streamed rate);
-- the product path each half store took (:mod:`rcdl.ops.half`: native, or converted to float32
-  chunk by chunk), the CPU model and its flags.
+- the product path each half store took (:mod:`rcdl.ops.half`: native, converted to float32
+  chunk by chunk, or widened in registers for the training batch), the CPU model and flags.
+
+Where the store's products do not run natively in its dtype (a bfloat16 store on a CPU
+without bfloat16 units), the floor divides by float32's streamed rate: the products run in
+float32 there, over half the bytes.
+
+``--classes`` measures, besides this machine (``here``), the machine classes it can emulate,
+each in a process of its own with the caps of docs/precision.md ("Emulating another machine
+class"): ``avx512`` (AVX512 without bfloat16 units: oneDNN capped at ``AVX512_CORE``) and
+``avx2`` (torch's kernels, oneDNN and MKL capped at AVX2). The table then has a column pair
+per class.
 
 Run: ``python benchmarks/roofline.py [--models gws gauge rbf hybrid] [--store-dtypes float32
-bfloat16] [--entries 50000]`` (``--quick`` for a small smoke run); ``--markdown FILE``
-writes the table there too. The committed tables are in ``results/roofline/``.
+bfloat16] [--entries 50000] [--classes here avx512 avx2]`` (``--quick`` for a small smoke
+run); ``--markdown FILE`` writes the table there too. The committed tables are in
+``results/roofline/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,9 +53,16 @@ import torch.nn.functional as F
 from rcdl.app.experiments.cifar10_models import build_model
 from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.nn.layers import growing_layers
-from rcdl.ops.half import product_mode, upcast_chunks
+from rcdl.ops.half import native_products, product_mode, product_path
 
 CHUNK = 2048
+# the environment caps that emulate each machine class below this one (docs/precision.md)
+CLASSES = {
+    "here": {},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
 
 
 def streamed_rate(dtype: torch.dtype, batch: int, width: int, store_bytes: float,
@@ -129,13 +151,39 @@ def measure(name: str, store_dtype: str, entries: int, steps: int,
             model(x_eval)
             eval_times.append(time.perf_counter() - start)
     eval_s = statistics.median(eval_times[1:])
-    step_floor = train_flops / rates[(store_dtype, 16)]
-    eval_floor = eval_flops / rates[(store_dtype, 500)]
+    # where the products do not run in the store's dtype, they run in float32
+    rate_dtype = store_dtype if native_products(dtype) else "float32"
+    step_floor = train_flops / rates[(rate_dtype, 16)]
+    eval_floor = eval_flops / rates[(rate_dtype, 500)]
     path = ("float32" if dtype is torch.float32 else
-            "float32 chunks" if upcast_chunks(dtype, "cpu") else f"native {store_dtype}")
+            product_path(dtype, "cpu").replace("native", f"native {store_dtype}"))
     return {"model": name, "store": store_dtype, "path": path, "step_ms": 1e3 * step_s,
             "step_floor_ms": 1e3 * step_floor, "eval_ms": 1e3 * eval_s,
             "eval_floor_ms": 1e3 * eval_floor, "entries": entries}
+
+
+def run_class(args: argparse.Namespace) -> tuple[str, list[dict]]:
+    """Measure every model and store dtype in this process: the machine line and the rows."""
+    flags = " ".join(cpu_flags()) or "?"
+    machine = (f"{cpu_model() or platform.processor() or '?'} ({flags}), torch "
+               f"{torch.__version__}, {torch.get_num_threads()} threads, half products: "
+               f"{product_mode()}")
+    print(f"# {machine}", flush=True)
+    dtypes = sorted(set(args.store_dtypes) | {"float32"})
+    rates = {(dt, b): streamed_rate(getattr(torch, dt), b, 3072, args.store_gb * 1e9)
+             for dt in dtypes for b in (16, 500)
+             if dt == "float32" or native_products(getattr(torch, dt))}
+    rate_text = ", ".join(f"{dt} B={b}: {r / 1e9:.0f} GFLOP/s" for (dt, b), r in rates.items())
+    print(f"# streamed score-product rates: {rate_text}", flush=True)
+    rows = []
+    for name in args.models:
+        for store_dtype in args.store_dtypes:
+            r = measure(name, store_dtype, args.entries, args.steps, rates)
+            rows.append(r)
+            print(f"{name} {store_dtype} ({r['path']}): step {r['step_ms']:.0f} ms (floor "
+                  f"{r['step_floor_ms']:.0f}), eval {r['eval_ms']:.0f} ms (floor "
+                  f"{r['eval_floor_ms']:.0f})", flush=True)
+    return f"{machine}; streamed rates: {rate_text}", rows
 
 
 def main() -> None:
@@ -147,38 +195,45 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--store-gb", type=float, default=1.0,
                         help="store size for the streamed rate (larger than the caches)")
+    parser.add_argument("--classes", nargs="+", default=["here"], choices=list(CLASSES),
+                        help="machine classes to measure: this one and emulated ones")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.models, args.entries, args.steps, args.store_gb = ["gws"], 2_000, 2, 0.05
-    flags = " ".join(cpu_flags()) or "?"
-    machine = (f"{cpu_model() or platform.processor() or '?'} ({flags}), torch "
-               f"{torch.__version__}, {torch.get_num_threads()} threads, half products: "
-               f"{product_mode()}")
-    print(f"# {machine}", flush=True)
-    rates = {(dt, b): streamed_rate(getattr(torch, dt), b, 3072, args.store_gb * 1e9)
-             for dt in args.store_dtypes for b in (16, 500)}
-    rate_text = ", ".join(f"{dt} B={b}: {r / 1e9:.0f} GFLOP/s" for (dt, b), r in rates.items())
-    print(f"# streamed score-product rates: {rate_text}", flush=True)
-    rows = []
-    for name in args.models:
-        for store_dtype in args.store_dtypes:
-            r = measure(name, store_dtype, args.entries, args.steps, rates)
-            rows.append(r)
-            print(f"{name} {store_dtype}: step {r['step_ms']:.0f} ms (floor "
-                  f"{r['step_floor_ms']:.0f}), eval {r['eval_ms']:.0f} ms (floor "
-                  f"{r['eval_floor_ms']:.0f})", flush=True)
-    lines = [f"Machine: {machine}. Streamed rates: {rate_text}. {args.entries:,} entries per "
-             "growing layer.", "",
-             "| model | store | product path | step ms (B = 16) | floor ms | × floor | "
-             "eval ms (B = 500) | floor ms | × floor |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['store']} | {r['path']} | {r['step_ms']:.0f} | "
-                     f"{r['step_floor_ms']:.0f} | {r['step_ms'] / r['step_floor_ms']:.2f} | "
-                     f"{r['eval_ms']:.0f} | {r['eval_floor_ms']:.0f} | "
-                     f"{r['eval_ms'] / r['eval_floor_ms']:.2f} |")
+    if args.child:  # one class, in the environment the parent set: rows as JSON, last line
+        machine, rows = run_class(args)
+        print(json.dumps({"machine": machine, "rows": rows}))
+        return
+    results = {}
+    for cls in args.classes:
+        print(f"## class {cls}: {' '.join(f'{k}={v}' for k, v in CLASSES[cls].items()) or '-'}",
+              flush=True)
+        command = [sys.executable, __file__, "--child", "--models", *args.models,
+                   "--store-dtypes", *args.store_dtypes, "--entries", str(args.entries),
+                   "--steps", str(args.steps), "--store-gb", str(args.store_gb)]
+        done = subprocess.run(command, env={**os.environ, **CLASSES[cls]}, check=True,
+                              stdout=subprocess.PIPE, text=True)
+        *progress, last = done.stdout.strip().splitlines()
+        print("\n".join(progress), flush=True)
+        results[cls] = json.loads(last)
+    lines = [f"{args.entries:,} entries per growing layer; step: one training step of batch "
+             "16, eval: one no-grad batch of 500; each as ms and × its floor.", ""]
+    lines += [f"- `{cls}` ({' '.join(f'{k}={v}' for k, v in CLASSES[cls].items()) or 'no caps'}"
+              f"): {r['machine']}" for cls, r in results.items()]
+    head = "| model | store |" + "".join(f" {c}: path | {c}: step | {c}: eval |"
+                                         for c in results)
+    lines += ["", head, "|---|---|" + "---|---:|---:|" * len(results)]
+    for i, first in enumerate(next(iter(results.values()))["rows"]):
+        cells = ""
+        for r in results.values():
+            row = r["rows"][i]
+            cells += (f" {row['path']} | {row['step_ms']:.0f} ms, "
+                      f"{row['step_ms'] / row['step_floor_ms']:.2f}× | {row['eval_ms']:.0f} ms, "
+                      f"{row['eval_ms'] / row['eval_floor_ms']:.2f}× |")
+        lines.append(f"| {first['model']} | {first['store']} |{cells}")
     table = "\n".join(lines) + "\n"
     print("\n" + table)
     if args.markdown:

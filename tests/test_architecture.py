@@ -31,6 +31,8 @@ OWN_TENSORS = {
     ("rcdl/nn/layers.py", "linear.bias.copy_"),
     ("rcdl/optim/dual_optim.py", "module.weight.sub_"),  # an optimizer steps its parameters
     ("rcdl/optim/dual_optim.py", "module.bias.sub_"),
+    # the process's environment, read by numba as it loads: the CPU it compiles for
+    ("rcdl/ops/widen.py", "os.environ"),
 }
 
 
@@ -170,9 +172,10 @@ def test_no_module_writes_into_another_objects_tensors():
 
 def test_the_attention_op_and_its_paths_import_only_maths():
     """The op, its data and the streaming path know kernels, the half dtypes and the product
-    paths, and nothing of stores, layers, backends, sharding or retrieval."""
+    paths (the widened products among them), and nothing of stores, layers, backends,
+    sharding or retrieval."""
     graph = import_graph()
-    maths = {"rcdl.ops.half", "rcdl.ops.kernels", "rcdl.options"}
+    maths = {"rcdl.ops.half", "rcdl.ops.kernels", "rcdl.options", "rcdl.ops.widen"}
     assert graph["rcdl.ops.entries"] <= maths, graph["rcdl.ops.entries"]
     assert graph["rcdl.ops.streaming"] <= maths | {"rcdl.ops.entries"}, graph["rcdl.ops.streaming"]
     assert graph["rcdl.ops.attention"] <= maths | {"rcdl.ops.entries", "rcdl.ops.streaming"}, (

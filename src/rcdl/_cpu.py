@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-__all__ = ["cpuinfo_field", "cpuinfo_flags", "cpuinfo_text"]
+__all__ = ["capped_below_half", "cpuinfo_field", "cpuinfo_flags", "cpuinfo_text"]
 
 
 @functools.cache
@@ -36,3 +36,19 @@ def cpuinfo_flags(cpuinfo: str | None = None) -> frozenset[str]:
     text = cpuinfo_text() if cpuinfo is None else cpuinfo
     return frozenset((cpuinfo_field("flags", text) or cpuinfo_field("Features", text)
                       or "").split())
+
+
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) under which it may still use half-precision units
+_HALF_ISAS = ("BF16", "FP16", "AMX", "AVX10", "ALL", "DEFAULT")
+
+
+def capped_below_half(aten_capability: str, onednn_cap: str) -> bool:
+    """Whether a process was told to run below the ISA of half-precision products (how
+    another machine class is emulated, docs/precision.md): torch's kernels capped below
+    AVX512 (``aten_capability``, what ``ATEN_CPU_CAPABILITY`` made of
+    ``torch.backends.cpu.get_cpu_capability()``), or oneDNN's GEMMs capped at an ISA without
+    bf16, fp16 or AMX (``onednn_cap``, the value of ``ONEDNN_MAX_CPU_ISA``; ``""``: none)."""
+    if not aten_capability.upper().startswith("AVX512"):
+        return True
+    cap = onednn_cap.upper()
+    return bool(cap) and not any(isa in cap for isa in _HALF_ISAS)

@@ -37,6 +37,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from rcdl import _cpu
 from rcdl._cpu import cpuinfo_flags
 from rcdl.options import ProcessDefault
 
@@ -66,10 +67,6 @@ def _cpu_flags() -> frozenset[str]:  # a seam for tests that pose as another CPU
     return cpuinfo_flags()
 
 
-# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) under which it may still use half-precision units
-_HALF_ISAS = ("BF16", "FP16", "AMX", "AVX10", "ALL", "DEFAULT")
-
-
 @functools.cache
 def _aten_capability() -> str:  # fixed when torch starts (ATEN_CPU_CAPABILITY is read then)
     return torch.backends.cpu.get_cpu_capability()
@@ -80,10 +77,7 @@ def capped_below_half() -> bool:
     another machine class is emulated, docs/precision.md): ATen's kernels capped below
     AVX512 (``ATEN_CPU_CAPABILITY``), or oneDNN's GEMMs capped at an ISA without bf16, fp16
     or AMX (``ONEDNN_MAX_CPU_ISA``, read at oneDNN's first use)."""
-    if not _aten_capability().startswith("AVX512"):
-        return True
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    return bool(cap) and not any(isa in cap for isa in _HALF_ISAS)
+    return _cpu.capped_below_half(_aten_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
 
 
 def native_products(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:

@@ -29,21 +29,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rcdl._cpu import capped_below_half
+
 __all__ = ["as_bits", "available", "scores", "sum_over_entries_", "use_torch_threads"]
 
 
 def _emulated_cpu_name() -> None:
     """Where the process is capped below this CPU's ISA (an emulated machine class,
-    :func:`rcdl.ops.half.capped_below_half`) and numba was not told otherwise, compile for a
+    :func:`rcdl._cpu.capped_below_half`) and numba was not told otherwise, compile for a
     CPU of that class: Haswell (AVX2) where torch's kernels are capped below AVX512,
     Skylake-AVX512 (no bfloat16 instructions) where only oneDNN is capped, so that the
     emulation takes the path a real CPU of that class takes. Must run before numba is
     imported."""
-    from rcdl.ops.half import capped_below_half
-
-    if os.environ.get("NUMBA_CPU_NAME") or not capped_below_half():
+    aten = torch.backends.cpu.get_cpu_capability()
+    if os.environ.get("NUMBA_CPU_NAME") or not capped_below_half(
+            aten, os.environ.get("ONEDNN_MAX_CPU_ISA", "")):
         return
-    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    avx512 = aten.startswith("AVX512")
     os.environ["NUMBA_CPU_NAME"] = "skylake-avx512" if avx512 else "haswell"
 
 
