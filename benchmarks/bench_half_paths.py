@@ -1,11 +1,15 @@
-"""A half-precision store's two product paths against a float32 store, interleaved in one
+"""A half-precision store's product paths against a float32 store, interleaved in one
 process (docs/precision.md, "Product paths").
 
-For the weighted softmax and the RBF at width ``--width`` over ``--entries`` entries: the
-median time of a training call (forward + backward of ``--train-batch`` queries) and of a
-no-grad evaluation call (``--eval-batch`` queries), for a float32 store, a bfloat16 store on
-the native path and a bfloat16 store on the float32-chunk path (``rcdl.ops.half``), each as a
-ratio to float32 measured in the same rounds. Prints the CPU model and flags first.
+For each kernel of ``--kernels`` at width ``--width`` over ``--entries`` entries (``hybrid``:
+the softmax with trained entries, whose backward also forms the keys', values' and weights'
+gradients): the median time of a training call (forward + backward of ``--train-batch``
+queries) and of a no-grad evaluation call (``--eval-batch`` queries), for a float32 store and
+a bfloat16 store on the float32-chunk path, widened in registers (``rcdl.ops.widen``, where
+numba is installed) and on the native path (where the CPU has bfloat16 units, or with
+``--native``), each as a ratio to float32 measured in the same rounds. Prints the CPU model
+and flags first. To emulate another machine class, set the caps of docs/precision.md
+("Emulating another machine class").
 
     python benchmarks/bench_half_paths.py [--width 1024 --entries 6000 --rounds 7]
 """
@@ -40,7 +44,8 @@ def main() -> None:
     parser.add_argument("--eval-batch", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kernels", nargs="+", default=["softmax", "rbf"])
+    parser.add_argument("--kernels", nargs="+", default=["softmax", "rbf"],
+                        help="kernels of the registry, or hybrid (softmax, trained entries)")
     parser.add_argument("--native", action="store_true",
                         help="time the native path also where it is emulated (slow)")
     args = parser.parse_args()
@@ -66,16 +71,20 @@ def main() -> None:
                                                     for n, _, _ in cases}
         q_train = torch.randn(args.train_batch, args.width, generator=gen, requires_grad=True)
         q_eval = torch.randn(args.eval_batch, args.width, generator=gen)
+        trained = kernel == "hybrid"
+        leaves = {name: tuple(t.detach().requires_grad_(trained) for t in (*kv, weights))
+                  for name, kv in stores.items()}
+        op = "softmax" if trained else kernel
         for _ in range(args.rounds):
             for name, store, mode in cases:
-                k, v = stores[store]
+                k, v, w = leaves[store]
                 with half_products(mode):
-                    def train(k=k, v=v, q=q_train, kernel=kernel) -> None:  # noqa: ANN001
-                        attention(q, k, v, weights, kernel=kernel).sum().backward()
+                    def train(k=k, v=v, w=w, q=q_train, op=op) -> None:  # noqa: ANN001
+                        attention(q, k, v, w, kernel=op).sum().backward()
 
-                    def evaluate(k=k, v=v, q=q_eval, kernel=kernel) -> None:  # noqa: ANN001
+                    def evaluate(k=k, v=v, w=w, q=q_eval, op=op) -> None:  # noqa: ANN001
                         with torch.no_grad():
-                            attention(q, k, v, weights, kernel=kernel)
+                            attention(q, k, v, w, kernel=op)
 
                     times[name]["train"].append(timed(train, args.repeats))
                     times[name]["eval"].append(timed(evaluate, max(1, args.repeats // 3)))

@@ -5,8 +5,12 @@
 #
 # DATA_DIR holds cifar10.npz (on the workplace's device machine it arrives in parts and is
 # rejoined first: see results/gpu-h200/gpu.sh). Within SECONDS (default 540) it runs, in turn,
-# each as one `rcdl reproduce cifar10-1epoch` at full scale (50 000 / 10 000 images, batch 16,
-# the paper's protocol) with --no-checkpoint, until the time runs out:
+# until the time runs out:
+#   0. the Triton attention kernel against the streaming op on real shapes, every kernel,
+#      float32 and bfloat16 stores, with both paths' times (benchmarks/check_triton.py;
+#      a failed check stops the script: nothing after it would time the right thing);
+# and then, each as one `rcdl reproduce cifar10-1epoch` at full scale (50 000 / 10 000 images,
+# batch 16, the paper's protocol) with --no-checkpoint:
 #   1. a profile of gws training steps at 50 000 entries per layer (host reads, top kernels);
 #   2. gws, float32 stores            (the authors' notebook: 19.7 s on an H200);
 #   3. gws, bfloat16 stores;
@@ -15,7 +19,7 @@
 #   6. gws, gauge and rbf for seeds 1 and 2 (three seeds with step 2 and 4: mean ± sd).
 # Each run folder's summary.json has train_seconds and eval_seconds; OUT_DIR/gpu_speed.log
 # the whole output. Checkpoints are never written (they are not part of the timed work).
-set -u
+set -u -o pipefail  # a run's status is its command's, not tee's
 DATA=${1:?usage: gpu_speed.sh DATA_DIR OUT_DIR [SECONDS]}
 OUT=${2:?usage: gpu_speed.sh DATA_DIR OUT_DIR [SECONDS]}
 SECONDS_LEFT=${3:-540}
@@ -30,6 +34,8 @@ run() {  # run one command if time remains; its output goes to the log
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee -a "$OUT/gpu_speed.log"
 C10="python3 -m rcdl reproduce cifar10-1epoch --data-dir $DATA --device cuda --no-progress --no-checkpoint"
+run python3 benchmarks/check_triton.py --entries 50000 --width 3072 \
+  || { echo "the Triton kernel disagrees with the streaming op: stopped" | tee -a "$OUT/gpu_speed.log"; exit 1; }
 run python3 benchmarks/profile_step.py --model gws --entries 50000 --device cuda
 run $C10 --models gws --out "$OUT/gws-fp32"
 run $C10 --models gws --store-dtype bfloat16 --out "$OUT/gws-bf16"

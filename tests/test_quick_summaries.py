@@ -155,7 +155,8 @@ def machine_class() -> str:
 # the machine, the code's revision and the moment: they differ run to run, not outcomes
 _NOT_OUTCOMES = ("machine", "environment", "out", "started", "command", "git_revision",
                  "git_dirty", "hostname", "platform", "cpu_flags", "cpu_model", "num_threads",
-                 "malloc", "half_products", "half_product_paths", "half_adam")
+                 "malloc", "half_products", "half_product_paths", "half_adam",
+                 "half_adam_paths")
 
 
 def _outcome(obj: Any, key: str = "") -> Any:

@@ -228,5 +228,6 @@ def test_the_environment_records_the_half_precision_options():
     assert env["half_products"] == "float32" and env["half_adam"] == "eager"
     assert env["half_product_paths"] == {"bfloat16": "float32 chunks",
                                          "float16": "float32 chunks"}
+    assert env["half_adam_paths"] == {"bfloat16": "eager", "float16": "eager"}
     with half_products("native"):
         assert environment_info("cpu")["half_product_paths"]["bfloat16"] == "native"

@@ -16,6 +16,7 @@ key and value gradients are returned in bfloat16, so they agree to its rounding,
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 # Before triton is imported (the extra's check imports it before the first test runs): triton
 # defines its own language functions when it is imported, interpreted or compiled as this says.
@@ -287,3 +288,17 @@ def test_the_kernels_compile_for_a_gpu():
     if "UNKNOWN API" in run.stdout:
         pytest.skip(f"this triton's compiler API is not the one this test calls: {run.stdout}")
     assert "COMPILED" in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.spawns
+def test_the_gpu_check_script_agrees_on_cpu_through_the_interpreter():
+    """benchmarks/check_triton.py (the first step of benchmarks/gpu_speed.sh) compares the
+    Triton path with the streaming one and fails on a disagreement; on CPU through the
+    interpreter, at small shapes, the two agree."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "check_triton.py"
+    run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--entries", "40",
+                          "--width", "16", "--batches", "5", "18", "--kernels", "softmax",
+                          "rbf"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [line for line in run.stdout.splitlines() if "rel. error" in line]
+    assert len(lines) == 8 and not any("FAILED" in line for line in lines), run.stdout

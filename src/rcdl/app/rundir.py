@@ -53,7 +53,7 @@ from rcdl._version import __version__
 from rcdl.app.allocator import allocator_setting
 from rcdl.distributed import rank_and_world
 from rcdl.ops.half import PRODUCTS, native_products, product_path
-from rcdl.optim.half_adam import ADAM_MODE
+from rcdl.optim.half_adam import ADAM_MODE, path_description
 
 __all__ = [
     "rank0_run",
@@ -161,7 +161,9 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
     working tree differs from it (untracked files included). ``half_products`` and
     ``half_adam`` are the process-wide defaults of the two half-precision options
     (:mod:`rcdl.options`), and ``half_product_paths`` the path a bfloat16 and a float16
-    store take on ``device`` under that default (:func:`rcdl.ops.half.product_path`).
+    store take on ``device`` under that default (:func:`rcdl.ops.half.product_path`), and
+    ``half_adam_paths`` how the hybrid's Adam step moves their entries
+    (:func:`rcdl.optim.half_adam.path_description`).
     """
     src = Path(__file__).resolve().parent
     revision = _git(["rev-parse", "HEAD"], src)
@@ -190,6 +192,8 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
         "half_product_paths": {str(dtype).removeprefix("torch."): product_path(dtype, where)
                                for dtype in (torch.bfloat16, torch.float16)},
         "half_adam": ADAM_MODE.get(),
+        "half_adam_paths": {str(dtype).removeprefix("torch."): path_description(dtype, where)
+                            for dtype in (torch.bfloat16, torch.float16)},
     }
 
 

@@ -61,17 +61,18 @@ def _entries_products(q: Tensor, entries: Entries) -> str:
 
 def _chunk_rows(q: Tensor, keys: Tensor, upcast: bool, chunk_size: int | None) -> int:
     """``chunk_size``, else :func:`default_chunk_size`, or where a half store's chunks are
-    converted to float32 (``upcast``, :mod:`rcdl.ops.half`) the rows whose float32 copy stays
-    in cache while it is multiplied: 2 MiB of them for training batches, 4 MiB for larger
-    ones (at least 256 rows): a larger converted chunk leaves the cache before its second
-    product reads it (``benchmarks/bench_half_paths.py``; docs/precision.md)."""
+    converted to float32 (``upcast``, :mod:`rcdl.ops.half`) for a training batch (at most
+    128 queries) the rows whose 2 MiB float32 copy stays in cache while it is multiplied
+    (at least 256 rows): a larger converted chunk leaves the cache before its second product
+    reads it. Larger batches keep :func:`default_chunk_size`'s rows: their products are
+    bound by the arithmetic, and smaller chunks of wide stores only slow the GEMM down
+    (``benchmarks/bench_half_paths.py``; docs/precision.md)."""
     if chunk_size is not None:
         return chunk_size
     rows = default_chunk_size(q.shape[0], q.device)
-    if not upcast:
+    if not upcast or q.shape[0] > 128:
         return rows
-    budget = (1 << 21) if q.shape[0] <= 128 else (1 << 22)
-    return max(256, min(rows, budget // (q.element_size() * max(1, keys.shape[1]))))
+    return max(256, min(rows, (1 << 21) // (q.element_size() * max(1, keys.shape[1]))))
 
 
 def _chunk(q: Tensor, entries: Entries) -> int:
@@ -164,8 +165,10 @@ class _Reader:
     chunk to chunk (a fresh chunk-sized allocation each time costs page faults): a chunk
     read is valid until the next read of the same reader."""
 
-    def __init__(self, dtype: torch.dtype, upcast: bool) -> None:
+    def __init__(self, dtype: torch.dtype, upcast: bool, store_dtype: torch.dtype) -> None:
         self.dtype, self.upcast = dtype, upcast
+        self.widen_bits = (upcast and store_dtype == torch.bfloat16
+                           and dtype == torch.float32 and widen.available())
         self.buffers: dict[torch.Size, Tensor] = {}
 
     def __call__(self, rows: Tensor) -> Tensor:
@@ -175,6 +178,8 @@ class _Reader:
         if buffer is None:
             buffer = self.buffers[rows.shape] = torch.empty(rows.shape, dtype=self.dtype,
                                                             device=rows.device)
+        if self.widen_bits:  # the bit shift, in numba's threads (rcdl.ops.widen)
+            return widen.widen_into(buffer, rows)
         return buffer.copy_(rows)
 
 
@@ -191,7 +196,8 @@ class _Pass:
         self.q = q if upcast or self.widened else q.to(keys.dtype)
         self.q_sqnorm = ((self.q * self.q).sum(1, dtype=q.dtype)
                          if self.kernel.distance else None)  # (B,)
-        self.read_keys, self.read_values = _Reader(q.dtype, upcast), _Reader(q.dtype, upcast)
+        self.read_keys = _Reader(q.dtype, upcast, keys.dtype)
+        self.read_values = _Reader(q.dtype, upcast, keys.dtype)
         self.dtype = q.dtype
 
     def block(self, keys: Tensor) -> Tensor:  # (c, B)
@@ -398,7 +404,7 @@ def nearest_sq_distance(
     chunk = _chunk_rows(q, keys, upcast, chunk_size)
     q_keys = q if upcast or widened else q.to(keys.dtype)
     q_sqnorm = (q_keys * q_keys).sum(1, dtype=q.dtype)  # (B,)
-    read = _Reader(q.dtype, upcast)
+    read = _Reader(q.dtype, upcast, keys.dtype)
     best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
     for start in range(0, keys.shape[0], chunk):
         k_c = read(keys[start : start + chunk])  # (c, d)

@@ -4,13 +4,16 @@ multiply bfloat16 natively (docs/precision.md, "Product paths").
 A bfloat16 number is the upper half of a float32 one: widening it is a 16-bit shift. On a
 CPU without ``avx512_bf16`` or AMX, the ``"float32"`` product path (:mod:`rcdl.ops.half`)
 widens each chunk of the store into a float32 buffer and then multiplies that buffer: one
-extra pass over every chunk, which at the training batch (B = 16) costs half of the float32
-product's own time. The two kernels here widen a few rows at a time into an L1-sized block
-and multiply it at once, so the store is read once, in half the bytes of a float32 store:
+extra pass over every chunk, not small next to the products at training batches
+(docs/precision.md gives the figures). The two kernels here widen a few rows at a time into
+an L1-sized block and multiply it at once, so the store is read once, in half the bytes of a
+float32 store:
 
 - :func:`scores` — ``out = widen(rows) @ xᵀ``, ``(c, B)``, and optionally each row's squared
   norm ``‖widen(rows_i)‖²`` (what a distance kernel needs, in float32);
-- :func:`sum_over_entries_` — ``acc += α · blockᵀ @ widen(rows)``, ``(B, d)``.
+- :func:`sum_over_entries_` — ``acc += α · blockᵀ @ widen(rows)``, ``(B, d)``;
+- :func:`widen_into` — ``out = widen(rows)``: the float32-chunk path's conversion, for the
+  batches whose products are better left to the float32 GEMM.
 
 They are compiled by numba (the ``fast-cpu`` extra) on first use for the CPU they run on
 and run on torch's thread count; without numba, :func:`available` is ``False`` and the
@@ -31,7 +34,8 @@ from torch import Tensor
 
 from rcdl._cpu import capped_below_half
 
-__all__ = ["as_bits", "available", "scores", "sum_over_entries_", "use_torch_threads"]
+__all__ = ["as_bits", "available", "scores", "sum_over_entries_", "use_torch_threads",
+           "widen_into"]
 
 
 def _emulated_cpu_name() -> None:
@@ -60,8 +64,8 @@ def _kernels() -> dict[str, Any] | None:
         from rcdl.ops import _widen_kernels as kernels
     except ImportError:
         return None
-    return {"scores": kernels.scores_kernel, "sum": kernels.sum_kernel, "np": np,
-            "numba": numba}
+    return {"scores": kernels.scores_kernel, "sum": kernels.sum_kernel,
+            "copy": kernels.copy_kernel, "np": np, "numba": numba}
 
 
 def available() -> bool:
@@ -119,3 +123,14 @@ def sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1
     k["sum"](acc.detach().numpy(), block.detach().contiguous().numpy(), as_bits(rows),
              k["np"].float32(alpha))
     return acc
+
+
+def widen_into(out: Tensor, rows: Tensor) -> Tensor:
+    """``out = widen(rows)`` in place: bfloat16 ``rows (c, d)`` into the contiguous float32
+    ``out (c, d)``, by the bit shift (what ``out.copy_(rows)`` computes). Returns ``out``."""
+    k = _check(rows, out)
+    if not out.is_contiguous() or out.shape != rows.shape:
+        raise ValueError(f"widen.widen_into: out must be contiguous of shape "
+                         f"{tuple(rows.shape)}, got {tuple(out.shape)}")
+    k["copy"](as_bits(rows), out.detach().numpy().view("uint32"))
+    return out

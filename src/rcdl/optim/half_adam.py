@@ -1,4 +1,4 @@
-"""The hybrid's Adam step on rows of a half-precision store, eager or compiled.
+"""The hybrid's Adam step on rows of a half-precision store: eager, fused or compiled.
 
 For a block of a store's rows kept in bfloat16 or float16, with moments ``m``, ``v`` in
 float32, one Adam step is (docs/reference.md §4; :meth:`rcdl.optim.entry_adam.EntryMoments.step`
@@ -14,7 +14,8 @@ compiling it (docs/precision.md gives both times).
 
 A third way, for bfloat16 rows on CPU where numba is installed (the ``fast-cpu`` extra), is
 one numba loop (``"fused"``, :func:`adam_path`): the same function element by element in one
-pass, compiled in seconds on first use and cached on disk, so it pays at every store size.
+pass, compiled once on first use and cached on disk by numba (no compilation to repay), so
+it pays at every store size.
 
 Which to run: ``"eager"``, ``"compiled"``, ``"fused"`` (where it applies; elsewhere as
 ``"auto"``), or ``"auto"`` (the default): fused where it applies, else compiled for a layer
@@ -42,7 +43,7 @@ from rcdl.ops.rounding import round_stochastically, rounding_noise
 from rcdl.options import ProcessDefault
 
 __all__ = ["ADAM_MODE", "AUTO_ELEMENTS", "MODES", "adam_path", "adam_rows", "half_adam",
-           "half_adam_mode", "set_half_adam", "use_compiled"]
+           "half_adam_mode", "path_description", "set_half_adam", "use_compiled"]
 
 MODES = ("auto", "eager", "compiled", "fused")
 AUTO_ELEMENTS = 1 << 26  # 67 M numbers: e.g. 10 900 entries of width 3 072 (keys + values)
@@ -94,6 +95,16 @@ def adam_path(elements: int, dtype: torch.dtype, device: torch.device | str = "c
     if mode in ("auto", "fused") and fusable:
         return "fused"
     return "compiled" if use_compiled(elements, mode) else "eager"
+
+
+def path_description(dtype: torch.dtype, device: torch.device | str = "cpu",
+                     mode: str | None = None) -> str:
+    """How the Adam step moves half-precision rows of ``dtype`` on ``device`` under ``mode``,
+    in words, for any store size (what a run records in ``environment.json``)."""
+    small, large = (adam_path(n, dtype, device, mode) for n in (1, AUTO_ELEMENTS))
+    if small == large:
+        return small
+    return f"{large} from {AUTO_ELEMENTS:,} numbers (keys and values), {small} below"
 
 
 def _adam_fused(param: Tensor, m: Tensor, v: Tensor, grad: Tensor, a: Tensor, c: Tensor,
