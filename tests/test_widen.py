@@ -123,3 +123,20 @@ def test_widen_pays_measures_both_ways_once():
     answer = half.widen_pays()
     assert isinstance(answer, bool)
     assert half.widen_pays() is answer and half.widen_pays.cache_info().hits == 1
+
+
+@pytest.mark.spawns
+def test_starting_numba_leaves_torchs_thread_count_as_it_was():
+    """numba's OpenMP pool resets the process's OpenMP thread count as it starts; rcdl puts
+    torch's back (a run on one thread stays on one thread, and records one)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from rcdl.ops import widen\n"
+            "widen.scores(torch.randn(5, 8).bfloat16(), torch.randn(3, 8))\n"
+            "print(torch.get_num_threads())\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-1] == "1"

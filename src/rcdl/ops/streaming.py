@@ -59,26 +59,29 @@ def _entries_products(q: Tensor, entries: Entries) -> str:
     return _products(q, entries.keys, entries.values, entries.half_products)
 
 
-def _chunk_rows(q: Tensor, keys: Tensor, upcast: bool, chunk_size: int | None) -> int:
-    """``chunk_size``, else :func:`default_chunk_size`, or where a half store's chunks are
-    converted to float32 (``upcast``, :mod:`rcdl.ops.half`) for a training batch (at most
-    128 queries) the rows whose 2 MiB float32 copy stays in cache while it is multiplied
-    (at least 256 rows): a larger converted chunk leaves the cache before its second product
-    reads it. Larger batches keep :func:`default_chunk_size`'s rows: their products are
-    bound by the arithmetic, and smaller chunks of wide stores only slow the GEMM down
-    (``benchmarks/bench_half_paths.py``; docs/precision.md)."""
+def _chunk_rows(q: Tensor, keys: Tensor, products: str, chunk_size: int | None) -> int:
+    """``chunk_size``, else :func:`default_chunk_size`, except for a training batch (at most
+    128 queries) of a half store whose chunks are converted to float32 (``products``
+    ``"float32"``, :mod:`rcdl.ops.half`): the rows whose 2 MiB float32 copy stays in cache
+    while it is multiplied (at least 256 rows; a larger converted chunk leaves the cache
+    before its second product reads it), or widened in registers (``"widen"``): 4 096 rows,
+    nothing being copied, so that fewer calls cross into the kernels. Larger batches keep
+    :func:`default_chunk_size`'s rows: their products are bound by the arithmetic, and
+    smaller chunks of wide stores only slow the GEMM down (``benchmarks/bench_half_paths.py``;
+    docs/precision.md)."""
     if chunk_size is not None:
         return chunk_size
     rows = default_chunk_size(q.shape[0], q.device)
-    if not upcast or q.shape[0] > 128:
+    if products == "widen":
+        return 4096
+    if products != "float32" or q.shape[0] > 128:
         return rows
     return max(256, min(rows, (1 << 21) // (q.element_size() * max(1, keys.shape[1]))))
 
 
 def _chunk(q: Tensor, entries: Entries) -> int:
     """The rows one chunk of ``entries`` holds for the queries ``q``."""
-    upcast = _entries_products(q, entries) == "float32"
-    return _chunk_rows(q, entries.keys, upcast, entries.chunk_size)
+    return _chunk_rows(q, entries.keys, _entries_products(q, entries), entries.chunk_size)
 
 
 # Blocks are entry-major, (c, B): ``keys_c @ q.T`` reads the store rows contiguously, which
@@ -401,7 +404,7 @@ def nearest_sq_distance(
                          f"{tuple(q.shape)} and {tuple(keys.shape)}")
     products = _products(q, keys, None, half_products)
     upcast, widened = products == "float32", products == "widen"
-    chunk = _chunk_rows(q, keys, upcast, chunk_size)
+    chunk = _chunk_rows(q, keys, products, chunk_size)
     q_keys = q if upcast or widened else q.to(keys.dtype)
     q_sqnorm = (q_keys * q_keys).sum(1, dtype=q.dtype)  # (B,)
     read = _Reader(q.dtype, upcast, keys.dtype)

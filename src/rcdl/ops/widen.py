@@ -64,6 +64,12 @@ def _kernels() -> dict[str, Any] | None:
         from rcdl.ops import _widen_kernels as kernels
     except ImportError:
         return None
+    # numba's OpenMP thread pool, started here rather than inside a kernel call, resets the
+    # process's OpenMP thread count as it starts (torch.get_num_threads() then answers the
+    # number of cores): put torch's back
+    threads = torch.get_num_threads()
+    numba.get_num_threads()  # starts the pool
+    torch.set_num_threads(threads)
     return {"scores": kernels.scores_kernel, "sum": kernels.sum_kernel,
             "copy": kernels.copy_kernel, "np": np, "numba": numba}
 
