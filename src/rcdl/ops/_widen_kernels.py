@@ -108,14 +108,3 @@ def sum_kernel(acc, block, rows, alpha):  # noqa: ANN001, ANN202
                 for j in range(w):
                     out[j] += ((a0 * f0[j] + a1 * f1[j]) + (a2 * f2[j] + a3 * f3[j])
                                + ((a4 * f4[j] + a5 * f5[j]) + (a6 * f6[j] + a7 * f7[j])))
-
-
-
-@_jit
-def copy_kernel(rows, out):  # noqa: ANN001, ANN201
-    # out (c, d) float32 bits (uint32) = widen(rows (c, d)): a bfloat16 is a float32's top half
-    c, d = rows.shape
-    for i in numba.prange(c):
-        src, dst = rows[i], out[i]
-        for j in range(d):
-            dst[j] = np.uint32(src[j]) << _SHIFT

@@ -168,10 +168,8 @@ class _Reader:
     chunk to chunk (a fresh chunk-sized allocation each time costs page faults): a chunk
     read is valid until the next read of the same reader."""
 
-    def __init__(self, dtype: torch.dtype, upcast: bool, store_dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, upcast: bool) -> None:
         self.dtype, self.upcast = dtype, upcast
-        self.widen_bits = (upcast and store_dtype == torch.bfloat16
-                           and dtype == torch.float32 and widen.available())
         self.buffers: dict[torch.Size, Tensor] = {}
 
     def __call__(self, rows: Tensor) -> Tensor:
@@ -181,8 +179,6 @@ class _Reader:
         if buffer is None:
             buffer = self.buffers[rows.shape] = torch.empty(rows.shape, dtype=self.dtype,
                                                             device=rows.device)
-        if self.widen_bits:  # the bit shift, in numba's threads (rcdl.ops.widen)
-            return widen.widen_into(buffer, rows)
         return buffer.copy_(rows)
 
 
@@ -199,8 +195,7 @@ class _Pass:
         self.q = q if upcast or self.widened else q.to(keys.dtype)
         self.q_sqnorm = ((self.q * self.q).sum(1, dtype=q.dtype)
                          if self.kernel.distance else None)  # (B,)
-        self.read_keys = _Reader(q.dtype, upcast, keys.dtype)
-        self.read_values = _Reader(q.dtype, upcast, keys.dtype)
+        self.read_keys, self.read_values = _Reader(q.dtype, upcast), _Reader(q.dtype, upcast)
         self.dtype = q.dtype
 
     def block(self, keys: Tensor) -> Tensor:  # (c, B)
@@ -407,7 +402,7 @@ def nearest_sq_distance(
     chunk = _chunk_rows(q, keys, products, chunk_size)
     q_keys = q if upcast or widened else q.to(keys.dtype)
     q_sqnorm = (q_keys * q_keys).sum(1, dtype=q.dtype)  # (B,)
-    read = _Reader(q.dtype, upcast, keys.dtype)
+    read = _Reader(q.dtype, upcast)
     best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
     for start in range(0, keys.shape[0], chunk):
         k_c = read(keys[start : start + chunk])  # (c, d)

@@ -11,9 +11,7 @@ float32 store:
 
 - :func:`scores` — ``out = widen(rows) @ xᵀ``, ``(c, B)``, and optionally each row's squared
   norm ``‖widen(rows_i)‖²`` (what a distance kernel needs, in float32);
-- :func:`sum_over_entries_` — ``acc += α · blockᵀ @ widen(rows)``, ``(B, d)``;
-- :func:`widen_into` — ``out = widen(rows)``: the float32-chunk path's conversion, for the
-  batches whose products are better left to the float32 GEMM.
+- :func:`sum_over_entries_` — ``acc += α · blockᵀ @ widen(rows)``, ``(B, d)``.
 
 They are compiled by numba (the ``fast-cpu`` extra) on first use for the CPU they run on
 and run on torch's thread count; without numba, :func:`available` is ``False`` and the
@@ -34,8 +32,7 @@ from torch import Tensor
 
 from rcdl._cpu import capped_below_half
 
-__all__ = ["as_bits", "available", "scores", "sum_over_entries_", "use_torch_threads",
-           "widen_into"]
+__all__ = ["as_bits", "available", "scores", "sum_over_entries_", "use_torch_threads"]
 
 
 def _emulated_cpu_name() -> None:
@@ -70,8 +67,8 @@ def _kernels() -> dict[str, Any] | None:
     threads = torch.get_num_threads()
     numba.get_num_threads()  # starts the pool
     torch.set_num_threads(threads)
-    return {"scores": kernels.scores_kernel, "sum": kernels.sum_kernel,
-            "copy": kernels.copy_kernel, "np": np, "numba": numba}
+    return {"scores": kernels.scores_kernel, "sum": kernels.sum_kernel, "np": np,
+            "numba": numba}
 
 
 def available() -> bool:
@@ -129,14 +126,3 @@ def sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1
     k["sum"](acc.detach().numpy(), block.detach().contiguous().numpy(), as_bits(rows),
              k["np"].float32(alpha))
     return acc
-
-
-def widen_into(out: Tensor, rows: Tensor) -> Tensor:
-    """``out = widen(rows)`` in place: bfloat16 ``rows (c, d)`` into the contiguous float32
-    ``out (c, d)``, by the bit shift (what ``out.copy_(rows)`` computes). Returns ``out``."""
-    k = _check(rows, out)
-    if not out.is_contiguous() or out.shape != rows.shape:
-        raise ValueError(f"widen.widen_into: out must be contiguous of shape "
-                         f"{tuple(rows.shape)}, got {tuple(out.shape)}")
-    k["copy"](as_bits(rows), out.detach().numpy().view("uint32"))
-    return out
