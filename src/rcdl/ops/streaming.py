@@ -60,23 +60,22 @@ def _entries_products(q: Tensor, entries: Entries) -> str:
 
 
 def _chunk_rows(q: Tensor, keys: Tensor, products: str, chunk_size: int | None) -> int:
-    """``chunk_size``, else :func:`default_chunk_size`, except for a training batch (at most
-    128 queries) of a half store whose chunks are converted to float32 (``products``
-    ``"float32"``, :mod:`rcdl.ops.half`): the rows whose 2 MiB float32 copy stays in cache
-    while it is multiplied (at least 256 rows; a larger converted chunk leaves the cache
-    before its second product reads it), or widened in registers (``"widen"``): 4 096 rows,
-    nothing being copied, so that fewer calls cross into the kernels. Larger batches keep
-    :func:`default_chunk_size`'s rows: their products are bound by the arithmetic, and
-    smaller chunks of wide stores only slow the GEMM down (``benchmarks/bench_half_paths.py``;
-    docs/precision.md)."""
+    """``chunk_size``, else :func:`default_chunk_size`, except for a half store whose chunks
+    are converted to float32 (``products`` ``"float32"``, :mod:`rcdl.ops.half`): the rows
+    whose float32 copy stays in cache while it is multiplied, 2 MiB of them for training
+    batches, 4 MiB for larger ones (at least 256 rows; a larger converted chunk leaves the
+    cache before its second product reads it), and for one widened in registers
+    (``"widen"``): 4 096 rows, nothing being copied, so that fewer calls cross into the
+    kernels (``benchmarks/bench_half_paths.py``; docs/precision.md)."""
     if chunk_size is not None:
         return chunk_size
-    rows = default_chunk_size(q.shape[0], q.device)
     if products == "widen":
         return 4096
-    if products != "float32" or q.shape[0] > 128:
+    rows = default_chunk_size(q.shape[0], q.device)
+    if products != "float32":
         return rows
-    return max(256, min(rows, (1 << 21) // (q.element_size() * max(1, keys.shape[1]))))
+    budget = (1 << 21) if q.shape[0] <= 128 else (1 << 22)
+    return max(256, min(rows, budget // (q.element_size() * max(1, keys.shape[1]))))
 
 
 def _chunk(q: Tensor, entries: Entries) -> int:
