@@ -16,6 +16,12 @@ _jit = functools.partial(numba.njit, parallel=True, fastmath=True, boundscheck=F
 _SHIFT = np.uint32(16)  # a bfloat16's bits are the upper half of a float32's
 
 
+@numba.njit(inline="always", cache=True)
+def widen_row(src, dst):  # noqa: ANN001, ANN201 - dst (w,) uint32 = float32 bits of src (w,)
+    for j in range(src.shape[0]):
+        dst[j] = np.uint32(src[j]) << _SHIFT
+
+
 @numba.njit(fastmath=True, inline="always", cache=True)
 def dot4x4(f, x, b0, d):  # noqa: ANN001, ANN202 - the 16 dot products of 4 rows, 4 queries
     s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0)
@@ -44,6 +50,7 @@ def dot4x4(f, x, b0, d):  # noqa: ANN001, ANN202 - the 16 dot products of 4 rows
     return (s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23,
             s30, s31, s32, s33)
 
+
 @_jit
 def scores_kernel(rows, x, out, sqnorm, want_norm):  # noqa: ANN001, ANN202
     # out (c, B) = widen(rows (c, d)) @ x (B, d)ᵀ; sqnorm (c,) the rows' squared norms
@@ -54,9 +61,7 @@ def scores_kernel(rows, x, out, sqnorm, want_norm):  # noqa: ANN001, ANN202
         m = min(_ROWS, c - i0)
         bits = np.zeros((_ROWS, d), np.uint32)
         for r in range(m):
-            src, dst = rows[i0 + r], bits[r]
-            for j in range(d):
-                dst[j] = np.uint32(src[j]) << _SHIFT
+            widen_row(rows[i0 + r], bits[r])
         f = bits.view(np.float32)  # (4, d) the widened rows, zero past the last
         if want_norm:
             for r in range(m):
@@ -78,6 +83,7 @@ def scores_kernel(rows, x, out, sqnorm, want_norm):  # noqa: ANN001, ANN202
                     s += f[r, j] * x[b, j]
                 out[i0 + r, b] = s
 
+
 @_jit
 def sum_kernel(acc, block, rows, alpha):  # noqa: ANN001, ANN202
     # acc (B, d) += alpha · block (c, B)ᵀ @ widen(rows (c, d)); a thread owns columns
@@ -93,9 +99,7 @@ def sum_kernel(acc, block, rows, alpha):  # noqa: ANN001, ANN202
         for i0 in range(0, c, _SUM_ROWS):
             m = min(_SUM_ROWS, c - i0)
             for r in range(m):
-                src, dst = rows[i0 + r, j0 : j0 + w], bits[r]
-                for j in range(w):
-                    dst[j] = np.uint32(src[j]) << _SHIFT
+                widen_row(rows[i0 + r, j0 : j0 + w], bits[r])
                 for b in range(batch):
                     coef[r, b] = alpha * block[i0 + r, b]
             for r in range(m, _SUM_ROWS):

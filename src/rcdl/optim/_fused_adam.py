@@ -4,6 +4,8 @@ module-level so that numba's on-disk cache finds it again in the next process)."
 import numba
 import numpy as np
 
+from rcdl.ops._widen_kernels import widen_row
+
 _MASK32 = np.uint64(0xFFFFFFFF)
 _LOW16 = np.uint64(0xFFFF)
 _HIGH16 = np.uint64(0xFFFF0000)
@@ -23,14 +25,11 @@ def adam_bf16(param, m, v, grad_bits, grad, a, c, row, col, b1, b2):  # noqa: AN
     b2 = np.float32(b2)
     for i in numba.prange(n):
         bits = np.empty(w, np.uint32)  # the row, then the moved row, as float32 bits
-        for j in range(w):
-            bits[j] = np.uint32(param[i, j]) << np.uint32(16)
+        widen_row(param[i], bits)
         moved = bits.view(np.float32)
         g_row = np.empty(w, np.float32)
         if grad_bits.shape[0] > 0:
-            g_row_bits = g_row.view(np.uint32)
-            for j in range(w):
-                g_row_bits[j] = np.uint32(grad_bits[i, j]) << np.uint32(16)
+            widen_row(grad_bits[i], g_row.view(np.uint32))
         else:
             for j in range(w):
                 g_row[j] = grad[i, j]
