@@ -23,6 +23,14 @@ def widen_row(src, dst):  # noqa: ANN001, ANN201 - dst (w,) uint32 = float32 bit
 
 
 @numba.njit(fastmath=True, inline="always", cache=True)
+def dot(a, b):  # noqa: ANN001, ANN201 - ⟨a, b⟩ of two float32 rows
+    s = np.float32(0)
+    for j in range(a.shape[0]):
+        s += a[j] * b[j]
+    return s
+
+
+@numba.njit(fastmath=True, inline="always", cache=True)
 def dot4x4(f, x, b0, d):  # noqa: ANN001, ANN202 - the 16 dot products of 4 rows, 4 queries
     s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0)
     s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = np.float32(0)
@@ -65,10 +73,7 @@ def scores_kernel(rows, x, out, sqnorm, want_norm):  # noqa: ANN001, ANN202
         f = bits.view(np.float32)  # (4, d) the widened rows, zero past the last
         if want_norm:
             for r in range(m):
-                s = np.float32(0)
-                for j in range(d):
-                    s += f[r, j] * f[r, j]
-                sqnorm[i0 + r] = s
+                sqnorm[i0 + r] = dot(f[r], f[r])
         b0 = 0
         while b0 + 4 <= batch:
             s16 = dot4x4(f, x, b0, d)
@@ -76,12 +81,9 @@ def scores_kernel(rows, x, out, sqnorm, want_norm):  # noqa: ANN001, ANN202
                 for q in range(4):
                     out[i0 + r, b0 + q] = s16[r * 4 + q]
             b0 += 4
-        for b in range(b0, batch):
+        for b in range(b0, batch):  # the queries past the last group of four
             for r in range(m):
-                s = np.float32(0)
-                for j in range(d):
-                    s += f[r, j] * x[b, j]
-                out[i0 + r, b] = s
+                out[i0 + r, b] = dot(f[r], x[b])
 
 
 @_jit

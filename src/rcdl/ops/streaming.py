@@ -55,10 +55,6 @@ def _products(q: Tensor, keys: Tensor, values: Tensor | None, mode: str | None) 
     return path
 
 
-def _entries_products(q: Tensor, entries: Entries) -> str:
-    return _products(q, entries.keys, entries.values, entries.half_products)
-
-
 def _chunk_rows(q: Tensor, keys: Tensor, products: str, chunk_size: int | None) -> int:
     """``chunk_size``, else :func:`default_chunk_size`, except for a half store whose chunks
     are converted to float32 (``products`` ``"float32"``, :mod:`rcdl.ops.half`): the rows
@@ -76,11 +72,6 @@ def _chunk_rows(q: Tensor, keys: Tensor, products: str, chunk_size: int | None) 
         return rows
     budget = (1 << 21) if q.shape[0] <= 128 else (1 << 22)
     return max(256, min(rows, budget // (q.element_size() * max(1, keys.shape[1]))))
-
-
-def _chunk(q: Tensor, entries: Entries) -> int:
-    """The rows one chunk of ``entries`` holds for the queries ``q``."""
-    return _chunk_rows(q, entries.keys, _entries_products(q, entries), entries.chunk_size)
 
 
 # Blocks are entry-major, (c, B): ``keys_c @ q.T`` reads the store rows contiguously, which
@@ -182,13 +173,17 @@ class _Reader:
 
 
 class _Pass:
-    """What every pass over the entries for the queries ``q`` shares: the queries as the
-    products take them, their norms for a distance kernel, ``τ`` and the chunk readers."""
+    """What every pass over the entries for the queries ``q`` shares: how the products run
+    (decided once per call), the rows per chunk (``chunk``, else :func:`_chunk_rows`'s; a
+    backward pass takes its forward's), the queries as the products take them, their norms
+    for a distance kernel, ``τ`` and the chunk readers."""
 
-    def __init__(self, q: Tensor, entries: Entries, chunk: int) -> None:
-        products = _entries_products(q, entries)
-        upcast, self.widened = products == "float32", products == "widen"
+    def __init__(self, q: Tensor, entries: Entries, chunk: int | None = None) -> None:
         keys = entries.keys
+        products = _products(q, keys, entries.values, entries.half_products)
+        upcast, self.widened = products == "float32", products == "widen"
+        if chunk is None:
+            chunk = _chunk_rows(q, keys, products, entries.chunk_size)
         self.kernel, self.chunk, self.tau = entries.kernel, chunk, entries.tau(q.shape[1])
         # (B, key_dim), q itself if dtypes agree or the store is converted or widened
         self.q = q if upcast or self.widened else q.to(keys.dtype)
@@ -236,14 +231,14 @@ class Streaming:
     def forward(self, q: Tensor, entries: Entries, *, keep: bool) -> tuple[Partial, Any]:
         """The partial over all the entries (no autograd), and what :meth:`backward` needs
         of this pass: the chunk size, and with ``keep`` each chunk's block."""
-        chunk = _chunk(q, entries)
+        run = _Pass(q, entries)
         part = empty_partial(q, entries.values.shape[1], entries.kernel)
         saved = []  # per chunk: (block, m used for it) when keep
-        for _, folded, block, m_used in _Pass(q, entries, chunk).folds(entries, part, 0):
+        for _, folded, block, m_used in run.folds(entries, part, 0):
             part = folded
             if keep:
                 saved.append((block, m_used))
-        return part, (chunk, saved if keep else None)
+        return part, (run.chunk, saved if keep else None)
 
     def resume(self, q: Tensor, entries: Entries, start: tuple[int, Partial] | None
                ) -> tuple[Partial, tuple[int, Partial]]:
@@ -255,7 +250,8 @@ class Streaming:
         ``≤ N``. Every chunk is the same rows, folded in the same order, as in one pass: the
         result is bit for bit :meth:`forward`'s, and a store that only grew is re-attended
         from its last full chunk on (incremental evaluation)."""
-        chunk, n = _chunk(q, entries), len(entries)
+        run = _Pass(q, entries)
+        chunk, n = run.chunk, len(entries)
         row, given = ((0, empty_partial(q, entries.values.shape[1], entries.kernel))
                       if start is None else start)
         if row % chunk or row > n:
@@ -264,7 +260,7 @@ class Streaming:
         boundary = (n // chunk) * chunk
         state = (row, given)  # what to start from next time, if no full chunk follows
         part = Partial(*(t.clone() for t in given))  # folded in place; the state given stays
-        for end, folded, _, _ in _Pass(q, entries, chunk).folds(entries, part, row):
+        for end, folded, _, _ in run.folds(entries, part, row):
             part = folded
             if end == boundary:  # the last full chunk: keep a copy of the state
                 state = (boundary, Partial(*(t.clone() for t in part)))
@@ -358,7 +354,7 @@ class Streaming:
         output's own rounding."""
         keys, values, weights = entries.keys, entries.values, entries.weights
         kernel = entries.kernel
-        run = _Pass(q, entries, _chunk(q, entries))
+        run = _Pass(q, entries)
         if kernel.normalised:
             den = guard_denominator(whole.den, whole.mass, entries.eps)  # (B,)
         blocks = []
