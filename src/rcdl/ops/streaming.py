@@ -57,21 +57,23 @@ def _products(q: Tensor, keys: Tensor, values: Tensor | None, mode: str | None) 
 
 def _chunk_rows(q: Tensor, keys: Tensor, products: str, chunk_size: int | None) -> int:
     """``chunk_size``, else :func:`default_chunk_size`, except for a half store whose chunks
-    are converted to float32 (``products`` ``"float32"``, :mod:`rcdl.ops.half`): the rows
-    whose float32 copy stays in cache while it is multiplied, 2 MiB of them for training
-    batches, 4 MiB for larger ones (at least 256 rows; a larger converted chunk leaves the
-    cache before its second product reads it), and for one widened in registers
-    (``"widen"``): 4 096 rows, nothing being copied, so that fewer calls cross into the
-    kernels (``benchmarks/bench_half_paths.py``; docs/precision.md)."""
+    are converted to float32 (``products`` ``"float32"``, :mod:`rcdl.ops.half`) and a training
+    batch (at most 128 queries): the rows whose float32 copy stays in cache while it is
+    multiplied, 2 MiB of them (at least 256 rows; a larger converted chunk leaves the cache
+    before its second product reads it), and for one widened in registers (``"widen"``):
+    4 096 rows, nothing being copied, so that fewer calls cross into the kernels. A larger
+    batch's converted chunks have float32's rows: its products are bound by arithmetic, and
+    each chunk's sum over entries reads and writes the whole ``(B, d)`` accumulator, so
+    fewer, longer chunks pay more than a cache-sized copy (``benchmarks/bench_half_paths.py``;
+    docs/precision.md)."""
     if chunk_size is not None:
         return chunk_size
     if products == "widen":
         return 4096
     rows = default_chunk_size(q.shape[0], q.device)
-    if products != "float32":
+    if products != "float32" or q.shape[0] > 128:
         return rows
-    budget = (1 << 21) if q.shape[0] <= 128 else (1 << 22)
-    return max(256, min(rows, budget // (q.element_size() * max(1, keys.shape[1]))))
+    return max(256, min(rows, (1 << 21) // (q.element_size() * max(1, keys.shape[1]))))
 
 
 # Blocks are entry-major, (c, B): ``keys_c @ q.T`` reads the store rows contiguously, which
@@ -335,10 +337,10 @@ class Streaming:
                 _sum_over_entries_(grad_q, grad_scores, k_c, alpha=scale, widened=run.widened)
                 if kernel.distance:
                     dist_q_coef += grad_scores.sum(0)
-            if grad_k is not None:
-                _mm_into(grad_k[rows], grad_scores, q).mul_(scale)
-                if kernel.distance:  # the −k part of ∂‖q − k‖²
-                    grad_k[rows] -= k_c * (grad_scores.sum(1) * scale)[:, None]
+            if grad_k is not None:  # the scale folded into the (c, B) factor, not the (c, d)
+                _mm_into(grad_k[rows], grad_scores * scale, q)
+                if kernel.distance:  # the −k part of ∂‖q − k‖², in place
+                    grad_k[rows].addcmul_(k_c, (grad_scores.sum(1) * -scale)[:, None])
         if grad_q is not None and kernel.distance:  # the −q part of ∂‖q − k‖²: φ (k − q)/τ
             grad_q -= q * (dist_q_coef * scale)[:, None]
         return grad_q, grad_k, grad_v, grad_w

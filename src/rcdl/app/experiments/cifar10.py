@@ -67,6 +67,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 
 from rcdl.app import rundir
@@ -80,7 +81,7 @@ from rcdl.app.rundir import RunDir
 from rcdl.app.runner import Combine, Experiment, Session, run_experiment
 from rcdl.distributed import rank_and_world, shard
 from rcdl.nn.hybrid import HybridSoftmax
-from rcdl.ops.half import product_mode
+from rcdl.ops.half import product_mode, product_path
 from rcdl.train.checkpoint import remove_checkpoint
 from rcdl.train.loop import train_one_pass
 
@@ -171,11 +172,12 @@ def _note_if_bfloat16_is_emulated() -> None:
     """Say which product path a bfloat16 store takes on this CPU (rcdl.ops.half,
     docs/precision.md)."""
     if not rundir.native_bfloat16():
+        path = product_path(torch.bfloat16, "cpu")
         print(f"note: this CPU has neither avx512_bf16 nor AMX, so bfloat16 products are not "
-              f"native; product mode {product_mode()!r}: in 'auto' the stores' chunks are "
-              "converted to float32 as they are read (half the memory; "
-              "RCDL_HALF_PRODUCTS=native multiplies in bfloat16 all the same; docs/precision.md "
-              "compares the two paths' speeds on such CPUs)", file=sys.stderr)
+              f"native; product mode {product_mode()!r}: the stores' products take the path "
+              f"{path!r} (half the memory; RCDL_HALF_PRODUCTS=native multiplies in bfloat16 all "
+              "the same; docs/precision.md compares the paths' speeds on such CPUs)",
+              file=sys.stderr)
 
 
 def _sub_runs(cfg: Cifar10Config, data: CifarData, session: Session) -> Iterator:
