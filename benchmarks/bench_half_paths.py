@@ -7,7 +7,8 @@ gradients): the median time of a training call (forward + backward of ``--train-
 queries) and of a no-grad evaluation call (``--eval-batch`` queries), for a float32 store and
 a bfloat16 store on the float32-chunk path, widened in registers (``rcdl.ops.widen``, where
 numba is installed) and on the native path (where the CPU has bfloat16 units, or with
-``--native``), each as a ratio to float32 measured in the same rounds. Prints the CPU model
+``--native``), each as the median over rounds of its time over float32's in the same round (with the
+quartiles of those ratios in brackets). Prints the CPU model
 and flags first. To emulate another machine class, set the caps of docs/precision.md
 ("Emulating another machine class").
 
@@ -88,11 +89,21 @@ def main() -> None:
 
                     times[name]["train"].append(timed(train, args.repeats))
                     times[name]["eval"].append(timed(evaluate, max(1, args.repeats // 3)))
-        base = {what: statistics.median(times["float32"][what]) for what in ("train", "eval")}
         for name, _, _ in cases:
             tr, ev = (statistics.median(times[name][w]) for w in ("train", "eval"))
-            print(f"| {kernel} | {name} | {tr * 1e3:.1f} | {tr / base['train']:.2f} | "
-                  f"{ev * 1e3:.1f} | {ev / base['eval']:.2f} |")
+            print(f"| {kernel} | {name} | {tr * 1e3:.1f} | {ratio(times, name, 'train')} | "
+                  f"{ev * 1e3:.1f} | {ratio(times, name, 'eval')} |")
+
+
+def ratio(times: dict[str, dict[str, list[float]]], name: str, what: str) -> str:
+    """The median over rounds of each round's time over float32's in the same round, with
+    the quartiles of those ratios: a drift of the machine's speed between rounds cancels."""
+    per_round = sorted(t / b for t, b in zip(times[name][what], times["float32"][what],
+                                             strict=True))
+    if len(per_round) < 4:
+        return f"{statistics.median(per_round):.2f}"
+    q1, _, q3 = statistics.quantiles(per_round, n=4)
+    return f"{statistics.median(per_round):.2f} ({q1:.2f}–{q3:.2f})"
 
 
 if __name__ == "__main__":

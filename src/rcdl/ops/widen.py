@@ -124,5 +124,5 @@ def sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1
     if not acc.is_contiguous():
         raise ValueError("widen.sum_over_entries_: acc must be contiguous")
     k["sum"](acc.detach().numpy(), block.detach().contiguous().numpy(), as_bits(rows),
-             k["np"].float32(alpha))
+             k["np"].float32(alpha), k["numba"].get_num_threads())
     return acc
