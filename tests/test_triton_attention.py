@@ -258,32 +258,34 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from rcdl.ops import _triton_kernels as K
 blocks = dict(BLOCK_B=16, BLOCK_N=64, BLOCK_D=64, BLOCK_V=64)
-for code, distance in ((1, True), (3, False)):  # RBF, softmax
-    for fn in (K.attention_forward, K.attention_grad_queries, K.attention_grad_entries):
-        names = fn.arg_names
-        const = dict(KERNEL=code, DISTANCE=distance, **blocks)
-        if "NEED_K" in names:
-            const |= dict(NEED_K=True, NEED_V=True, NEED_W=True)
-        signature = {n: "constexpr" if n in const else "*bf16" if n in ("k_ptr", "v_ptr")
-                     else "*fp32" if n.endswith("_ptr") else "fp32" if n in ("tau", "scale")
-                     else "i32" for n in names}
-        try:
-            source = ASTSource(fn=fn, signature=signature,
-                               constexprs={(names.index(k),): v for k, v in const.items()})
-        except TypeError as err:  # another triton's compiler API
-            print("UNKNOWN API", err)
-            sys.exit(0)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-        assert "cubin" in compiled.asm, fn
+code, distance = int(sys.argv[1]), sys.argv[2] == "distance"  # the kernel's code and kind
+for fn in (K.attention_forward, K.attention_grad_queries, K.attention_grad_entries):
+    names = fn.arg_names
+    const = dict(KERNEL=code, DISTANCE=distance, **blocks)
+    if "NEED_K" in names:
+        const |= dict(NEED_K=True, NEED_V=True, NEED_W=True)
+    signature = {n: "constexpr" if n in const else "*bf16" if n in ("k_ptr", "v_ptr")
+                 else "*fp32" if n.endswith("_ptr") else "fp32" if n in ("tau", "scale")
+                 else "i32" for n in names}
+    try:
+        source = ASTSource(fn=fn, signature=signature,
+                           constexprs={(names.index(k),): v for k, v in const.items()})
+    except TypeError as err:  # another triton's compiler API
+        print("UNKNOWN API", err)
+        sys.exit(0)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert "cubin" in compiled.asm, fn
 print("COMPILED")
 """
 
 
 @pytest.mark.spawns
-def test_the_kernels_compile_for_a_gpu():
+@pytest.mark.parametrize("code, kind", [(1, "distance"), (3, "normalised")],
+                         ids=["rbf", "softmax"])
+def test_the_kernels_compile_for_a_gpu(code, kind):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", COMPILE, str(code), kind], env=env,
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     if "UNKNOWN API" in run.stdout:
         pytest.skip(f"this triton's compiler API is not the one this test calls: {run.stdout}")
