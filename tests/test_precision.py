@@ -22,6 +22,7 @@ from rcdl import (
 )
 from rcdl.nn.hybrid import HybridSoftmax
 from rcdl.nn.store import EntryStore
+from rcdl.ops import streaming
 from rcdl.ops.attention import attention, attention_partial, finalize, nearest_sq_distance
 from rcdl.ops.half import half_products
 from rcdl.ops.kernels import KERNELS, naive_attention
@@ -90,6 +91,31 @@ def test_half_store_matches_the_float64_attention_over_the_rounded_numbers(kerne
     for name, leaf, ref_leaf in zip("qkvw", leaves, ref_leaves, strict=True):
         assert leaf.grad.dtype == leaf.dtype, name  # entry gradients in the entries' dtype
         assert relative_error(leaf.grad, ref_leaf.grad) < 2 * RTOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_half_entry_gradients_formed_in_row_blocks_round_the_same_product(kernel, dtype, path,
+                                                                          monkeypatch):
+    """A half store's key and value gradients are formed a block of rows at a time into a
+    reused float32 buffer and rounded into the store's dtype; the blocks give the numbers
+    one product gives, up to the last bit of a float32 product flipping one rounding."""
+    q, keys, values, weights = entries(n=200, d_out=40)
+    kw = {"kernel": kernel, "temperature": TEMPERATURE[kernel], "chunk_size": 96}
+
+    def entry_grads():
+        leaves = [x.clone().requires_grad_() for x in (q, keys.to(dtype), values.to(dtype),
+                                                        weights)]
+        attention(*leaves, **kw).sum().backward()
+        return [leaf.grad for leaf in leaves[1:3]]
+
+    monkeypatch.setattr(streaming, "_NARROW_BLOCK_BYTES", 1 << 30)  # one product per chunk
+    whole = entry_grads()
+    monkeypatch.setattr(streaming, "_NARROW_BLOCK_BYTES", 16 * 4 * 40)  # blocks of 16 rows
+    for blocked, one in zip(entry_grads(), whole, strict=True):
+        assert blocked.dtype == dtype
+        ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+        assert_close(blocked.float(), one.float(), rtol=ulp, atol=1e-6)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

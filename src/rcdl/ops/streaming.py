@@ -128,11 +128,26 @@ def _as_multiplied(block: Tensor, rows: Tensor, widened: bool = False) -> Tensor
     return block.to(rows.dtype).to(block.dtype)
 
 
+_NARROW_BLOCK_BYTES = 1 << 23  # the float32 product block a half gradient is rounded from
+
+
 def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """``out = a @ b`` written into ``out`` (rounded to its dtype if it is narrower)."""
+    """``out = a @ b`` written into ``out``. Where ``out`` is narrower (a half store's entry
+    gradients), on CPU, the product is formed into one reused float32 buffer of at most
+    8 MiB, a block of rows at a time, and each block rounded into ``out``: a fresh
+    ``(c, d)`` float32 product per chunk (50 MB at 4 096 × 3 072) costs its page faults
+    and a round trip through memory (docs/precision.md, "Measured on a real AVX2-only
+    CPU")."""
     if out.dtype == a.dtype == b.dtype:
         return torch.mm(a, b, out=out)
-    return out.copy_(a @ b)
+    step = max(16, _NARROW_BLOCK_BYTES // (a.element_size() * max(1, b.shape[1])))
+    if out.device.type != "cpu" or step >= a.shape[0]:
+        return out.copy_(a @ b)
+    buffer = a.new_empty(step, b.shape[1])
+    for start in range(0, a.shape[0], step):
+        rows = min(step, a.shape[0] - start)
+        out[start:start + rows].copy_(torch.mm(a[start:start + rows], b, out=buffer[:rows]))
+    return out
 
 
 def _fold_chunk(kernel: Kernel, part: Partial, block: Tensor, values: Tensor, weights: Tensor,
