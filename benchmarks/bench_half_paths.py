@@ -7,10 +7,10 @@ gradients): the median time of a training call (forward + backward of ``--train-
 queries) and of a no-grad evaluation call (``--eval-batch`` queries), for a float32 store and
 a bfloat16 store on the float32-chunk path, widened in registers (``rcdl.ops.widen``, where
 numba is installed) and on the native path (where the CPU has bfloat16 units, or with
-``--native``), each as the median over rounds of its time over float32's in the same round (with the
-quartiles of those ratios in brackets). Prints the CPU model
-and flags first. To emulate another machine class, set the caps of docs/precision.md
-("Emulating another machine class").
+``--native``), each as the median over rounds of its time over float32's in the same round
+(with the quartiles of those ratios in brackets). Prints the CPU model and flags first. To
+emulate another machine class, set the caps of docs/precision.md ("Emulating another machine
+class").
 
     python benchmarks/bench_half_paths.py [--width 1024 --entries 6000 --rounds 7]
 """
