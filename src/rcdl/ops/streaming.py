@@ -131,19 +131,24 @@ def _as_multiplied(block: Tensor, rows: Tensor, widened: bool = False) -> Tensor
 _NARROW_BLOCK_BYTES = 1 << 23  # the float32 product block a half gradient is rounded from
 
 
-def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
+def _mm_into(out: Tensor, a: Tensor, b: Tensor,
+             buffers: dict[torch.Size, Tensor] | None = None) -> Tensor:
     """``out = a @ b`` written into ``out``. Where ``out`` is narrower (a half store's entry
-    gradients), on CPU, the product is formed into one reused float32 buffer of at most
-    8 MiB, a block of rows at a time, and each block rounded into ``out``: a fresh
-    ``(c, d)`` float32 product per chunk (50 MB at 4 096 × 3 072) costs its page faults
-    and a round trip through memory (docs/precision.md, "Measured on a real AVX2-only
-    CPU")."""
+    gradients), on CPU, the product is formed into a float32 buffer of at most 8 MiB, a
+    block of rows at a time, and each block rounded into ``out``: a fresh ``(c, d)`` float32
+    product per chunk (50 MB at 4 096 × 3 072) costs its page faults and a round trip
+    through memory (docs/precision.md, "Measured on a real AVX2-only CPU"). ``buffers``
+    keeps that buffer from call to call (a pass's, :class:`_Pass`)."""
     if out.dtype == a.dtype == b.dtype:
         return torch.mm(a, b, out=out)
     step = max(16, _NARROW_BLOCK_BYTES // (a.element_size() * max(1, b.shape[1])))
     if out.device.type != "cpu" or step >= a.shape[0]:
         return out.copy_(a @ b)
-    buffer = a.new_empty(step, b.shape[1])
+    buffers = {} if buffers is None else buffers
+    shape = torch.Size((step, b.shape[1]))
+    buffer = buffers.get(shape)
+    if buffer is None:  # a pass's products are all in its queries' dtype
+        buffer = buffers[shape] = a.new_empty(shape)
     for start in range(0, a.shape[0], step):
         rows = min(step, a.shape[0] - start)
         out[start:start + rows].copy_(torch.mm(a[start:start + rows], b, out=buffer[:rows]))
@@ -207,6 +212,7 @@ class _Pass:
         self.q_sqnorm = ((self.q * self.q).sum(1, dtype=q.dtype)
                          if self.kernel.distance else None)  # (B,)
         self.read_keys, self.read_values = _Reader(q.dtype, upcast), _Reader(q.dtype, upcast)
+        self.products: dict[torch.Size, Tensor] = {}  # _mm_into's buffers, reused per chunk
         self.dtype = q.dtype
 
     def block(self, keys: Tensor) -> Tensor:  # (c, B)
@@ -337,12 +343,12 @@ class Streaming:
                 u_gs += w_c.abs()[:, None] * gs_abs
                 grad_scores = attn * g_dot_v.sub_(u_gs)  # (c, B) wrt z
                 if grad_v is not None:  # written in place: no (c, d_out) temporary to copy
-                    _mm_into(grad_v[rows], attn, grad_out)
+                    _mm_into(grad_v[rows], attn, grad_out, run.products)
                 if grad_w is not None:
                     grad_w[rows] = -(attn @ gs_w) - torch.sign(w_c) * (attn @ gs_abs)
             else:
                 if grad_v is not None:
-                    _mm_into(grad_v[rows], block * w_c[:, None], grad_out)
+                    _mm_into(grad_v[rows], block * w_c[:, None], grad_out, run.products)
                 if grad_w is not None:
                     grad_w[rows] = (block * g_dot_v).sum(1)
                 # (c, B) wrt the kernel values, then wrt ⟨q, k⟩ (over scale): for RBF
@@ -353,7 +359,7 @@ class Streaming:
                 if kernel.distance:
                     dist_q_coef += grad_scores.sum(0)
             if grad_k is not None:  # the scale folded into the (c, B) factor, not the (c, d)
-                _mm_into(grad_k[rows], grad_scores * scale, q)
+                _mm_into(grad_k[rows], grad_scores * scale, q, run.products)
                 if kernel.distance:  # the −k part of ∂‖q − k‖², in place
                     grad_k[rows].addcmul_(k_c, (grad_scores.sum(1) * -scale)[:, None])
         if grad_q is not None and kernel.distance:  # the −q part of ∂‖q − k‖²: φ (k − q)/τ

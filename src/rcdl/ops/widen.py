@@ -123,6 +123,7 @@ def sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1
     k = _check(rows, acc, block)
     if not acc.is_contiguous():
         raise ValueError("widen.sum_over_entries_: acc must be contiguous")
+    # the thread count is passed in: a kernel that asks numba for it is not cached on disk
     k["sum"](acc.detach().numpy(), block.detach().contiguous().numpy(), as_bits(rows),
              k["np"].float32(alpha), k["numba"].get_num_threads())
     return acc
