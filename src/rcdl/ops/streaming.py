@@ -236,7 +236,9 @@ class _Pass:
         for begin in range(first_row, keys.shape[0], self.chunk):
             rows = slice(begin, begin + self.chunk)
             block = self.block(self.read_keys(keys[rows]))
-            part, m_used = _fold_chunk(self.kernel, part, block, self.read_values(values[rows]),
+            # the keys' converted chunk is spent once its block is formed: the values take
+            # the same buffer (where their shapes agree), so half as much is written per chunk
+            part, m_used = _fold_chunk(self.kernel, part, block, self.read_keys(values[rows]),
                                        weights[rows], self.widened)
             yield begin + self.chunk, part, block, m_used
 

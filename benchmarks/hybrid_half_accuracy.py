@@ -1,0 +1,143 @@
+"""Where a bfloat16 store costs the hybrid its accuracy: one-epoch hybrid runs with one
+bfloat16 effect switched on at a time (docs/precision.md, "The hybrid's accuracy with a
+bfloat16 store").
+
+Each variant is ``rcdl reproduce cifar10-1epoch --models hybrid`` with a diagnostic change
+made in this process only (nothing in the library changes):
+
+- ``float32``, ``bfloat16``: the plain runs (``--store-dtype bfloat16`` for the second);
+- ``rounded-at-eval``: a float32 run that, at every evaluation, also evaluates the model with
+  its entries' keys, values or both rounded to bfloat16 (to nearest), and prints the three
+  results beside the float32 one (``EVAL ... ROUNDED ...`` on standard error);
+- ``bf16-gradients``: a float32 run whose entry gradients (keys, values) are rounded to
+  bfloat16 before the Adam step, as a bfloat16 store's are;
+- ``compensated``: a bfloat16 run whose Adam step keeps each element's rounding error in a
+  bfloat16 compensation term and rounds to nearest (Kahan summation), instead of rounding
+  stochastically (slow: the terms are gathered by entry id on every step);
+- ``sr-keys``, ``sr-values``: a float32 run whose keys (values) are rounded stochastically to
+  bfloat16 after every Adam step, the other half of the entry staying float32.
+
+    python benchmarks/hybrid_half_accuracy.py VARIANT --train-size 10000 --test-size 10000 \\
+        --no-checkpoint --data-dir DIR --no-progress --out DIR [--seeds K]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+VARIANTS = ("float32", "bfloat16", "rounded-at-eval", "bf16-gradients", "compensated",
+            "sr-keys", "sr-values")
+
+
+def rounded_at_eval() -> None:
+    import rcdl.train.loop as loop
+    from rcdl.nn.hybrid import hybrid_layers
+
+    plain = loop.evaluate
+
+    def evaluate(model, x, y, metrics, **kw):  # noqa: ANN001, ANN003, ANN202
+        result = plain(model, x, y, metrics, **kw)
+        layers = [layer for _, layer in hybrid_layers(model)]
+        rounded = {}
+        with torch.no_grad():
+            for what in ("keys", "values", "both"):
+                saved = [(layer.store.keys.clone(), layer.store.values.clone())
+                         for layer in layers]
+                for layer in layers:
+                    store = layer.store
+                    for name in ("keys", "values"):
+                        if what in (name, "both"):
+                            t = getattr(store, name)
+                            t.copy_(t.bfloat16().float())
+                    store.moved()
+                rounded[what] = plain(model, x, y, metrics, **kw)
+                for layer, (k, v) in zip(layers, saved, strict=True):
+                    layer.store.keys.copy_(k)
+                    layer.store.values.copy_(v)
+                    layer.store.moved()
+        print("EVAL", result, "ROUNDED", rounded, file=sys.stderr, flush=True)
+        return result
+
+    loop.evaluate = evaluate
+
+
+def bf16_gradients() -> None:
+    from rcdl.nn.hybrid import HybridSoftmax
+
+    plain = HybridSoftmax.take_entry_grads
+
+    def take(self):  # noqa: ANN001, ANN202
+        grads = plain(self)
+        if grads is None:
+            return None
+        k, v, w = grads
+        return tuple(None if g is None else g.bfloat16().float() for g in (k, v)) + (w,)
+
+    HybridSoftmax.take_entry_grads = take
+
+
+def compensated() -> None:
+    import rcdl.optim.entry_adam as entry_adam
+
+    terms: dict[tuple[int, int], torch.Tensor] = {}  # (layer seed, stream) -> (max id, w)
+
+    def adam_rows(param, m, v, grad, a, c, *, ids, seed, step, stream, b1, b2,  # noqa: ANN001, ANN202
+                  compiled=False, fused=False):
+        key, need = (int(seed), stream), int(ids.max()) + 1
+        held = terms.get(key)
+        if held is None or held.shape[0] < need:
+            grown = param.new_zeros((max(need, 0 if held is None else 2 * held.shape[0]),
+                                     *param.shape[1:]))
+            if held is not None:
+                grown[: held.shape[0]] = held
+            held = terms[key] = grown
+        g = grad.to(m.dtype)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        shape = (-1,) + (1,) * (param.dim() - 1)
+        denom = torch.sqrt(v).mul_(a.view(shape)).add_(c.view(shape))
+        exact = param.to(m.dtype).add_(held[ids].to(m.dtype)).addcdiv_(m, denom, value=-1.0)
+        nearest = exact.to(param.dtype)
+        held[ids] = (exact - nearest.to(m.dtype)).to(param.dtype)
+        param.copy_(nearest)
+
+    entry_adam.adam_rows = adam_rows
+
+
+def stochastic_after_step(name: str) -> None:
+    from rcdl.ops.rounding import round_stochastically
+    from rcdl.optim.entry_adam import EntryMoments
+
+    plain = EntryMoments.step
+
+    def step(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        plain(self, *args, **kw)
+        store = self.layer.store
+        with torch.no_grad():
+            t = getattr(store, name)
+            t.copy_(round_stochastically(t, torch.bfloat16).float())
+        store.moved()
+
+    EntryMoments.step = step
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:
+        print(__doc__.split("\n\n")[0] + f"\n\nusage: {sys.argv[0]} {{{','.join(VARIANTS)}}} "
+              "[rcdl reproduce flags]", file=sys.stderr)
+        return 2
+    variant, rest = sys.argv[1], sys.argv[2:]
+    if variant in ("bfloat16", "compensated"):
+        rest = [*rest, "--store-dtype", "bfloat16"]
+    {"rounded-at-eval": rounded_at_eval, "bf16-gradients": bf16_gradients,
+     "compensated": compensated, "sr-keys": lambda: stochastic_after_step("keys"),
+     "sr-values": lambda: stochastic_after_step("values")}.get(variant, lambda: None)()
+    from rcdl.app.cli import main as cli
+
+    return cli(["reproduce", "cifar10-1epoch", "--models", "hybrid", *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
