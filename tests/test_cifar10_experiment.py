@@ -366,3 +366,13 @@ def test_incremental_evaluation_is_the_default_and_can_be_turned_off(data_dir, t
 def test_store_dtype_must_be_a_half_precision():
     with pytest.raises(ValueError, match="store_dtype must be one of"):
         Cifar10Config(store_dtype="int8")
+
+
+def test_a_hybrid_in_a_bfloat16_store_is_told_what_it_costs(capsys):
+    from rcdl.app.experiments import cifar10
+
+    cifar10._note_if_hybrid_in_half(("gws", "hybrid"), "bfloat16")
+    assert "The hybrid's accuracy with a bfloat16 store" in capsys.readouterr().err
+    for models, dtype in ((("gws", "rbf"), "bfloat16"), (("hybrid",), "float32")):
+        cifar10._note_if_hybrid_in_half(models, dtype)
+        assert capsys.readouterr().err == ""

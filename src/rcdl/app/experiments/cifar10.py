@@ -62,7 +62,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -180,6 +180,17 @@ def _note_if_bfloat16_is_emulated() -> None:
               file=sys.stderr)
 
 
+def _note_if_hybrid_in_half(models: Sequence[str], store_dtype: str) -> None:
+    """Say that a hybrid trained in a bfloat16 store falls below float32's accuracy
+    (docs/precision.md, "The hybrid's accuracy with a bfloat16 store")."""
+    if store_dtype == "bfloat16" and "hybrid" in models:
+        print("note: the hybrid's Adam moves its bfloat16 entries by steps smaller than "
+              "the store's resolution, which costs it accuracy against float32 whether the "
+              "steps are rounded stochastically or not (docs/precision.md, \"The hybrid's "
+              "accuracy with a bfloat16 store\"); keep --store-dtype float32 where its "
+              "accuracy must match", file=sys.stderr)
+
+
 def _sub_runs(cfg: Cifar10Config, data: CifarData, session: Session) -> Iterator:
     """Every model for every seed (models outer), on the same tensors (moved to a CUDA
     device once). A model's checkpoint is deleted once its result is saved (unless the
@@ -190,6 +201,8 @@ def _sub_runs(cfg: Cifar10Config, data: CifarData, session: Session) -> Iterator
     keep = session.options.get("keep_checkpoints", False)
     if cfg.store_dtype == "bfloat16" and session.device.type == "cpu" and rank_and_world()[0] == 0:
         _note_if_bfloat16_is_emulated()
+    if rank_and_world()[0] == 0:
+        _note_if_hybrid_in_half(cfg.models, cfg.store_dtype)
     for name in cfg.models:
         for seed in cfg.seeds:
             yield _run_name(name, seed), partial(_train, name, seed, cfg, tensors, session)
