@@ -180,7 +180,7 @@ def _note_if_bfloat16_is_emulated() -> None:
               file=sys.stderr)
 
 
-def _note_if_hybrid_in_half(models: Sequence[str], store_dtype: str) -> None:
+def _note_if_hybrid_in_bfloat16(models: Sequence[str], store_dtype: str) -> None:
     """Say that a hybrid trained in a bfloat16 store falls below float32's accuracy
     (docs/precision.md, "The hybrid's accuracy with a bfloat16 store")."""
     if store_dtype == "bfloat16" and "hybrid" in models:
@@ -202,7 +202,7 @@ def _sub_runs(cfg: Cifar10Config, data: CifarData, session: Session) -> Iterator
     if cfg.store_dtype == "bfloat16" and session.device.type == "cpu" and rank_and_world()[0] == 0:
         _note_if_bfloat16_is_emulated()
     if rank_and_world()[0] == 0:
-        _note_if_hybrid_in_half(cfg.models, cfg.store_dtype)
+        _note_if_hybrid_in_bfloat16(cfg.models, cfg.store_dtype)
     for name in cfg.models:
         for seed in cfg.seeds:
             yield _run_name(name, seed), partial(_train, name, seed, cfg, tensors, session)
