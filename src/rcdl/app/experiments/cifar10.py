@@ -180,7 +180,7 @@ def _note_if_bfloat16_is_emulated() -> None:
               file=sys.stderr)
 
 
-def _note_if_hybrid_in_bfloat16(models: Sequence[str], store_dtype: str) -> None:
+def _note_if_hybrid_in_bfloat16(models: Sequence[str], store_dtype: str | None) -> None:
     """Say that a hybrid trained in a bfloat16 store falls below float32's accuracy
     (docs/precision.md, "The hybrid's accuracy with a bfloat16 store")."""
     if store_dtype == "bfloat16" and "hybrid" in models:
