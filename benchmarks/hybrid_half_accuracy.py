@@ -14,8 +14,9 @@ made in this process only (nothing in the library changes):
 - ``compensated``: a bfloat16 run whose Adam step keeps each element's rounding error in a
   bfloat16 compensation term and rounds to nearest (Kahan summation), instead of rounding
   stochastically (slow: the terms are gathered by entry id on every step);
-- ``sr-keys``, ``sr-values``: a float32 run whose keys (values) are rounded stochastically to
-  bfloat16 after every Adam step, the other half of the entry staying float32.
+- ``sr-keys``, ``sr-values``, ``sr-entries``: a float32 run whose keys (values; both) are
+  rounded stochastically to bfloat16 after every Adam step, the rest staying float32;
+- ``sr-entries-bf16-gradients``: both of the last two, together.
 
     python benchmarks/hybrid_half_accuracy.py VARIANT --train-size 10000 --test-size 10000 \\
         --no-checkpoint --data-dir DIR --no-progress --out DIR [--seeds K]
@@ -28,7 +29,7 @@ import sys
 import torch
 
 VARIANTS = ("float32", "bfloat16", "rounded-at-eval", "bf16-gradients", "compensated",
-            "sr-keys", "sr-values")
+            "sr-keys", "sr-values", "sr-entries", "sr-entries-bf16-gradients")
 
 
 def rounded_at_eval() -> None:
@@ -106,7 +107,7 @@ def compensated() -> None:
     entry_adam.adam_rows = adam_rows
 
 
-def stochastic_after_step(name: str) -> None:
+def stochastic_after_step(*names: str) -> None:
     from rcdl.ops.rounding import round_stochastically
     from rcdl.optim.entry_adam import EntryMoments
 
@@ -116,8 +117,9 @@ def stochastic_after_step(name: str) -> None:
         plain(self, *args, **kw)
         store = self.layer.store
         with torch.no_grad():
-            t = getattr(store, name)
-            t.copy_(round_stochastically(t, torch.bfloat16).float())
+            for name in names:
+                t = getattr(store, name)
+                t.copy_(round_stochastically(t, torch.bfloat16).float())
         store.moved()
 
     EntryMoments.step = step
@@ -133,7 +135,10 @@ def main() -> int:
         rest = [*rest, "--store-dtype", "bfloat16"]
     {"rounded-at-eval": rounded_at_eval, "bf16-gradients": bf16_gradients,
      "compensated": compensated, "sr-keys": lambda: stochastic_after_step("keys"),
-     "sr-values": lambda: stochastic_after_step("values")}.get(variant, lambda: None)()
+     "sr-values": lambda: stochastic_after_step("values"),
+     "sr-entries": lambda: stochastic_after_step("keys", "values"),
+     "sr-entries-bf16-gradients": lambda: (stochastic_after_step("keys", "values"),
+                                           bf16_gradients())}.get(variant, lambda: None)()
     from rcdl.app.cli import main as cli
 
     return cli(["reproduce", "cifar10-1epoch", "--models", "hybrid", *rest])

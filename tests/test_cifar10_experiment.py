@@ -368,11 +368,13 @@ def test_store_dtype_must_be_a_half_precision():
         Cifar10Config(store_dtype="int8")
 
 
-def test_a_hybrid_in_a_bfloat16_store_is_told_what_it_costs(capsys):
+def test_a_hybrid_in_a_half_store_is_told_what_it_costs(capsys):
     from rcdl.app.experiments import cifar10
 
-    cifar10._note_if_hybrid_in_bfloat16(("gws", "hybrid"), "bfloat16")
-    assert "The hybrid's accuracy with a bfloat16 store" in capsys.readouterr().err
-    for models, dtype in ((("gws", "rbf"), "bfloat16"), (("hybrid",), "float32")):
-        cifar10._note_if_hybrid_in_bfloat16(models, dtype)
+    for dtype in ("bfloat16", "float16"):
+        cifar10._note_if_hybrid_in_half(("gws", "hybrid"), dtype)
+        assert "The hybrid's accuracy with a bfloat16 store" in capsys.readouterr().err
+    for models, dtype in ((("gws", "rbf"), "bfloat16"), (("hybrid",), "float32"),
+                          (("hybrid",), None)):
+        cifar10._note_if_hybrid_in_half(models, dtype)
         assert capsys.readouterr().err == ""
