@@ -16,7 +16,10 @@ made in this process only (nothing in the library changes):
   stochastically (slow: the terms are gathered by entry id on every step);
 - ``sr-keys``, ``sr-values``, ``sr-entries``: a float32 run whose keys (values; both) are
   rounded stochastically to bfloat16 after every Adam step, the rest staying float32;
-- ``sr-entries-bf16-gradients``: both of the last two, together.
+- ``sr-entries-bf16-gradients``: both of the last two, together;
+- ``sr-entries-hash``: as ``sr-entries``, with the library's counter-based noise
+  (:func:`rcdl.ops.rounding.rounding_noise` of the layer's seed, the Adam step and the entry
+  ids) instead of torch's generator: the bfloat16 store's rounding, on a float32 store.
 
     python benchmarks/hybrid_half_accuracy.py VARIANT --train-size 10000 --test-size 10000 \\
         --no-checkpoint --data-dir DIR --no-progress --out DIR [--seeds K]
@@ -29,7 +32,7 @@ import sys
 import torch
 
 VARIANTS = ("float32", "bfloat16", "rounded-at-eval", "bf16-gradients", "compensated",
-            "sr-keys", "sr-values", "sr-entries", "sr-entries-bf16-gradients")
+            "sr-keys", "sr-values", "sr-entries", "sr-entries-bf16-gradients", "sr-entries-hash")
 
 
 def rounded_at_eval() -> None:
@@ -107,8 +110,8 @@ def compensated() -> None:
     entry_adam.adam_rows = adam_rows
 
 
-def stochastic_after_step(*names: str) -> None:
-    from rcdl.ops.rounding import round_stochastically
+def stochastic_after_step(*names: str, hashed: bool = False) -> None:
+    from rcdl.ops.rounding import round_stochastically, rounding_noise
     from rcdl.optim.entry_adam import EntryMoments
 
     plain = EntryMoments.step
@@ -119,7 +122,11 @@ def stochastic_after_step(*names: str) -> None:
         with torch.no_grad():
             for name in names:
                 t = getattr(store, name)
-                t.copy_(round_stochastically(t, torch.bfloat16).float())
+                noise = (rounding_noise(seed=self.layer.rounding_seed, step=self.steps,
+                                        ids=store.ids, width=t.shape[1],
+                                        stream=("keys", "values").index(name))
+                         if hashed else None)
+                t.copy_(round_stochastically(t, torch.bfloat16, noise).float())
         store.moved()
 
     EntryMoments.step = step
@@ -133,12 +140,15 @@ def main() -> int:
     variant, rest = sys.argv[1], sys.argv[2:]
     if variant in ("bfloat16", "compensated"):
         rest = [*rest, "--store-dtype", "bfloat16"]
-    {"rounded-at-eval": rounded_at_eval, "bf16-gradients": bf16_gradients,
-     "compensated": compensated, "sr-keys": lambda: stochastic_after_step("keys"),
-     "sr-values": lambda: stochastic_after_step("values"),
-     "sr-entries": lambda: stochastic_after_step("keys", "values"),
-     "sr-entries-bf16-gradients": lambda: (stochastic_after_step("keys", "values"),
-                                           bf16_gradients())}.get(variant, lambda: None)()
+    patches = {
+        "rounded-at-eval": rounded_at_eval, "bf16-gradients": bf16_gradients,
+        "compensated": compensated, "sr-keys": lambda: stochastic_after_step("keys"),
+        "sr-values": lambda: stochastic_after_step("values"),
+        "sr-entries": lambda: stochastic_after_step("keys", "values"),
+        "sr-entries-bf16-gradients": lambda: (stochastic_after_step("keys", "values"),
+                                              bf16_gradients()),
+        "sr-entries-hash": lambda: stochastic_after_step("keys", "values", hashed=True)}
+    patches.get(variant, lambda: None)()
     from rcdl.app.cli import main as cli
 
     return cli(["reproduce", "cifar10-1epoch", "--models", "hybrid", *rest])
