@@ -19,7 +19,9 @@ made in this process only (nothing in the library changes):
 - ``sr-entries-bf16-gradients``: both of the last two, together;
 - ``sr-entries-hash``: as ``sr-entries``, with the library's counter-based noise
   (:func:`rcdl.ops.rounding.rounding_noise` of the layer's seed, the Adam step and the entry
-  ids) instead of torch's generator: the bfloat16 store's rounding, on a float32 store.
+  ids) instead of torch's generator: the bfloat16 store's rounding, on a float32 store;
+- ``bfloat16-torch-noise``: a bfloat16 store whose Adam step (the eager pass) rounds with
+  random bits from torch's generator instead of the counter-based noise.
 
     python benchmarks/hybrid_half_accuracy.py VARIANT --train-size 10000 --test-size 10000 \\
         --no-checkpoint --data-dir DIR --no-progress --out DIR [--seeds K]
@@ -32,7 +34,8 @@ import sys
 import torch
 
 VARIANTS = ("float32", "bfloat16", "rounded-at-eval", "bf16-gradients", "compensated",
-            "sr-keys", "sr-values", "sr-entries", "sr-entries-bf16-gradients", "sr-entries-hash")
+            "sr-keys", "sr-values", "sr-entries", "sr-entries-bf16-gradients", "sr-entries-hash",
+            "bfloat16-torch-noise")
 
 
 def rounded_at_eval() -> None:
@@ -132,13 +135,24 @@ def stochastic_after_step(*names: str, hashed: bool = False) -> None:
     EntryMoments.step = step
 
 
+def torch_noise() -> None:
+    import rcdl.optim.half_adam as half_adam
+
+    half_adam.set_half_adam("eager")  # the pass that takes its noise from rounding_noise
+
+    def noise(*, seed, step, ids, width, stream=0):  # noqa: ANN001, ANN202
+        return torch.randint(-(1 << 31), 1 << 31, (ids.shape[0], width), dtype=torch.int32)
+
+    half_adam.rounding_noise = noise
+
+
 def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:
         print(__doc__.split("\n\n")[0] + f"\n\nusage: {sys.argv[0]} {{{','.join(VARIANTS)}}} "
               "[rcdl reproduce flags]", file=sys.stderr)
         return 2
     variant, rest = sys.argv[1], sys.argv[2:]
-    if variant in ("bfloat16", "compensated"):
+    if variant in ("bfloat16", "compensated", "bfloat16-torch-noise"):
         rest = [*rest, "--store-dtype", "bfloat16"]
     patches = {
         "rounded-at-eval": rounded_at_eval, "bf16-gradients": bf16_gradients,
@@ -147,7 +161,8 @@ def main() -> int:
         "sr-entries": lambda: stochastic_after_step("keys", "values"),
         "sr-entries-bf16-gradients": lambda: (stochastic_after_step("keys", "values"),
                                               bf16_gradients()),
-        "sr-entries-hash": lambda: stochastic_after_step("keys", "values", hashed=True)}
+        "sr-entries-hash": lambda: stochastic_after_step("keys", "values", hashed=True),
+        "bfloat16-torch-noise": torch_noise}
     patches.get(variant, lambda: None)()
     from rcdl.app.cli import main as cli
 
