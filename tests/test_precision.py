@@ -369,3 +369,18 @@ def test_the_float32_path_reads_chunks_and_keeps_the_store_half():
                             rounded64(values, torch.bfloat16), weights.double(),
                             kernel="softmax")
     assert relative_error(up, exact) < 1e-5  # float32 products of the stored numbers
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("batch", [9, 200])  # a training batch and an evaluation batch
+def test_converted_chunks_of_equal_keys_and_values_share_one_buffer_exactly(kernel, batch):
+    """Where keys and values have one shape, a forward pass over converted chunks converts the
+    values into the keys' buffer once the block is formed: the answer is still the float32
+    products of the stored numbers (the keys are not read after the values overwrite them)."""
+    q, keys, values, weights = entries(n=300, d_in=24, d_out=24, batch=batch)
+    keys, values = keys.bfloat16(), values.bfloat16()
+    with half_products("float32"):
+        got = attention(q, keys, values, weights, kernel=kernel, chunk_size=64)
+    exact = naive_attention(q.double(), rounded64(keys, torch.bfloat16),
+                            rounded64(values, torch.bfloat16), weights.double(), kernel=kernel)
+    assert relative_error(got, exact) < 1e-5
