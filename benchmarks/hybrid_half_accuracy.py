@@ -21,21 +21,41 @@ made in this process only (nothing in the library changes):
   (:func:`rcdl.ops.rounding.rounding_noise` of the layer's seed, the Adam step and the entry
   ids) instead of torch's generator: the bfloat16 store's rounding, on a float32 store;
 - ``bfloat16-torch-noise``: a bfloat16 store whose Adam step (the eager pass) rounds with
-  random bits from torch's generator instead of the counter-based noise.
+  random bits from torch's generator instead of the counter-based noise;
+- ``nearest-forward``, ``nearest-forward-keys``, ``nearest-forward-values``: a float32 run
+  whose Adam step moves exact float32 entries (a master copy) but leaves the store holding
+  them rounded to nearest bfloat16 (keys and values; keys; values), so the forward and
+  backward passes, the growth gate and the evaluations see bfloat16 entries while no Adam
+  step is lost to rounding; ``nearest-forward-readout`` and ``nearest-forward-blocks``: keys
+  and values, in the readout layer only (the one whose output is narrower than its input)
+  or in the residual blocks only; ``jitter-forward``: as ``nearest-forward``, but the store
+  holds the exact entries plus fresh uniform noise of one bfloat16 spacing's width at every
+  step (a perturbation as large as rounding's, without its lag or its bias);
+  ``jitter-forward-fine``: the same with noise 256 times narrower (a control: a perturbation
+  far below bfloat16's); ``float32-chunks-1000``: a float32 run whose training batches stream
+  the store in chunks of 1 000 entries instead of 2 048 (a control: the same sums in another
+  order, a perturbation at float32's own rounding).
 
     python benchmarks/hybrid_half_accuracy.py VARIANT --train-size 10000 --test-size 10000 \\
         --no-checkpoint --data-dir DIR --no-progress --out DIR [--seeds K]
+
+With ``RCDL_RECORD_ENTRY_GRADS=FILE`` set, every layer's entry gradients are summarised at
+every Adam step (the largest magnitude and the norm of the keys', values' and weights'
+gradients, one JSON line per layer and step) into ``FILE``, to compare the variants' steps.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
 VARIANTS = ("float32", "bfloat16", "rounded-at-eval", "bf16-gradients", "compensated",
             "sr-keys", "sr-values", "sr-entries", "sr-entries-bf16-gradients", "sr-entries-hash",
-            "bfloat16-torch-noise")
+            "bfloat16-torch-noise", "nearest-forward", "nearest-forward-keys",
+            "nearest-forward-values", "nearest-forward-readout", "nearest-forward-blocks",
+            "jitter-forward", "jitter-forward-fine", "float32-chunks-1000")
 
 
 def rounded_at_eval() -> None:
@@ -146,6 +166,76 @@ def torch_noise() -> None:
     half_adam.rounding_noise = noise
 
 
+def _jittered(t: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """``t`` plus uniform noise over one spacing of a ``bits``-bit significand (bfloat16's
+    at 8) at each element."""
+    _, exponent = torch.frexp(t)  # |t| = m 2^e, m in [0.5, 1): the spacing is 2^(e - bits)
+    return t + (torch.rand_like(t) - 0.5) * torch.ldexp(torch.ones_like(t), exponent - bits)
+
+
+def nearest_forward(*names: str, layers: str = "all", jitter: int = 0) -> None:
+    from rcdl.optim.entry_adam import EntryMoments
+
+    plain = EntryMoments.step
+    masters: dict[int, dict[str, torch.Tensor]] = {}  # id(moments) -> name -> (n, w) float32
+
+    def step(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        store = self.layer.store
+        readout = store.d_out < store.d_in
+        if layers != "all" and readout != (layers == "readout"):
+            plain(self, *args, **kw)
+            return
+        held = masters.get(id(self), {})
+        with torch.no_grad():
+            for name, exact in held.items():  # rows only append in this experiment
+                getattr(store, name)[: exact.shape[0]].copy_(exact)
+        plain(self, *args, **kw)
+        with torch.no_grad():
+            for name in names:
+                t = getattr(store, name)
+                held[name] = t.clone()
+                t.copy_(_jittered(t, jitter) if jitter else t.bfloat16().float())
+        masters[id(self)] = held
+        store.moved()
+
+    EntryMoments.step = step
+
+
+def other_chunks() -> None:
+    import rcdl.ops.streaming as streaming
+
+    plain = streaming.default_chunk_size
+
+    def chunk(batch, device=None):  # noqa: ANN001, ANN202
+        return 1000 if batch <= 128 else plain(batch, device)
+
+    streaming.default_chunk_size = chunk
+
+
+def record_entry_grads(path: str) -> None:
+    import json
+
+    from rcdl.nn.hybrid import HybridSoftmax
+
+    plain = HybridSoftmax.take_entry_grads
+    out = open(path, "w")  # noqa: SIM115 - open for the whole run
+    steps: dict[int, int] = {}
+
+    def take(self):  # noqa: ANN001, ANN202
+        grads = plain(self)
+        if grads is not None:
+            step = steps[id(self)] = steps.get(id(self), 0) + 1
+            row = {"layer": int(self.rounding_seed), "step": step, "entries": len(self.store)}
+            for name, g in zip(("keys", "values", "weights"), grads, strict=True):
+                if g is not None:
+                    row[name] = [float(g.abs().max()), float(g.norm())]
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+        return grads
+
+    HybridSoftmax.take_entry_grads = take
+
+
 def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:
         print(__doc__.split("\n\n")[0] + f"\n\nusage: {sys.argv[0]} {{{','.join(VARIANTS)}}} "
@@ -162,8 +252,18 @@ def main() -> int:
         "sr-entries-bf16-gradients": lambda: (stochastic_after_step("keys", "values"),
                                               bf16_gradients()),
         "sr-entries-hash": lambda: stochastic_after_step("keys", "values", hashed=True),
-        "bfloat16-torch-noise": torch_noise}
+        "bfloat16-torch-noise": torch_noise,
+        "nearest-forward": lambda: nearest_forward("keys", "values"),
+        "nearest-forward-keys": lambda: nearest_forward("keys"),
+        "nearest-forward-values": lambda: nearest_forward("values"),
+        "nearest-forward-readout": lambda: nearest_forward("keys", "values", layers="readout"),
+        "nearest-forward-blocks": lambda: nearest_forward("keys", "values", layers="blocks"),
+        "jitter-forward": lambda: nearest_forward("keys", "values", jitter=8),
+        "jitter-forward-fine": lambda: nearest_forward("keys", "values", jitter=16),
+        "float32-chunks-1000": other_chunks}
     patches.get(variant, lambda: None)()
+    if os.environ.get("RCDL_RECORD_ENTRY_GRADS"):
+        record_entry_grads(os.environ["RCDL_RECORD_ENTRY_GRADS"])
     from rcdl.app.cli import main as cli
 
     return cli(["reproduce", "cifar10-1epoch", "--models", "hybrid", *rest])
