@@ -34,7 +34,11 @@ made in this process only (nothing in the library changes):
   ``jitter-forward-fine``: the same with noise 256 times narrower (a control: a perturbation
   far below bfloat16's); ``float32-chunks-1000``: a float32 run whose training batches stream
   the store in chunks of 1 000 entries instead of 2 048 (a control: the same sums in another
-  order, a perturbation at float32's own rounding).
+  order, a perturbation at float32's own rounding); ``float32-perturbed-once``: a float32
+  run whose keys and values get, once, after Adam step ``RCDL_PERTURB_STEP`` (default 1),
+  the relative noise of ``jitter-forward-fine`` (torch's generator seeded by
+  ``RCDL_PERTURB_SEED``, default 0): a float32 trajectory apart from one tiny nudge, to see
+  whether such runs drift apart.
 
     python benchmarks/hybrid_half_accuracy.py VARIANT --train-size 10000 --test-size 10000 \\
         --no-checkpoint --data-dir DIR --no-progress --out DIR [--seeds K]
@@ -55,7 +59,8 @@ VARIANTS = ("float32", "bfloat16", "rounded-at-eval", "bf16-gradients", "compens
             "sr-keys", "sr-values", "sr-entries", "sr-entries-bf16-gradients", "sr-entries-hash",
             "bfloat16-torch-noise", "nearest-forward", "nearest-forward-keys",
             "nearest-forward-values", "nearest-forward-readout", "nearest-forward-blocks",
-            "jitter-forward", "jitter-forward-fine", "float32-chunks-1000")
+            "jitter-forward", "jitter-forward-fine", "float32-chunks-1000",
+            "float32-perturbed-once")
 
 
 def rounded_at_eval() -> None:
@@ -201,6 +206,28 @@ def nearest_forward(*names: str, layers: str = "all", jitter: int = 0) -> None:
     EntryMoments.step = step
 
 
+def perturbed_once() -> None:
+    from rcdl.optim.entry_adam import EntryMoments
+
+    plain = EntryMoments.step
+    generator = torch.Generator().manual_seed(int(os.environ.get("RCDL_PERTURB_SEED", "0")))
+    at = int(os.environ.get("RCDL_PERTURB_STEP", "1"))
+
+    def step(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        plain(self, *args, **kw)
+        if int(self.steps) != at:
+            return
+        store = self.layer.store
+        with torch.no_grad():
+            for name in ("keys", "values"):
+                t = getattr(store, name)
+                u = torch.rand(t.shape, generator=generator) - 0.5
+                t.add_(t * u * 2.0**-15)
+        store.moved()
+
+    EntryMoments.step = step
+
+
 def other_chunks() -> None:
     import rcdl.ops.streaming as streaming
 
@@ -260,7 +287,7 @@ def main() -> int:
         "nearest-forward-blocks": lambda: nearest_forward("keys", "values", layers="blocks"),
         "jitter-forward": lambda: nearest_forward("keys", "values", jitter=8),
         "jitter-forward-fine": lambda: nearest_forward("keys", "values", jitter=16),
-        "float32-chunks-1000": other_chunks}
+        "float32-chunks-1000": other_chunks, "float32-perturbed-once": perturbed_once}
     patches.get(variant, lambda: None)()
     if os.environ.get("RCDL_RECORD_ENTRY_GRADS"):
         record_entry_grads(os.environ["RCDL_RECORD_ENTRY_GRADS"])
