@@ -45,7 +45,12 @@ made in this process only (nothing in the library changes):
 
 With ``RCDL_RECORD_ENTRY_GRADS=FILE`` set, every layer's entry gradients are summarised at
 every Adam step (the largest magnitude and the norm of the keys', values' and weights'
-gradients, one JSON line per layer and step) into ``FILE``, to compare the variants' steps.
+gradients, one JSON line per layer and step) into ``FILE``, to compare the variants' steps:
+
+    python benchmarks/hybrid_half_accuracy.py --compare-grads A.jsonl[.gz] B.jsonl[.gz]
+
+prints, per layer and part, B's gradient energy over the epoch (the sum of the squared norms)
+over A's, and the largest share of it that one step carried in each.
 """
 
 from __future__ import annotations
@@ -263,7 +268,35 @@ def record_entry_grads(path: str) -> None:
     HybridSoftmax.take_entry_grads = take
 
 
+def compare_grads(a: str, b: str) -> None:
+    import collections
+    import gzip
+    import json
+
+    def load(path: str) -> dict:
+        rows: dict = collections.defaultdict(dict)
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+            for line in f:
+                row = json.loads(line)
+                rows[row["layer"]][row["step"]] = row
+        return rows
+
+    first, second = load(a), load(b)
+    print("layer  part      energy B/A   largest one-step share A, B")
+    for layer in sorted(first):
+        for part in ("keys", "values", "weights"):
+            energy = []
+            for rows in (first, second):
+                squares = [r[part][1] ** 2 for r in rows[layer].values() if part in r]
+                energy.append((sum(squares), max(squares)))
+            (ea, ma), (eb, mb) = energy
+            print(f"{layer:5d}  {part:8s}  {eb / ea:10.2f}   {ma / ea:6.0%}, {mb / eb:6.0%}")
+
+
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--compare-grads":
+        compare_grads(sys.argv[2], sys.argv[3])
+        return 0
     if len(sys.argv) < 2 or sys.argv[1] not in VARIANTS:
         print(__doc__.split("\n\n")[0] + f"\n\nusage: {sys.argv[0]} {{{','.join(VARIANTS)}}} "
               "[rcdl reproduce flags]", file=sys.stderr)

@@ -242,6 +242,34 @@ def test_set_store_dtype_on_a_built_network_equals_building_it_half():
         assert torch.equal(a, b)
 
 
+def test_a_hybrid_trained_in_float32_and_converted_answers_as_before():
+    """The recipe docs/precision.md gives for the hybrid ("The hybrid's accuracy with a
+    bfloat16 store"): train with float32 entries, then hold them in bfloat16. The converted
+    network answers as the float32 one over its entries rounded to nearest bfloat16 (the
+    float64 reference), within the products' rounding, and keeps training."""
+    import copy
+
+    from rcdl import HybridGrower, HybridSoftmaxNet
+
+    net = HybridSoftmaxNet(24, 4, 1, temperature=1.0, rule=ClippedSoftmaxRule(0.05, 3.0))
+    x = _train(net, HybridGrower(net, lr=1e-2), steps=8)
+    rounded = copy.deepcopy(net).double()
+    for layer in (m for m in rounded.modules() if isinstance(m, HybridSoftmax)):
+        assert len(layer.store) > 16  # grown and moved by Adam
+        for t in (layer.store.keys, layer.store.values):
+            t.copy_(t.float().bfloat16().double())
+    half = set_store_dtype(copy.deepcopy(net), torch.bfloat16)
+    net.eval(), rounded.eval(), half.eval()
+    with torch.no_grad():
+        expected, before = rounded(x.double()), net(x)
+        assert relative_error(half(x), expected) < 1e-5
+        assert 0 < relative_error(half(x), before) < 3e-2  # rounding moved it, a little
+    half.train()
+    _train(half, HybridGrower(half, lr=1e-2), steps=2, seed=1)
+    assert all(layer.store.keys.dtype == torch.bfloat16
+               for layer in half.modules() if isinstance(layer, HybridSoftmax))
+
+
 # ------------------------------------------------------------------------------- the hybrid
 
 
