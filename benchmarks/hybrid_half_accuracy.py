@@ -38,7 +38,10 @@ made in this process only (nothing in the library changes):
   run whose keys and values get, once, after Adam step ``RCDL_PERTURB_STEP`` (default 1),
   the relative noise of ``jitter-forward-fine`` (torch's generator seeded by
   ``RCDL_PERTURB_SEED``, default 0): a float32 trajectory apart from one tiny nudge, to see
-  whether such runs drift apart.
+  whether such runs drift apart; ``rounded-steps-exact-gate``: as ``nearest-forward``, but
+  the entries are rounded only while a training batch's forward and backward passes read
+  them (the growth gate and the evaluations read the exact ones); ``rounded-gate-only``: the
+  reverse, the gate alone reading the keys rounded.
 
     python benchmarks/hybrid_half_accuracy.py VARIANT --train-size 10000 --test-size 10000 \\
         --no-checkpoint --data-dir DIR --no-progress --out DIR [--seeds K]
@@ -65,7 +68,7 @@ VARIANTS = ("float32", "bfloat16", "rounded-at-eval", "bf16-gradients", "compens
             "bfloat16-torch-noise", "nearest-forward", "nearest-forward-keys",
             "nearest-forward-values", "nearest-forward-readout", "nearest-forward-blocks",
             "jitter-forward", "jitter-forward-fine", "float32-chunks-1000",
-            "float32-perturbed-once")
+            "float32-perturbed-once", "rounded-steps-exact-gate", "rounded-gate-only")
 
 
 def rounded_at_eval() -> None:
@@ -233,6 +236,76 @@ def perturbed_once() -> None:
     EntryMoments.step = step
 
 
+def rounded_steps_exact_gate() -> None:
+    from rcdl.nn.hybrid import HybridSoftmax
+    from rcdl.optim.entry_adam import EntryMoments
+
+    plain_leaves, plain_step = HybridSoftmax.entry_leaves, EntryMoments.step
+    masters: dict[int, list[torch.Tensor]] = {}  # id(layer) -> exact keys, values
+
+    def entry_leaves(self):  # noqa: ANN001, ANN202
+        store = self.store
+        if id(self) not in masters:  # the step's first read: round for the passes
+            with torch.no_grad():
+                masters[id(self)] = [store.keys.clone(), store.values.clone()]
+                for t in (store.keys, store.values):
+                    t.copy_(t.bfloat16().float())
+            store.moved()
+        return plain_leaves(self)
+
+    def step(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        held = masters.pop(id(self.layer), None)
+        if held is not None:
+            with torch.no_grad():
+                self.layer.store.keys.copy_(held[0])
+                self.layer.store.values.copy_(held[1])
+            self.layer.store.moved()
+        plain_step(self, *args, **kw)
+
+    HybridSoftmax.entry_leaves = entry_leaves
+    EntryMoments.step = step
+
+
+def rounded_gate_only() -> None:
+    import weakref
+
+    from rcdl.nn.hybrid import HybridSoftmax
+    from rcdl.optim.hybrid_grower import HybridGrower
+
+    plain, plain_init = HybridGrower.step, HybridSoftmax.__init__
+    every: weakref.WeakSet = weakref.WeakSet()  # the hybrid layers built in this process
+
+    def init(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        plain_init(self, *args, **kw)
+        every.add(self)
+
+    def step(self, closure=None):  # noqa: ANN001, ANN202
+        layers: list[HybridSoftmax] = [layer for layer in every if layer.training]
+        plain_write = self.grower.write
+        exact: list[torch.Tensor] = []
+
+        def write():  # noqa: ANN202
+            with torch.no_grad():
+                for layer in layers:
+                    exact.append(layer.store.keys.clone())
+                    layer.store.keys.copy_(layer.store.keys.bfloat16().float())
+                    layer.store.moved()
+            plain_write()
+            with torch.no_grad():
+                for layer, keys in zip(layers, exact, strict=True):
+                    layer.store.keys[: keys.shape[0]].copy_(keys)
+                    layer.store.moved()
+
+        self.grower.write = write
+        try:
+            plain(self, closure)
+        finally:
+            del self.grower.write
+
+    HybridSoftmax.__init__ = init
+    HybridGrower.step = step
+
+
 def other_chunks() -> None:
     import rcdl.ops.streaming as streaming
 
@@ -320,7 +393,9 @@ def main() -> int:
         "nearest-forward-blocks": lambda: nearest_forward("keys", "values", layers="blocks"),
         "jitter-forward": lambda: nearest_forward("keys", "values", jitter=8),
         "jitter-forward-fine": lambda: nearest_forward("keys", "values", jitter=16),
-        "float32-chunks-1000": other_chunks, "float32-perturbed-once": perturbed_once}
+        "float32-chunks-1000": other_chunks, "float32-perturbed-once": perturbed_once,
+        "rounded-steps-exact-gate": rounded_steps_exact_gate,
+        "rounded-gate-only": rounded_gate_only}
     patches.get(variant, lambda: None)()
     if os.environ.get("RCDL_RECORD_ENTRY_GRADS"):
         record_entry_grads(os.environ["RCDL_RECORD_ENTRY_GRADS"])
