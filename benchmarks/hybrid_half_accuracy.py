@@ -36,7 +36,8 @@ made in this process only (nothing in the library changes):
   the store in chunks of 1 000 entries instead of 2 048 (a control: the same sums in another
   order, a perturbation at float32's own rounding); ``float32-perturbed-once``: a float32
   run whose keys and values get, once, after Adam step ``RCDL_PERTURB_STEP`` (default 1),
-  the relative noise of ``jitter-forward-fine`` (torch's generator seeded by
+  uniform relative noise of ±2⁻¹⁶ (of the order of ``jitter-forward-fine``'s, but
+  proportional to each element rather than to its binade; torch's generator seeded by
   ``RCDL_PERTURB_SEED``, default 0): a float32 trajectory apart from one tiny nudge, to see
   whether such runs drift apart; ``rounded-steps-exact-gate``: as ``nearest-forward``, but
   the entries are rounded only while a training batch's forward and backward passes read
