@@ -14,7 +14,10 @@ over consecutive chunks of one store, interleaved rounds, best of each:
 - ``sum, sub-chunks of R``: the same over R-row slices, accumulated in float32;
 - ``sum, batched``: one ``bmm`` over four slices of the chunk;
 - ``sum, F.linear``: ``F.linear(left, values_cᵀ)`` on the transposed view (no copy);
-- ``q @ keys_cᵀ``: the scores in the other order.
+- ``q @ keys_cᵀ``: the scores in the other order;
+- for a bfloat16 store, where numba is installed: ``sum, widened in registers`` and
+  ``scores, widened in registers`` (:mod:`rcdl.ops.widen`: bfloat16 rows widened to float32
+  inside the products, float32 operands and accumulation: no reordering of the chunk).
 
 Run: ``python benchmarks/bench_sum_products.py [--dtype bfloat16] [--chunks 10]``. Prints
 ms per chunk and each against ``scores``, with the CPU model and flags.
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from rcdl.app.rundir import cpu_flags, cpu_model
+from rcdl.ops import widen
 
 
 def main() -> None:
@@ -74,6 +78,11 @@ def main() -> None:
         "sum, F.linear on the view": lambda i: F.linear(left, values[rows(i)].T),
         "scores q @ keys_cᵀ": lambda i: q @ keys[rows(i)].T,
     }
+    if dtype == torch.bfloat16 and widen.available():
+        q32, left32, acc = q.float(), left.T.float().contiguous(), torch.zeros(b, d)
+        products["sum, widened in registers"] = (
+            lambda i: widen.sum_over_entries_(acc, left32, values[rows(i)]))
+        products["scores, widened in registers"] = lambda i: widen.scores(keys[rows(i)], q32)[0]
 
     def best_ms(fn: Callable[[int], torch.Tensor]) -> float:
         start = time.perf_counter()

@@ -132,13 +132,14 @@ def main() -> None:
     sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
-    with profile(activities=activities, with_stack=True) as prof:
+    with profile(activities=activities, with_stack=True) as step_prof:
         start = time.perf_counter()
         for x, y in batches[:args.steps]:
             train_step(x, y)
         sync()
         step_s = (time.perf_counter() - start) / args.steps
-        model.eval()
+    model.eval()
+    with profile(activities=activities, with_stack=True) as eval_prof:
         start = time.perf_counter()
         with torch.no_grad():
             model(x_eval)
@@ -151,7 +152,11 @@ def main() -> None:
     print(f"# per training step (batch 16): {1e3 * step_s:.1f} ms; one evaluation batch (500): "
           f"{1e3 * eval_s:.1f} ms")
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=args.top, max_name_column_width=40))
+    for what, prof in ((f"{args.steps} training steps", step_prof),
+                       ("one evaluation batch", eval_prof)):
+        print(f"\n## {what}")
+        print(prof.key_averages().table(sort_by=sort, row_limit=args.top,
+                                        max_name_column_width=40))
     model.train()
     refused = ""
     with HostReads() as reads:  # again, outside the profiler: the dispatch mode slows ops

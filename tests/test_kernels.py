@@ -107,3 +107,20 @@ def test_a_kernel_added_in_one_class_has_exact_top_k(cauchy):
                             index=index, k=13)
     exact = attention(q, keys, values, weights, kernel="cauchy", temperature=0.8)
     assert_close(result.out, exact, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_row_norms_are_exact_sums_of_squares_in_blocks_and_in_one(dtype):
+    """A half store's rows are widened a 4 MiB block at a time (more rows than one block
+    here): every row's norm is the float64 sum of its stored numbers' squares, to the
+    accumulating dtype's rounding, not to the store's."""
+    from rcdl.ops.kernels import row_sq_norms
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(1500, 1000, generator=gen).to(dtype)  # 1 048 rows per float32 block
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    got = row_sq_norms(rows, acc)
+    assert got.dtype == acc and got.shape == (1500,)
+    want = rows.double().square().sum(1)
+    assert ((got.double() - want).abs() / want).max() < (1e-12 if acc == torch.float64 else 1e-5)
+    assert row_sq_norms(rows[:0], acc).shape == (0,)

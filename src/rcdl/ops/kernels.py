@@ -43,7 +43,7 @@ from torch import Tensor
 
 __all__ = [
     "KERNELS", "Kernel", "LaplacianKernel", "LinearKernel", "RBFKernel", "SoftmaxKernel",
-    "check_kernel", "guard_denominator", "naive_attention", "register_kernel",
+    "check_kernel", "guard_denominator", "naive_attention", "register_kernel", "row_sq_norms",
     "sdpa_softmax_attention", "softmax_scale",
 ]  # fmt: skip
 
@@ -121,13 +121,36 @@ class Kernel:
         return f"{type(self).__name__}()"
 
 
+_NORM_BLOCK_BYTES = 1 << 22  # the float32 copy a half store's rows are widened into
+
+
+def row_sq_norms(rows: Tensor, dtype: torch.dtype) -> Tensor:  # (n,)
+    """``Σ_j rows_ij²`` per row of ``rows (n, d)``, accumulated in ``dtype``, with no
+    ``(n, d)`` temporary of the squares (whose pass costs more than the score product over
+    the same rows; ``benchmarks/bench_sum_products.py``) and, for a half store, no square
+    rounded to its dtype. On CPU, half rows are widened a block of at most 4 MiB at a time
+    into one reused buffer: widening a whole chunk at once allocates a fresh chunk-sized
+    copy per call, whose page faults cost several times the norms themselves."""
+    if rows.dtype == dtype or rows.device.type != "cpu":
+        return torch.linalg.vector_norm(rows, dim=1, dtype=dtype).square_()
+    n, d = rows.shape
+    step = max(16, _NORM_BLOCK_BYTES // (torch.finfo(dtype).bits // 8 * max(1, d)))
+    out = rows.new_empty(n, dtype=dtype)  # (n,)
+    buffer = rows.new_empty((min(step, n), d), dtype=dtype)  # (≤ step, d)
+    for start in range(0, n, step):
+        m = min(step, n - start)
+        torch.linalg.vector_norm(buffer[:m].copy_(rows[start:start + m]), dim=1,
+                                 out=out[start:start + m])
+    return out.square_()
+
+
 def _sq_distances_(scores: Tensor, q_sqnorm: Tensor | None, keys: Tensor,
                    dtype: torch.dtype, k_sqnorm: Tensor | None = None) -> Tensor:  # (c, B)
     """``2⟨q, k⟩ − ‖q‖² − ‖k‖² = −‖q − k‖²`` built in place on the dot products; ``‖k‖²``
     from ``keys`` unless given."""
     assert q_sqnorm is not None  # computed for distance kernels (attention._queries_as_keys)
     if k_sqnorm is None:
-        k_sqnorm = (keys * keys).sum(1, dtype=dtype)  # (c,)
+        k_sqnorm = row_sq_norms(keys, dtype)  # (c,)
     return scores.mul_(2).sub_(q_sqnorm).sub_(k_sqnorm[:, None])
 
 

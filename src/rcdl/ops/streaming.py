@@ -26,7 +26,7 @@ from torch import Tensor
 from rcdl.ops import widen
 from rcdl.ops.entries import Entries, Partial, empty_partial
 from rcdl.ops.half import HALF_DTYPES, chunk_products
-from rcdl.ops.kernels import Kernel, guard_denominator
+from rcdl.ops.kernels import Kernel, guard_denominator, row_sq_norms
 
 __all__ = ["STREAMING", "Streaming", "default_chunk_size", "nearest_sq_distance"]
 
@@ -431,7 +431,7 @@ def nearest_sq_distance(
             assert k_sqnorm is not None
         else:
             block = (k_c @ q_keys.T).to(q.dtype)  # (c, B)
-            k_sqnorm = (k_c * k_c).sum(1, dtype=q.dtype)  # (c,)
+            k_sqnorm = row_sq_norms(k_c, q.dtype)  # (c,)
         block.mul_(-2).add_(k_sqnorm[:, None])  # ‖k‖² − 2⟨q, k⟩
         best = torch.minimum(best, block.amin(0))
     return (best + q_sqnorm).clamp_min_(0.0)

@@ -17,8 +17,8 @@ They are compiled by numba (the ``fast-cpu`` extra) on first use for the CPU the
 and run on torch's thread count; without numba, :func:`available` is ``False`` and the
 attention takes the float32-chunk path. Results equal the float32-chunk path's up to the
 order of float32 summation (the tests compare the two). The machine class numba compiles for
-can be lowered like torch's with ``NUMBA_CPU_NAME`` (docs/precision.md, "Emulating another
-machine class").
+can be lowered like torch's with ``NUMBA_CPU_NAME`` and ``NUMBA_CPU_FEATURES`` (docs/precision.md,
+"Emulating another machine class").
 """
 
 from __future__ import annotations
@@ -30,30 +30,49 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rcdl._cpu import capped_below_half
+from rcdl._cpu import capped_below_half, cpuinfo_flags
 
 __all__ = ["as_bits", "available", "scores", "sum_over_entries_", "use_torch_threads"]
 
 
-def _emulated_cpu_name() -> None:
-    """Where the process is capped below this CPU's ISA (an emulated machine class,
-    :func:`rcdl._cpu.capped_below_half`) and numba was not told otherwise, compile for a
-    CPU of that class: Haswell (AVX2) where torch's kernels are capped below AVX512,
-    Skylake-AVX512 (no bfloat16 instructions) where only oneDNN is capped, so that the
-    emulation takes the path a real CPU of that class takes. Must run before numba is
-    imported."""
+_FULL_WIDTH = "-prefer-256-bit"  # LLVM's tuning for Intel's AVX512 CPUs keeps 256-bit vectors
+
+
+def _numba_target() -> None:
+    """Choose the CPU numba compiles for (it reads ``NUMBA_CPU_NAME`` and
+    ``NUMBA_CPU_FEATURES`` once, when it is imported: this runs before).
+
+    - Where the process is capped below this CPU's ISA (an emulated machine class,
+      :func:`rcdl._cpu.capped_below_half`): a CPU of that class with that CPU's own
+      features, not this one's (numba adds the host's features to the name it is given:
+      AVX512 on a "Haswell"): Haswell (AVX2) where torch's kernels are capped below
+      AVX512, Skylake-AVX512 (no bfloat16 instructions) where only oneDNN is capped.
+    - On an AVX512 CPU (this one or the emulated one): 512-bit vectors. LLVM's tuning for
+      Intel's AVX512 CPUs prefers 256-bit ones, which halves the peak FMA rate of a CPU
+      with full-width 512-bit FMA units where the products are bound by the arithmetic.
+
+    Nothing is changed where the user set either variable."""
+    if (os.environ.get("NUMBA_CPU_NAME") or "NUMBA_CPU_FEATURES" in os.environ
+            or "avx512f" not in cpuinfo_flags()):
+        return  # the user's choice, or a CPU below AVX512 as it is: numba's own
     aten = torch.backends.cpu.get_cpu_capability()
-    if os.environ.get("NUMBA_CPU_NAME") or not capped_below_half(
-            aten, os.environ.get("ONEDNN_MAX_CPU_ISA", "")):
-        return
-    avx512 = aten.startswith("AVX512")
-    os.environ["NUMBA_CPU_NAME"] = "skylake-avx512" if avx512 else "haswell"
+    if capped_below_half(aten, os.environ.get("ONEDNN_MAX_CPU_ISA", "")):
+        avx512 = aten.startswith("AVX512")
+        os.environ["NUMBA_CPU_NAME"] = "skylake-avx512" if avx512 else "haswell"
+        os.environ["NUMBA_CPU_FEATURES"] = _FULL_WIDTH if avx512 else ""
+    else:
+        try:
+            from llvmlite import binding
+        except ImportError:  # no numba either: the kernels are not available
+            return
+        host = binding.get_host_cpu_features().flatten()
+        os.environ["NUMBA_CPU_FEATURES"] = f"{host},{_FULL_WIDTH}" if host else _FULL_WIDTH
 
 
 @functools.cache
 def _kernels() -> dict[str, Any] | None:
     """The compiled kernels by name, or ``None`` where numba is not installed."""
-    _emulated_cpu_name()
+    _numba_target()
     try:
         import numba
         import numpy as np
