@@ -125,13 +125,16 @@ _NORM_BLOCK_BYTES = 1 << 22  # the float32 copy a half store's rows are widened 
 
 
 def row_sq_norms(rows: Tensor, dtype: torch.dtype) -> Tensor:  # (n,)
-    """``Σ_j rows_ij²`` per row of ``rows (n, d)``, accumulated in ``dtype``, with no
-    ``(n, d)`` temporary of the squares (whose pass costs more than the score product over
-    the same rows; ``benchmarks/bench_sum_products.py``) and, for a half store, no square
-    rounded to its dtype. On CPU, half rows are widened a block of at most 4 MiB at a time
-    into one reused buffer: widening a whole chunk at once allocates a fresh chunk-sized
-    copy per call, whose page faults cost several times the norms themselves."""
-    if rows.dtype == dtype or rows.device.type != "cpu":
+    """``Σ_j rows_ij²`` per row of ``rows (n, d)``, accumulated in ``dtype``. Rows already in
+    ``dtype`` are squared and summed as they are. Half rows are widened to ``dtype`` first,
+    so no square is rounded to their dtype, and on CPU a block of at most 4 MiB at a time
+    into one reused buffer: squaring a half chunk in its own dtype makes an ``(n, d)``
+    temporary whose pass costs more than the score product over the same rows
+    (``benchmarks/bench_sum_products.py``), and widening a whole chunk at once allocates a
+    fresh chunk-sized copy per call, whose page faults cost several times the norms."""
+    if rows.dtype == dtype:
+        return (rows * rows).sum(1)
+    if rows.device.type != "cpu":
         return torch.linalg.vector_norm(rows, dim=1, dtype=dtype).square_()
     n, d = rows.shape
     step = max(16, _NORM_BLOCK_BYTES // (torch.finfo(dtype).bits // 8 * max(1, d)))
