@@ -17,7 +17,10 @@ over consecutive chunks of one store, interleaved rounds, best of each:
 - ``q @ keys_cᵀ``: the scores in the other order;
 - for a bfloat16 store, where numba is installed: ``sum, widened in registers`` and
   ``scores, widened in registers`` (:mod:`rcdl.ops.widen`: bfloat16 rows widened to float32
-  inside the products, float32 operands and accumulation: no reordering of the chunk).
+  inside the products, float32 operands and accumulation: no reordering of the chunk);
+- ``norms``: the keys' squared norms a distance kernel needs per chunk, squared in the
+  store's dtype and summed, and as the attention forms them
+  (:func:`rcdl.ops.kernels.row_sq_norms`).
 
 Run: ``python benchmarks/bench_sum_products.py [--dtype bfloat16] [--chunks 10]``. Prints
 ms per chunk and each against ``scores``, with the CPU model and flags.
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.ops import widen
+from rcdl.ops.kernels import row_sq_norms
 
 
 def main() -> None:
@@ -83,6 +87,11 @@ def main() -> None:
         products["sum, widened in registers"] = (
             lambda i: widen.sum_over_entries_(acc, left32, values[rows(i)]))
         products["scores, widened in registers"] = lambda i: widen.scores(keys[rows(i)], q32)[0]
+    # the keys' squared norms a distance kernel needs per chunk: squared in the store's dtype
+    # (an (c, d) temporary), and as the attention forms them
+    products["norms (k * k).sum(1)"] = (
+        lambda i: (keys[rows(i)] * keys[rows(i)]).sum(1, dtype=torch.float32))
+    products["norms row_sq_norms"] = lambda i: row_sq_norms(keys[rows(i)], torch.float32)
 
     def best_ms(fn: Callable[[int], torch.Tensor]) -> float:
         start = time.perf_counter()

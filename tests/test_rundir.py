@@ -231,3 +231,15 @@ def test_the_environment_records_the_half_precision_options():
     assert env["half_adam_paths"] == {"bfloat16": "eager", "float16": "eager"}
     with half_products("native"):
         assert environment_info("cpu")["half_product_paths"]["bfloat16"] == "native"
+
+
+def test_the_environment_records_the_instruction_set_caps(monkeypatch):
+    """An emulated machine class (docs/precision.md) is told by the caps in effect."""
+    import torch
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    env = environment_info("cpu")
+    assert env["isa_caps"]["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+    assert "MKL_ENABLE_INSTRUCTIONS" not in env["isa_caps"]
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()

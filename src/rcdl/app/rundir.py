@@ -153,6 +153,11 @@ def native_bfloat16() -> bool:
     return native_products(torch.bfloat16, "cpu")
 
 
+# the variables that cap the instruction sets torch, oneDNN, MKL and numba use
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+            "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")
+
+
 def environment_info(device: str | torch.device | None = None) -> dict[str, Any]:
     """Describe the machine and code a run used.
 
@@ -163,7 +168,10 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
     (:mod:`rcdl.options`), and ``half_product_paths`` the path a bfloat16 and a float16
     store take on ``device`` under that default (:func:`rcdl.ops.half.product_path`), and
     ``half_adam_paths`` how the hybrid's Adam step moves their entries
-    (:func:`rcdl.optim.half_adam.path_description`).
+    (:func:`rcdl.optim.half_adam.path_description`). ``cpu_capability`` is the vector ISA
+    torch's own kernels run at, and ``isa_caps`` the variables of :data:`ISA_CAPS` set in the
+    process (an emulated machine class, docs/precision.md; numba's two are set by rcdl itself
+    when it compiles its kernels, so they are read after the paths above chose them).
     """
     src = Path(__file__).resolve().parent
     revision = _git(["rev-parse", "HEAD"], src)
@@ -194,6 +202,8 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
         "half_adam": ADAM_MODE.get(),
         "half_adam_paths": {str(dtype).removeprefix("torch."): path_description(dtype, where)
                             for dtype in (torch.bfloat16, torch.float16)},
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa_caps": {name: os.environ[name] for name in ISA_CAPS if name in os.environ},
     }
 
 
