@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rcdl.app.allocator import keep_freed_memory
 from rcdl.app.experiments.cifar10_models import build_model
 from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.nn.layers import growing_layers
@@ -98,6 +99,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--top", type=int, default=12, help="operators to list")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    keep_freed_memory()  # as the rcdl command does: large temporaries without page faults
     args = parser.parse_args()
     if args.quick:
         args.entries, args.steps = 2_000, 2

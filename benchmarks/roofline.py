@@ -19,6 +19,12 @@ then measures in one run on this machine:
 - the product path each half store took (:mod:`rcdl.ops.half`: native, converted to float32
   chunk by chunk, or widened in registers for the training batch), the CPU model and flags.
 
+Each process keeps freed memory as the ``rcdl`` command does
+(:func:`rcdl.app.allocator.keep_freed_memory`), so a step pays no page faults for its large
+temporaries (the hybrid's entry gradients are ``(N, d)``) that a run would not pay; tables
+made before this (those of 2026-12-07 and earlier in ``results/roofline/``) measured with
+the system's allocator.
+
 Where the store's products do not run natively in its dtype (a bfloat16 store on a CPU
 without bfloat16 units), the floor divides by float32's streamed rate: the products run in
 float32 there, over half the bytes.
@@ -50,6 +56,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rcdl.app.allocator import keep_freed_memory
 from rcdl.app.experiments.cifar10_models import build_model
 from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.nn.layers import growing_layers
@@ -200,6 +207,7 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    keep_freed_memory()  # as the rcdl command does: large temporaries without page faults
     args = parser.parse_args()
     if args.quick:
         args.models, args.entries, args.steps, args.store_gb = ["gws"], 2_000, 2, 0.05
