@@ -22,7 +22,7 @@ then measures in one run on this machine:
 Each process keeps freed memory as the ``rcdl`` command does
 (:func:`rcdl.app.allocator.keep_freed_memory`), so a step pays no page faults for its large
 temporaries (the hybrid's entry gradients are ``(N, d)``) that a run would not pay; tables
-made before this (those of 2026-12-07 and earlier in ``results/roofline/``) measured with
+made before revision 2cb890e (``results/roofline/``, 2026-12-07 and earlier) measured with
 the system's allocator.
 
 Where the store's products do not run natively in its dtype (a bfloat16 store on a CPU

@@ -137,7 +137,7 @@ def row_sq_norms(rows: Tensor, dtype: torch.dtype) -> Tensor:  # (n,)
     if rows.device.type != "cpu":
         return torch.linalg.vector_norm(rows, dim=1, dtype=dtype).square_()
     n, d = rows.shape
-    step = max(16, _NORM_BLOCK_BYTES // (torch.finfo(dtype).bits // 8 * max(1, d)))
+    step = max(16, _NORM_BLOCK_BYTES // (dtype.itemsize * max(1, d)))
     out = rows.new_empty(n, dtype=dtype)  # (n,)
     buffer = rows.new_empty((min(step, n), d), dtype=dtype)  # (≤ step, d)
     for start in range(0, n, step):

@@ -17,8 +17,8 @@ They are compiled by numba (the ``fast-cpu`` extra) on first use for the CPU the
 and run on torch's thread count; without numba, :func:`available` is ``False`` and the
 attention takes the float32-chunk path. Results equal the float32-chunk path's up to the
 order of float32 summation (the tests compare the two). The machine class numba compiles for
-can be lowered like torch's with ``NUMBA_CPU_NAME`` and ``NUMBA_CPU_FEATURES`` (docs/precision.md,
-"Emulating another machine class").
+follows an emulated class's caps, or ``NUMBA_CPU_NAME`` and ``NUMBA_CPU_FEATURES`` where set
+(:func:`_numba_target`; docs/precision.md, "Emulating another machine class").
 """
 
 from __future__ import annotations
