@@ -155,6 +155,20 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor,
     return out
 
 
+_NARROW = 32  # queries below which a block's per-query extremes are taken with max/min
+
+
+def _per_query(block: Tensor, largest: bool) -> Tensor:  # (B,)
+    """The largest (else smallest) of a block ``(c, B)``'s entries, per query. For a block
+    of fewer than 32 queries (a training batch) ATen's ``amax``/``amin`` over the outer
+    dimension run several times slower than ``max``/``min``, which return the same numbers;
+    from 32 on, ``amax``/``amin`` are as fast or faster (``benchmarks/bench_extremes.py``
+    times both, on torch's AVX2 and AVX512 kernels alike)."""
+    if block.shape[1] < _NARROW:
+        return (block.max(dim=0) if largest else block.min(dim=0)).values
+    return block.amax(dim=0) if largest else block.amin(dim=0)
+
+
 def _fold_chunk(kernel: Kernel, part: Partial, block: Tensor, values: Tensor, weights: Tensor,
                 widened: bool = False) -> tuple[Partial, Tensor | None]:
     """Fold one chunk's block ``(c, B)`` into ``part``. A normalised kernel (the softmax)
@@ -163,7 +177,7 @@ def _fold_chunk(kernel: Kernel, part: Partial, block: Tensor, values: Tensor, we
     if not kernel.normalised:
         _sum_over_entries_(part.num, block * weights[:, None], values, widened=widened)
         return part, None
-    m_new = torch.maximum(part.m, block.amax(dim=0))  # (B,)
+    m_new = torch.maximum(part.m, _per_query(block, largest=True))  # (B,)
     rescale = torch.exp(part.m - m_new)  # (B,), 0 where m was -inf
     block.sub_(m_new).exp_()
     _sum_over_entries_(part.num.mul_(rescale[:, None]), block, values, widened=widened)
@@ -433,5 +447,5 @@ def nearest_sq_distance(
             block = (k_c @ q_keys.T).to(q.dtype)  # (c, B)
             k_sqnorm = row_sq_norms(k_c, q.dtype)  # (c,)
         block.mul_(-2).add_(k_sqnorm[:, None])  # ‖k‖² − 2⟨q, k⟩
-        best = torch.minimum(best, block.amin(0))
+        best = torch.minimum(best, _per_query(block, largest=False))
     return (best + q_sqnorm).clamp_min_(0.0)
