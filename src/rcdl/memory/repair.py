@@ -66,7 +66,7 @@ from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.records import Record
 from rcdl.ops.attention import attend_partial
 from rcdl.ops.entries import Entries, Partial, finalize, merge_partials
-from rcdl.ops.kernels import Kernel
+from rcdl.ops.kernels import Kernel, row_sq_norms
 
 __all__ = ["forget_and_repair", "readout_of", "recompute_readout_keys", "repair_refusal",
            "rewrite_readout"]
@@ -332,7 +332,7 @@ def _kernel_values(q: Tensor, keys: Tensor, kernel: Kernel, tau: float,
     """The kernel values (normalised kernels: logits) of queries ``q (Q, d)`` against
     ``keys (c, d)``, from the kernel's own per-chunk rule (:class:`rcdl.ops.kernels.Kernel`)."""
     scores = keys.to(dtype) @ q.T  # (c, Q) entry-major, as the kernels take them
-    q_sqnorm = (q * q).sum(1, dtype=dtype) if kernel.distance else None
+    q_sqnorm = row_sq_norms(q, dtype) if kernel.distance else None
     return kernel.values_(scores, q_sqnorm, keys, tau, dtype).T
 
 

@@ -223,8 +223,8 @@ class _Pass:
         self.kernel, self.chunk, self.tau = entries.kernel, chunk, entries.tau(q.shape[1])
         # (B, key_dim), q itself if dtypes agree or the store is converted or widened
         self.q = q if upcast or self.widened else q.to(keys.dtype)
-        self.q_sqnorm = ((self.q * self.q).sum(1, dtype=q.dtype)
-                         if self.kernel.distance else None)  # (B,)
+        # (B,) formed as the keys' are (each square in the queries' dtype)
+        self.q_sqnorm = row_sq_norms(self.q, q.dtype) if self.kernel.distance else None
         self.read_keys, self.read_values = _Reader(q.dtype, upcast), _Reader(q.dtype, upcast)
         self.products: dict[torch.Size, Tensor] = {}  # _mm_into's buffers, reused per chunk
         self.dtype = q.dtype
@@ -435,7 +435,7 @@ def nearest_sq_distance(
     upcast, widened = products == "float32", products == "widen"
     chunk = _chunk_rows(q, keys, products, chunk_size)
     q_keys = q if upcast or widened else q.to(keys.dtype)
-    q_sqnorm = (q_keys * q_keys).sum(1, dtype=q.dtype)  # (B,)
+    q_sqnorm = row_sq_norms(q_keys, q.dtype)  # (B,)
     read = _Reader(q.dtype, upcast)
     best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
     for start in range(0, keys.shape[0], chunk):
