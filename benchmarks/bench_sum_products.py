@@ -15,6 +15,9 @@ over consecutive chunks of one store, interleaved rounds, best of each:
 - ``sum, batched``: one ``bmm`` over four slices of the chunk;
 - ``sum, F.linear``: ``F.linear(left, values_cᵀ)`` on the transposed view (no copy);
 - ``q @ keys_cᵀ``: the scores in the other order;
+- ``sum, packed chunk``: the chunk packed once beforehand as oneDNN's kernels take it
+  (:mod:`rcdl.ops.packed`, what the attention does from a chunk's second use on, where
+  oneDNN packs the dtype here), and the product from there with no re-packing;
 - for a bfloat16 store, where numba is installed: ``sum, widened in registers`` and
   ``scores, widened in registers`` (:mod:`rcdl.ops.widen`: bfloat16 rows widened to float32
   inside the products, float32 operands and accumulation: no reordering of the chunk);
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from rcdl.app.rundir import cpu_flags, cpu_model
+from rcdl.ops import packed as packing
 from rcdl.ops import widen
 from rcdl.ops.kernels import row_sq_norms
 
@@ -82,6 +86,11 @@ def main() -> None:
         "sum, F.linear on the view": lambda i: F.linear(left, values[rows(i)].T),
         "scores q @ keys_cᵀ": lambda i: q @ keys[rows(i)].T,
     }
+    if packing.supported(dtype):
+        cache = packing.PackedChunks()
+        for _ in range(2):  # packed at the second use
+            packs = [cache.get("values", values[rows(i)], i * c, b) for i in range(n)]
+        products["sum, packed chunk"] = lambda i: packing.sum_packed(left, packs[i])
     if dtype == torch.bfloat16 and widen.available():
         q32, left32, acc = q.float(), left.T.float().contiguous(), torch.zeros(b, d)
         products["sum, widened in registers"] = (

@@ -5,7 +5,9 @@ growing layer's store with ``--entries`` entries (as ``benchmarks/profile_step.p
 then measures in one run on this machine:
 
 - ``step``: one training step (batch 16: forward, backward, the growth step), median over
-  ``--steps``; ``eval``: one no-grad evaluation batch of 500 images, median over two;
+  ``--steps`` after two steps not counted (the second packs the stores' full chunks where
+  they are packed, :mod:`rcdl.ops.packed`; a run packs them so once); ``eval``: one no-grad
+  evaluation batch of 500 images, median over two;
 - their **flop floors**: the attention's products in each growing layer, counted from the
   layer's shapes (forward ``2·B·N·(d_in + d_out)``; backward ``2·B·N·d_out`` for ``g·Vᵀ``,
   ``2·B·N·d_in`` for the query gradient where the layer's input needs one, and for the
@@ -136,20 +138,20 @@ def measure(name: str, store_dtype: str, entries: int, steps: int,
                                            else dtype)
     fill_stores(model, entries, gen)
     stepper = optimizer if optimizer is not None and hasattr(optimizer, "grower") else grower
-    xs = torch.randn(steps + 1, 16, 3072, generator=gen)
-    ys = torch.randint(0, 10, (steps + 1, 16), generator=gen)
+    xs = torch.randn(steps + 2, 16, 3072, generator=gen)
+    ys = torch.randint(0, 10, (steps + 2, 16), generator=gen)
     x_eval = torch.randn(500, 3072, generator=gen)
     train_flops = layer_flops(model, xs[0], 16, training=True)
     eval_flops = layer_flops(model, x_eval, 500, training=False)
     model.train()
     times = []
-    for i in range(steps + 1):
+    for i in range(steps + 2):
         start = time.perf_counter()
         stepper.zero_grad()
         F.cross_entropy(model(xs[i]), ys[i]).backward()
         stepper.step()
         times.append(time.perf_counter() - start)
-    step_s = statistics.median(times[1:])
+    step_s = statistics.median(times[2:])
     model.eval()
     eval_times = []
     with torch.no_grad():

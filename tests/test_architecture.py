@@ -172,10 +172,12 @@ def test_no_module_writes_into_another_objects_tensors():
 
 def test_the_attention_op_and_its_paths_import_only_maths():
     """The op, its data and the streaming path know kernels, the half dtypes and the product
-    paths (the widened products among them), and nothing of stores, layers, backends,
-    sharding or retrieval."""
+    paths (the widened and the packed products among them), and nothing of stores, layers,
+    backends, sharding or retrieval."""
     graph = import_graph()
-    maths = {"rcdl.ops.half", "rcdl.ops.kernels", "rcdl.options", "rcdl.ops.widen"}
+    maths = {"rcdl.ops.half", "rcdl.ops.kernels", "rcdl.options", "rcdl.ops.widen",
+             "rcdl.ops.packed"}
+    assert graph["rcdl.ops.packed"] <= maths, graph["rcdl.ops.packed"]
     assert graph["rcdl.ops.entries"] <= maths, graph["rcdl.ops.entries"]
     assert graph["rcdl.ops.streaming"] <= maths | {"rcdl.ops.entries"}, graph["rcdl.ops.streaming"]
     assert graph["rcdl.ops.attention"] <= maths | {"rcdl.ops.entries", "rcdl.ops.streaming"}, (

@@ -156,7 +156,8 @@ def machine_class() -> str:
 _NOT_OUTCOMES = ("machine", "environment", "out", "started", "command", "git_revision",
                  "git_dirty", "hostname", "platform", "cpu_flags", "cpu_model", "num_threads",
                  "malloc", "half_products", "half_product_paths", "half_adam",
-                 "half_adam_paths", "cpu_capability", "isa_caps")
+                 "half_adam_paths", "cpu_capability", "isa_caps", "packed_chunks",
+                 "packed_chunk_dtypes")
 
 
 def _outcome(obj: Any, key: str = "") -> Any:

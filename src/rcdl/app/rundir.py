@@ -53,6 +53,7 @@ from rcdl._version import __version__
 from rcdl.app.allocator import allocator_setting
 from rcdl.distributed import rank_and_world
 from rcdl.ops.half import PRODUCTS, native_products, product_path
+from rcdl.ops.packed import PACKED, packed_dtypes
 from rcdl.optim.half_adam import ADAM_MODE, path_description
 
 __all__ = [
@@ -168,7 +169,9 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
     (:mod:`rcdl.options`), and ``half_product_paths`` the path a bfloat16 and a float16
     store take on ``device`` under that default (:func:`rcdl.ops.half.product_path`), and
     ``half_adam_paths`` how the hybrid's Adam step moves their entries
-    (:func:`rcdl.optim.half_adam.path_description`). ``cpu_capability`` is the vector ISA
+    (:func:`rcdl.optim.half_adam.path_description`). ``packed_chunks`` is the mode of
+    :mod:`rcdl.ops.packed` and ``packed_chunk_dtypes`` whether it packs a float32 and a
+    bfloat16 store's chunks here. ``cpu_capability`` is the vector ISA
     torch's own kernels run at, and ``isa_caps`` the variables of :data:`ISA_CAPS` set in the
     process (an emulated machine class, docs/precision.md; numba's two are set by rcdl itself
     when it compiles its kernels, so they are read after the paths above chose them).
@@ -202,6 +205,8 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
         "half_adam": ADAM_MODE.get(),
         "half_adam_paths": {str(dtype).removeprefix("torch."): path_description(dtype, where)
                             for dtype in (torch.bfloat16, torch.float16)},
+        "packed_chunks": PACKED.get(),
+        "packed_chunk_dtypes": packed_dtypes(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "isa_caps": {name: os.environ[name] for name in ISA_CAPS if name in os.environ},
     }

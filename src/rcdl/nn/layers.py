@@ -262,13 +262,18 @@ class GrowingLayer(nn.Module):
         """The store's rows as the attention op takes them (:mod:`rcdl.ops.attention`): keys,
         values, :meth:`entry_weights`, and the layer's kernel, temperature, chunk size and
         half-product mode; ``keys``, ``values``, ``weights`` replace the store's (the
-        hybrid's trainable leaves)."""
+        hybrid's trainable leaves). Where keys and values are the store's own and no
+        optimizer moves them (not ``trains_entries``), the store's packed chunks go with them
+        (:mod:`rcdl.ops.packed`)."""
         store = self.store
+        # the store's packed chunks apply to its own rows, where no optimizer moves them
+        own_rows = keys is None and values is None and not self.trains_entries
         return Entries(store.keys if keys is None else keys,
                        store.values if values is None else values,
                        self.entry_weights() if weights is None else weights,
                        self.kernel, self.temperature, self.chunk_size,
-                       half_products=self.half_products)
+                       half_products=self.half_products,
+                       packed=store.packed_chunks if own_rows else None)
 
     def attend(self, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
         """Attention from (already prepared) queries over the whole store (every rank's

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from rcdl.ops.packed import PackedChunks
+
 __all__ = ["EntryStore", "format_bytes"]
 
 
@@ -110,6 +112,7 @@ class EntryStore(nn.Module):
         self._written_at = torch.zeros(capacity, dtype=torch.long, device=device)
         self._ids = torch.zeros(capacity, dtype=torch.long, device=device)
         self.next_id = 0  # the id the next new entry gets
+        self._packed = PackedChunks()  # full chunks packed for the sums over entries
 
     _BUFFERS = ("_keys", "_values", "_weights", "_written_at", "_ids")
 
@@ -123,6 +126,7 @@ class EntryStore(nn.Module):
         if self._storage_dtype is not None:  # a half-precision store stays half (exact)
             self._keys = self._keys.to(self._storage_dtype)
             self._values = self._values.to(self._storage_dtype)
+        self._packed.clear()  # moved or cast: packed again from the new rows
         return self
 
     def set_storage_dtype(self, storage_dtype: torch.dtype | None) -> None:
@@ -154,6 +158,12 @@ class EntryStore(nn.Module):
     @property
     def ids(self) -> Tensor:  # (N,)
         return self._ids[: self.size]
+
+    @property
+    def packed_chunks(self) -> PackedChunks:
+        """The store's full chunks packed for the products that sum over entries
+        (:mod:`rcdl.ops.packed`), valid until the next change other than an append."""
+        return self._packed
 
     @property
     def capacity(self) -> int:
@@ -193,9 +203,11 @@ class EntryStore(nn.Module):
 
     def extra_repr(self) -> str:
         storage = f"storage_dtype={self.storage_dtype}, " if self._storage_dtype else ""
+        packed = self._packed.nbytes
         return (
             f"N={self.size}, d_in={self.d_in}, d_out={self.d_out}, dtype={self.dtype}, {storage}"
             f"{format_bytes(self.nbytes)} used / {format_bytes(self.reserved_nbytes)} reserved"
+            + (f", {format_bytes(packed)} packed" if packed else "")
         )
 
     # ---------------------------------------------------------------- growth
@@ -362,11 +374,16 @@ class EntryStore(nn.Module):
         for name, t in checked.items():
             getattr(self, name)[: self.size][rows] = t
         if checked:
-            self.touch()
+            self.version += 1  # as touch(), but new weights alone keep the packed chunks
+            if keys is not None or values is not None:
+                self._packed.clear()
 
     def touch(self) -> None:
-        """Record an in-place change of stored rows (what appends do not do)."""
+        """Record an in-place change of stored rows (what appends do not do); the packed
+        chunks (:attr:`packed_chunks`) are dropped (:meth:`rewrite` of weights alone keeps
+        them)."""
         self.version += 1
+        self._packed.clear()
 
     def moved(self) -> None:
         """Record that stored keys, values or weights were moved in place, no row added,
@@ -374,6 +391,7 @@ class EntryStore(nn.Module):
         :meth:`touch`'s, also counted in ``moves``."""
         self.version += 1
         self.moves += 1
+        self._packed.clear()
 
     def compact(self) -> None:
         """Release the unused capacity (capacity becomes N)."""

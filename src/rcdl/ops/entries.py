@@ -25,6 +25,7 @@ from torch import Tensor
 
 from rcdl.ops.half import HALF_DTYPES
 from rcdl.ops.kernels import Kernel, check_kernel, guard_denominator, softmax_scale
+from rcdl.ops.packed import PackedChunks
 
 __all__ = ["Entries", "Partial", "empty_partial", "finalize", "merge_partials"]
 
@@ -39,7 +40,10 @@ class Entries:
     a streaming path folds at a time (``None``: the path's default); ``eps`` the softmax
     denominator's floor relative to the weight mass (:func:`rcdl.ops.kernels.guard_denominator`);
     ``half_products`` how a half-precision store multiplies (``"auto"``, ``"native"``,
-    ``"float32"``; ``None``: the process default :data:`rcdl.ops.half.PRODUCTS`).
+    ``"float32"``; ``None``: the process default :data:`rcdl.ops.half.PRODUCTS`); ``packed``
+    the store's packed chunks (:mod:`rcdl.ops.packed`) where ``keys`` and ``values`` are that
+    store's rows, all of them and in order (``None``: the plain products). Entries over other
+    tensors or rows (:meth:`rows`, :meth:`replace` of keys or values) leave it out.
 
     The tensors are checked against each other when the op receives them with the queries
     (:meth:`check`), not here: a layer builds one per call from its own store.
@@ -53,6 +57,7 @@ class Entries:
     chunk_size: int | None = None
     eps: float = 1e-6
     half_products: str | None = None
+    packed: PackedChunks | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernel", check_kernel(self.kernel))
@@ -63,7 +68,10 @@ class Entries:
         return self.keys.shape[0]
 
     def replace(self, **changes: object) -> Entries:
-        """These entries with some fields changed (other rows, another chunk size, ...)."""
+        """These entries with some fields changed (other rows, another chunk size, ...); new
+        keys or values drop the packed chunks unless ``packed`` is given too."""
+        if ("keys" in changes or "values" in changes) and "packed" not in changes:
+            changes["packed"] = None
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def rows(self, index: slice | Tensor) -> Entries:

@@ -12,7 +12,9 @@ so they sum to the output to its own rounding.
 
 A half-precision store multiplies natively, on float32 copies of each chunk, or widened in
 registers inside the products (:mod:`rcdl.ops.half`, :mod:`rcdl.ops.widen`; chosen per call
-by the entries' ``half_products`` and the batch size).
+by the entries' ``half_products`` and the batch size). Where the products run on the rows as
+they lie and the batch is a training batch, the sums over a full chunk's entries take the
+store's packed copy of the chunk where it has one (:mod:`rcdl.ops.packed`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rcdl.ops import packed as packing
 from rcdl.ops import widen
 from rcdl.ops.entries import Entries, Partial, empty_partial
 from rcdl.ops.half import HALF_DTYPES, chunk_products
@@ -104,16 +107,20 @@ def _chunk_kernel_values(kernel: Kernel, q: Tensor, q_sqnorm: Tensor | None, key
 
 
 def _sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1.0,
-                       widened: bool = False) -> Tensor:
+                       widened: bool = False, packed: Tensor | None = None) -> Tensor:
     """``acc += alpha · blockᵀ @ rows``: ``acc (B, d)`` accumulates a chunk's ``block (c, B)``
     (in ``acc``'s dtype) times its store ``rows (c, d)``. The block is copied transposed into
     a contiguous ``(B, c)`` operand. For a half-precision store the product runs in the
     rows' dtype (the block rounded to it; the matrix unit accumulates in float32) and is added
     to ``acc`` in its dtype; ``widened`` bfloat16 rows are widened in registers instead
-    (:mod:`rcdl.ops.widen`: the block is not rounded)."""
+    (:mod:`rcdl.ops.widen`: the block is not rounded). ``packed``: the rows as
+    :mod:`rcdl.ops.packed` packed them, multiplied from there (the same rounding of the
+    block; the product's own float32 accumulation may run in another order)."""
     if widened:
         return widen.sum_over_entries_(acc, block, rows, alpha)
     left = block.T.to(rows.dtype, memory_format=torch.contiguous_format)  # (B, c)
+    if packed is not None:
+        return acc.add_(packing.sum_packed(left, packed), alpha=alpha)
     if rows.dtype == acc.dtype:
         return acc.addmm_(left, rows, alpha=alpha)
     return acc.add_(left @ rows, alpha=alpha)
@@ -170,17 +177,21 @@ def _per_query(block: Tensor, largest: bool) -> Tensor:  # (B,)
 
 
 def _fold_chunk(kernel: Kernel, part: Partial, block: Tensor, values: Tensor, weights: Tensor,
-                widened: bool = False) -> tuple[Partial, Tensor | None]:
+                widened: bool = False, packed: Tensor | None = None
+                ) -> tuple[Partial, Tensor | None]:
     """Fold one chunk's block ``(c, B)`` into ``part``. A normalised kernel (the softmax)
     turns ``block`` into ``e^{z − m_new}`` in place and returns ``m_new``; the others leave
-    it as it is. ``widened``: the values are bfloat16 widened in registers."""
+    it as it is. ``widened``: the values are bfloat16 widened in registers; ``packed``: the
+    values packed (:func:`_sum_over_entries_`)."""
     if not kernel.normalised:
-        _sum_over_entries_(part.num, block * weights[:, None], values, widened=widened)
+        _sum_over_entries_(part.num, block * weights[:, None], values, widened=widened,
+                           packed=packed)
         return part, None
     m_new = torch.maximum(part.m, _per_query(block, largest=True))  # (B,)
     rescale = torch.exp(part.m - m_new)  # (B,), 0 where m was -inf
     block.sub_(m_new).exp_()
-    _sum_over_entries_(part.num.mul_(rescale[:, None]), block, values, widened=widened)
+    _sum_over_entries_(part.num.mul_(rescale[:, None]), block, values, widened=widened,
+                       packed=packed)
     den = part.den.mul_(rescale).add_(weights @ block)
     mass = part.mass.mul_(rescale).add_(weights.abs() @ block)
     return Partial(m_new, part.num, den, mass), m_new
@@ -212,7 +223,9 @@ class _Pass:
     """What every pass over the entries for the queries ``q`` shares: how the products run
     (decided once per call), the rows per chunk (``chunk``, else :func:`_chunk_rows`'s; a
     backward pass takes its forward's), the queries as the products take them, their norms
-    for a distance kernel, ``τ`` and the chunk readers."""
+    for a distance kernel, ``τ``, the chunk readers and the store's packed chunks where the
+    sums over entries may take them (:mod:`rcdl.ops.packed`: products in the store's dtype,
+    a training batch)."""
 
     def __init__(self, q: Tensor, entries: Entries, chunk: int | None = None) -> None:
         keys = entries.keys
@@ -228,6 +241,15 @@ class _Pass:
         self.read_keys, self.read_values = _Reader(q.dtype, upcast), _Reader(q.dtype, upcast)
         self.products: dict[torch.Size, Tensor] = {}  # _mm_into's buffers, reused per chunk
         self.dtype = q.dtype
+        self.packed = (entries.packed if products == "store" and q.shape[0] <= packing.MAX_BATCH
+                       else None)
+
+    def packed_rows(self, which: str, rows: Tensor, begin: int) -> Tensor | None:
+        """The store's chunk ``rows`` of ``which`` (``"keys"``/``"values"``) from row
+        ``begin``, packed, where it is a full chunk the store packs (else ``None``)."""
+        if self.packed is None or rows.shape[0] != self.chunk:
+            return None
+        return self.packed.get(which, rows, begin, self.q.shape[0])
 
     def block(self, keys: Tensor) -> Tensor:  # (c, B)
         """A chunk's unweighted kernel values (the softmax's raw logits), in the queries'
@@ -253,7 +275,8 @@ class _Pass:
             # the keys' converted chunk is spent once its block is formed: the values take
             # the same buffer (where their shapes agree), so half as much is written per chunk
             part, m_used = _fold_chunk(self.kernel, part, block, self.read_keys(values[rows]),
-                                       weights[rows], self.widened)
+                                       weights[rows], self.widened,
+                                       self.packed_rows("values", values[rows], begin))
             yield begin + self.chunk, part, block, m_used
 
 
@@ -371,7 +394,8 @@ class Streaming:
                 # φ = exp(−|q−k|²/2τ), dφ/dq = φ (k − q)/τ, so the factor is φ
                 grad_scores = kernel.grad_factor_(g_dot_v.mul_(w_c[:, None]), block, tau)
             if grad_q is not None:
-                _sum_over_entries_(grad_q, grad_scores, k_c, alpha=scale, widened=run.widened)
+                _sum_over_entries_(grad_q, grad_scores, k_c, alpha=scale, widened=run.widened,
+                                   packed=run.packed_rows("keys", k_c, start))
                 if kernel.distance:
                     dist_q_coef += grad_scores.sum(0)
             if grad_k is not None:  # the scale folded into the (c, B) factor, not the (c, d)
