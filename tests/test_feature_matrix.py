@@ -3,20 +3,22 @@ float64 reference.
 
 A *case* draws one value of every switch (:class:`Case`): the kind of growing layer and its
 learning rule (linear dual form, RBF, gws, normalised gws, gauge, hybrid; with weight decay
-and momentum for two of them), the hybrid's gate (none, distance, capacity, error-scaled) and
-learner (``HybridGrower`` or ``EntryAdam`` + ``Grower``), the store's dtype (float64, bfloat16,
-float16), the world size (1–3, spawned gloo processes), top-k retrieval with ``k ≥ N``
-(exact, FAISS flat or HNSW; in training or not; the index refreshed every step or every
-third), the evaluation cache, a save through :class:`rcdl.train.loop.Checkpointer` and a resume
-into freshly built objects at a random step, evaluation passes between steps (whose outputs
-are then changed in place, as a user's post-processing may), an ``nn.Linear`` in front, an
-in-place ReLU between the two growing layers, a memory budget, the initial entries, forgetting
-some samples part-way (``rcdl.memory.forgetting.forget`` with the learners, on every rank,
-or ``rcdl.forget_and_repair`` with stored or recomputed keys where the readout allows it;
-the reference forgets them too; drawn from a generator of its own so that the other
-switches' draws stay as they were), and the
-stored weights split as ``w = 1/2``, ``v = 2(−ηg)`` (the same function; not with float16
-stores, where doubling a subnormal value rounds otherwise).
+and momentum for two of them), the hybrid's gate (none, distance, capacity, error-scaled)
+and learner (``HybridGrower`` or ``EntryAdam`` + ``Grower``), the store's dtype (float64,
+bfloat16, float16), the attention's chunk size (the layer's own, or 3 or 5 rows: a bfloat16
+store's full chunks are then packed where the CPU multiplies bfloat16 natively,
+rcdl.ops.packed; drawn from a generator of its own), the world size (1–3, spawned gloo
+processes), top-k retrieval with ``k ≥ N`` (exact, FAISS flat or HNSW; in training or not;
+the index refreshed every step or every third), the evaluation cache, a save through
+:class:`rcdl.train.loop.Checkpointer` and a resume into freshly built objects at a random
+step, evaluation passes between steps (whose outputs are then changed in place, as a user's
+post-processing may), an ``nn.Linear`` in front, an in-place ReLU between the two growing
+layers, a memory budget, the initial entries, forgetting some samples part-way
+(``rcdl.memory.forgetting.forget`` with the learners, on every rank, or
+``rcdl.forget_and_repair`` with stored or recomputed keys where the readout allows it; the
+reference forgets them too; drawn from a generator of its own so that the other switches'
+draws stay as they were), and the stored weights split as ``w = 1/2``, ``v = 2(−ηg)`` (the
+same function; not with float16 stores, where doubling a subnormal value rounds otherwise).
 
 It trains a two-layer network ``[Linear] → layer → ReLU → layer`` for six steps (batch sizes
 1, 7, 7, 5, 7, 6: the first leaves most shards empty) with
@@ -26,7 +28,10 @@ one process, exact attention, no cache, no resume, out-of-place ReLU, ``EntryAda
 
 - the stores, gathered from every rank and ordered by entry id, to 1e-10;
 - the outputs on held-out inputs after the last step, to 1e-10;
-- the outputs of every evaluation pass, to 1e-10.
+- the outputs of every evaluation pass, to 1e-10;
+- whether the stores hold packed chunks after the final evaluation: some exactly where a
+  chunk size over a bfloat16 store with native products asks for them, none for the hybrid
+  (whose entries Adam moves) or a float64 store.
 
 **Half-precision stores** are compared with the reference over the same rounded numbers
 (the one-process run with the same half store). Where nothing changes how the products are
@@ -152,6 +157,7 @@ class Case:
     initial: int = 4  # softmax kinds: initial entries per layer
     forget_at: int | None = None  # forget FORGOTTEN after this many steps (learners synced)
     repair: str = ""  # with forget_at: "values" or "keys", rcdl.forget_and_repair instead
+    chunk: int | None = None  # rows per attention chunk (default: the layer's own)
     guards: str = ""  # the defect a fixed case is there for
 
     def to_json(self) -> str:
@@ -219,6 +225,16 @@ FIXED = (
          guards="fast forgetting after a resume, in-place activation"),
     Case("laplacian", forget_at=2, repair="keys", budget=(14, "oldest", False, 0),
          guards="fast forgetting after evictions"),
+    Case("gws", store="bfloat16", chunk=3, forget_at=3, cache=True, evals=(2, 4),
+         guards="packed chunks dropped when samples are forgotten"),
+    Case("rbf", store="bfloat16", chunk=5, budget=(12, "oldest", False, 3), evals=(1, 3, 5),
+         resume_at=4, guards="packed chunks dropped at every eviction, rebuilt after a resume"),
+    Case("gauge", store="bfloat16", chunk=3, world=2, resume_at=3, evals=(2,),
+         guards="packed chunks per shard"),
+    Case("hybrid", store="bfloat16", chunk=3, resume_at=2, evals=(1, 3),
+         guards="packed chunks: none for entries an optimizer moves"),
+    Case("rbf", chunk=3, split=True, cache=True, evals=(1, 2, 4),
+         guards="chunks of three over a float64 store (never packed)"),
 )
 
 
@@ -267,14 +283,27 @@ def drawn_cases() -> list[Case]:
     seed = int(os.environ.get("RCDL_MATRIX_SEED", "0"))
     rng, forgets = random.Random(seed), random.Random(seed + 10_000)  # the second one: the
     cases = []  # forget switch, drawn apart so that the other switches' draws stay as they were
+    chunks = random.Random(seed + 20_000)  # the chunk switch, drawn apart likewise
     for _ in range(count):
         case = draw(rng)
+        if chunks.random() < 0.3 and chunk_compatible(case):
+            case = dataclasses.replace(case, chunk=chunks.choice((3, 5)))
         if forgets.random() < 0.3:
             case = dataclasses.replace(case, forget_at=forgets.randint(2, STEPS - 1))
             if repairable(case):
                 case = dataclasses.replace(case, repair=forgets.choice(("", "values", "keys")))
         cases.append(case)
     return cases
+
+
+def chunk_compatible(case: Case) -> bool:
+    """Whether a chunk size may be drawn for ``case``: a half store's products are then
+    formed otherwise than the reference's, so not with the switches :func:`draw` leaves out
+    for those (gates, evicting by contribution, merging)."""
+    if case.store == "float64":
+        return True
+    return case.gate == "none" and (case.budget is None or (
+        case.budget[1] != "contribution" and not case.budget[2]))
 
 
 def repairable(case: Case) -> bool:
@@ -298,8 +327,21 @@ def expected_refusal(case: Case) -> str | None:
 
 
 def layouts_differ(case: Case) -> bool:
-    """Whether training forms the products otherwise than the reference does."""
-    return case.world > 1 or (case.topk is not None and case.topk[1])
+    """Whether training forms the products otherwise than the reference does (chunks of
+    another size: a half store's products round per chunk, and are packed where its dtype's
+    products are native, rcdl.ops.packed)."""
+    return case.world > 1 or (case.topk is not None and case.topk[1]) or case.chunk is not None
+
+
+def expected_packed(case: Case) -> bool:
+    """Whether the final evaluation (9 queries) leaves some of the store's full chunks packed
+    (rcdl.ops.packed): chunks of the case's size over a half store whose products run natively
+    here, in a layer whose entries no optimizer moves (not the hybrid). A float64 store is
+    never packed."""
+    from rcdl.ops.packed import packed_dtypes
+
+    return (case.chunk is not None and case.store == "bfloat16" and case.kind != "hybrid"
+            and packed_dtypes()["bfloat16"])
 
 
 def reference_of(case: Case, store: str | None = None) -> Case:
@@ -326,22 +368,21 @@ def _gate(name: str):  # noqa: ANN202
 
 
 def _layer(case: Case, d_in: int, d_out: int, index: int) -> nn.Module:
-    store = STORES[case.store]
+    common = {"store_dtype": STORES[case.store], "chunk_size": case.chunk}
     sgd = SplitSGD if case.split else FunctionalSGD
     if case.kind == "linear":
-        return GrowingLinear(d_in, d_out, rule=sgd(0.1, per_sample=False), store_dtype=store)
+        return GrowingLinear(d_in, d_out, rule=sgd(0.1, per_sample=False), **common)
     if case.kind == "linear-momentum":
         rule = sgd(0.1, weight_decay=0.01, momentum=0.5, per_sample=False)
-        return GrowingLinear(d_in, d_out, rule=rule, store_dtype=store)
+        return GrowingLinear(d_in, d_out, rule=rule, **common)
     if case.kind == "rbf":
-        return GrowingRBF(d_in, d_out, temperature=1.0, rule=sgd(0.3), store_dtype=store)
+        return GrowingRBF(d_in, d_out, temperature=1.0, rule=sgd(0.3), **common)
     if case.kind == "rbf-decay":
         rule = sgd(0.2, weight_decay=0.05, momentum=0.3)
-        return GrowingRBF(d_in, d_out, temperature=1.0, rule=rule, store_dtype=store)
+        return GrowingRBF(d_in, d_out, temperature=1.0, rule=rule, **common)
     if case.kind == "laplacian":
-        return GrowingLaplacian(d_in, d_out, temperature=0.5, rule=sgd(0.3), store_dtype=store)
-    kw = {"temperature": 1.0, "initial_entries": case.initial, "seed": 10 + index,
-          "store_dtype": store}
+        return GrowingLaplacian(d_in, d_out, temperature=0.5, rule=sgd(0.3), **common)
+    kw = {"temperature": 1.0, "initial_entries": case.initial, "seed": 10 + index, **common}
     if case.kind == "hybrid":
         return HybridSoftmax(d_in, d_out, rule=ClippedSoftmaxRule(1.0, 2.0),
                              trigger=_gate(case.gate), **kw)
@@ -470,7 +511,8 @@ def run(case: Case, folder: Path) -> dict:
         layer.disable_eval_cache()
     with torch.no_grad():
         final = model.eval()(held_out())
-    return {"stores": stores(model), "final": final, "evals": evals}
+    packed = sum(len(layer.store.packed_chunks) for _, layer in growing_layers(model))
+    return {"stores": stores(model), "final": final, "evals": evals, "packed": packed}
 
 
 def _save_and_resume(case, folder, step, model, optimizer, grower):  # noqa: ANN001, ANN202
@@ -530,6 +572,10 @@ def compare(case: Case, got: dict, ref: dict, ref64: dict | None) -> list[str]:
         return HALF_FACTOR * gap + HALF_ULPS * ulp * float(out.abs().max())
 
     approximate = half and layouts_differ(case)
+    # with shards, a rank's share of the rows may not fill a chunk: only "none" is certain
+    if bool(got["packed"]) != expected_packed(case) and (case.world == 1 or got["packed"]):
+        problems.append(f"{got['packed']} packed chunks after the final evaluation, expected "
+                        f"{'some' if expected_packed(case) else 'none'}")
     for name, want in ref["stores"].items():
         have = got["stores"][name]
         if have.shape[0] != want.shape[0] or not torch.equal(have[:, :2], want[:, :2]):
@@ -651,6 +697,8 @@ def test_the_draws_cover_every_switch():
     assert any(c.budget for c in cases) and any(expected_refusal(c) for c in cases)
     assert {c.world for c in cases if c.forget_at} == {1, 2, 3}
     assert {c.repair for c in cases if c.forget_at} == {"", "values", "keys"}
+    assert {c.chunk for c in cases} == {None, 3, 5}
+    assert {c.store for c in cases if c.chunk} == set(STORES)
 
 
 @pytest.mark.skipif("RCDL_MATRIX_CASE" not in os.environ,
