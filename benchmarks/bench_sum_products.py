@@ -18,6 +18,10 @@ over consecutive chunks of one store, interleaved rounds, best of each:
 - ``sum, packed chunk``: the chunk packed once beforehand as oneDNN's kernels take it
   (:mod:`rcdl.ops.packed`, what the attention does from a chunk's second use on, where
   oneDNN packs the dtype here), and the product from there with no re-packing;
+- ``scores, packed chunk``: the score product from the keys' chunk packed as it lies (what
+  the attention does with ``RCDL_PACKED_CHUNKS=all``);
+- ``packing a chunk``: what packing one chunk for its sum costs (once per chunk and store
+  change, :mod:`rcdl.ops.packed`);
 - for a bfloat16 store, where numba is installed: ``sum, widened in registers`` and
   ``scores, widened in registers`` (:mod:`rcdl.ops.widen`: bfloat16 rows widened to float32
   inside the products, float32 operands and accumulation: no reordering of the chunk);
@@ -88,9 +92,14 @@ def main() -> None:
     }
     if packing.supported(dtype):
         cache = packing.PackedChunks()
-        for _ in range(2):  # packed at the second use
-            packs = [cache.get("values", values[rows(i)], i * c, b) for i in range(n)]
-        products["sum, packed chunk"] = lambda i: packing.sum_packed(left, packs[i])
+        packs = [cache.get("values", values[rows(i)], i * c, b) for i in range(n)]
+        products["sum, packed chunk"] = lambda i: packing.packed_product(left, packs[i])
+        with packing.packed_chunks("all"):
+            key_packs = [cache.get("keys", keys[rows(i)], i * c, b, scores=True)
+                         for i in range(n)]
+        products["scores, packed chunk"] = lambda i: packing.packed_product(q, key_packs[i])
+        products["packing a chunk"] = (
+            lambda i: packing.PackedChunks().get("values", values[rows(i)], i * c, b))
     if dtype == torch.bfloat16 and widen.available():
         q32, left32, acc = q.float(), left.T.float().contiguous(), torch.zeros(b, d)
         products["sum, widened in registers"] = (

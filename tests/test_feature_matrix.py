@@ -6,19 +6,20 @@ learning rule (linear dual form, RBF, gws, normalised gws, gauge, hybrid; with w
 and momentum for two of them), the hybrid's gate (none, distance, capacity, error-scaled)
 and learner (``HybridGrower`` or ``EntryAdam`` + ``Grower``), the store's dtype (float64,
 bfloat16, float16), the attention's chunk size (the layer's own, or 3 or 5 rows: a bfloat16
-store's full chunks are then packed where the CPU multiplies bfloat16 natively,
-rcdl.ops.packed; drawn from a generator of its own), the world size (1–3, spawned gloo
-processes), top-k retrieval with ``k ≥ N`` (exact, FAISS flat or HNSW; in training or not;
-the index refreshed every step or every third), the evaluation cache, a save through
-:class:`rcdl.train.loop.Checkpointer` and a resume into freshly built objects at a random
-step, evaluation passes between steps (whose outputs are then changed in place, as a user's
-post-processing may), an ``nn.Linear`` in front, an in-place ReLU between the two growing
-layers, a memory budget, the initial entries, forgetting some samples part-way
-(``rcdl.memory.forgetting.forget`` with the learners, on every rank, or
-``rcdl.forget_and_repair`` with stored or recomputed keys where the readout allows it; the
-reference forgets them too; drawn from a generator of its own so that the other switches'
-draws stay as they were), and the stored weights split as ``w = 1/2``, ``v = 2(−ηg)`` (the
-same function; not with float16 stores, where doubling a subnormal value rounds otherwise).
+store's full chunks are then packed where the CPU multiplies bfloat16 natively, for the sums
+over entries or for the score products too, rcdl.ops.packed; drawn from a generator of its
+own), the world size (1–3, spawned gloo processes), top-k retrieval with ``k ≥ N`` (exact,
+FAISS flat or HNSW; in training or not; the index refreshed every step or every third), the
+evaluation cache, a save through :class:`rcdl.train.loop.Checkpointer` and a resume into
+freshly built objects at a random step, evaluation passes between steps (whose outputs are
+then changed in place, as a user's post-processing may), an ``nn.Linear`` in front, an
+in-place ReLU between the two growing layers, a memory budget, the initial entries,
+forgetting some samples part-way (``rcdl.memory.forgetting.forget`` with the learners, on
+every rank, or ``rcdl.forget_and_repair`` with stored or recomputed keys where the readout
+allows it; the reference forgets them too; drawn from a generator of its own so that the
+other switches' draws stay as they were), and the stored weights split as ``w = 1/2``, ``v =
+2(−ηg)`` (the same function; not with float16 stores, where doubling a subnormal value
+rounds otherwise).
 
 It trains a two-layer network ``[Linear] → layer → ReLU → layer`` for six steps (batch sizes
 1, 7, 7, 5, 7, 6: the first leaves most shards empty) with
@@ -158,6 +159,7 @@ class Case:
     forget_at: int | None = None  # forget FORGOTTEN after this many steps (learners synced)
     repair: str = ""  # with forget_at: "values" or "keys", rcdl.forget_and_repair instead
     chunk: int | None = None  # rows per attention chunk (default: the layer's own)
+    pack: str = "auto"  # rcdl.ops.packed's mode: "auto" (the sums), "all" (the scores too)
     guards: str = ""  # the defect a fixed case is there for
 
     def to_json(self) -> str:
@@ -228,9 +230,10 @@ FIXED = (
     Case("gws", store="bfloat16", chunk=3, forget_at=3, cache=True, evals=(2, 4),
          guards="packed chunks dropped when samples are forgotten"),
     Case("rbf", store="bfloat16", chunk=5, budget=(12, "oldest", False, 3), evals=(1, 3, 5),
-         resume_at=4, guards="packed chunks dropped at every eviction, rebuilt after a resume"),
-    Case("gauge", store="bfloat16", chunk=3, world=2, resume_at=3, evals=(2,),
-         guards="packed chunks per shard"),
+         resume_at=4, pack="all",
+         guards="packed chunks dropped at every eviction, rebuilt after a resume"),
+    Case("gauge", store="bfloat16", chunk=3, world=2, resume_at=3, evals=(2,), pack="all",
+         guards="packed chunks per shard, the scores' too"),
     Case("hybrid", store="bfloat16", chunk=3, resume_at=2, evals=(1, 3),
          guards="packed chunks: none for entries an optimizer moves"),
     Case("rbf", chunk=3, split=True, cache=True, evals=(1, 2, 4),
@@ -287,7 +290,8 @@ def drawn_cases() -> list[Case]:
     for _ in range(count):
         case = draw(rng)
         if chunks.random() < 0.3 and chunk_compatible(case):
-            case = dataclasses.replace(case, chunk=chunks.choice((3, 5)))
+            case = dataclasses.replace(case, chunk=chunks.choice((3, 5)),
+                                       pack=chunks.choice(("auto", "all")))
         if forgets.random() < 0.3:
             case = dataclasses.replace(case, forget_at=forgets.randint(2, STEPS - 1))
             if repairable(case):
@@ -481,6 +485,13 @@ def stores(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def run(case: Case, folder: Path) -> dict:
     """Train ``case``; ``{"refused": message}`` if a switch refused the combination."""
+    from rcdl.ops.packed import packed_chunks
+
+    with packed_chunks(case.pack):
+        return _run(case, folder)
+
+
+def _run(case: Case, folder: Path) -> dict:
     try:
         model, optimizer, grower = build(case)
     except ValueError as err:
@@ -698,7 +709,8 @@ def test_the_draws_cover_every_switch():
     assert {c.world for c in cases if c.forget_at} == {1, 2, 3}
     assert {c.repair for c in cases if c.forget_at} == {"", "values", "keys"}
     assert {c.chunk for c in cases} == {None, 3, 5}
-    assert {c.store for c in cases if c.chunk} == set(STORES)
+    assert {c.pack for c in cases if c.chunk} == {"auto", "all"}
+    assert {c.store for c in cases if c.chunk} >= {"float64", "bfloat16"}
 
 
 @pytest.mark.skipif("RCDL_MATRIX_CASE" not in os.environ,

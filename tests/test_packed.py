@@ -44,13 +44,15 @@ def attend_and_grads(q, entries):
 
 
 @needs_packing
+@pytest.mark.parametrize("mode", ["auto", "all"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_packed_sums_give_the_plain_products_and_the_float64_answers(kernel, dtype):
+def test_packed_products_give_the_plain_products_and_the_float64_answers(kernel, dtype, mode):
     """53 rows in chunks of 8: six full chunks packed, a partial one plain. The first call
-    packs every full chunk of keys and values, and it and the second (from the packs kept)
-    give the same bits; both agree with the plain path and with float64 over the stored
-    numbers (the queries rounded as the products round them)."""
+    packs every full chunk of keys and values (for the sums; with ``"all"`` for the scores
+    too), and it and the second (from the packs kept) give the same bits; both agree with
+    the plain path and with float64 over the stored numbers (the queries rounded as the
+    products round them)."""
     n, d, d_out, b = 53, 12, 7, 5
     keys, values = rows(n, d, dtype, 0), rows(n, d_out, dtype, 1)
     weights = torch.rand(n, generator=torch.Generator().manual_seed(2))
@@ -58,12 +60,15 @@ def test_packed_sums_give_the_plain_products_and_the_float64_answers(kernel, dty
     cache = PackedChunks()
     entries = Entries(keys, values, weights, kernel, chunk_size=8)
     plain = attend_and_grads(q, entries)
-    first = attend_and_grads(q, entries.replace(packed=cache))
-    assert len(cache) == 12
-    second = attend_and_grads(q, entries.replace(packed=cache))
+    copies = 2 if mode == "all" else 1  # per chunk of keys and of values
+    with packed_chunks(mode):
+        first = attend_and_grads(q, entries.replace(packed=cache))
+        assert len(cache) == 12 * copies
+        second = attend_and_grads(q, entries.replace(packed=cache))
     for f, p in zip(first, second, strict=True):
         assert torch.equal(f, p)
-    assert len(cache) == 12 and cache.nbytes >= 6 * 8 * (d + d_out) * keys.element_size()
+    assert len(cache) == 12 * copies
+    assert cache.nbytes >= copies * 6 * 8 * (d + d_out) * keys.element_size()
     q_products = q.to(dtype).double()  # the products multiply the queries in the store's dtype
     exact = attend_and_grads(q_products, Entries(keys.double(), values.double(),
                                                   weights.double(), kernel, chunk_size=8))
@@ -83,6 +88,13 @@ def test_a_chunk_is_packed_once_for_training_batches_with_the_mode_on():
     assert cache.get("keys", chunk, 16, 16) is not None  # another chunk
     assert cache.get("values", chunk, 0, 16) is not None and len(cache) == 3  # another tensor
     assert cache.get("keys", chunk, 0, packing.MAX_BATCH + 1) is None  # an evaluation batch
+    assert cache.get("keys", chunk, 0, 16, scores=True) is None  # scores: the mode "all" only
+    with packed_chunks("all"):
+        scores = cache.get("keys", chunk, 0, 16, scores=True)
+        assert scores is not None and len(cache) == 4
+        torch.testing.assert_close(packing.packed_product(chunk[:3], scores), chunk[:3] @ chunk.T)
+        torch.testing.assert_close(packing.packed_product(chunk[:, :3].T, first),
+                                   chunk[:, :3].T @ chunk)
     with packed_chunks("off"):
         assert cache.get("keys", chunk, 0, 16) is None
     assert cache.get("keys", chunk.double(), 32, 16) is None  # float64: never packed
@@ -91,7 +103,7 @@ def test_a_chunk_is_packed_once_for_training_batches_with_the_mode_on():
 
 
 def test_the_mode_is_checked_and_recorded():
-    with pytest.raises(ValueError, match="packed chunks mode must be one of auto, off"):
+    with pytest.raises(ValueError, match="packed chunks mode must be one of auto, all, off"):
         packing.set_packed_chunks("on")
     env = environment_info("cpu")
     assert env["packed_chunks"] == packing.PACKED.get()
@@ -173,8 +185,9 @@ def train(layer, steps=12, batch=6, seed=0):
 
 
 @needs_packing
+@pytest.mark.parametrize("mode", ["auto", "all"])
 @pytest.mark.parametrize("kind", ["gws", "rbf"])
-def test_a_layer_trained_with_packed_chunks_learns_what_it_learns_without(kind):
+def test_a_layer_trained_with_packed_chunks_learns_what_it_learns_without(kind, mode):
     """Growing layers in chunks of 8 growing to 72 entries (88 with the softmax's 16 initial
     ones): the keys and values of every full chunk are packed, and the trained layer answers
     as the one trained without packing, to float32 rounding carried through 12 steps."""
@@ -186,8 +199,10 @@ def test_a_layer_trained_with_packed_chunks_learns_what_it_learns_without(kind):
                               chunk_size=8)
 
     packed_layer = layer()
-    with_packing = train(packed_layer)
-    assert len(packed_layer.store.packed_chunks) >= 2 * 7  # keys and values, 7+ full chunks
+    with packed_chunks(mode):
+        with_packing = train(packed_layer)
+    copies = 2 if mode == "all" else 1
+    assert len(packed_layer.store.packed_chunks) >= copies * 2 * 7  # 7+ full chunks
     with packed_chunks("off"):
         plain_layer = layer()
         without = train(plain_layer)

@@ -1,21 +1,25 @@
 """Packed chunks: a store's full chunks kept a second time, in the layout oneDNN's matrix
-kernels multiply from, for the products that sum over a chunk's entries
-(docs/precision.md, "Packed chunks").
+kernels multiply from, for the products that sum over a chunk's entries, and on request for
+the score products too (docs/precision.md, "Packed chunks").
 
 A training step multiplies every chunk of the store twice per pass. The score product
 ``keys_c @ qᵀ`` sums along a store row, which lies contiguously; the sum over the chunk's
 entries, ``left (B, c) @ values_c (c, d)`` (and ``grad (B, c) @ keys_c`` backward), sums
 down the rows. oneDNN's kernels take that operand in a blocked layout of their own (for
 bfloat16, neighbouring rows interleaved in pairs, which its dot-product instruction
-multiplies at once) and re-pack the chunk into it on every call: at B = 16 that product runs
-at about half the score product's rate, in float32 as in bfloat16
-(``python benchmarks/bench_sum_products.py``).
+multiplies at once) and re-pack the chunk into it on every call, which at a training batch
+is much of the product's cost, in float32 as in bfloat16 (docs/precision.md gives the
+figures; ``python benchmarks/bench_sum_products.py`` measures them).
 
 :class:`PackedChunks` keeps each full chunk of a store packed once,
 ``W_c = pack(rows_cᵀ)`` (``torch.ops.mkldnn._reorder_linear_weight``), and the sum becomes
 ``left @ rows_c = linear(left, W_c)`` (``torch.ops.mkldnn._linear_pointwise``), with no
 re-packing: the same numbers up to the order of the float32 accumulation inside one chunk's
-product (the tests compare it with the plain product and with float64).
+product (the tests compare it with the plain product and with float64). In the mode
+``"all"`` the score products ``rows_c @ xᵀ`` (the keys' with the queries, the values' with
+the output gradient backward) run from a second packed copy, ``pack(rows_c)``, as well, for
+CPUs where oneDNN's product from a packed chunk beats the plain one there too, at the price
+of a third copy of the rows.
 
 - **Which products**: those of a chunk of ``chunk`` rows starting at ``begin`` that is full
   (``begin + chunk ≤ N``), for at most :data:`MAX_BATCH` queries (the training batches: a
@@ -24,30 +28,30 @@ product (the tests compare it with the plain product and with float64).
   products: :mod:`rcdl.ops.half`), and where oneDNN packs that dtype here (:func:`supported`,
   probed once per dtype: not a bfloat16 store on a CPU, or an emulated class, without
   bfloat16 units).
-- **When a chunk is packed**: the first time a pass asks for it, and kept until the store's
-  keys or values change. Packing costs several products' time (oneDNN's reorder of a
-  2 048 × 3 072 chunk took 20–30 ms here against 1.6–4.6 ms for the product), so it pays
-  only for rows read many times: a store that only grows packs each chunk once, when it is
-  full. Layers whose entries an optimizer moves every step (the hybrid's) do not hand their
-  store's packed chunks to the attention (:meth:`rcdl.nn.layers.GrowingLayer.entries`).
-- **Same numbers whatever the cache holds**: a full chunk's sum runs from its packed copy
-  whether the copy was made now or earlier, so results do not depend on what was packed
+- **When a chunk is packed**: the first time a pass asks for it, kept until the store's keys
+  or values change. Packing costs several products' time, so it pays only for rows read
+  many times: a store that only grows packs each chunk once, when it is full. Layers whose
+  entries an optimizer moves every step (the hybrid's) do not hand their store's packed
+  chunks to the attention (:meth:`rcdl.nn.layers.GrowingLayer.entries`).
+- **Same numbers whatever the cache holds**: a full chunk's products run from its packed
+  copies whether they were made now or earlier, so results do not depend on what was packed
   before (a resumed run, an evaluation cache or more evaluations between steps give the
-  same bits); they differ from the plain product's only in the order of float32 sums.
+  same bits); they differ from the plain products' only in the order of float32 sums.
 - **Validity**: the store owns its cache and clears it on every change of its keys or
   values other than an append (:meth:`rcdl.nn.store.EntryStore.touch`: removals, loads,
   rewrites of keys or values, moves), and when it is moved or cast. An append adds rows
   after the full chunks only.
 - **Memory**: a packed chunk takes the bytes of its rows again, so a store whose chunks are
-  all packed holds its keys and values twice (:attr:`PackedChunks.nbytes`). Packed copies are
-  never saved (not in the state dict, not in a pickle, not in a deep copy) and are dropped
-  with the cache: what :func:`rcdl.memory.forgetting.forget` removes is not kept in them.
+  all packed holds its keys and values twice (three times in the mode ``"all"``;
+  :attr:`PackedChunks.nbytes`). Packed copies are never saved (not in the state dict, not in
+  a pickle, not in a deep copy) and are dropped with the cache: what
+  :func:`rcdl.memory.forgetting.forget` removes is not kept in them.
 
-The mode is ``"auto"`` (pack where the rules above allow) or ``"off"``: the process-wide
-default :data:`PACKED` (:class:`rcdl.options.ProcessDefault`), set with
-:func:`set_packed_chunks`, for a block with :func:`packed_chunks`, or by the environment
-variable ``RCDL_PACKED_CHUNKS`` before its first use. A run records it, and the dtypes packed
-here, in ``environment.json``.
+The mode is ``"auto"`` (pack for the sums where the rules above allow), ``"all"`` (for the
+score products too) or ``"off"``: the process-wide default :data:`PACKED`
+(:class:`rcdl.options.ProcessDefault`), set with :func:`set_packed_chunks`, for a block with
+:func:`packed_chunks`, or by the environment variable ``RCDL_PACKED_CHUNKS`` before its first
+use. A run records it, and the dtypes packed here, in ``environment.json``.
 """
 
 from __future__ import annotations
@@ -64,15 +68,15 @@ from rcdl.ops.half import native_products
 from rcdl.options import ProcessDefault
 
 __all__ = ["MAX_BATCH", "MODES", "PACKED", "PackedChunks", "packed_chunks", "packed_dtypes",
-           "set_packed_chunks", "sum_packed", "supported"]
+           "packed_product", "set_packed_chunks", "supported"]
 
-MODES = ("auto", "off")
+MODES = ("auto", "all", "off")
 MAX_BATCH = 128  # the largest query batch whose sums over entries use packed chunks
 _DTYPES = (torch.float32, torch.bfloat16)  # the store dtypes packing was measured for
 _HINT = 16  # the batch size a chunk is packed for (the training batch); any batch may use it
 
 PACKED = ProcessDefault("packed chunks mode", "RCDL_PACKED_CHUNKS", MODES, "auto")
-# pack the full chunks of stores ("auto") or never ("off") from now on
+# pack the full chunks of stores for the sums ("auto"), the scores too ("all") or never ("off")
 set_packed_chunks: Callable[[str], None] = PACKED.set
 # with packed_chunks("off"): ... -- the mode for a block, restored after
 packed_chunks: Callable[[str], AbstractContextManager[None]] = PACKED.using
@@ -119,21 +123,23 @@ def packed_dtypes() -> dict[str, bool]:
         dtype == torch.float32 or native_products(dtype, "cpu")) for dtype in _DTYPES}
 
 
-def sum_packed(left: Tensor, packed: Tensor) -> Tensor:  # (B, d)
-    """``left (B, c) @ rows (c, d)`` from ``packed``, the rows as :class:`PackedChunks`
-    packed them; in ``left``'s dtype (the rows')."""
+def packed_product(x: Tensor, packed: Tensor) -> Tensor:
+    """``x @ mᵀ`` for the matrix ``m`` that :class:`PackedChunks` packed, in ``x``'s dtype
+    (the rows'): for a sum over entries ``m = rowsᵀ`` and this is ``left (B, c) @ rows``
+    ``(B, d)``; for a score product ``m = rows`` and this is ``x (B, d) @ rowsᵀ`` ``(B, c)``."""
     _, linear = _ops()  # type: ignore[misc]  # only called where supported() said so
-    return linear(left, packed, None, "none", [None], "")
+    return linear(x, packed, None, "none", [None], "")
 
 
 class PackedChunks:
     """One store's packed chunks (see the module docstring), keyed by the tensor they were
-    packed from (``"keys"`` or ``"values"``), the first row and the rows per chunk. The store
-    that owns it calls :meth:`clear` on every change other than an append; the compute path
-    asks :meth:`get` for each full chunk of a training batch's sums over entries."""
+    packed from (``"keys"`` or ``"values"``), the product they serve, the first row and the
+    rows per chunk. The store that owns it calls :meth:`clear` on every change of its keys or
+    values other than an append; the compute path asks :meth:`get` for each full chunk of a
+    training batch's products."""
 
     def __init__(self) -> None:
-        self._packs: dict[tuple[str, int, int], Tensor] = {}
+        self._packs: dict[tuple[str, bool, int, int], Tensor] = {}
 
     def clear(self) -> None:
         """Drop every packed chunk (the store's keys or values changed)."""
@@ -147,21 +153,24 @@ class PackedChunks:
         """Bytes held by the packed chunks (about their rows' bytes each)."""
         return sum(t.numel() * t.element_size() for t in self._packs.values())
 
-    def get(self, which: str, rows: Tensor, begin: int, batch: int) -> Tensor | None:
+    def get(self, which: str, rows: Tensor, begin: int, batch: int, *,
+            scores: bool = False) -> Tensor | None:
         """``rows (c, d)``, the store's rows ``[begin, begin + c)`` of ``which`` (as they lie,
-        a full chunk), packed (now, or kept from an earlier call), for a sum over entries
-        with ``batch`` queries; ``None`` where the plain product is to be used: the mode is
-        off, or the batch or the rows do not qualify. The answer depends on these alone,
-        never on what the cache holds."""
-        if (batch > MAX_BATCH or rows.device.type != "cpu" or PACKED.get() == "off"
-                or not supported(rows.dtype)):
+        a full chunk), packed (now, or kept from an earlier call) for a sum over entries
+        with ``batch`` queries (``rowsᵀ`` packed), or with ``scores`` for a score product
+        (``rows`` packed; the mode ``"all"`` only); ``None`` where the plain product is to be
+        used: the mode says so, or the batch or the rows do not qualify. The answer depends
+        on these alone, never on what the cache holds."""
+        mode = PACKED.get()
+        if (batch > MAX_BATCH or rows.device.type != "cpu" or mode == "off"
+                or (scores and mode != "all") or not supported(rows.dtype)):
             return None
-        key = (which, begin, rows.shape[0])
+        key = (which, scores, begin, rows.shape[0])
         packed = self._packs.get(key)
         if packed is not None:
             return packed
         pack, _ = _ops()  # type: ignore[misc]
-        packed = self._packs[key] = pack(rows.T, _HINT)
+        packed = self._packs[key] = pack(rows if scores else rows.T, _HINT)
         return packed
 
     # derived data, rebuilt where needed: never copied, pickled or saved with the store

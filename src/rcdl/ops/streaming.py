@@ -13,8 +13,9 @@ so they sum to the output to its own rounding.
 A half-precision store multiplies natively, on float32 copies of each chunk, or widened in
 registers inside the products (:mod:`rcdl.ops.half`, :mod:`rcdl.ops.widen`; chosen per call
 by the entries' ``half_products`` and the batch size). Where the products run on the rows as
-they lie and the batch is a training batch, the sums over a full chunk's entries take the
-store's packed copy of the chunk where it has one (:mod:`rcdl.ops.packed`).
+they lie and the batch is a training batch, the sums over a full chunk's entries (and in the
+mode ``"all"`` its score products) run from the store's packed copies of the chunk
+(:mod:`rcdl.ops.packed`).
 """
 
 from __future__ import annotations
@@ -88,12 +89,17 @@ def _chunk_rows(q: Tensor, keys: Tensor, products: str, chunk_size: int | None) 
 
 
 def _chunk_kernel_values(kernel: Kernel, q: Tensor, q_sqnorm: Tensor | None, keys: Tensor,
-                         tau: float, dtype: torch.dtype, widened: bool = False
-                         ) -> Tensor:  # (c, B)
+                         tau: float, dtype: torch.dtype, widened: bool = False,
+                         packed: Tensor | None = None) -> Tensor:  # (c, B)
     """Unweighted kernel values of one chunk, in ``dtype``; for a normalised kernel the raw
     logits ``z``. ``q`` is in the keys' dtype (the product runs in it, see
     :func:`_sum_over_entries_`), or float32 where the bfloat16 keys are ``widened`` in
-    registers (with their squared norms, for a distance kernel)."""
+    registers (with their squared norms, for a distance kernel). ``packed``: the keys packed
+    for the score product (:mod:`rcdl.ops.packed`), which then runs from there (a ``(c, B)``
+    view of a ``(B, c)`` product)."""
+    if packed is not None:
+        scores = packing.packed_product(q, packed).T.to(dtype)  # (c, B) view
+        return kernel.values_(scores, q_sqnorm, keys, tau, dtype)
     if widened:
         scores, k_sqnorm = widen.scores(keys, q, sqnorm=kernel.distance)
         if kernel.distance:
@@ -120,7 +126,7 @@ def _sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 
         return widen.sum_over_entries_(acc, block, rows, alpha)
     left = block.T.to(rows.dtype, memory_format=torch.contiguous_format)  # (B, c)
     if packed is not None:
-        return acc.add_(packing.sum_packed(left, packed), alpha=alpha)
+        return acc.add_(packing.packed_product(left, packed), alpha=alpha)
     if rows.dtype == acc.dtype:
         return acc.addmm_(left, rows, alpha=alpha)
     return acc.add_(left @ rows, alpha=alpha)
@@ -244,24 +250,33 @@ class _Pass:
         self.packed = (entries.packed if products == "store" and q.shape[0] <= packing.MAX_BATCH
                        else None)
 
-    def packed_rows(self, which: str, rows: Tensor, begin: int) -> Tensor | None:
+    def packed_rows(self, which: str, rows: Tensor, begin: int | None, scores: bool = False
+                    ) -> Tensor | None:
         """The store's chunk ``rows`` of ``which`` (``"keys"``/``"values"``) from row
-        ``begin``, packed, where it is a full chunk the store packs (else ``None``)."""
-        if self.packed is None or rows.shape[0] != self.chunk:
+        ``begin``, packed for a sum over its entries (or with ``scores`` for a score
+        product), where it is a full chunk the store packs (else ``None``; ``begin``
+        ``None``: not the store's rows)."""
+        if self.packed is None or begin is None or rows.shape[0] != self.chunk:
             return None
-        return self.packed.get(which, rows, begin, self.q.shape[0])
+        return self.packed.get(which, rows, begin, self.q.shape[0], scores=scores)
 
-    def block(self, keys: Tensor) -> Tensor:  # (c, B)
+    def block(self, keys: Tensor, begin: int | None = None) -> Tensor:  # (c, B)
         """A chunk's unweighted kernel values (the softmax's raw logits), in the queries'
-        dtype; ``keys`` as read."""
+        dtype; ``keys`` as read, the store's rows from ``begin`` (where their score product
+        may run from a packed copy)."""
         return _chunk_kernel_values(self.kernel, self.q, self.q_sqnorm, keys, self.tau,
-                                    self.dtype, self.widened)
+                                    self.dtype, self.widened,
+                                    self.packed_rows("keys", keys, begin, scores=True))
 
-    def scores(self, rows: Tensor, x: Tensor) -> Tensor:  # (c, B)
+    def scores(self, rows: Tensor, x: Tensor, begin: int | None = None) -> Tensor:  # (c, B)
         """``rows @ xᵀ`` in the queries' dtype: a chunk's store rows (as read) times
-        ``x (B, d)`` (in the dtype the products take)."""
+        ``x (B, d)`` (in the dtype the products take); the values' rows from ``begin`` (whose
+        product may run from a packed copy)."""
         if self.widened:
             return widen.scores(rows, x)[0]
+        packed = self.packed_rows("values", rows, begin, scores=True)
+        if packed is not None:
+            return packing.packed_product(x, packed).T.to(self.dtype)  # (c, B) view
         return (rows @ x.T).to(self.dtype)
 
     def folds(self, entries: Entries, part: Partial, first_row: int
@@ -271,7 +286,7 @@ class _Pass:
         keys, values, weights = entries.keys, entries.values, entries.weights
         for begin in range(first_row, keys.shape[0], self.chunk):
             rows = slice(begin, begin + self.chunk)
-            block = self.block(self.read_keys(keys[rows]))
+            block = self.block(self.read_keys(keys[rows]), begin)
             # the keys' converted chunk is spent once its block is formed: the values take
             # the same buffer (where their shapes agree), so half as much is written per chunk
             part, m_used = _fold_chunk(self.kernel, part, block, self.read_keys(values[rows]),
@@ -371,10 +386,10 @@ class Streaming:
             if saved_blocks is not None:
                 block, m_used = saved_blocks[i]
             else:
-                block, m_used = run.block(k_c), m
+                block, m_used = run.block(k_c, start), m
                 if kernel.normalised:
                     block.sub_(m).exp_()
-            g_dot_v = run.scores(v_c, grad_out_v)  # (c, B)
+            g_dot_v = run.scores(v_c, grad_out_v, start)  # (c, B)
             if kernel.normalised:
                 # a_j = e^{z_j - m} / D;  ∂s/∂z_j = a_j (ṽ_j − w_j s)
                 attn = block * (torch.exp(m_used - m) * inv_den)  # (c, B)
@@ -424,7 +439,7 @@ class Streaming:
         for start in range(0, keys.shape[0], run.chunk):
             rows = slice(start, start + run.chunk)
             v_c = run.read_values(values[rows])  # (c, d_out) as the forward multiplies them
-            block = run.block(run.read_keys(keys[rows]))  # (c, B)
+            block = run.block(run.read_keys(keys[rows]), start)  # (c, B)
             along = v_c.to(q.dtype) @ direction.T  # (c, B) ⟨u_b, v_j⟩, in the queries' dtype
             if kernel.normalised:
                 term = _as_multiplied(block.sub_(whole.m).exp_(), v_c, run.widened) / den
