@@ -219,3 +219,24 @@ def test_a_layer_whose_entries_are_trained_hands_no_packed_chunks_to_the_attenti
     assert layers and all(layer.entries().packed is None for layer in layers)
     gws, _, _ = build_model("gws", 0)
     assert gws.blocks[0].entries().packed is gws.blocks[0].store.packed_chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernel", ["rbf", "laplacian"])
+def test_a_distance_kernel_keeps_each_full_chunks_key_norms_with_the_same_numbers(kernel, dtype):
+    """With packing off only the keys' squared norms are kept: six full chunks of 8 rows,
+    formed at the first call; the answers are those of entries without the cache, bit for
+    bit, in outputs and gradients."""
+    n, d = 53, 12
+    keys, values = rows(n, d, dtype, 0), rows(n, 7, dtype, 1)
+    weights = torch.rand(n, generator=torch.Generator().manual_seed(2))
+    q = rows(5, d, torch.float32, 3)
+    entries = Entries(keys, values, weights, kernel, chunk_size=8)
+    cache = PackedChunks()
+    with packed_chunks("off"):
+        plain = attend_and_grads(q, entries)
+        for _ in range(2):
+            kept = attend_and_grads(q, entries.replace(packed=cache))
+            assert len(cache) == 0 and cache.nbytes == 6 * 8 * 4  # float32 norms, no packs
+            for a, b in zip(plain, kept, strict=True):
+                assert torch.equal(a, b)

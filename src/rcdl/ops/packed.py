@@ -41,6 +41,9 @@ of a third copy of the rows.
   values other than an append (:meth:`rcdl.nn.store.EntryStore.touch`: removals, loads,
   rewrites of keys or values, moves), and when it is moved or cast. An append adds rows
   after the full chunks only.
+- **The keys' squared norms** of each full chunk, which a distance kernel (RBF, Laplacian)
+  adds to every score, are kept in the same cache whatever the mode
+  (:meth:`PackedChunks.sq_norms`): the same numbers as formed anew, one per entry.
 - **Memory**: a packed chunk takes the bytes of its rows again, so a store whose chunks are
   all packed holds its keys and values twice (three times in the mode ``"all"``;
   :attr:`PackedChunks.nbytes`). Packed copies are never saved (not in the state dict, not in
@@ -65,6 +68,7 @@ import torch
 from torch import Tensor
 
 from rcdl.ops.half import native_products
+from rcdl.ops.kernels import row_sq_norms
 from rcdl.options import ProcessDefault
 
 __all__ = ["MAX_BATCH", "MODES", "PACKED", "PackedChunks", "packed_chunks", "packed_dtypes",
@@ -140,10 +144,12 @@ class PackedChunks:
 
     def __init__(self) -> None:
         self._packs: dict[tuple[str, bool, int, int], Tensor] = {}
+        self._norms: dict[tuple[torch.dtype, int, int], Tensor] = {}
 
     def clear(self) -> None:
-        """Drop every packed chunk (the store's keys or values changed)."""
+        """Drop every packed chunk and kept norm (the store's keys or values changed)."""
         self._packs.clear()
+        self._norms.clear()
 
     def __len__(self) -> int:
         return len(self._packs)
@@ -151,7 +157,18 @@ class PackedChunks:
     @property
     def nbytes(self) -> int:
         """Bytes held by the packed chunks (about their rows' bytes each)."""
-        return sum(t.numel() * t.element_size() for t in self._packs.values())
+        return sum(t.numel() * t.element_size()
+                   for t in (*self._packs.values(), *self._norms.values()))
+
+    def sq_norms(self, keys: Tensor, begin: int, dtype: torch.dtype) -> Tensor:  # (c,)
+        """``‖k_j‖²`` of the store's keys ``keys (c, d)`` (as they lie, the full chunk from
+        row ``begin``) as :func:`rcdl.ops.kernels.row_sq_norms` forms them in ``dtype``:
+        formed at the first call, then kept (the same numbers)."""
+        key = (dtype, begin, keys.shape[0])
+        norms = self._norms.get(key)
+        if norms is None:
+            norms = self._norms[key] = row_sq_norms(keys, dtype)
+        return norms
 
     def get(self, which: str, rows: Tensor, begin: int, batch: int, *,
             scores: bool = False) -> Tensor | None:

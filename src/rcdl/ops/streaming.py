@@ -90,16 +90,17 @@ def _chunk_rows(q: Tensor, keys: Tensor, products: str, chunk_size: int | None) 
 
 def _chunk_kernel_values(kernel: Kernel, q: Tensor, q_sqnorm: Tensor | None, keys: Tensor,
                          tau: float, dtype: torch.dtype, widened: bool = False,
-                         packed: Tensor | None = None) -> Tensor:  # (c, B)
+                         packed: Tensor | None = None, k_sqnorm: Tensor | None = None
+                         ) -> Tensor:  # (c, B)
     """Unweighted kernel values of one chunk, in ``dtype``; for a normalised kernel the raw
     logits ``z``. ``q`` is in the keys' dtype (the product runs in it, see
     :func:`_sum_over_entries_`), or float32 where the bfloat16 keys are ``widened`` in
     registers (with their squared norms, for a distance kernel). ``packed``: the keys packed
     for the score product (:mod:`rcdl.ops.packed`), which then runs from there (a ``(c, B)``
-    view of a ``(B, c)`` product)."""
+    view of a ``(B, c)`` product); ``k_sqnorm``: the keys' squared norms, where kept."""
     if packed is not None:
         scores = packing.packed_product(q, packed).T.to(dtype)  # (c, B) view
-        return kernel.values_(scores, q_sqnorm, keys, tau, dtype)
+        return _values(kernel, scores, q_sqnorm, keys, tau, dtype, k_sqnorm)
     if widened:
         scores, k_sqnorm = widen.scores(keys, q, sqnorm=kernel.distance)
         if kernel.distance:
@@ -109,7 +110,16 @@ def _chunk_kernel_values(kernel: Kernel, q: Tensor, q_sqnorm: Tensor | None, key
         scores = (q @ keys.T).T.to(dtype)  # (c, B) view of a (B, c) product
     else:
         scores = (keys @ q.T).to(dtype)  # (c, B), no copy when the dtypes agree
-    return kernel.values_(scores, q_sqnorm, keys, tau, dtype)
+    return _values(kernel, scores, q_sqnorm, keys, tau, dtype, k_sqnorm)
+
+
+def _values(kernel: Kernel, scores: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float,
+            dtype: torch.dtype, k_sqnorm: Tensor | None) -> Tensor:  # (c, B)
+    """``kernel.values_``, handing over the keys' squared norms only where they are had (a
+    kernel that is not a distance kernel need not take them, docs/architecture.md)."""
+    if k_sqnorm is None:
+        return kernel.values_(scores, q_sqnorm, keys, tau, dtype)
+    return kernel.values_(scores, q_sqnorm, keys, tau, dtype, k_sqnorm=k_sqnorm)
 
 
 def _sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1.0,
@@ -247,8 +257,10 @@ class _Pass:
         self.read_keys, self.read_values = _Reader(q.dtype, upcast), _Reader(q.dtype, upcast)
         self.products: dict[torch.Size, Tensor] = {}  # _mm_into's buffers, reused per chunk
         self.dtype = q.dtype
-        self.packed = (entries.packed if products == "store" and q.shape[0] <= packing.MAX_BATCH
-                       else None)
+        # the store's chunk cache where the products take its rows as they lie; its packed
+        # copies for training batches only, its keys' norms for any
+        self.chunks = entries.packed if products == "store" else None
+        self.packed = self.chunks if q.shape[0] <= packing.MAX_BATCH else None
 
     def packed_rows(self, which: str, rows: Tensor, begin: int | None, scores: bool = False
                     ) -> Tensor | None:
@@ -264,9 +276,14 @@ class _Pass:
         """A chunk's unweighted kernel values (the softmax's raw logits), in the queries'
         dtype; ``keys`` as read, the store's rows from ``begin`` (where their score product
         may run from a packed copy)."""
+        k_sqnorm = None
+        if (self.kernel.distance and self.chunks is not None and begin is not None
+                and keys.shape[0] == self.chunk):
+            k_sqnorm = self.chunks.sq_norms(keys, begin, self.dtype)  # (c,), kept per chunk
         return _chunk_kernel_values(self.kernel, self.q, self.q_sqnorm, keys, self.tau,
                                     self.dtype, self.widened,
-                                    self.packed_rows("keys", keys, begin, scores=True))
+                                    self.packed_rows("keys", keys, begin, scores=True),
+                                    k_sqnorm)
 
     def scores(self, rows: Tensor, x: Tensor, begin: int | None = None) -> Tensor:  # (c, B)
         """``rows @ xᵀ`` in the queries' dtype: a chunk's store rows (as read) times
