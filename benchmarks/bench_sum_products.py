@@ -16,7 +16,7 @@ over consecutive chunks of one store, interleaved rounds, best of each:
 - ``sum, F.linear``: ``F.linear(left, values_cᵀ)`` on the transposed view (no copy);
 - ``q @ keys_cᵀ``: the scores in the other order;
 - ``sum, packed chunk``: the chunk packed once beforehand as oneDNN's kernels take it
-  (:mod:`rcdl.ops.packed`, what the attention does from a chunk's second use on, where
+  (:mod:`rcdl.ops.packed`, what the attention does from a chunk's first use on, where
   oneDNN packs the dtype here), and the product from there with no re-packing;
 - ``scores, packed chunk``: the score product from the keys' chunk packed as it lies (what
   the attention does with ``RCDL_PACKED_CHUNKS=all``);

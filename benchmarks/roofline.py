@@ -5,7 +5,7 @@ growing layer's store with ``--entries`` entries (as ``benchmarks/profile_step.p
 then measures in one run on this machine:
 
 - ``step``: one training step (batch 16: forward, backward, the growth step), median over
-  ``--steps`` after two steps not counted (the second packs the stores' full chunks where
+  ``--steps`` after two steps not counted (the first packs the stores' full chunks where
   they are packed, :mod:`rcdl.ops.packed`; a run packs them so once); ``eval``: one no-grad
   evaluation batch of 500 images, median over two;
 - their **flop floors**: the attention's products in each growing layer, counted from the

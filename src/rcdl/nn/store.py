@@ -112,7 +112,7 @@ class EntryStore(nn.Module):
         self._written_at = torch.zeros(capacity, dtype=torch.long, device=device)
         self._ids = torch.zeros(capacity, dtype=torch.long, device=device)
         self.next_id = 0  # the id the next new entry gets
-        self._packed = PackedChunks()  # full chunks packed for the sums over entries
+        self._packed = PackedChunks()  # full chunks packed, and the keys' norms (ops.packed)
 
     _BUFFERS = ("_keys", "_values", "_weights", "_written_at", "_ids")
 
@@ -161,8 +161,9 @@ class EntryStore(nn.Module):
 
     @property
     def packed_chunks(self) -> PackedChunks:
-        """The store's full chunks packed for the products that sum over entries
-        (:mod:`rcdl.ops.packed`), valid until the next change other than an append."""
+        """The store's chunk cache (:mod:`rcdl.ops.packed`): its full chunks packed for the
+        products that sum over entries, and their keys' squared norms; valid until the next
+        change of keys or values other than an append."""
         return self._packed
 
     @property

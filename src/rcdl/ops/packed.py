@@ -136,11 +136,11 @@ def packed_product(x: Tensor, packed: Tensor) -> Tensor:
 
 
 class PackedChunks:
-    """One store's packed chunks (see the module docstring), keyed by the tensor they were
-    packed from (``"keys"`` or ``"values"``), the product they serve, the first row and the
-    rows per chunk. The store that owns it calls :meth:`clear` on every change of its keys or
-    values other than an append; the compute path asks :meth:`get` for each full chunk of a
-    training batch's products."""
+    """One store's packed chunks (see the module docstring), keyed by the tensor they were packed
+    from (``"keys"`` or ``"values"``), the product they serve, the first row and the rows
+    per chunk, and its full chunks' key norms (:meth:`sq_norms`). The store that owns it
+    calls :meth:`clear` on every change of its keys or values other than an append; the
+    compute path asks :meth:`get` for each full chunk of a training batch's products."""
 
     def __init__(self) -> None:
         self._packs: dict[tuple[str, bool, int, int], Tensor] = {}
@@ -156,7 +156,8 @@ class PackedChunks:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the packed chunks (about their rows' bytes each)."""
+        """Bytes held by the packed chunks (about their rows' bytes each) and the kept
+        norms (one number per entry)."""
         return sum(t.numel() * t.element_size()
                    for t in (*self._packs.values(), *self._norms.values()))
 

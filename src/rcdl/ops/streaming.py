@@ -239,9 +239,9 @@ class _Pass:
     """What every pass over the entries for the queries ``q`` shares: how the products run
     (decided once per call), the rows per chunk (``chunk``, else :func:`_chunk_rows`'s; a
     backward pass takes its forward's), the queries as the products take them, their norms
-    for a distance kernel, ``τ``, the chunk readers and the store's packed chunks where the
-    sums over entries may take them (:mod:`rcdl.ops.packed`: products in the store's dtype,
-    a training batch)."""
+    for a distance kernel, ``τ``, the chunk readers and the store's chunk cache where the
+    products take its rows as they lie (:mod:`rcdl.ops.packed`: the keys' norms for any
+    batch, the packed copies for a training batch)."""
 
     def __init__(self, q: Tensor, entries: Entries, chunk: int | None = None) -> None:
         keys = entries.keys
@@ -262,14 +262,19 @@ class _Pass:
         self.chunks = entries.packed if products == "store" else None
         self.packed = self.chunks if q.shape[0] <= packing.MAX_BATCH else None
 
+    def _full_chunk(self, rows: Tensor, begin: int | None) -> bool:
+        """Whether ``rows`` are a full chunk of the store's own rows (``begin`` ``None``: not
+        the store's rows), which its chunk cache may keep things of."""
+        return self.chunks is not None and begin is not None and rows.shape[0] == self.chunk
+
     def packed_rows(self, which: str, rows: Tensor, begin: int | None, scores: bool = False
                     ) -> Tensor | None:
         """The store's chunk ``rows`` of ``which`` (``"keys"``/``"values"``) from row
         ``begin``, packed for a sum over its entries (or with ``scores`` for a score
-        product), where it is a full chunk the store packs (else ``None``; ``begin``
-        ``None``: not the store's rows)."""
-        if self.packed is None or begin is None or rows.shape[0] != self.chunk:
+        product), where it is a full chunk the store packs (else ``None``)."""
+        if self.packed is None or not self._full_chunk(rows, begin):
             return None
+        assert begin is not None  # checked by _full_chunk
         return self.packed.get(which, rows, begin, self.q.shape[0], scores=scores)
 
     def block(self, keys: Tensor, begin: int | None = None) -> Tensor:  # (c, B)
@@ -277,8 +282,8 @@ class _Pass:
         dtype; ``keys`` as read, the store's rows from ``begin`` (where their score product
         may run from a packed copy)."""
         k_sqnorm = None
-        if (self.kernel.distance and self.chunks is not None and begin is not None
-                and keys.shape[0] == self.chunk):
+        if self.kernel.distance and self._full_chunk(keys, begin):
+            assert self.chunks is not None and begin is not None  # checked by _full_chunk
             k_sqnorm = self.chunks.sq_norms(keys, begin, self.dtype)  # (c,), kept per chunk
         return _chunk_kernel_values(self.kernel, self.q, self.q_sqnorm, keys, self.tau,
                                     self.dtype, self.widened,
