@@ -8,9 +8,12 @@ queries) and of a no-grad evaluation call (``--eval-batch`` queries), for a floa
 a bfloat16 store on the float32-chunk path, widened in registers (``rcdl.ops.widen``, where
 numba is installed) and on the native path (where the CPU has bfloat16 units, or with
 ``--native``), each as the median over rounds of its time over float32's in the same round
-(with the quartiles of those ratios in brackets). Prints the CPU model and flags first. To
-emulate another machine class, set the caps of docs/precision.md ("Emulating another machine
-class").
+(with the quartiles of those ratios in brackets). Where oneDNN packs float32 here, a float32
+store whose full chunks are packed (``float32 packed``, docs/precision.md, "Packed chunks":
+what a layer's own store does by default) joins the rounds, and a last column gives every
+row's time over its (for the hybrid, whose layer trains its entries and packs none, over
+plain float32's). Prints the CPU model and flags first. To emulate another machine
+class, set the caps of docs/precision.md ("Emulating another machine class").
 
     python benchmarks/bench_half_paths.py [--width 1024 --entries 6000 --rounds 7]
 """
@@ -24,8 +27,10 @@ import time
 import torch
 
 from rcdl.app.rundir import cpu_flags, cpu_model
+from rcdl.ops import packed as packing
 from rcdl.ops import widen
-from rcdl.ops.attention import attention
+from rcdl.ops.attention import attend
+from rcdl.ops.entries import Entries
 from rcdl.ops.half import half_products, native_products
 
 
@@ -59,14 +64,19 @@ def main() -> None:
     weights = torch.rand(args.entries, generator=gen) + 0.1
     stores = {"float32": (keys, values), "bfloat16": (keys.bfloat16(), values.bfloat16())}
     cases = [("float32", "float32", "auto"), ("bfloat16 float32 chunks", "bfloat16", "float32")]
+    packs = packing.supported(torch.float32) and packing.PACKED.get() != "off"
+    if packs:
+        cases.insert(1, ("float32 packed", "float32", "auto"))
     if widen.available():
         cases.append(("bfloat16 widened", "bfloat16", "widen"))
     if native_products(torch.bfloat16) or args.native:  # emulated: 20-160x float32, skipped
         cases.append(("bfloat16 native", "bfloat16", "native"))
     print(f"# width {args.width}, {args.entries} entries, train batch {args.train_batch}, "
           f"eval batch {args.eval_batch}; median of {args.rounds} interleaved rounds")
-    print("| kernel | store / path | train call ms | × float32 | eval call ms | × float32 |")
-    print("|---|---|---:|---:|---:|---:|")
+    packed_col = " × float32 packed (train, eval) |" if packs else ""
+    print(f"| kernel | store / path | train call ms | × float32 | eval call ms | × float32 |"
+          f"{packed_col}")
+    print("|---|---|---:|---:|---:|---:|" + ("---:|" if packs else ""))
     for kernel in args.kernels:
         times: dict[str, dict[str, list[float]]] = {n: {"train": [], "eval": []}
                                                     for n, _, _ in cases}
@@ -76,29 +86,44 @@ def main() -> None:
         leaves = {name: tuple(t.detach().requires_grad_(trained) for t in (*kv, weights))
                   for name, kv in stores.items()}
         op = "softmax" if trained else kernel
+        chunk_caches: dict[str, packing.PackedChunks] = {}
         for _ in range(args.rounds):
             for name, store, mode in cases:
+                if name == "float32 packed" and trained:
+                    continue  # a layer that trains its entries packs none: float32 is its time
                 k, v, w = leaves[store]
+                # the packed case's chunks are packed once, as a store keeps them
+                cache = (chunk_caches.setdefault(name, packing.PackedChunks())
+                         if name == "float32 packed" else None)
+                entries = Entries(k, v, w, op, packed=cache)
                 with half_products(mode):
-                    def train(k=k, v=v, w=w, q=q_train, op=op) -> None:  # noqa: ANN001
-                        attention(q, k, v, w, kernel=op).sum().backward()
+                    def train(e=entries, q=q_train) -> None:  # noqa: ANN001
+                        attend(q, e).sum().backward()
 
-                    def evaluate(k=k, v=v, w=w, q=q_eval, op=op) -> None:  # noqa: ANN001
+                    def evaluate(e=entries, q=q_eval) -> None:  # noqa: ANN001
                         with torch.no_grad():
-                            attention(q, k, v, w, kernel=op)
+                            attend(q, e)
 
                     times[name]["train"].append(timed(train, args.repeats))
                     times[name]["eval"].append(timed(evaluate, max(1, args.repeats // 3)))
+        if trained and packs:
+            times["float32 packed"] = times["float32"]
         for name, _, _ in cases:
+            if name == "float32 packed" and trained:
+                continue
             tr, ev = (statistics.median(times[name][w]) for w in ("train", "eval"))
+            against_packed = (f" {ratio(times, name, 'train', 'float32 packed')}, "
+                              f"{ratio(times, name, 'eval', 'float32 packed')} |" if packs else "")
             print(f"| {kernel} | {name} | {tr * 1e3:.1f} | {ratio(times, name, 'train')} | "
-                  f"{ev * 1e3:.1f} | {ratio(times, name, 'eval')} |")
+                  f"{ev * 1e3:.1f} | {ratio(times, name, 'eval')} |{against_packed}")
 
 
-def ratio(times: dict[str, dict[str, list[float]]], name: str, what: str) -> str:
-    """The median over rounds of each round's time over float32's in the same round, with
-    the quartiles of those ratios: a drift of the machine's speed between rounds cancels."""
-    per_round = sorted(t / b for t, b in zip(times[name][what], times["float32"][what],
+def ratio(times: dict[str, dict[str, list[float]]], name: str, what: str,
+          baseline: str = "float32") -> str:
+    """The median over rounds of each round's time over ``baseline``'s in the same round,
+    with the quartiles of those ratios: a drift of the machine's speed between rounds
+    cancels."""
+    per_round = sorted(t / b for t, b in zip(times[name][what], times[baseline][what],
                                              strict=True))
     if len(per_round) < 4:
         return f"{statistics.median(per_round):.2f}"

@@ -27,10 +27,16 @@ over consecutive chunks of one store, interleaved rounds, best of each:
   inside the products, float32 operands and accumulation: no reordering of the chunk);
 - ``norms``: the keys' squared norms a distance kernel needs per chunk, squared in the
   store's dtype and summed, and as the attention forms them
-  (:func:`rcdl.ops.kernels.row_sq_norms`).
+  (:func:`rcdl.ops.kernels.row_sq_norms`);
+- for a bfloat16 store, the same rows held in float32 beside it (``float32 store: ...``):
+  the score product and, where oneDNN packs float32, the sum from a packed chunk, so that
+  the widened products can be set against what a float32 store does in the same run.
 
 Run: ``python benchmarks/bench_sum_products.py [--dtype bfloat16] [--chunks 10]``. Prints
-ms per chunk and each against ``scores``, with the CPU model and flags.
+ms per chunk, each against ``scores``, and for the products their rate: GFLOP/s
+(``2·B·c·d`` per chunk) and the store's bytes read per second (``c·d`` elements of the
+store's dtype; a product bound by memory reads near the machine's streamed bandwidth, one
+bound by arithmetic well below it), with the CPU model and flags.
 """
 
 from __future__ import annotations
@@ -105,6 +111,19 @@ def main() -> None:
         products["sum, widened in registers"] = (
             lambda i: widen.sum_over_entries_(acc, left32, values[rows(i)]))
         products["scores, widened in registers"] = lambda i: widen.scores(keys[rows(i)], q32)[0]
+    bytes_per = {name: c * d * keys.element_size() for name in products}  # a chunk's store bytes
+    if dtype == torch.bfloat16:
+        keys32, values32 = keys.float(), values.float()
+        q_f32, left_f32 = q.float(), left.float()  # (B, d), (B, c)
+        products["float32 store: scores keys_c @ qᵀ"] = lambda i: keys32[rows(i)] @ q_f32.T
+        bytes_per["float32 store: scores keys_c @ qᵀ"] = c * d * 4
+        if packing.supported(torch.float32):
+            cache32 = packing.PackedChunks()
+            packs32 = [cache32.get("values", values32[rows(i)], i * c, b) for i in range(n)]
+            products["float32 store: sum, packed chunk"] = (
+                lambda i: packing.packed_product(left_f32, packs32[i]))
+            bytes_per["float32 store: sum, packed chunk"] = c * d * 4
+    bytes_per.pop("packing a chunk", None)  # not a product
     # the keys' squared norms a distance kernel needs per chunk: squared in the store's dtype
     # (an (c, d) temporary), and as the attention forms them
     products["norms (k * k).sum(1)"] = (
@@ -127,9 +146,12 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     print(f"{args.dtype}, B = {b}, chunk {c} × {d}, {n} chunks streamed, best of {args.rounds}")
     reference = min(times["scores keys_c @ qᵀ"])
-    print("| product | ms per chunk | × scores |\n|---|---:|---:|")
+    print("| product | ms per chunk | × scores | GFLOP/s | GB/s read |\n|---|---:|---:|---:|---:|")
     for name, ts in times.items():
-        print(f"| {name} | {min(ts):.3f} | {min(ts) / reference:.2f} |")
+        ms = min(ts)
+        rate = (f"{2 * b * c * d / ms / 1e6:.0f} | {bytes_per[name] / ms / 1e6:.1f}"
+                if name in bytes_per else "— | —")
+        print(f"| {name} | {ms:.3f} | {ms / reference:.2f} | {rate} |")
 
 
 if __name__ == "__main__":
