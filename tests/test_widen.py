@@ -22,8 +22,10 @@ def store(n, d, seed=0):
     return torch.randn(n, d, generator=gen).bfloat16()
 
 
-# odd sizes: row tiles of 4 and 8 and column blocks of 256 all have remainders
-@pytest.mark.parametrize(("c", "d", "b"), [(1, 3, 1), (7, 13, 5), (37, 300, 17), (64, 512, 16)])
+# odd sizes: row tiles of 4 and 8, query groups of 4 and 2 and column blocks of 256 all have
+# remainders
+@pytest.mark.parametrize(("c", "d", "b"), [(1, 3, 1), (7, 13, 5), (37, 300, 17), (64, 512, 16),
+                                           (9, 40, 7)])
 def test_the_widened_products_are_float32_products_of_the_stored_numbers(c, d, b):
     from rcdl.ops import widen
 
@@ -31,10 +33,12 @@ def test_the_widened_products_are_float32_products_of_the_stored_numbers(c, d, b
     gen = torch.Generator().manual_seed(1)
     x, block = torch.randn(b, d, generator=gen), torch.randn(c, b, generator=gen)
     exact = rows.double()  # the stored numbers, exactly
-    out, sqnorm = widen.scores(rows, x, sqnorm=True)
-    assert out.dtype == torch.float32 and out.shape == (c, b)
-    torch.testing.assert_close(out.double(), exact @ x.double().T, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sqnorm.double(), exact.square().sum(1), rtol=1e-5, atol=1e-5)
+    for queries in (None, 2, 4):  # this CPU's choice, and both ways whatever it is
+        out, sqnorm = widen.scores(rows, x, sqnorm=True, queries=queries)
+        assert out.dtype == torch.float32 and out.shape == (c, b)
+        torch.testing.assert_close(out.double(), exact @ x.double().T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sqnorm.double(), exact.square().sum(1), rtol=1e-5,
+                                   atol=1e-5)
     acc = torch.randn(b, d, generator=gen)
     want = acc.double() + 0.5 * block.double().T @ exact
     assert widen.sum_over_entries_(acc, block, rows, 0.5) is acc
@@ -48,6 +52,8 @@ def test_wrong_operands_are_refused_by_name():
         widen.scores(torch.zeros(3, 4, dtype=torch.float16), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="float32 CPU tensors, got torch.float64"):
         widen.scores(store(3, 4), torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="queries must be 2 or 4, got 3"):
+        widen.scores(store(3, 4), torch.zeros(2, 4), queries=3)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -165,6 +171,10 @@ def test_numba_compiles_for_the_class_it_runs_as_with_full_width_vectors(monkeyp
         widen._numba_target()
         return os.environ.get("NUMBA_CPU_NAME"), os.environ.get("NUMBA_CPU_FEATURES")
 
+    def four_queries(*args: str, **user: str) -> bool:  # the score kernel's choice there
+        target(*args, **user)
+        return widen._wide_registers()
+
     avx512 = "avx2 avx512f avx512_bf16"
     assert target("AVX2", flags=avx512) == ("haswell", "")
     assert target("AVX512", "AVX512_CORE", flags=avx512) == ("skylake-avx512", "-prefer-256-bit")
@@ -174,3 +184,10 @@ def test_numba_compiles_for_the_class_it_runs_as_with_full_width_vectors(monkeyp
     assert target("AVX512", "AVX512_CORE_BF16", flags=avx512)[0] is None
     assert target("AVX2", flags=avx512, NUMBA_CPU_NAME="znver3") == ("znver3", None)
     assert target("AVX2", flags=avx512, NUMBA_CPU_FEATURES="+avx2") == (None, "+avx2")
+    # four queries at a time only where numba's target has AVX512's 32 vector registers
+    assert four_queries("AVX512", "AVX512_CORE", flags=avx512)  # skylake-avx512
+    assert not four_queries("AVX2", flags=avx512)  # haswell
+    assert not four_queries("AVX2")  # an AVX2 CPU as it is
+    assert not four_queries("AVX2", flags=avx512, NUMBA_CPU_NAME="znver3")
+    # what an AVX512 CPU as it is gets (its own features, full width), and a user's choice
+    assert four_queries("AVX2", NUMBA_CPU_FEATURES="+avx2,+avx512f,-prefer-256-bit")

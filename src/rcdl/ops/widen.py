@@ -69,6 +69,21 @@ def _numba_target() -> None:
         os.environ["NUMBA_CPU_FEATURES"] = f"{host},{_FULL_WIDTH}" if host else _FULL_WIDTH
 
 
+def _wide_registers() -> bool:
+    """Whether numba compiles for a CPU with AVX512's thirty-two vector registers (its
+    target, as :func:`_numba_target` left it): the score kernel then takes the queries four
+    at a time rather than two (sixteen accumulators; on AVX2's sixteen registers they
+    spill). A user's own ``NUMBA_CPU_NAME`` counts only where its features name
+    ``+avx512f`` or the name ``avx512``."""
+    name = os.environ.get("NUMBA_CPU_NAME", "")
+    features = os.environ.get("NUMBA_CPU_FEATURES")
+    if features is not None and "+avx512f" in features.split(","):
+        return True
+    if name:
+        return "avx512" in name
+    return features is None and "avx512f" in cpuinfo_flags()
+
+
 @functools.cache
 def _kernels() -> dict[str, Any] | None:
     """The compiled kernels by name, or ``None`` where numba is not installed."""
@@ -87,7 +102,7 @@ def _kernels() -> dict[str, Any] | None:
     numba.get_num_threads()  # starts the pool
     torch.set_num_threads(threads)
     return {"scores": kernels.scores_kernel, "sum": kernels.sum_kernel, "np": np,
-            "numba": numba}
+            "numba": numba, "four": _wide_registers()}
 
 
 def available() -> bool:
@@ -124,15 +139,20 @@ def _check(rows: Tensor, *others: Tensor) -> dict[str, Any]:
     return k
 
 
-def scores(rows: Tensor, x: Tensor, *, sqnorm: bool = False
+def scores(rows: Tensor, x: Tensor, *, sqnorm: bool = False, queries: int | None = None
            ) -> tuple[Tensor, Tensor | None]:  # (c, B), (c,)
     """``widen(rows) @ xᵀ`` for bfloat16 ``rows (c, d)`` and float32 ``x (B, d)``, and with
-    ``sqnorm`` the rows' squared norms ``Σ_j widen(rows)_{ij}²``, both float32."""
+    ``sqnorm`` the rows' squared norms ``Σ_j widen(rows)_{ij}²``, both float32. ``queries``:
+    how many queries each pass over four rows takes, 4 or 2 (``None``: 4 where numba
+    compiles for AVX512's registers, else 2); the same products either way."""
     k = _check(rows, x)
+    if queries not in (None, 2, 4):
+        raise ValueError(f"widen.scores: queries must be 2 or 4, got {queries}")
+    four = k["four"] if queries is None else queries == 4
     x = x.contiguous()
     out = torch.empty(rows.shape[0], x.shape[0])  # (c, B)
     norms = torch.empty(rows.shape[0] if sqnorm else 0)  # (c,)
-    k["scores"](as_bits(rows), x.detach().numpy(), out.numpy(), norms.numpy(), sqnorm)
+    k["scores"](as_bits(rows), x.detach().numpy(), out.numpy(), norms.numpy(), sqnorm, four)
     return out, (norms if sqnorm else None)
 
 
