@@ -144,7 +144,8 @@ def scores(rows: Tensor, x: Tensor, *, sqnorm: bool = False, queries: int | None
     """``widen(rows) @ xᵀ`` for bfloat16 ``rows (c, d)`` and float32 ``x (B, d)``, and with
     ``sqnorm`` the rows' squared norms ``Σ_j widen(rows)_{ij}²``, both float32. ``queries``:
     how many queries each pass over four rows takes, 4 or 2 (``None``: 4 where numba
-    compiles for AVX512's registers, else 2); the same products either way."""
+    compiles for AVX512's registers, else 2); either way float32 products of the same
+    numbers, summed in an order that may differ in the last bits."""
     k = _check(rows, x)
     if queries not in (None, 2, 4):
         raise ValueError(f"widen.scores: queries must be 2 or 4, got {queries}")
