@@ -115,7 +115,12 @@ def test_the_widened_path_is_for_training_batches_of_bfloat16_stores_on_cpu(monk
     with half_products("widen"):
         assert chunk_products(bf16, cpu, 16) == "widen"
         assert chunk_products(bf16, cpu, 500) == "float32"
-        assert half.product_path(bf16, cpu).startswith("widened in registers")
+        from rcdl.ops import widen
+
+        path = half.product_path(bf16, cpu)  # what a run records, with the kernel's choice
+        assert path.startswith("widened in registers") and path.endswith("float32 chunks")
+        assert f"{widen.queries_per_pass()} queries per score pass" in path
+        assert widen.queries_per_pass() == (4 if widen._wide_registers() else 2)
     with half_products("native"):
         assert chunk_products(bf16, cpu, 16) == "store"
     # float64 queries are not widened (the kernels multiply float32)

@@ -156,7 +156,8 @@ def upcast_chunks(dtype: torch.dtype, device: torch.device | str,
 def product_path(dtype: torch.dtype, device: torch.device | str,
                  mode: str | None = None) -> str:
     """The path a store in ``dtype`` on ``device`` takes now: ``"native"``, ``"float32
-    chunks"``, ``"widened in registers (training batches), float32 chunks"``, or ``"store
+    chunks"``, ``"widened in registers (training batches, Q queries per score pass), float32
+    chunks"`` (Q: :func:`rcdl.ops.widen.queries_per_pass`), or ``"store
     dtype"`` for a store that is not half precision (what a run records in
     ``environment.json``)."""
     if dtype not in HALF_DTYPES:
@@ -164,5 +165,8 @@ def product_path(dtype: torch.dtype, device: torch.device | str,
     if not upcast_chunks(dtype, device, mode):
         return "native"
     if chunk_products(dtype, device, 1, mode) == "widen":
-        return "widened in registers (training batches), float32 chunks"
+        from rcdl.ops import widen
+
+        return (f"widened in registers (training batches, {widen.queries_per_pass()} queries "
+                f"per score pass), float32 chunks")
     return "float32 chunks"

@@ -32,7 +32,8 @@ from torch import Tensor
 
 from rcdl._cpu import capped_below_half, cpuinfo_flags
 
-__all__ = ["as_bits", "available", "scores", "sum_over_entries_", "use_torch_threads"]
+__all__ = ["as_bits", "available", "queries_per_pass", "scores", "sum_over_entries_",
+           "use_torch_threads"]
 
 
 _FULL_WIDTH = "-prefer-256-bit"  # LLVM's tuning for Intel's AVX512 CPUs keeps 256-bit vectors
@@ -103,6 +104,13 @@ def _kernels() -> dict[str, Any] | None:
     torch.set_num_threads(threads)
     return {"scores": kernels.scores_kernel, "sum": kernels.sum_kernel, "np": np,
             "numba": numba, "four": _wide_registers()}
+
+
+def queries_per_pass() -> int:
+    """How many queries the score kernel takes per pass over four rows here: 4 where numba
+    compiles for AVX512's registers, else 2 (what a run records with the product path)."""
+    k = _kernels()
+    return 4 if k is not None and k["four"] else 2
 
 
 def available() -> bool:
