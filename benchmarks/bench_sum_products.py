@@ -111,7 +111,9 @@ def main() -> None:
         products["sum, widened in registers"] = (
             lambda i: widen.sum_over_entries_(acc, left32, values[rows(i)]))
         products["scores, widened in registers"] = lambda i: widen.scores(keys[rows(i)], q32)[0]
-    bytes_per = {name: c * d * keys.element_size() for name in products}  # a chunk's store bytes
+    # a chunk's store bytes, for each product (packing is not one)
+    bytes_per = {name: c * d * keys.element_size() for name in products
+                 if name != "packing a chunk"}
     if dtype == torch.bfloat16:
         keys32, values32 = keys.float(), values.float()
         q_f32, left_f32 = q.float(), left.float()  # (B, d), (B, c)
@@ -123,7 +125,6 @@ def main() -> None:
             products["float32 store: sum, packed chunk"] = (
                 lambda i: packing.packed_product(left_f32, packs32[i]))
             bytes_per["float32 store: sum, packed chunk"] = c * d * 4
-    bytes_per.pop("packing a chunk", None)  # not a product
     # the keys' squared norms a distance kernel needs per chunk: squared in the store's dtype
     # (an (c, d) temporary), and as the attention forms them
     products["norms (k * k).sum(1)"] = (
