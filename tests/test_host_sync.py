@@ -167,8 +167,15 @@ def test_deferred_and_immediate_runs_agree_and_the_loop_names_a_bad_loss():
         results.append(train_one_pass(net, data, batch_size=B, grower=grower,
                                       loss_fn=F.cross_entropy, metrics={"loss": F.cross_entropy},
                                       eval_every=3, progress=False))
-    for key in ("history", "train_loss", "entries", "loss"):
-        assert results[0][key] == pytest.approx(results[1][key], rel=1e-12), key
+    immediate, deferred = results
+    assert immediate["entries"] == deferred["entries"]
+    for key in ("train_loss", "loss"):
+        assert immediate[key] == pytest.approx(deferred[key], rel=1e-12), key
+    assert len(immediate["history"]) == len(deferred["history"]) > 1
+    for a, b in zip(immediate["history"], deferred["history"], strict=True):
+        assert a.keys() == b.keys()
+        for name in a:  # step, samples, epoch exactly; losses and metrics to rounding
+            assert a[name] == pytest.approx(b[name], rel=1e-12), name
 
     x_train, y_train, x_test, y_test = data
     targets = torch.randn(64, CLASSES)
