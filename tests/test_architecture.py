@@ -272,3 +272,30 @@ def test_a_rule_written_as_the_architecture_page_says_trains_a_layer():
     with torch.no_grad():
         after = F.mse_loss(layer(x[192:]), y[192:])
     assert after < 0.5 * before
+
+
+# What one experiment may take from another (src/rcdl/app/__init__.py says so): the one-epoch
+# comparison's model zoo, settings, report and runs (the later studies train its models; the
+# tau sweep runs it once per tau), and the continual study's baselines. Nothing else crosses.
+SHARED_EXPERIMENT_PARTS = {"cifar10", "cifar10_models", "cifar10_config", "cifar10_report",
+                           "cifar10_combine", "continual_baselines"}
+
+
+def _experiment(module: str) -> str:
+    """The experiment a module of ``rcdl.app.experiments`` belongs to, by its name's first
+    word: ``cifar10_models`` is the one-epoch comparison's, ``continual_baselines`` the
+    continual study's."""
+    return module.rpartition(".")[2].split("_")[0]
+
+
+def test_experiments_share_only_the_parts_the_app_docstring_names():
+    graph = import_graph()
+    prefix = "rcdl.app.experiments."
+    taken = {other.removeprefix(prefix) for module, others in graph.items()
+             if module.startswith(prefix) for other in others
+             if other.startswith(prefix) and _experiment(other) != _experiment(module)}
+    assert taken <= SHARED_EXPERIMENT_PARTS, taken - SHARED_EXPERIMENT_PARTS
+    doc = ast.get_docstring(ast.parse((SRC / "rcdl/app/__init__.py").read_text()))
+    assert "never each other" not in doc
+    for part in SHARED_EXPERIMENT_PARTS:
+        assert f"``{part}``" in doc, part

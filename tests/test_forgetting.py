@@ -4,8 +4,10 @@ samples and a step in flight are refused; the exactness of one-batch removal per
 caller's sample ids; the receipt and its scan."""
 
 import copy
+import importlib
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -110,8 +112,12 @@ def test_forget_refuses_a_layer_that_cannot_say_which_samples_wrote_its_entries(
     grower = Grower(layer)
     layer(torch.randn(4, D)).square().mean().backward()
     grower.step()
-    with pytest.raises(ValueError, match="trained without sample indices"):
+    with pytest.raises(ValueError, match="trained without sample indices") as refused:
         forget(layer, [0])
+    # the context manager the message points at is importable by the name it gives
+    path = re.search(r"wrap the training forward in ([\w.]+)\(", str(refused.value))[1]
+    module, _, attr = path.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), attr))
 
 
 # --------------------------------------------------------------------------- 3: a step in flight

@@ -236,7 +236,7 @@ def _check_can_forget(layers: list[tuple[str, GrowingLayer]]) -> None:
                 "was trained without sample indices, or loaded from a state dict saved "
                 "without provenance): forget cannot find what to remove. train_one_pass "
                 "passes the indices; in a loop of one's own wrap the training forward in "
-                "rcdl.samples(model, idx)")
+                "rcdl.memory.provenance.samples(model, idx)")
 
 
 @torch.no_grad()

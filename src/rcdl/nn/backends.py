@@ -5,7 +5,7 @@ A layer answers every question about its store through ``layer.backend``:
 
 - ``attend(layer, q, entries, stats)`` — the differentiable attention from queries ``q``
   over ``entries`` (an :class:`~rcdl.ops.entries.Entries`; ``None``: the layer's,
-  :meth:`AttendingLayer.entries`);
+  :meth:`rcdl.nn.layers.GrowingLayer.entries`);
 - ``partial(layer, q, entries)`` — the partial ``(m, num, den, mass)`` over them, no autograd;
 - ``nearest_sq_distance(layer, q)`` — each query's squared distance to its nearest key;
 - ``size(layer)`` — the entries stored.

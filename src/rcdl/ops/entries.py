@@ -5,7 +5,7 @@
   ``weights (N,)``, with how they are attended over: the kernel, the temperature ``T``
   (``τ = T √key_dim``), the chunk size, the softmax denominator's guard ``eps`` and the
   half-precision product mode. A layer hands its store to the op as one
-  (:meth:`rcdl.nn.layers.AttendingLayer.entries`).
+  (:meth:`rcdl.nn.layers.GrowingLayer.entries`).
 - :class:`Partial`: the attention over a subset of the entries, ``(m, num, den, mass)``;
   partials of disjoint subsets merge exactly (:func:`merge_partials`), and
   :func:`finalize` turns the partial over all entries into the output (docs/reference.md §2).
