@@ -1,6 +1,8 @@
 """`rcdl demo --quick` end to end through the CLI, and the CLI's errors."""
 
+import contextlib
 import dataclasses
+import io
 import json
 
 import pytest
@@ -13,10 +15,22 @@ MODELS = {"growing RBF", "MLP + SGD", "MLP + Adam"}
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "run"
-    assert main(["demo", "--quick", "--no-progress", "--out", str(out), "--seed", "3"]) == 0
-    return out
+def quick_demo(tmp_path_factory):
+    """The run folder and what the command printed."""
+    out, printed = tmp_path_factory.mktemp("demo") / "run", io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["demo", "--quick", "--no-progress", "--out", str(out), "--seed", "3"]) == 0
+    return out, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick_run(quick_demo):
+    return quick_demo[0]
+
+
+@pytest.fixture(scope="module")
+def quick_output(quick_demo):
+    return quick_demo[1]
 
 
 def test_demo_writes_a_self_describing_run(quick_run):
@@ -148,3 +162,46 @@ def test_info_reports_the_machine_class_for_the_threads_asked(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["info", "--threads", "0"])
     assert exc.value.code == 2 and "must be an int >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["empty", "another-python", "this-python"])
+def test_the_command_the_demo_suggests_runs_from_where_the_user_is(tmp_path, monkeypatch, path):
+    """Run as ``venv/bin/python -m rcdl demo`` without activating the venv, ``rcdl`` is not on
+    ``PATH``, or is another environment's: the command offered is this interpreter's ``-m
+    rcdl``, and it runs; where ``rcdl`` on ``PATH`` is this interpreter's own, it is that."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    from rcdl.app.cli import invocation
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    if path == "another-python":
+        (folder / "rcdl").write_text("#!/bin/sh\nexit 3\n")
+        (folder / "rcdl").chmod(0o755)
+    elif path == "this-python":
+        own = Path(sysconfig.get_path("scripts")) / "rcdl"
+        if not own.exists():
+            pytest.skip("this interpreter has no rcdl script (rcdl is not pip-installed)")
+        folder = own.parent
+    monkeypatch.setenv("PATH", os.pathsep.join([str(folder), "/usr/bin", "/bin"]))
+    command = invocation()
+    if path == "this-python":
+        assert command == "rcdl"
+    else:
+        assert shlex.split(command) == [sys.executable, "-m", "rcdl"]
+    if path == "empty":  # it runs (the others name the same command, or rcdl itself)
+        done = subprocess.run([*shlex.split(command), "--version"], capture_output=True,
+                              text=True, timeout=60, env={**os.environ})
+        assert done.returncode == 0 and "rcdl" in done.stdout, done.stderr
+
+
+def test_the_demo_ends_with_the_command_that_runs_from_here(quick_output):
+    from rcdl.app.cli import invocation
+
+    last = quick_output.strip().splitlines()[-1]
+    assert last.endswith(f": {invocation()} reproduce cifar10-1epoch --help"), last

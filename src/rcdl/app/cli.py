@@ -40,7 +40,10 @@ import dataclasses
 import importlib
 import os
 import re
+import shlex
+import shutil
 import sys
+import sysconfig
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -383,11 +386,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         run_demo(cfg, out=args.out, device=device, progress=not args.no_progress)
     except FileExistsError as e:
         raise CLIError(str(e)) from e
-    print("\nAvailable commands (see `rcdl --help` and `rcdl COMMAND --help`):")
-    print(_command_list())
+    rcdl = invocation()
+    print(f"\nAvailable commands (see `{rcdl} --help` and `{rcdl} COMMAND --help`):")
+    print(_command_list(rcdl))
     print(f"The real experiments start with {experiment_spec(MAIN).help}: "
-          f"rcdl reproduce {MAIN} --help")
+          f"{rcdl} reproduce {MAIN} --help")
     return 0
+
+
+def invocation() -> str:
+    """How to run ``rcdl`` again from the shell this process was started in: ``rcdl`` where
+    that name on ``PATH`` is this interpreter's own script, else ``<this interpreter> -m
+    rcdl`` (a virtual environment used without activating it, say, or a ``python -m rcdl``
+    whose ``rcdl`` on ``PATH`` belongs to another Python)."""
+    found = shutil.which("rcdl")
+    scripts = Path(sysconfig.get_path("scripts")).resolve()
+    if found is not None and Path(found).resolve().parent == scripts:
+        return "rcdl"
+    return f"{shlex.quote(sys.executable)} -m rcdl"
 
 
 _COMMANDS = {
@@ -398,9 +414,9 @@ _COMMANDS = {
 }
 
 
-def _command_list() -> str:
+def _command_list(rcdl: str = "rcdl") -> str:
     width = max(map(len, _COMMANDS))
-    return "\n".join(f"  rcdl {name:<{width}} {help_}" for name, help_ in _COMMANDS.items())
+    return "\n".join(f"  {rcdl} {name:<{width}} {help_}" for name, help_ in _COMMANDS.items())
 
 
 class _Parser(argparse.ArgumentParser):
