@@ -278,3 +278,42 @@ def test_evaluation_restores_every_submodules_own_mode(call):
     else:
         explain(model, x, target=torch.zeros(8, dtype=torch.long), k=2)
     assert model.training and net.training and not model[0].training
+
+
+def _classification_task(n_train: int = 256):
+    """Two Gaussian blobs per class, 4 classes in 8 dimensions: a growing RBF net learns
+    them in one pass."""
+    gen = torch.Generator().manual_seed(0)
+    centres = 3 * torch.randn(4, 8, generator=gen)
+    y = torch.randint(0, 4, (n_train + 128,), generator=gen)
+    x = centres[y] + torch.randn(n_train + 128, 8, generator=gen)
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+def test_a_classification_loss_is_scored_by_accuracy_and_itself_by_default():
+    """``loss_fn=F.cross_entropy`` and no ``metrics=``: the test set is scored by accuracy
+    and cross-entropy, not by the regression default (which cannot compare logits (M, 4)
+    with labels (M,))."""
+    import torch.nn.functional as F
+
+    data = _classification_task()
+    net = GrowingRBFNet(8, 4, 1, temperature=2.0, rule=FunctionalSGD(1.0))
+    result = train_one_pass(net, data, batch_size=16, grower=Grower(net),
+                            loss_fn=F.cross_entropy, eval_every=8, progress=False)
+    assert list(result["history"][-1])[3:] == ["test_acc", "test_loss"]
+    assert result["test_acc"] > 0.8 > result["history"][0]["test_acc"]  # it learns
+    logits = net.eval()(data[2])
+    assert result["test_loss"] == pytest.approx(F.cross_entropy(logits, data[3]).item(),
+                                                rel=1e-5)
+
+
+def test_a_metric_that_does_not_fit_the_outputs_names_metrics():
+    import torch.nn.functional as F
+
+    data = _classification_task(64)
+    net = GrowingRBFNet(8, 4, 1, temperature=2.0, rule=FunctionalSGD(1.0))
+    with pytest.raises(ValueError, match=r"test metric 'test_mse'.*\(128, 4\).*\(128,\).*"
+                                         r"metrics="), \
+            pytest.warns(UserWarning, match="target size"):  # torch's, before it fails
+        train_one_pass(net, data, batch_size=16, grower=Grower(net), loss_fn=F.cross_entropy,
+                       metrics={"test_mse": F.mse_loss}, progress=False)

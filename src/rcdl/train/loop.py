@@ -109,10 +109,37 @@ def evaluate(
     Args:
         x: inputs ``(N, D_in)``; y: targets ``(N, ...)``; both moved to ``device`` per batch.
         metrics: ``{name: (predictions, targets) -> scalar}`` over all ``N`` samples at once.
+
+    Raises:
+        ValueError: a metric fails on the predictions and targets (a metric of another
+            task: mean squared error against class labels, say), naming it and their shapes.
     """
     preds = predict(model, x, batch_size=batch_size, device=device)  # (N, D_out)
     y = y.to(device)
-    return {name: float(fn(preds, y)) for name, fn in metrics.items()}
+    values = {}
+    for name, fn in metrics.items():
+        try:
+            values[name] = float(fn(preds, y))
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:
+            raise ValueError(
+                f"the test metric {name!r} ({getattr(fn, '__name__', fn)}) fails on the "
+                f"predictions {tuple(preds.shape)} {preds.dtype} and targets "
+                f"{tuple(y.shape)} {y.dtype}: {err}. Pass metrics={{name: fn(predictions, "
+                "targets)}} that fit the model's outputs and the targets") from err
+    return values
+
+
+def default_metrics(loss_fn: Metric, y_test: Tensor) -> dict[str, Metric]:
+    """The test metrics :func:`train_one_pass` measures when given none: ``{"test_mse":
+    mse}`` for the default loss (mean squared error); for integer class targets ``(M,)``
+    (a classification loss such as cross-entropy) the accuracy and the loss itself,
+    ``{"test_acc": accuracy, "test_loss": loss_fn}``; else the loss, ``{"test_loss":
+    loss_fn}``."""
+    if loss_fn is F.mse_loss:
+        return {"test_mse": F.mse_loss}
+    if y_test.ndim == 1 and not (y_test.is_floating_point() or y_test.is_complex()):
+        return {"test_acc": accuracy, "test_loss": loss_fn}
+    return {"test_loss": loss_fn}
 
 
 @contextmanager
@@ -426,8 +453,10 @@ def train_one_pass(
         batch_size: samples per step ``B``; the last batch may be smaller.
         seed: seeds the permutation of the training set in each epoch
             (:func:`epoch_permutation`).
-        metrics: ``{name: fn(predictions, targets)}`` on the test set (default
-            ``{"test_mse": mse}``); the first is shown in the progress bar.
+        metrics: ``{name: fn(predictions, targets)}`` on the test set; the first is shown
+            in the progress bar. Default (:func:`default_metrics`): ``{"test_mse": mse}``
+            with the default loss; the accuracy and the loss, ``{"test_acc", "test_loss"}``,
+            for integer class targets; else the loss, ``{"test_loss": loss_fn}``.
         eval_every: evaluate every this many steps, counted over all epochs (also before the
             first step and after the last step of every epoch).
         run: if given, every evaluation is appended to its ``metrics.jsonl``.
@@ -480,7 +509,8 @@ def train_one_pass(
 
     Raises:
         FloatingPointError: if a training loss is not finite (naming the step).
-        ValueError: a growth step refused (:meth:`rcdl.optim.grower.Grower.step`).
+        ValueError: a growth step refused (:meth:`rcdl.optim.grower.Grower.step`), or a test
+            metric that fails on the model's outputs and the targets (:func:`evaluate`).
 
     With a grower whose checks are deferred (``defer_checks``, the default for stores on a
     GPU) a step reads nothing back to the host: the losses are summed on the device, and
@@ -488,7 +518,7 @@ def train_one_pass(
     snapshot, the last step), naming the first step at fault, before anything is recorded
     or saved (docs/precision.md, "Host reads in a step").
     """
-    metrics = dict(metrics or {"test_mse": F.mse_loss})
+    metrics = dict(metrics or default_metrics(loss_fn, data[3]))
     _check_arguments(name, data, optimizer, grower, metrics, batch_size, eval_every, epochs)
     x_train, y_train, x_test, y_test = data
     if sample_ids is not None:
