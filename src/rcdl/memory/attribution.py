@@ -12,8 +12,19 @@ A growing layer's output is a sum over its entries, so each entry's share of it 
   shift of the logits are unchanged.
 
 The shares sum to the layer's output (``tests/test_attribution.py`` checks it in float64
-for every kernel). :func:`entry_contributions` gives them projected on a direction per
-query, ``⟨u_b, share_j(q_b)⟩`` — with ``u`` the gradient of a chosen output with respect to
+for every kernel). A half-precision store (bfloat16, float16) is multiplied here on float32
+copies of its chunks, the ``"float32"`` product mode of :mod:`rcdl.ops.half`, whatever mode
+the layer or the process sets: the shares then sum to the output those products give, to
+float32's rounding. Native half products round each chunk's sum over its entries to the
+store's dtype (``2⁻⁹`` relative for bfloat16), which no split into entries reproduces, so
+:func:`explain` evaluates the model with float32 products too, and its output is theirs
+(``tests/test_attribution_modes.py``, every product mode). A layer in top-k retrieval
+mode answers over each query's retrieved rows only, which the shares over every entry do
+not sum to: every function here refuses it (:func:`refuse_topk`, which
+:mod:`rcdl.memory.leave_one_out` calls too).
+
+:func:`entry_contributions` gives the shares projected on a direction per query,
+``⟨u_b, share_j(q_b)⟩`` — with ``u`` the gradient of a chosen output with respect to
 the layer's output, that is entry ``j``'s first-order contribution to that output through
 this layer (exact for the model's last growing layer when the output is its logit).
 :func:`explain` runs the backward that gives ``u`` for every growing layer of a model and
@@ -29,6 +40,7 @@ sample's entries may lie on several ranks and layers).
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +50,60 @@ from torch import Tensor, nn
 
 from rcdl.distributed import model_shard
 from rcdl.memory.provenance import UNKNOWN, entry_samples
-from rcdl.nn.backends import ShardCollectives
+from rcdl.nn.backends import AttendingLayer, Backend, ShardCollectives, Wrapper
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.networks import eval_mode
 from rcdl.ops.attention import attend_partial, shares
+from rcdl.ops.entries import Entries
 from rcdl.ops.kernels import guard_denominator
 
 __all__ = ["Explanation", "deletion_effects", "entry_contributions", "explain"]
+
+# how attribution multiplies a half-precision store (rcdl.ops.half): on float32 copies of its
+# chunks, whose sum over entries is the sum of the shares to float32's rounding
+_PRODUCTS = "float32"
+# why the shares over every entry are not a top-k layer's (refuse_topk)
+_TOPK_SHARES = ("their output rests on each query's k retrieved rows (and, for the softmax, "
+                "on those rows' own denominator), which the shares over every entry do not "
+                "sum to")
+
+
+def refuse_topk(where: str, layers: list[tuple[str, GrowingLayer]], why: str) -> None:
+    """Refuse what holds for exact attention only: a ValueError naming those of ``layers``
+    (``(module path, layer)`` pairs) that attend by top-k retrieval (``layer.retrieval``,
+    :mod:`rcdl.retrieval.topk`), saying ``why`` the computation does not hold for them and
+    how to proceed; nothing if none does. In evaluation and without gradients such a layer
+    answers over each query's ``k`` retrieved rows, not over its whole store, so what is
+    computed over the whole store (shares, deletion effects, leave-one-out corrections) is
+    not about the output it gives."""
+    topk = [name for name, layer in layers if layer.retrieval is not None]
+    if topk:
+        raise ValueError(
+            f"{where}: growing layers {topk} answer by top-k retrieval (layer.retrieval): "
+            f"{why}; switch them to exact attention for the call (rcdl.use_exact(model), "
+            "then use_topk again; or per layer: mode = layer.retrieval, "
+            "layer.use_retrieval(None), and layer.use_retrieval(mode) after, which keeps "
+            "its index)")
+
+
+def _entries(layer: GrowingLayer) -> Entries:
+    """The layer's rows as attribution multiplies them (``_PRODUCTS``)."""
+    return layer.entries().replace(half_products=_PRODUCTS)
+
+
+@dataclass(eq=False)
+class _AttributedProducts(Wrapper):
+    """A layer's attention with its store multiplied as attribution multiplies it
+    (``_PRODUCTS``): :func:`explain`'s forward pass, whose output its shares sum to."""
+
+    inner: Backend | None
+
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor:  # (B, d_out)
+        assert self.inner is not None
+        entries = layer.entries() if entries is None else entries
+        return self.inner.attend(layer, q, entries.replace(half_products=_PRODUCTS), stats)
+
 
 def _check_layer_args(where: str, layer: GrowingLayer, x: Tensor, direction: Tensor) -> None:
     """Inputs ``(B, d_in)`` and a direction ``(B, d_out)`` for ``layer``, or a ValueError."""
@@ -60,8 +119,11 @@ def entry_contributions(layer: GrowingLayer, x: Tensor, direction: Tensor, *,
                         chunk_size: int | None = None) -> Tensor:  # (B, N)
     """``⟨direction_b, share_j(x_b)⟩`` for every entry ``j`` this process stores in
     ``layer``, exactly (see the module docstring): the attention op's shares
-    (:func:`rcdl.ops.attention.shares`), formed from the products the layer's output is formed
-    from, so that they sum to it to its own rounding (half-precision stores included).
+    (:func:`rcdl.ops.attention.shares`). They sum to the layer's output to float32's rounding
+    (float64's for a float64 layer); for a half-precision store, to its output with the store
+    multiplied on float32 copies of its chunks (the ``"float32"`` product mode, what ``with
+    rcdl.ops.half.half_products("float32")`` gives a layer without a mode of its own), which
+    native products miss by their rounding of each chunk's sum (module docstring).
 
     Args:
         layer: a growing layer.
@@ -70,10 +132,15 @@ def entry_contributions(layer: GrowingLayer, x: Tensor, direction: Tensor, *,
             output coordinate at a time.
         chunk_size: entries per block (default: the layer's; the ``(B, chunk)`` blocks are
             the working memory).
+
+    Raises:
+        ValueError: for inputs or a direction of the wrong shape, or a layer in top-k
+            retrieval mode (``layer.retrieval``: its output is not the sum over every entry).
     """
     _check_layer_args("entry_contributions", layer, x, direction)
+    refuse_topk("entry_contributions", [(layer.name, layer)], _TOPK_SHARES)
     q = layer.query_keys(x.to(layer.store.dtype))  # (B, key_dim)
-    entries = layer.entries()
+    entries = _entries(layer)
     if chunk_size is not None:
         entries = entries.replace(chunk_size=chunk_size)
     return shares(q, entries, direction, combiner=layer.shard)
@@ -92,13 +159,22 @@ def deletion_effects(layer: GrowingLayer, x: Tensor, direction: Tensor,
       ``(U − c_j) / g(D − w_j e^{z_j−m}, A − |w_j| e^{z_j−m}) − U / g(D, A)``. Deleting an
       entry also shrinks the normaliser, which the share ``c_j / g(D, A)`` leaves out.
 
-    Arguments as :func:`entry_contributions` (``chunk``: entries per block). Tested against
-    deleting each entry in float64."""
+    Arguments as :func:`entry_contributions` (``chunk``: entries per block), and the same
+    products. Tested against deleting each entry in float64.
+
+    Raises:
+        ValueError: as :func:`entry_contributions`; under top-k retrieval deleting a
+            retrieved row would let the query's ``k+1``-th row in.
+    """
     _check_layer_args("deletion_effects", layer, x, direction)
+    refuse_topk("deletion_effects", [(layer.name, layer)],
+                "deleting one of a query's k retrieved rows lets its (k+1)-th row in (and, "
+                "for the softmax, changes the k rows' own denominator), which the effects "
+                "over every entry do not follow")
     if not layer.kernel.normalised:
         return -entry_contributions(layer, x, direction)
     q = layer.query_keys(x.to(layer.store.dtype))  # (B, key_dim)
-    entries = layer.entries()
+    entries = _entries(layer)
     part = attend_partial(q, entries, combiner=layer.shard)
     u = direction.to(q.dtype)
     whole = guard_denominator(part.den, part.mass, entries.eps)  # (B,)
@@ -142,7 +218,10 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
     layer, when the model's output is that layer's output, this is the entry's exact
     share of ``f``; for earlier layers it is first order in the share. The model is
     evaluated in eval mode (nothing is recorded or written) and restored to its mode
-    after.
+    after, with half-precision stores multiplied on float32 copies of their chunks (the
+    ``"float32"`` product mode, whatever the mode set): ``output`` is that forward pass's,
+    the one the shares sum to (native half products would round each chunk's sum; the
+    module docstring). Refused for a model with a layer in top-k retrieval mode.
 
     Sharded over ranks (:func:`rcdl.distributed.shard`), call it on every rank with the
     same ``x``: every rank returns the explanation one process over the whole store gives
@@ -156,14 +235,7 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
     if not layers:
         raise ValueError(f"explain: {type(model).__name__} has no growing layers")
     shard = model_shard(model, "explain")  # None: one process holds every entry
-    topk = [name for name, layer in layers if layer.retrieval is not None]
-    if topk:
-        raise ValueError(
-            f"explain: growing layers {topk} answer by top-k retrieval (layer.retrieval): "
-            "their output rests on each query's k retrieved rows (and, for the softmax, on "
-            "those rows' own denominator), which the shares over every entry do not sum "
-            "to; explain the exact model (rcdl.retrieval.topk.use_exact(model), then "
-            "use_topk again)")
+    refuse_topk("explain", layers, _TOPK_SHARES)
     inputs: dict[str, Tensor] = {}
     outputs: dict[str, Tensor] = {}
     calls: dict[str, int] = {}
@@ -186,7 +258,9 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
         layer.register_forward_pre_hook(keep_input(name)),
         layer.register_forward_hook(keep_output(name)))]
     try:
-        with torch.enable_grad(), eval_mode(model):
+        with torch.enable_grad(), eval_mode(model), ExitStack() as products:
+            for _, layer in layers:  # the products the shares are formed from
+                products.enter_context(layer.backend_wrapped(_AttributedProducts))
             x = x.detach().requires_grad_()  # the layers' outputs then carry a graph
             logits = model(x)  # (B, C)
             chosen = logits.argmax(dim=1) if target is None else target.to(logits.device)

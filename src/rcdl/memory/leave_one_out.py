@@ -19,6 +19,11 @@ deleted model's output exactly (a float64 test compares it with
 :func:`rcdl.memory.forgetting.forget` on a copy, sample by sample), for the price of one
 forward pass and, per layer, one kernel value per left-out entry.
 
+Exact attention only: a layer in top-k retrieval mode answers over each query's ``k``
+retrieved rows, and deleting one of them lets the query's ``k+1``-th row in, which these
+corrections over the whole store do not follow; such a model is refused
+(:func:`rcdl.memory.attribution.refuse_topk`).
+
 Typical use: each training image with its own entries left out, ``leave_one_out(model,
 x_train, torch.arange(n))``, gives every image's prediction by a model that never stored
 it — a label check (docs/attribution.md: flipped labels rank by the leave-one-out margin).
@@ -30,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from rcdl.distributed import model_shard
+from rcdl.memory.attribution import refuse_topk
 from rcdl.memory.provenance import UNKNOWN, entry_samples
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.networks import eval_mode
@@ -39,6 +45,11 @@ from rcdl.ops.kernels import guard_denominator
 
 __all__ = ["leave_one_out", "left_out_attention"]
 
+# why the corrections do not hold for a top-k layer (rcdl.memory.attribution.refuse_topk)
+_TOPK_DELETION = ("deleting one of a query's k retrieved rows lets its (k+1)-th row in (and, "
+                  "for the softmax, changes the k rows' own denominator), which the "
+                  "corrections over the whole store do not follow")
+
 
 @torch.no_grad()
 def left_out_attention(layer: GrowingLayer, q: Tensor, leave: Tensor,
@@ -46,10 +57,12 @@ def left_out_attention(layer: GrowingLayer, q: Tensor, leave: Tensor,
     """The layer's attention at the inputs ``q (B, d_in)`` over its whole store, and over
     the store without the entries written by sample ``leave[b] (B,)`` for row ``b``
     (``UNKNOWN``: none left out). Returns ``(whole, left_out)``; the layer's output with
-    those entries deleted is its output plus ``left_out − whole`` (module docstring)."""
+    those entries deleted is its output plus ``left_out − whole`` (module docstring). Refused
+    for a layer in top-k retrieval mode (a ValueError)."""
     if leave.shape != (q.shape[0],):
         raise ValueError(f"left_out_attention: expected one sample per row, ({q.shape[0]},), "
                          f"got {tuple(leave.shape)}")
+    refuse_topk("left_out_attention", [(layer.name, layer)], _TOPK_DELETION)
     entries: Entries = layer.entries()
     qk = layer.query_keys(q)  # (B, key_dim)
     part: Partial = attend_partial(qk, entries)
@@ -83,8 +96,9 @@ def leave_one_out(model: nn.Module, x: Tensor, leave: Tensor) -> Tensor:
     leaves nothing out), exactly, in one forward pass in eval mode (module docstring).
 
     Raises:
-        ValueError: for a sharded model, a growing layer that sees several rows per input
-            (tokens), or ``leave`` not one sample per row.
+        ValueError: for a sharded model, a growing layer in top-k retrieval mode (named,
+            with how to switch it to exact attention for the call), a growing layer that
+            sees several rows per input (tokens), or ``leave`` not one sample per row.
     """
     if model_shard(model, "leave_one_out") is not None:
         raise ValueError("leave_one_out: the model's stores are sharded; gather them into "
@@ -95,6 +109,7 @@ def leave_one_out(model: nn.Module, x: Tensor, leave: Tensor) -> Tensor:
     layers = growing_layers(model)
     if not layers:
         raise ValueError(f"leave_one_out: {type(model).__name__} has no growing layers")
+    refuse_topk("leave_one_out", layers, _TOPK_DELETION)
     leave = leave.long()
 
     def correct(name: str):  # noqa: ANN202 - a forward hook
