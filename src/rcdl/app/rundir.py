@@ -5,7 +5,8 @@ A run folder holds everything needed to read a run back without its author:
     runs/<name>-<YYYYmmdd-HHMMSS>/
         config.json       the resolved config (a dataclass, via dataclasses.asdict)
         environment.json  the experiment; python, torch, device, threads, host, git revision,
-                          command line
+                          command line; the compute paths the run takes (half-precision
+                          products, the Triton attention's checks)
         metrics.jsonl     one JSON object per line, appended and flushed as the run goes
         summary.json      the final results
         finished.json     the results of the sub-runs finished so far, by name (for resume)
@@ -52,8 +53,15 @@ from rcdl._io import (  # noqa: F401 - re-exported: the run folder writes throug
 from rcdl._version import __version__
 from rcdl.app.allocator import allocator_setting
 from rcdl.distributed import rank_and_world
-from rcdl.ops.half import PRODUCTS, native_products, product_path
+from rcdl.ops.half import (
+    AUTO_PATHS,
+    PRODUCTS,
+    native_products,
+    product_path,
+    product_record,
+)
 from rcdl.ops.packed import PACKED, packed_dtypes
+from rcdl.ops.triton_attention import triton_paths
 from rcdl.optim.half_adam import ADAM_MODE, path_description
 
 __all__ = [
@@ -74,6 +82,7 @@ __all__ = [
     "open_run",
     "read_config",
     "resume_command",
+    "run_paths",
     "to_jsonable",
 ]
 
@@ -210,6 +219,19 @@ def environment_info(device: str | torch.device | None = None) -> dict[str, Any]
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "isa_caps": {name: os.environ[name] for name in ISA_CAPS if name in os.environ},
     }
+
+
+def run_paths() -> dict[str, Any]:
+    """What a run folder's ``environment.json`` records of the compute paths beside the
+    machine (:func:`environment_info`), so that a resumed run takes the same ones:
+    ``half_products_auto``, ``"auto"``'s path for training batches of bfloat16 stores on a
+    CPU without native products (``"widen"`` or ``"float32"``, decided now where it can be
+    taken, else ``None``; :func:`rcdl.ops.half.product_record`), and ``triton_paths``, the
+    path each (kernel, device, dtypes) took after the Triton attention's first-use check
+    (:func:`rcdl.ops.triton_attention.triton_paths`; :meth:`RunDir.record_paths` adds those
+    checked later)."""
+    return {"half_products_auto": product_record()["auto_path"],
+            "triton_paths": triton_paths()}
 
 
 # ----------------------------------------------------------------------------- run folder
@@ -362,8 +384,50 @@ class RunDir:
         run = cls(folder)
         if config is not None:
             run.write_json(cls.CONFIG, config)
-        run.write_json(cls.ENVIRONMENT, {"experiment": name, **environment_info(device)})
+        run.write_json(cls.ENVIRONMENT, {"experiment": name, **environment_info(device),
+                                         **run_paths()})
         return run
+
+    def product_record(self) -> dict[str, str | None] | None:
+        """How this run's half-precision products run, as its ``environment.json`` recorded
+        them when the run started (:func:`rcdl.ops.half.product_record`'s form: the mode and
+        ``"auto"``'s path for training batches); ``None`` where the file has no record.
+        Every session of the run, and every process of a distributed one, runs its products
+        so (:func:`rcdl.ops.half.products_as`; :func:`rcdl.app.runner.run_experiment`).
+
+        Raises:
+            ValueError: the record names no mode or path rcdl knows; the message names the
+                file.
+        """
+        path = self.file(self.ENVIRONMENT)
+        try:
+            env = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None  # no environment record: nothing to follow
+        if not isinstance(env, dict) or "half_products" not in env:
+            return None
+        record = {"mode": env["half_products"], "auto_path": env.get("half_products_auto")}
+        if record["mode"] not in PRODUCTS.choices or record["auto_path"] not in (
+                None, *AUTO_PATHS):
+            raise ValueError(f"{path} records half-precision products {record}, which rcdl "
+                             f"does not know (modes {', '.join(PRODUCTS.choices)}; paths "
+                             f"{', '.join(AUTO_PATHS)})")
+        return record
+
+    def record_paths(self) -> None:
+        """Add the Triton attention's checks made since ``environment.json`` was written
+        (:func:`rcdl.ops.triton_attention.triton_paths`: the path each kernel, device and
+        dtype took) to its ``triton_paths``; the runner calls it after each sub-run."""
+        path = self.file(self.ENVIRONMENT)
+        try:
+            env = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # nothing to add to
+        if not isinstance(env, dict):
+            return
+        paths = {**env.get("triton_paths", {}), **triton_paths()}
+        if paths != env.get("triton_paths"):
+            self.write_json(self.ENVIRONMENT, {**env, "triton_paths": paths})
 
     def file(self, name: str) -> Path:
         """The path of a file in this run folder."""

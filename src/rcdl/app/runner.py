@@ -11,7 +11,10 @@ all of them:
 2. open the run folder: a new one (``out``, default ``runs/<name>-<timestamp>``) or the
    interrupted one at ``resume``, whose saved config must equal ``cfg`` except for
    ``data_dir`` and ``device`` (:func:`rcdl.app.rundir.open_run`); under ``torchrun`` rank 0
-   writes it (:func:`rcdl.app.rundir.rank0_run`);
+   writes it (:func:`rcdl.app.rundir.rank0_run`). Every process of every session of the run
+   then runs half-precision products as the folder's ``environment.json`` recorded when the
+   run started (:meth:`rcdl.app.rundir.RunDir.product_record`), not as a timing in this
+   process would choose (docs/precision.md, "Product paths");
 3. train each sub-run through :meth:`rcdl.app.rundir.RunDir.sub_run`, which saves its
    result in ``finished.json`` at once, so a resumed run skips it (an experiment may keep
    them in its summary instead: ``finished_in_summary``); the summary is rewritten after
@@ -23,7 +26,8 @@ all of them:
 What every run folder holds, whatever the experiment::
 
     config.json        the resolved config (the one ``--resume`` continues with)
-    environment.json   the experiment, machine, torch, threads, git revision, command line
+    environment.json   the experiment, machine, torch, threads, git revision, command line,
+                       the compute paths taken (rewritten after each sub-run)
     finished.json      each finished sub-run's result, written as it finishes
     summary.json       ``experiment``, ``complete``, ``runs`` and what the experiment adds
     metrics.jsonl      the trainer's evaluation records, tagged by the sub-run
@@ -59,6 +63,7 @@ from rcdl.app.rundir import (
     to_jsonable,
 )
 from rcdl.distributed import rank_and_world
+from rcdl.ops.half import product_mode, products_as
 
 __all__ = ["Combine", "Experiment", "Session", "TaggedLog", "check_sizes",
            "run_experiment"]  # fmt: skip
@@ -245,8 +250,15 @@ def run_experiment(
         run.lock()  # one process at a time in a run folder (released when this one ends)
     try:  # from here on a failure says what failed and prints the command that continues
         with run.resumable(f"rcdl reproduce {experiment.name}", getattr(cfg, "data_dir", None)):
-            return _run_in(experiment, cfg, run, summary, resume, data, device, progress,
-                           began, options)
+            products = run.product_record()
+            if resume is not None and products is not None and (
+                    products["mode"] != product_mode()) and rank_and_world()[0] == 0:
+                print(f"{run.path} was started with half-precision products "
+                      f"{products['mode']!r}: it continues with them (this process's default "
+                      f"is {product_mode()!r})")
+            with products_as(products):
+                return _run_in(experiment, cfg, run, summary, resume, data, device, progress,
+                               began, options)
     finally:
         if rank_and_world()[0] == 0:
             run.unlock()
@@ -278,9 +290,11 @@ def _run_in(experiment: Experiment, cfg: Any, run: RunDir, summary: dict[str, An
             experiment.update(cfg, summary)
         clock["seconds"] = time.perf_counter() - began
         run.write_summary(summary)
+        run.record_paths()
         release_memory(device)
     if experiment.finish is not None:  # (update ran after the last sub-run)
         experiment.finish(cfg, summary)
+        run.record_paths()
     summary["complete"] = True
     clock["seconds"] = time.perf_counter() - began
     if rank != 0:

@@ -169,8 +169,8 @@ class _Attention(torch.autograd.Function):
 
 
 def attend(q: Tensor, entries: Entries, *, combiner: Combiner | None = None,
-           stats: list[tuple[Tensor, Tensor]] | None = None, save_fraction: float = 0.05
-           ) -> Tensor:  # (B, d_out)
+           stats: list[tuple[Tensor, Tensor]] | None = None, save_fraction: float = 0.05,
+           path: ComputePath | None = None) -> Tensor:  # (B, d_out)
     """Kernel attention from ``q (B, key_dim)`` over ``entries``, differentiable w.r.t. the
     queries and the entries' tensors.
 
@@ -181,10 +181,13 @@ def attend(q: Tensor, entries: Entries, *, combiner: Combiner | None = None,
             (all parts): ``log Σ_j w_j e^{z_j} = m + log den``.
         save_fraction: a path may keep the ``(B, N)`` kernel values for the backward when
             they take at most this fraction of the bytes of the keys and values.
+        path: the compute path to run, unasked (``None``: :func:`path_for`'s choice); how a
+            path is compared with another on the same call.
     """
     entries.check(q)
     return _Attention.apply(q, entries.keys, entries.values, entries.weights, entries,
-                            path_for(q, entries), combiner, stats, save_fraction)
+                            path_for(q, entries) if path is None else path, combiner, stats,
+                            save_fraction)
 
 
 @torch.no_grad()

@@ -15,16 +15,25 @@ is read once, in half of float32's bytes. Larger batches are bound by the produc
 the store's bytes, and take the float32-chunk path.
 
 The mode is ``"auto"`` (the default: native where the device multiplies the dtype natively;
-elsewhere widened in registers for training batches where :func:`widen_pays` measured it
-faster at the first call, float32 chunks otherwise), ``"native"``, ``"float32"`` or
+elsewhere, for training batches, :func:`auto_path`'s choice between widening in registers and
+float32 chunks, float32 chunks for larger batches), ``"native"``, ``"float32"`` or
 ``"widen"`` (widened in registers for training batches of bfloat16 stores, where numba is
 installed; float32 chunks otherwise): the process-wide default
 :data:`PRODUCTS` (:class:`rcdl.options.ProcessDefault`), set with :func:`set_half_products`,
 for a block with :func:`half_products`, or by the environment variable
 ``RCDL_HALF_PRODUCTS`` before its first use. A run records it, and the path each half dtype
-takes under it (:func:`product_path`), in ``environment.json``. The two paths give the same
+takes under it (:func:`product_path`), in ``environment.json``. The paths give the same
 results up to rounding: the float32 path multiplies the stored (rounded) keys and values by
-the unrounded queries, the native one by queries rounded to the store's dtype.
+the unrounded queries, the native one by queries rounded to the store's dtype, and the
+widened one sums the float32 path's products in another order.
+
+**Which path is a recorded decision.** ``"auto"``'s choice for training batches is timed
+(:func:`widen_pays`), and a timing may come out either way where the two paths run within a
+few per cent of each other, while the paths differ in the last bits. So the choice is
+recorded with what must be repeated bit for bit (:func:`product_record`: a run's
+``environment.json``, a :class:`~rcdl.train.replay.ReplayLog`) and set from that record
+before the repetition runs (:func:`products_as`: a resumed run, an exact forget), never timed
+again.
 """
 
 from __future__ import annotations
@@ -32,8 +41,8 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
@@ -41,11 +50,13 @@ from rcdl import _cpu
 from rcdl._cpu import cpuinfo_flags
 from rcdl.options import ProcessDefault
 
-__all__ = ["HALF_DTYPES", "MODES", "PRODUCTS", "WIDEN_MAX_BATCH", "capped_below_half",
-           "chunk_products", "half_products", "native_products", "product_mode", "product_path",
+__all__ = ["AUTO_PATHS", "HALF_DTYPES", "MODES", "PRODUCTS", "WIDEN_MAX_BATCH", "auto_path",
+           "capped_below_half", "chunk_products", "half_products", "native_products",
+           "product_mode", "product_path", "product_record", "products_as", "set_auto_path",
            "set_half_products", "upcast_chunks", "widen_pays"]
 
 MODES = ("auto", "native", "float32", "widen")
+AUTO_PATHS = ("widen", "float32")  # auto's choices for a training batch without native products
 WIDEN_MAX_BATCH = 64  # the largest query batch whose products are widened in registers
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # the storage dtypes narrower than float32
 # the CPU flags under which oneDNN multiplies each half dtype natively
@@ -96,7 +107,8 @@ def widen_pays() -> bool:
     chunks to float32, for a training batch: measured once per process on one chunk of
     1 024 bfloat16 rows of width 1 024 and 16 queries (both products of a chunk, the best of
     five interleaved tries each; the kernels are compiled first). ``False`` where numba is
-    not installed."""
+    not installed. It answers :func:`auto_path` only where no path was set: a timing is no
+    record (see the module docstring)."""
     from rcdl.ops import widen
 
     if not widen.available():
@@ -124,6 +136,70 @@ def widen_pays() -> bool:
     return best[widened] < best[converted]
 
 
+_set_path: str | None = None  # auto's path for training batches where set (else timed)
+
+
+def auto_path() -> str:
+    """What ``"auto"`` does with a training batch (at most :data:`WIDEN_MAX_BATCH` queries)
+    of a bfloat16 store on a CPU without native products: ``"widen"`` (widened in registers,
+    where numba is installed) or ``"float32"`` (float32 chunks). The one set
+    (:func:`set_auto_path`, :func:`products_as`: a resumed run or an exact replay sets the one
+    it recorded), else ``"widen"`` where :func:`widen_pays` measured it faster at its first
+    call in this process. Either way fixed for the process (or the block) from then on."""
+    if _set_path is not None:
+        return _set_path
+    return "widen" if widen_pays() else "float32"
+
+
+def set_auto_path(path: str) -> None:
+    """Make ``path`` (one of :data:`AUTO_PATHS`) :func:`auto_path`'s answer for the rest of
+    the process, whatever a timing would say."""
+    global _set_path
+    if path not in AUTO_PATHS:
+        raise ValueError(f"auto's path for training batches must be one of "
+                         f"{', '.join(AUTO_PATHS)}, got {path!r}")
+    _set_path = path
+
+
+def product_record() -> dict[str, str | None]:
+    """How this process's half-precision products run, as what must be repeated bit for bit
+    records it (a run's ``environment.json``, a :class:`~rcdl.train.replay.ReplayLog`):
+    ``{"mode": the default mode (:data:`PRODUCTS`), "auto_path": auto's path for training
+    batches}``. The path is decided now (:func:`auto_path`, timed at most once per process)
+    where it can be taken: under ``"auto"`` on a CPU without native bfloat16 products; else
+    it is ``None``."""
+    mode = PRODUCTS.get()
+    needed = mode == "auto" and not native_products(torch.bfloat16, "cpu")
+    return {"mode": mode, "auto_path": auto_path() if needed else None}
+
+
+@contextmanager
+def products_as(record: Mapping[str, str | None] | None) -> Iterator[None]:
+    """``with products_as(record): ...`` — half-precision products in the block run as
+    ``record`` (:func:`product_record`'s form) says: its mode, and its auto path where it has
+    one (whatever a timing here says); both restored after. ``None``: as they run now.
+
+    Example (a retraining that an exact forget must equal, in another process)::
+
+        with products_as(replay.products):
+            train_one_pass(model, data, order=stream_without(replay, gone), ...)
+    """
+    global _set_path
+    if record is None:
+        yield
+        return
+    mode, path = PRODUCTS.check(str(record.get("mode"))), record.get("auto_path")
+    before = _set_path
+    if path is not None:
+        set_auto_path(path)
+    try:
+        with PRODUCTS.using(mode):
+            yield
+    finally:
+        if path is not None:
+            _set_path = before
+
+
 def chunk_products(dtype: torch.dtype, device: torch.device | str, batch: int,
                    mode: str | None = None) -> str:
     """How the products of a store in ``dtype`` on ``device`` with ``batch`` queries run:
@@ -140,7 +216,7 @@ def chunk_products(dtype: torch.dtype, device: torch.device | str, batch: int,
     if widenable and mode != "float32":
         from rcdl.ops import widen
 
-        if widen.available() and (mode == "widen" or widen_pays()):
+        if widen.available() and (mode == "widen" or auto_path() == "widen"):
             return "widen"
     return "float32"
 

@@ -8,6 +8,15 @@ queries and float32, bfloat16 and float16 stores; never on CPU. Anywhere else (a
 float64 queries, or any other kernel) the streaming path computes. ``unregister_path(TRITON)``
 (:func:`rcdl.ops.attention.unregister_path`) turns it off.
 
+**Checked before it is trusted.** At its first call per CUDA device, queries' dtype, store's
+dtype and kernel, the path runs one small call of its own (fixed-seed inputs, in those
+dtypes) and compares its output and its four gradients with the streaming path's on the same
+stored numbers in float64 (:func:`check_against_streaming`). Where they disagree beyond the
+dtypes' rounding, or the call fails (a kernel that does not compile for this device, say), it
+warns once (:class:`TritonPathWarning`, naming the kernel and the error) and declines those
+calls, which the streaming path then computes. :func:`triton_paths` lists what each check
+decided; a run records it in ``environment.json``.
+
 **The maths** (``b`` a query, ``j`` an entry; ``τ = T √key_dim``; docs/reference.md §2), as
 :mod:`rcdl.ops.streaming` computes it:
 
@@ -50,13 +59,15 @@ reads what another writes.
 (``TRITON_INTERPRET=1`` before triton is imported); tests/test_triton_attention.py registers a
 :class:`TritonAttention` for ``"cpu"`` there and compares it with the streaming path and the
 dense twin, outputs and every gradient, and compiles the kernels for an sm_90 GPU (Triton's
-compiler runs without one). No GPU has run them yet.
+compiler runs without one). No GPU has run them yet; the first-use check is what vouches for
+them on a device.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from dataclasses import dataclass
 from importlib.util import find_spec
 from types import ModuleType
@@ -65,11 +76,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rcdl.ops.attention import register_path
+from rcdl.ops.attention import attend, register_path
 from rcdl.ops.entries import Entries, Partial, empty_partial
 from rcdl.ops.half import HALF_DTYPES
+from rcdl.ops.kernels import check_kernel
+from rcdl.ops.streaming import STREAMING
 
-__all__ = ["KERNEL_CODES", "TRITON", "TritonAttention", "interpreting", "triton_available"]
+__all__ = ["KERNEL_CODES", "TRITON", "TritonAttention", "TritonPathWarning",
+           "check_against_streaming", "interpreting", "triton_available", "triton_paths"]
 
 # the kernels the Triton path expresses, by name, and their codes in the kernels
 KERNEL_CODES = {"linear": 0, "rbf": 1, "laplacian": 2, "softmax": 3}
@@ -105,6 +119,85 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class TritonPathWarning(RuntimeWarning):
+    """The Triton path disagreed with the streaming path at its first-use check on a device
+    (or failed to run there): the streaming path computes those calls instead."""
+
+
+# The relative error (in norm) a result in each dtype may have against the streaming path in
+# float64 on the same stored numbers: float32 sums of a few hundred products round near 1e-7;
+# a half store's gradients are returned rounded to its dtype (2⁻⁹ relative for bfloat16, 2⁻¹²
+# for float16). A wrong kernel is off by far more.
+_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2.0**-6,
+              torch.float16: 2.0**-9}
+_RESULTS = ("output", "query gradient", "keys' gradient", "values' gradient",
+            "weights' gradient")
+
+
+def check_against_streaming(path: TritonAttention, device: torch.device | str,
+                            dtype: torch.dtype, store_dtype: torch.dtype,
+                            kernel: str) -> str | None:
+    """Run one small call of ``path`` on ``device`` (``dtype`` queries and weights over a
+    ``store_dtype`` store, the ``kernel``, a fixed seed; entries and columns spanning several
+    of its blocks and splits, weights of both signs) and compare its output and the gradients
+    w.r.t. queries, keys, values and weights with the streaming path's on the same numbers
+    in float64. Returns ``None`` where each agrees within its dtype's rounding
+    (:data:`_TOLERANCE`), else what did not: the first result off and by how much, or the
+    error the call raised."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    b, n, d, d_out = 5, 2 * path.block_n + 5, path.block_d + 8, path.block_v + 4
+    f64 = torch.float64
+    q = (torch.randn(b, d, generator=gen, dtype=f64) / d**0.25).to(dtype)  # (B, d)
+    keys = (torch.randn(n, d, generator=gen, dtype=f64) / d**0.25).to(store_dtype)  # (N, d)
+    values = torch.randn(n, d_out, generator=gen, dtype=f64).to(store_dtype)  # (N, d_out)
+    weights = torch.rand(n, generator=gen, dtype=f64) + 0.5  # (N,)
+    weights[::7] = -0.1  # both signs, every denominator far from the guard
+    weights = weights.to(dtype)
+    grad = torch.randn(b, d_out, generator=gen, dtype=f64).to(dtype)  # (B, d_out)
+
+    def outputs_and_grads(tensors: list[Tensor], compute: Any) -> list[Tensor]:
+        q, keys, values, weights = (t.to(device).requires_grad_() for t in tensors)
+        entries = Entries(keys, values, weights, check_kernel(kernel), temperature=0.9)
+        out = attend(q, entries, path=compute)
+        grads = torch.autograd.grad(out, [q, keys, values, weights], grad.to(device, out.dtype))
+        return [out.detach(), *grads]
+
+    tensors = [q, keys, values, weights]
+    with (torch.inference_mode(False), torch.enable_grad(),
+          torch.autocast(device.type, enabled=False)):
+        want = outputs_and_grads([t.double() for t in tensors], STREAMING)
+        try:
+            got = outputs_and_grads(tensors, path)
+            errors = [float((a.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+                      for a, ref in zip(got, want, strict=True)]  # an error raised late: here
+        except Exception as err:  # a kernel that does not compile or run here
+            return f"{type(err).__name__}: {' '.join(str(err).split())[:500]}"
+    for name, a, error in zip(_RESULTS, got, errors, strict=True):
+        tol = _TOLERANCE[a.dtype]
+        if not error <= tol:  # NaN included
+            return (f"its {name} is off by {error:.1e} (relative to the streaming path in "
+                    f"float64; {str(a.dtype).removeprefix('torch.')} allows {tol:.0e})")
+    return None
+
+
+# (path, device, queries' dtype, store's dtype, kernel) -> None where the check passed, else
+# what failed
+_CHECKS: dict[tuple[TritonAttention, str, torch.dtype, torch.dtype, str], str | None] = {}
+
+
+def triton_paths() -> dict[str, str]:
+    """What each first-use check of this process decided (what a run records in
+    ``environment.json``): ``{"softmax on cuda:0, float32 queries over a bfloat16 store":
+    "triton"}``, or ``"streaming (the check failed: ...)"`` where it declined."""
+    paths = {}
+    for (_, device, dtype, store, kernel), problem in _CHECKS.items():
+        where = (f"{kernel} on {device}, {str(dtype).removeprefix('torch.')} queries over a "
+                 f"{str(store).removeprefix('torch.')} store")
+        paths[where] = "triton" if problem is None else f"streaming (the check failed: {problem})"
+    return paths
+
+
 @dataclass(frozen=True, eq=False)
 class TritonAttention:
     """The Triton compute path (see the module docstring); its methods are the compute-path
@@ -118,6 +211,11 @@ class TritonAttention:
         splits: how many splits of consecutive entries are folded apart and merged (at most
             one per block of entries); ``None``: enough for four programs per
             multiprocessor of the device (CUDA), 4 elsewhere.
+        check: compare one small call with the streaming path at the first call per device,
+            dtypes and kernel, and decline those calls where they disagree (:meth:`checked`;
+            the module docstring). ``None``: on CUDA devices, where the kernels are compiled
+            for the device; under the interpreter they run as Python, which the tests
+            compare with the streaming path themselves.
     """
 
     block_b: int = 16
@@ -125,6 +223,7 @@ class TritonAttention:
     block_d: int = 64
     block_v: int = 64
     splits: int | None = None
+    check: bool | None = None
 
     name = "triton"
 
@@ -150,7 +249,29 @@ class TritonAttention:
         dtypes = (torch.float32,) if q.is_cuda else (torch.float32, torch.float64)
         return (entries.kernel.name in KERNEL_CODES and q.dtype in dtypes
                 and entries.keys.dtype in (q.dtype, *HALF_DTYPES)
-                and (q.is_cuda or interpreting()) and _kernels() is not None)
+                and (q.is_cuda or interpreting()) and _kernels() is not None
+                and (not (q.is_cuda if self.check is None else self.check)
+                     or self.checked(q.device, q.dtype, entries.keys.dtype,
+                                     entries.kernel.name) is None))
+
+    def checked(self, device: torch.device | str, dtype: torch.dtype,
+                store_dtype: torch.dtype, kernel: str) -> str | None:
+        """This path's first-use check on ``device`` for ``dtype`` queries over a
+        ``store_dtype`` store with the ``kernel`` (:func:`check_against_streaming`, run once
+        per process and remembered): ``None`` where it passed, else what failed, after a
+        :class:`TritonPathWarning` that says so (once)."""
+        key = (self, str(torch.device(device)), dtype, store_dtype, kernel)
+        if key not in _CHECKS:
+            problem = check_against_streaming(self, device, dtype, store_dtype, kernel)
+            _CHECKS[key] = problem
+            if problem is not None:
+                warnings.warn(
+                    f"the Triton attention path failed its first-use check for the {kernel} "
+                    f"kernel on {key[1]} ({str(dtype).removeprefix('torch.')} queries over a "
+                    f"{str(store_dtype).removeprefix('torch.')} store): {problem}. The "
+                    "streaming path computes these calls instead (docs/precision.md, \"The "
+                    "Triton kernel\")", TritonPathWarning, stacklevel=2)
+        return _CHECKS[key]
 
     def _rows_per_split(self, q: Tensor, n: int) -> int:
         """Entries per split: a whole number of blocks of entries."""

@@ -14,6 +14,12 @@ A growing layer whose entries only ever append (the RBF and weighted-softmax lay
 Adam) are snapshotted whole. The model's ordinary parameters and buffers and the learners'
 state dicts are copied at every snapshot. So for gws and RBF a snapshot costs a few bytes per
 layer and ``every = 1`` is affordable; for the hybrid each costs its stores and moments.
+
+The log also records how the run's half-precision products ran (:attr:`ReplayLog.products`,
+:func:`rcdl.ops.half.product_record`): the paths differ in the last bits, and the one
+``"auto"`` takes for training batches on a CPU without native bfloat16 products is timed once
+per process, so a replay sets the recorded one rather than timing again
+(docs/precision.md, "Product paths").
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from rcdl.nn.layers import GrowingLayer, growing_layers
+from rcdl.ops.half import product_record
 
 __all__ = ["ReplayLog", "Snapshot"]
 
@@ -72,6 +79,10 @@ class ReplayLog:
             newest snapshot at or before the batch of the earliest forgotten sample, so a
             smaller ``every`` replays fewer steps at the cost of more snapshots
             (:attr:`nbytes`).
+
+    ``products`` is how the run's half-precision products ran
+    (:func:`rcdl.ops.half.product_record`, taken as the run starts): a replay runs them so
+    (:func:`rcdl.ops.half.products_as`), and so must a retraining it is compared with.
     """
 
     every: int = 1
@@ -79,6 +90,7 @@ class ReplayLog:
     sample_ids: Tensor | None = None  # (N_train,) the id of each row (None: its position)
     batch_size: int = 0
     snapshots: dict[int, Snapshot] = field(default_factory=dict)
+    products: dict[str, str | None] | None = None  # {"mode": ..., "auto_path": ...}
 
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or self.every < 1:
@@ -86,10 +98,12 @@ class ReplayLog:
 
     # ---------------------------------------------------------------- recording
     def start(self, order: Tensor, batch_size: int, sample_ids: Tensor | None) -> None:
-        """A run from step 0 over ``order`` in batches of ``batch_size`` begins."""
+        """A run from step 0 over ``order`` in batches of ``batch_size`` begins (with this
+        process's half-precision products, recorded)."""
         self.order, self.batch_size = order.clone(), batch_size
         self.sample_ids = None if sample_ids is None else sample_ids.clone()
         self.snapshots = {}
+        self.products = product_record()
 
     def due(self, step: int) -> bool:
         return step % self.every == 0

@@ -10,7 +10,11 @@ forgotten sample is unchanged and every batch after it is re-formed. That run is
 run's :class:`~rcdl.train.replay.ReplayLog` at or before the batch of the earliest forgotten
 sample and replays the steps from there. The result is the retrained model bit for bit (the
 same floating-point operations in the same order), at the cost of the steps replayed: a
-forgotten sample seen late costs little, one seen in the first batch a whole retraining.
+forgotten sample seen late costs little, one seen in the first batch a whole retraining. The
+same operations include the half-precision product path: the replay takes the one the run
+recorded (:attr:`ReplayLog.products <rcdl.train.replay.ReplayLog>`), whatever a timing in
+this process would choose, and a retraining to compare with takes it too
+(``with rcdl.ops.half.products_as(replay.products): train_one_pass(...)``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from rcdl.distributed import model_shard
 from rcdl.memory.forgetting import ForgetReceipt, sample_index_tensor, scan_for_rows
 from rcdl.memory.provenance import entry_samples, samples
 from rcdl.nn.layers import growing_layers
+from rcdl.ops.half import products_as
 from rcdl.train.loop import Metric, train_step
 from rcdl.train.replay import ReplayLog
 
@@ -99,15 +104,17 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
     device = torch.device(device)
     model.train()
     steps = -(-len(order) // batch)
-    for step in range(snap.step, steps):
-        rows = order[step * batch : (step + 1) * batch]
-        xb, yb = x_train[rows].to(device), y_train[rows].to(device)
-        with samples(model, ids[step * batch : (step + 1) * batch]):
-            loss = train_step(model, xb, yb, loss_fn, optimizer, grower)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"forget_exactly: training loss is {loss} at step {step}")
-        if replay.due(step + 1):
-            replay.take(step + 1, model, learners)
+    with products_as(replay.products):  # the run's product path, not this process's timing
+        for step in range(snap.step, steps):
+            rows = order[step * batch : (step + 1) * batch]
+            xb, yb = x_train[rows].to(device), y_train[rows].to(device)
+            with samples(model, ids[step * batch : (step + 1) * batch]):
+                loss = train_step(model, xb, yb, loss_fn, optimizer, grower)
+            if not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"forget_exactly: training loss is {loss} at step {step}")
+            if replay.due(step + 1):
+                replay.take(step + 1, model, learners)
     seconds = time.perf_counter() - start
     found = None
     if scan:
