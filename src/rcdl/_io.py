@@ -8,11 +8,14 @@ run folders of :mod:`rcdl.app.rundir` write through these.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
+import errno
 import json
 import os
 import socket
+import stat
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,6 +29,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "LockHeld",
     "holder",
     "lock_exclusively",
     "save_figure",
@@ -69,28 +73,57 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class LockHeld(BlockingIOError):
+    """Another process holds the lock :func:`lock_exclusively` was asked for. ``holder`` is
+    what its lock file says (``""`` for a folder's lock, or an empty file)."""
+
+    def __init__(self, path: str | os.PathLike, holder: str) -> None:
+        super().__init__(errno.EWOULDBLOCK, "locked by another process", os.fspath(path))
+        self.holder = holder
+
+
 def lock_exclusively(path: str | os.PathLike, *, create: bool = False) -> int | None:
-    """An exclusive, non-blocking ``flock`` on ``path`` (a folder, or a file, made if
+    """An exclusive, non-blocking ``flock`` on ``path`` (a folder, or a lock file, made if
     ``create``); returns the descriptor that holds it (close it to release; the OS releases
     it when the process ends, so a SIGKILL leaves no stale lock), or ``None`` where the
     platform has no ``flock``. The descriptor is closed on every failure.
 
+    A lock file is opened without following a link (``O_NOFOLLOW``) and must be a regular
+    file of one name: the holder writes into it (through the descriptor returned, never by
+    its name again), so a symbolic link, a hard link to another file, a FIFO or a device at
+    ``path`` is refused rather than written through.
+
     Raises:
-        BlockingIOError: another process holds the lock.
-        OSError: the file system refuses locks (``ENOLCK``, say), or ``path`` cannot be
-            opened; the message names ``path``.
+        LockHeld: (a ``BlockingIOError``) another process holds the lock; its ``holder`` is
+            what the lock file says.
+        OSError: the file system refuses locks (``ENOLCK``, say), ``path`` cannot be opened,
+            or (``create``) it is a link or not a regular file; the message names ``path``.
     """
     try:
         import fcntl
     except ImportError:  # no flock on this platform: unguarded
         return None
-    flags = os.O_RDONLY if not create else os.O_RDWR | os.O_CREAT
-    fd = os.open(path, flags, 0o666)
+    flags = os.O_RDONLY if not create else os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o666)
+    except OSError:  # a link (ELOOP), a folder (EISDIR), a socket (ENXIO): say which
+        kind = _kind_of(os.lstat(path)) if create and os.path.lexists(path) else None
+        if kind is None:
+            raise
+        raise _not_a_lock_file(path, kind) from None
+    try:
+        kind = _kind_of(os.fstat(fd)) if create else None
+        if kind is not None:
+            raise _not_a_lock_file(path, kind)
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        said = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() if create else ""
         os.close(fd)
-        raise
+        raise LockHeld(path, said) from None
     except OSError as err:
         os.close(fd)
         raise OSError(err.errno, f"cannot lock {os.fspath(path)} ({err.strerror}): the file "
@@ -99,6 +132,32 @@ def lock_exclusively(path: str | os.PathLike, *, create: bool = False) -> int | 
         os.close(fd)
         raise
     return fd
+
+
+def _kind_of(status: os.stat_result) -> str | None:
+    """What a file is, if it is not one a lock may be written into (a regular file with one
+    name); ``None`` if it may."""
+    mode = status.st_mode
+    if stat.S_ISREG(mode):
+        return None if status.st_nlink == 1 else (f"a regular file with {status.st_nlink} "
+                                                  "names (a hard link to another file)")
+    for test, kind in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _not_a_lock_file(path: str | os.PathLike, kind: str) -> OSError:
+    """The refusal of a lock file that is ``kind`` (see :func:`_kind_of`), naming it."""
+    if kind == "a symbolic link":
+        with contextlib.suppress(OSError):
+            kind += f" to {os.readlink(os.fspath(path))}"
+    return OSError(errno.ELOOP if kind.startswith("a symbolic link") else errno.EPERM,
+                   f"the lock file {os.fspath(path)} is {kind}: a lock's holder is written "
+                   "into a regular file of its own only, never through a link or into "
+                   "another file; remove it, or give another path")
 
 
 def holder() -> str:

@@ -31,9 +31,13 @@ naming the key), so every file it writes loads back.
 - a restore takes the newest checkpoint of the manifest whose files every rank can read and
   verify (one small ``all_gather`` of yes/no decides, so all ranks take the same one), and
   says on stderr which it skipped and why; with none usable it says so and the run
-  starts afresh. A manifest of another world size is refused before any file is read, and
-  so is one of a format this rcdl does not know (the manifest records its ``format`` and
-  the ``rcdl_version`` that wrote it);
+  starts afresh. A file that verifies but does not hold what a save writes (a part missing
+  or of another type, a grower state whose layers disagree, a loop at another step) is
+  skipped as a damaged one, before any of it is loaded. The load is all or nothing: a
+  model, optimizer or grower that refuses its part leaves all three as they were. A
+  manifest of another world size is refused before any file is read, and so is one of a
+  format this rcdl does not know (the manifest records its ``format`` and the
+  ``rcdl_version`` that wrote it);
 - without a readable manifest (missing, or damaged) a restore does not give up the files
   that are whole: it takes the newest step whose files every rank has and can verify by
   their own checksums, and says so;
@@ -47,22 +51,25 @@ restore and save.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
 import os
 import pickle
 import re
+import reprlib
 import sys
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
-from rcdl._io import atomic_write, atomic_write_json, holder, lock_exclusively
+from rcdl._io import LockHeld, atomic_write, atomic_write_json, holder, lock_exclusively
 from rcdl._version import __version__
 from rcdl.distributed import is_sharded, rank_and_world
 from rcdl.retrieval.topk import load_retrieval_state, retrieval_state
@@ -251,46 +258,69 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu",
 
 def model_state_problems(model: nn.Module, state: dict[str, Any]) -> list[str]:
     """Everything that would make ``model.load_state_dict(state)`` refuse a part of
-    ``state``, found before anything is loaded: a module's own check of its part (a growing
-    store's rows: shapes, dtypes, NaN or inf; a provenance map's ids and merge counts), a
-    parameter or buffer of another shape, a missing one, and a key the model has no place
-    for (a state of a deeper model, say). Empty if it loads.
+    ``state``, or load it as something else, found before anything is loaded: a value that is
+    not a tensor (``5`` for a bias), a tensor of another kind of number than the model's (an
+    integer tensor for a floating parameter, which torch would cast), a module's own check of
+    its part (a growing store's rows: shapes, dtypes, NaN or inf; a provenance map's ids and
+    merge counts), a parameter or buffer of another shape, a missing one, and a key the
+    model has no place for (a state of a deeper model, say). Empty if it loads.
 
     A module whose ``_load_from_state_dict`` validates its part states that check as
     ``state_problem(state, prefix) -> str | None`` and the keys it reads as
     ``state_keys() -> tuple[str, ...]`` (relative to its prefix)."""
-    problems: list[str] = []
-    expected: set[str] = set()
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        check = getattr(module, "state_problem", None)
-        if callable(check):
-            problem = check(state, prefix)
-            if problem is not None:
-                problems.append(f"{type(module).__name__} {name!r}: {problem}")
-        keys = getattr(module, "state_keys", None)
-        if callable(keys):
-            expected.update(prefix + key for key in keys())
-        if type(module).get_extra_state is not nn.Module.get_extra_state:
-            expected.add(prefix + "_extra_state")
+    if not isinstance(state, Mapping):
+        return [f"the state is a {type(state).__name__}, not a dict of tensors by name"]
     persistent = dict(model.named_parameters())
     for prefix, module in model.named_modules():
         for key, buffer in module._buffers.items():
             if buffer is not None and key not in module._non_persistent_buffers_set:
                 persistent[f"{prefix}.{key}" if prefix else key] = buffer
+    owned: list[tuple[str, nn.Module, list[str]]] = []  # (name, module, the keys it reads)
+    extra: set[str] = set()
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        keys = getattr(module, "state_keys", None)
+        owned.append((name, module, [prefix + key for key in keys()] if callable(keys) else []))
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            extra.add(prefix + "_extra_state")
+    tensors = set(persistent).union(*(keys for _, _, keys in owned))
+    not_tensors = sorted(k for k in tensors if k in state and not isinstance(state[k], Tensor))
+    problems = [f"{k}: {type(state[k]).__name__} {reprlib.repr(state[k])}, not a tensor"
+                for k in not_tensors]
+    for name, module, keys in owned:
+        check = getattr(module, "state_problem", None)
+        if callable(check) and not set(keys) & set(not_tensors):  # its part holds tensors
+            problem = check(state, f"{name}." if name else "")
+            if problem is not None:
+                problems.append(f"{type(module).__name__} {name!r}: {problem}")
     for key, tensor in persistent.items():
+        saved = state.get(key)
         if key not in state:
             problems.append(f"{key}: missing")
-        elif isinstance(state[key], torch.Tensor) and state[key].shape != tensor.shape:
-            problems.append(f"{key}: shape {tuple(state[key].shape)}, the model has "
+        elif not isinstance(saved, Tensor):
+            continue  # said above
+        elif _number_kind(saved) != _number_kind(tensor):
+            problems.append(f"{key}: {saved.dtype}, the model has {tensor.dtype} (a "
+                            f"{_number_kind(tensor)} tensor: torch would cast it silently)")
+        elif saved.shape != tensor.shape:
+            problems.append(f"{key}: shape {tuple(saved.shape)}, the model has "
                             f"{tuple(tensor.shape)}")
-    unexpected = sorted(str(k) for k in state if k not in expected and k not in persistent)
+    unexpected = sorted(str(k) for k in state if k not in tensors and k not in extra)
     if unexpected:
         shown = ", ".join(unexpected[:6]) + (f" and {len(unexpected) - 6} more"
                                              if len(unexpected) > 6 else "")
         problems.append(f"unexpected keys (the model has no place for them: a state of "
                         f"another architecture?): {shown}")
     return problems
+
+
+def _number_kind(tensor: Tensor) -> str:
+    """Which kind of number a tensor holds: torch casts between kinds without a word."""
+    if tensor.dtype == torch.bool:
+        return "boolean"
+    if tensor.is_complex():
+        return "complex"
+    return "floating" if tensor.is_floating_point() else "integer"
 
 
 def load_model_state(model: nn.Module, state: dict[str, Any]) -> None:
@@ -361,26 +391,146 @@ def _warn(message: str) -> None:
     print(f"{'' if world == 1 else f'rank {rank}: '}{message}", file=sys.stderr)
 
 
+# --------------------------------------------------------------------------- what one holds
+# A file whose digest verifies may still not hold what a Checkpointer writes (a file written by
+# hand with a valid header, another program's state): its layout is checked before any of it
+# is loaded, and a file that fails is skipped as a damaged one.
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_scale(value: Any) -> bool:
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+
+
+def _grower_problem(part: dict[str, Any], where: str) -> str | None:
+    """A :meth:`rcdl.optim.grower.Grower.state_dict`: one group per layer, and per layer a
+    step count, an output scale and an eviction count."""
+    groups = part["param_groups"]
+    if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("layer"), str)
+            and _is_scale(g.get("lr")) and g["lr"] is not None for g in groups):  # fmt: skip
+        return (f"{where}['param_groups'] is not a list of groups, each naming its layer and "
+                "its learning rate")
+    layers = [g["layer"] for g in groups]
+    for key, fits, what in (("steps", _is_count, "a step count"),
+                            ("output_scale", _is_scale, "an output scale or None"),
+                            ("evicted", _is_count, "an eviction count")):
+        value = part[key]
+        if not isinstance(value, dict) or not all(fits(v) for v in value.values()):
+            return f"{where}[{key!r}] is not {what} by layer"
+        if key != "evicted" and sorted(value) != sorted(layers):
+            return (f"{where}: its param_groups are for layers {layers}, its {key} for "
+                    f"{sorted(value)}")
+    shard = part["shard"]
+    if shard is not None and not (isinstance(shard, list | tuple) and len(shard) == 2
+                                  and all(_is_count(v) for v in shard)):
+        return f"{where}['shard'] is {shard!r}, not None or (rank, world size)"
+    return None
+
+
+def _optimizer_problem(part: dict[str, Any], where: str) -> str | None:
+    """A ``torch.optim.Optimizer.state_dict``: a state per parameter index, and groups that
+    list their parameters' indices."""
+    if not isinstance(part["state"], dict) or not all(
+            isinstance(v, dict) for v in part["state"].values()):
+        return f"{where}['state'] is not a dict of per-parameter states"
+    groups = part["param_groups"]
+    if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list)
+            and all(_is_count(i) for i in g["params"]) for g in groups):
+        return f"{where}['param_groups'] is not a list of groups, each listing its parameters"
+    return None
+
+
+def _entry_adam_problem(part: dict[str, Any], where: str) -> str | None:
+    """An :meth:`rcdl.optim.entry_adam.EntryAdam.state_dict`: one group, per layer a step count
+    and both moments' rows, and the parameters' Adam (or ``None``)."""
+    groups, layers = part["param_groups"], part["layers"]
+    if not isinstance(groups, list) or not groups or not isinstance(groups[0], dict):
+        return f"{where}['param_groups'] is not a list holding a group"
+    if not isinstance(layers, dict) or not all(
+            isinstance(m, dict) and _is_count(m.get("adam_steps"))
+            and all(isinstance(m.get(k), dict) and isinstance(m[k].get("keys"), Tensor)
+                    for k in ("m", "v")) for m in layers.values()):  # fmt: skip
+        return f"{where}['layers'] is not the moments' rows and step count by layer"
+    inner = part["param_adam"]
+    if inner is None:
+        return None
+    return _part_problem(inner, {"state": {}, "param_groups": []}, f"{where}['param_adam']")
+
+
+# The learners' state dicts a checkpoint holds, known by their keys, and their checks.
+_LAYOUTS: tuple[tuple[frozenset[str], Callable[[dict[str, Any], str], str | None]], ...] = (
+    (frozenset({"param_groups", "steps", "evicted", "output_scale", "shard"}), _grower_problem),
+    (frozenset({"param_groups", "layers", "param_adam"}), _entry_adam_problem),
+    (frozenset({"state", "param_groups"}), _optimizer_problem),
+)
+
+
+def _part_problem(part: Any, template: dict[str, Any], where: str) -> str | None:
+    """Whether ``part`` of a checkpoint has the layout of ``template``, the state dict of
+    the learner (optimizer, grower) it is loaded into; ``None`` if it has. A learner of a
+    known kind (:data:`_LAYOUTS`) is checked in depth, one of another kind for its keys; a
+    learner made of others (a hybrid's Adam and grower) is checked part by part."""
+    if not isinstance(part, dict):
+        return f"{where} is a {type(part).__name__}, not a state dict"
+    check = _known_layout(template)
+    keys = frozenset(template) if check is None else check[0]
+    missing = sorted(map(str, keys - part.keys()))
+    if missing:
+        return f"{where} has no {', '.join(missing)}"
+    if check is not None:
+        return check[1](part, where)
+    for key, inner in template.items():  # the learners it is made of
+        if isinstance(inner, dict) and _known_layout(inner) is not None:
+            problem = _part_problem(part[key], inner, f"{where}[{key!r}]")
+            if problem is not None:
+                return problem
+    return None
+
+
+def _known_layout(template: dict[str, Any]) -> tuple[frozenset[str], Any] | None:
+    """The entry of :data:`_LAYOUTS` whose keys ``template`` holds, if any."""
+    return next((layout for layout in _LAYOUTS if layout[0] <= template.keys()), None)
+
+
 class Checkpointer:
     """Saves the loop's whole state (model, optimizer, grower, top-k indices, the loop's
     counters) every ``every`` steps as a checkpoint at ``path`` (see the module docstring),
     and restores it at the start of a run that finds one; a checkpoint written by another
     run (``identity``: name, seed, batch size, training samples) is refused.
 
+    A restore loads all of a checkpoint or none of it. A file whose digest verifies but
+    which does not hold what a save writes (a part missing or of another type, a grower
+    state whose layers disagree, a loop at another step than its name) is skipped as a
+    damaged one, before any of it is loaded. A well-formed checkpoint that the model or a
+    learner refuses (another architecture, say) raises ``ValueError`` naming the file, and
+    leaves the model, optimizer and grower as they were.
+
     Under ``torch.distributed`` with sharded stores every rank passes the same ``path``; each
     writes its own files, and the manifest lists them.
 
     Args:
         keep: committed checkpoints kept (the newest, and ``keep − 1`` to fall back to).
+        loop_problem: what is wrong with a saved loop state (a message), or ``None`` if it
+            is whole: the caller's own layout of the ``loop`` it saves (the Checkpointer
+            itself needs only its ``step``, an integer). A loop it refuses makes the
+            checkpoint a damaged one.
     """
 
     def __init__(self, path: str | os.PathLike, every: int, identity: dict[str, Any],
                  model: nn.Module, optimizer: torch.optim.Optimizer | None, grower: Any,
-                 keep: int = 2) -> None:  # fmt: skip
+                 keep: int = 2,
+                 loop_problem: Callable[[dict[str, Any]], str | None] | None = None,
+                 ) -> None:  # fmt: skip
         if keep < 1:
             raise ValueError(f"Checkpointer: keep must be >= 1, got {keep}")
         self.path, self.every, self.identity, self.keep = Path(path), every, identity, keep
         self.model, self.optimizer, self.grower = model, optimizer, grower
+        self.loop_problem = loop_problem
         self._checked = False
         self._committed: list[dict[str, Any]] | None = None  # the manifest's list, once known
         self._lock_fd: int | None = None  # this rank's OS lock on the path (see _lock)
@@ -394,28 +544,26 @@ class Checkpointer:
         """Hold an OS lock (``flock``) on ``<stem>[.rank<r>of<W>].lock`` beside the path
         from the first restore or save until :meth:`close`, so that a second process given
         the same path is refused instead of overwriting this one's files. The OS drops the
-        lock when the process ends; the file stays, naming the last holder."""
+        lock when the process ends; the file stays, naming the last holder. A link or a
+        special file at the lock's path is refused (:func:`rcdl._io.lock_exclusively`):
+        the holder is written into the lock file only."""
         if self._lock_fd is not None:
             return
         rank_part = "" if world == 1 else f".rank{rank}of{world}"
         lock = self.path.with_name(f"{self.path.stem}{rank_part}.lock")
         lock.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = lock_exclusively(lock, create=True)
-        except BlockingIOError:
-            try:
-                held_by = lock.read_text(encoding="utf-8").strip() or "another process"
-            except OSError:
-                held_by = "another process"
+            fd = lock_exclusively(lock, create=True)  # a link or another file is refused
+        except LockHeld as err:
             raise CheckpointInUse(
-                f"checkpoint {self.path} is in use by {held_by}: two runs on one checkpoint "
-                "path would overwrite each other's files; wait for it to finish, or give this "
-                "run another checkpoint_path") from None
+                f"checkpoint {self.path} is in use by {err.holder or 'another process'}: two "
+                "runs on one checkpoint path would overwrite each other's files; wait for it "
+                "to finish, or give this run another checkpoint_path") from None
         if fd is None:
             return
         self._lock_fd = fd  # held from here: close() releases it whatever follows
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{holder()}\n".encode())
+        os.ftruncate(fd, 0)  # the file opened and checked, never opened again by its name
+        os.pwrite(fd, f"{holder()}\n".encode(), 0)
 
     def close(self) -> None:
         """Release the lock on the path (:func:`rcdl.train.loop.train_one_pass` calls it when
@@ -524,16 +672,18 @@ class Checkpointer:
         self._lock(rank, world)
         _remove_temporaries(self.path, rank, world)
         entries = self._committed_entries(rank, world)
+        before = self._snapshot() if entries else {}
         for i in range(len(entries) - 1, -1, -1):
             entry = entries[i]
-            state, problem = self._read(entry, rank)
+            state, problem = self._read(entry, rank, before)
             if self._all_agree(problem is None, world):
-                self._check_identity(state, self.path.parent / entry["files"][rank])
+                file = self.path.parent / entry["files"][rank]
+                self._check_identity(state, file)
                 if i != len(entries) - 1 or self._scanned:
                     _warn(f"{self.path}: resuming from the checkpoint of step {entry['step']}, "
                           "the newest that every rank could read")
                 self._committed = entries[: i + 1]
-                return self._load(state)
+                return self._load(state, file, before)
             reason = problem or "another rank could not read its file of this checkpoint"
             _warn(f"{self.path}: the checkpoint of step {entry['step']} is not used: {reason}")
         if entries:
@@ -541,14 +691,62 @@ class Checkpointer:
         self._committed = []
         return None
 
-    def _read(self, entry: dict[str, Any], rank: int) -> tuple[Any, str | None]:
+    def _read(self, entry: dict[str, Any], rank: int,
+              before: dict[str, Any]) -> tuple[Any, str | None]:
+        """This rank's file of ``entry``, verified and checked against what a save writes
+        (``before``: the learners' own states, :meth:`_snapshot`); or why it is not used."""
         try:
-            name, digest = entry["files"][rank], entry["sha256"][rank]
-            return load_checkpoint(self.path.parent / name, expected_sha256=digest), None
+            file = self.path.parent / entry["files"][rank]
+            state = load_checkpoint(file, expected_sha256=entry["sha256"][rank])
         except FileNotFoundError as err:
             return None, f"{err.filename} is missing"
         except (DamagedCheckpoint, KeyError, IndexError, TypeError) as err:
             return None, str(err)
+        problem = self._layout_problem(state, entry["step"], before)
+        if problem is not None:
+            return None, str(DamagedCheckpoint(file, f"it does not hold what a checkpoint "
+                                                     f"of this run holds: {problem}"))
+        return state, None
+
+    def _layout_problem(self, state: Any, step: int, before: dict[str, Any]) -> str | None:
+        """What makes ``state`` other than what :meth:`save` writes for step ``step`` (the
+        parts, their types, the learners' layouts; ``before`` holds the learners' own
+        states), or ``None``. Whether the model takes its state is checked at the load."""
+        if not isinstance(state, dict):
+            return f"it is a {type(state).__name__}, not a dict of the run's parts"
+        parts = ["run", "loop", "model"]
+        parts += [name for name in ("optimizer", "grower") if before.get(name) is not None]
+        missing = [name for name in parts if name not in state]
+        if missing:
+            return f"it has no {' and no '.join(missing)} part"
+        if not isinstance(state["run"], dict):
+            return f"its run part is a {type(state['run']).__name__}, not a dict"
+        loop = state["loop"]
+        if not isinstance(loop, dict) or not _is_count(loop.get("step")):
+            return "its loop part is not a dict with an integer step"
+        if loop["step"] != step:
+            return f"its loop is at step {loop['step']}, its name and manifest say {step}"
+        problem = None if self.loop_problem is None else self.loop_problem(loop)
+        if problem is not None:
+            return f"its loop part: {problem}"
+        model = state["model"]
+        if not isinstance(model, dict):
+            return f"its model part is a {type(model).__name__}, not a dict of tensors by name"
+        for key, value in model.items():
+            if not isinstance(key, str) or not (isinstance(value, Tensor)
+                                                or key.endswith("_extra_state")):
+                return (f"its model part holds {type(value).__name__} {reprlib.repr(value)} "
+                        f"under {key!r}, not a tensor by name")
+        retrieval = state.get("retrieval")
+        if retrieval is not None and not (isinstance(retrieval, dict) and all(
+                isinstance(v, dict) for v in retrieval.values())):
+            return "its retrieval part is not None or a top-k state by layer"
+        for name in ("optimizer", "grower"):
+            if before.get(name) is not None:
+                problem = _part_problem(state[name], before[name], name)
+                if problem is not None:
+                    return problem
+        return None
 
     @staticmethod
     def _all_agree(ok: bool, world: int) -> bool:
@@ -566,14 +764,45 @@ class Checkpointer:
                     f"{key}={state['run'].get(key)!r}, this run has {value!r}; delete it or "
                     "use another checkpoint path")
 
-    def _load(self, state: dict[str, Any]) -> dict[str, Any]:
-        load_model_state(self.model, state["model"])  # all of it or none
-        load_retrieval_state(self.model, state.get("retrieval"))  # top-k (docs/retrieval.md)
+    def _snapshot(self) -> dict[str, Any]:
+        """The model's, optimizer's and grower's states as they are, copied: what a refused
+        load puts back, and the layouts a checkpoint's parts must have (:meth:`_read`)."""
+        model = {k: v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+                 for k, v in self.model.state_dict().items()}
+        optimizer = None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict())
+        grower = (copy.deepcopy(self.grower.state_dict())
+                  if hasattr(self.grower, "state_dict") else None)
+        return {"model": model, "optimizer": optimizer, "grower": grower}
+
+    def _put_back(self, before: dict[str, Any]) -> None:
+        self.model.load_state_dict(before["model"])
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if (self.grower is not None and state.get("grower") is not None
-                and hasattr(self.grower, "state_dict")):  # fmt: skip
-            self.grower.load_state_dict(state["grower"])
+            self.optimizer.load_state_dict(before["optimizer"])
+        if before["grower"] is not None:
+            self.grower.load_state_dict(before["grower"])
+
+    def _load(self, state: dict[str, Any], file: Path, before: dict[str, Any]) -> dict[str, Any]:
+        """Load a checkpoint whose layout was checked, all of it or none: the grower's part
+        (where the grower can check one) and the model's are checked whole first; if the
+        optimizer or grower refuses its part after the model was loaded, everything is put
+        back as it was (``before``, :meth:`_snapshot`)."""
+        try:
+            check = getattr(self.grower, "check_state_dict", None)  # refuses before a change
+            if before["grower"] is not None and callable(check):
+                check(state["grower"])
+            load_model_state(self.model, state["model"])  # all of it or none
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            if before["grower"] is not None:
+                self.grower.load_state_dict(state["grower"])
+            # top-k (docs/retrieval.md): checked whole before it changes anything, so last
+            load_retrieval_state(self.model, state.get("retrieval"))
+        except BaseException as err:
+            self._put_back(before)
+            if not isinstance(err, Exception):
+                raise
+            raise ValueError(f"checkpoint {file} was not loaded (the model and learners are "
+                             f"as they were): {err}") from err
         return state["loop"]
 
     # ---------------------------------------------------------------- save
