@@ -128,6 +128,7 @@ class HybridSoftmax(GrowingSoftmax):
         self._refused: Tensor | int = 0  # refused by the trigger in the pending proposal
         self._dry_steps = 0  # growth steps in a row that wrote nothing (host-side count)
         self._last_sq_distance: Tensor | None = None  # (B,) of the last gated batch
+        self._accepted: list[Tensor] = []  # (B,) bool per record of the pending proposal
         self._adam_skipped = False  # a growth step dropped entry gradients Adam never used
 
     # ---------------------------------------------------------------- forward
@@ -205,6 +206,9 @@ class HybridSoftmax(GrowingSoftmax):
 
     # ---------------------------------------------------------------- growth
     def make_entries(self, record: Record) -> NewEntries:
+        """The rule's entries for every row of ``record``, zeroed where the trigger refuses
+        the sample; :meth:`commit` keeps the accepted rows (so that one selection on the
+        device also drops a step refused at a deferred check)."""
         keys, values, weights = super().make_entries(record)
         errors = (record.grad_mean * record.n_samples).norm(dim=1)  # (B,) per-sample ‖g‖
         sq_distance = None
@@ -213,32 +217,61 @@ class HybridSoftmax(GrowingSoftmax):
             self._last_sq_distance = sq_distance
         size = self.num_entries_all_ranks() if getattr(self.trigger, "needs_size", True) else 0
         accept = self.trigger.accept(sq_distance, size, errors)  # (B,) bool
-        self._last_accept = accept
+        self._accepted.append(accept)
         self._refused = self._refused + (~accept).sum()  # () on the device: no read
-        return keys[accept], values[accept], weights[accept]
-
-    _last_accept: Tensor | None = None
-
-    def kept_rows(self) -> Tensor | None:  # (B,) bool
-        return self._last_accept
+        return (keys.where(accept[:, None], 0.0), values.where(accept[:, None], 0.0),
+                weights.where(accept, 0.0))
 
     def proposal(self) -> tuple[NewEntries | None, Tensor]:
         self._refused = 0
+        self._accepted = []
         return super().proposal()
+
+    @torch.no_grad()
+    def propose(self) -> NewEntries | None:
+        """The entries this step's records would write: the rows the trigger accepts."""
+        entries = super().propose()
+        if entries is None or not self._accepted:
+            return entries
+        keep = torch.cat(self._accepted)  # (B,) bool
+        return entries[0][keep], entries[1][keep], entries[2][keep]
 
     def discard(self) -> None:
         super().discard()
         self._leaves = None
+        self._accepted = []
 
     @torch.no_grad()
-    def commit(self, entries: NewEntries | None) -> None:
+    def commit(self, entries: NewEntries | None, ok: Tensor | None = None) -> None:
+        """Append the rows of ``entries`` that the trigger accepted when :meth:`proposal`
+        made them (all rows of entries made otherwise), and none where ``ok``, the verdict
+        of deferred checks (:meth:`GrowingLayer.commit <rcdl.nn.layers.GrowingLayer.commit>`),
+        is False: a step refused at a deferred check writes nothing, as a step refused in
+        the step does. Selecting rows by a device mask sizes the append from the device (an
+        implicit synchronisation, the one the trigger's choice always made)."""
+        accepted, self._accepted = self._accepted, []
+        refused = self._refused
+        if entries is not None:
+            count = entries[0].shape[0]
+            keep = torch.cat(accepted) if accepted else None  # (B,) bool
+            if keep is not None and keep.shape[0] != count:  # not what proposal() made
+                keep = None
+            if ok is not None:
+                ok = ok.to(entries[0].device)
+                keep = ok.expand(count) if keep is None else keep & ok
+                refused = refused * ok  # a refused step's samples are not the trigger's
+            if keep is not None:
+                entries = (entries[0][keep], entries[1][keep], entries[2][keep])
+                if self._proposed_samples is not None:
+                    self._proposed_samples = self._proposed_samples[keep.to(
+                        self._proposed_samples.device)]
         written = 0 if entries is None else int(entries[0].shape[0])  # all ranks together
         if self.has_entry_grads:  # Grower.step() ran before EntryAdam.step()
             self._adam_skipped = True
-        super().commit(entries)
+        super().commit(entries, ok)
         self._leaves = None
         self.entries_written += written
-        self.entries_refused += self._refused
+        self.entries_refused += refused
         self._refused = 0
         self._dry_steps = 0 if written else self._dry_steps + 1
         if self._dry_steps == self.STALL_STEPS and int(self.entries_written) == 0:

@@ -412,10 +412,8 @@ class GrowingLayer(nn.Module):
         for record in records:
             parts.append(self.make_entries(record))
             rows = record.q.shape[0]
-            known = record.samples if record.samples is not None else record.q.new_full(
-                (rows,), UNKNOWN, dtype=torch.long)
-            kept = self.kept_rows()
-            samples.append(known if kept is None else known[kept.to(known.device)])
+            samples.append(record.samples if record.samples is not None else record.q.new_full(
+                (rows,), UNKNOWN, dtype=torch.long))
         keys, values, weights = (torch.cat(p) for p in zip(*parts, strict=True))
         self._proposed_samples = torch.cat(samples)
         zero = weights.new_zeros((), dtype=torch.float64)
@@ -467,26 +465,32 @@ class GrowingLayer(nn.Module):
     def make_entries(self, record: Record) -> NewEntries:
         return self.rule.entries(Step(record.q, record.s, record.grad_mean, record.n_samples))
 
-    def kept_rows(self) -> Tensor | None:  # (B,) bool
-        """Which rows of the record that :meth:`make_entries` last saw became entries
-        (``None``: all); a gated layer keeps fewer (:class:`rcdl.nn.hybrid.HybridSoftmax`)."""
-        return None
-
     def num_entries_all_ranks(self) -> int:
         """Entries the layer stores over every rank if its store is sharded (then a
         collective, to call on every rank), else ``len(self.store)`` (this process's)."""
         return self.backend.size(self)
 
     @torch.no_grad()
-    def commit(self, entries: NewEntries | None) -> None:
+    def commit(self, entries: NewEntries | None, ok: Tensor | None = None) -> None:
         """Append ``entries`` as :meth:`propose` returns them (checked finite there, so not
-        again here) as written at the next step."""
+        again here) as written at the next step.
+
+        ``ok`` (a ``()`` bool on the device, or ``None``: passed) is the verdict of a step
+        whose checks are deferred (:class:`~rcdl.optim.grower.Grower`'s ``defer_checks``):
+        where it is False the step was refused and the grower has zeroed ``entries``. They
+        are appended all the same (their number is all the host knows), but the step
+        counter advances by ``ok``, not 1, so no entry ages (weight decay, momentum) and
+        the zero rows count as written at the last step that passed. Nothing is read back.
+        """
         proposed, self._proposed_samples = self._proposed_samples, None
         self.discard()
         self.recorder.stepped = True
         if entries is None:
             return
-        self.steps += 1
+        if ok is None:
+            self.steps += 1
+        else:  # a refused step leaves the counter: the entries' ages stay as they were
+            self.steps += ok.to(self.steps.dtype)
         count = entries[0].shape[0]  # B, the same on every rank
         ids = self.store.new_ids(count)  # (B,) the batch's ids, the same on every rank
         self.provenance.record(ids, proposed if proposed is not None
@@ -537,6 +541,18 @@ class GrowingLayer(nn.Module):
         finally:
             self.backend = before
 
+    @torch.no_grad()
+    def take_back_rows(self, size: int, next_id: int) -> None:
+        """Take back the rows appended since the store held ``size`` rows and handed out
+        ids up to ``next_id`` (the zero rows of a step refused at a deferred check, when a
+        memory budget reads the step's verdict): the store and the provenance map as they
+        were then (:meth:`rcdl.nn.store.EntryStore.rewind`)."""
+        if len(self.store) == size and self.store.next_id == next_id:
+            return
+        self.release_rows()
+        self.store.rewind(size, next_id)
+        self.provenance.rewind(next_id)
+
     def release_rows(self) -> list[str]:
         """Drop what the layer keeps derived from its rows (they changed); returns what it
         dropped, by name."""
@@ -554,10 +570,11 @@ class GrowingLayer(nn.Module):
     @torch.no_grad()
     def drop_last_step(self) -> int:
         """Undo the last growth step: remove the entries it wrote (``written_at`` is the
-        current step) and step the counter back, so the layer computes what it did before
-        that step (weight decay and momentum included). Returns how many entries went. Not
-        undone: evictions by a memory budget, and the hybrid's Adam moves of the other
-        entries."""
+        current step; the zero rows of steps refused at a deferred check since, written at
+        the same step, go with them) and step the counter back, so the layer computes what
+        it did before that step (weight decay and momentum included). Returns how many
+        entries went. Not undone: evictions by a memory budget, and the hybrid's Adam moves
+        of the other entries."""
         if int(self.steps) == 0:
             return 0
         removed = self.remove_entries(self.store.written_at == self.steps)

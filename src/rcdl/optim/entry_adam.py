@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import NoReturn, overload
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from rcdl.nn.hybrid import HybridSoftmax, hybrid_layers
 from rcdl.nn.store import EntryStore
@@ -255,16 +255,26 @@ class EntryAdam(torch.optim.Optimizer):
         return self.param_groups[0]["lr"]
 
     @overload
-    def step(self, closure: None = None) -> None: ...
+    def step(self, closure: None = None, *, allowed: Tensor | None = None) -> None: ...
     @overload
-    def step(self, closure: Callable[[], float]) -> NoReturn: ...  # refused
+    def step(self, closure: Callable[[], float], *,
+             allowed: Tensor | None = None) -> NoReturn: ...  # refused
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:
+    def step(self, closure: Callable[[], float] | None = None, *,
+             allowed: Tensor | None = None) -> None:
         """One Adam step on every entry with a gradient, then on the ordinary parameters.
 
         Refused (``ValueError`` naming the layer; every entry gradient dropped, nothing
         moved) if an entry gradient is NaN or inf.
+
+        Args:
+            allowed: a ``()`` bool on the device, or ``None``: where it is False the step
+                is skipped, as if refused but without an error (nothing moves: no entry,
+                moment, Adam step count or parameter; the gradients are dropped). It is
+                read with the finiteness check, in the same read:
+                :class:`~rcdl.optim.hybrid_grower.HybridGrower` gives the verdict of
+                deferred growth checks on the step's records.
         """
         if closure is not None:
             raise TypeError("EntryAdam.step() takes no closure")
@@ -278,12 +288,21 @@ class EntryAdam(torch.optim.Optimizer):
                 "EntryAdam before the Grower (rcdl.HybridGrower does both in order)")
         group = self.param_groups[0]
         finite = torch.stack([layer.entry_grads_finite() for _, layer in self.layers])
-        if not bool(finite.all()):
+        permitted = True
+        if allowed is None:
+            all_finite = bool(finite.all())
+        else:  # one read for both
+            *flags, permitted = torch.cat([finite, allowed.to(finite.device)[None]]).tolist()
+            all_finite = all(flags)
+        if not all_finite:
             bad = [layer.where for (_, layer), ok in zip(self.layers, finite.tolist(),
                                                          strict=True) if not ok]
             self.zero_grad()
             raise ValueError(f"EntryAdam: NaN or inf in the entry gradients of {', '.join(bad)};"
                              " no entry moved and the gradients are dropped")
+        if not permitted:
+            self.zero_grad()
+            return
         for name, _ in self.layers:  # half_adam None: the process-wide default
             self.moments[name].step(group["lr"], group["betas"], group["eps"],
                                     half_adam=group["half_adam"])

@@ -38,11 +38,15 @@ device (:mod:`rcdl.nn.divergence`). By default (on CPU, where a read costs nothi
 reads a step's faults twice, once after validating the records and once before committing,
 and raises at once as described above. With ``defer_checks`` (the default for stores on a
 GPU, where each read stalls the device until it has caught up) it reads nothing in the step:
-a refused step writes its entries with zero keys, values and weights (its batch changes no
-output, and no NaN reaches a store), and the error of the first refused step is raised at
-the next check point, :meth:`Grower.check`, which the training loop calls at every
-evaluation, checkpoint and at the end, and :meth:`Grower.state_dict` calls before anything
-is saved (docs/precision.md, "Host reads in a step").
+a refused step writes its entries with zero keys, values and weights (their number is all the
+host knows; no NaN reaches a store) and does not advance the layers' step counters, so no
+entry ages and no output changes; a hybrid layer, whose append waits for the device anyway,
+writes nothing, and :class:`~rcdl.optim.hybrid_grower.HybridGrower` moves no entry by Adam.
+The error of the first refused step is raised at the next check point, :meth:`Grower.check`,
+which the training loop calls at every evaluation, checkpoint and at the end, and
+:meth:`Grower.state_dict` calls before anything is saved. It names the step as the training
+loop counts them: a grower counts its steps from 0 and saves the count in its state dict
+(docs/precision.md, "Host reads in a step", says what a refused step still leaves).
 
 For a hybrid network (entries also trained by Adam) use
 :class:`rcdl.optim.hybrid_grower.HybridGrower`,
@@ -52,7 +56,8 @@ gradients; :class:`rcdl.optim.entry_adam.EntryAdam` then refuses its step with a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, overload
 
 import torch
@@ -111,7 +116,10 @@ class Grower(torch.optim.Optimizer):
             layer.defer_checks(defer_checks)
         self._record_faults: Tensor | None = None  # (L, 3) this step's, deferred
         self._pending: Tensor | None = None  # (2L, 4) the first refused step's faults and step
-        self._steps = 0  # steps that reached write(): the step a deferred error names
+        # steps taken, counted from 0 as the training loop counts them (a step that recorded
+        # nothing, or was refused at a deferred check, counts; one that raised does not): the
+        # step a deferred error names, saved in the state dict
+        self._steps = 0
         self.evicted: dict[str, int] = {layer.name: 0 for layer in self.layers}
         groups = [{"params": [], "lr": layer.rule.lr, "layer": layer.name} for layer in self.layers]
         super().__init__(groups, {})
@@ -152,6 +160,7 @@ class Grower(torch.optim.Optimizer):
                     f"Grower.step(): {', '.join(pending)} ran a training forward pass that no "
                     "backward reached: call loss.backward() before grower.step(), with a loss "
                     "that depends on the model's output")
+            self._steps += 1  # a step, though nothing was written
             return False
         faults, clean = [], None  # a layer sets its scale only if none faulted before it
         for layer in self.layers:
@@ -163,10 +172,22 @@ class Grower(torch.optim.Optimizer):
             self._refusing(lambda: raise_first(self.layers, record_faults))
         return True
 
+    def records_passed(self) -> Tensor | None:
+        """With ``defer_checks``, after :meth:`validate`: whether the records passed every
+        check, a ``()`` bool on the device (``None`` otherwise: a refusal has raised).
+        :class:`~rcdl.optim.hybrid_grower.HybridGrower` gives it to its Adam step."""
+        if not self.defer_checks or self._record_faults is None:
+            return None
+        return (self._record_faults[:, 0] == 0).all()
+
     def write(self) -> None:
         """Commit every layer's proposed entries, or none, then evict down to the budget
         (after :meth:`validate`). With ``defer_checks`` a refused step commits its entries
-        zeroed and is remembered for :meth:`check`."""
+        zeroed without advancing the layers' step counters
+        (:meth:`~rcdl.nn.layers.GrowingLayer.commit`) and is remembered for :meth:`check`;
+        with a budget too, the step's verdict is read (one read; the budget's eviction
+        reads once per layer anyway) and a refused step's rows are taken back instead of
+        evicting, so the store is as the step found it."""
         self._apply_learning_rates()
 
         def propose() -> tuple[list, list]:
@@ -179,15 +200,21 @@ class Grower(torch.optim.Optimizer):
 
         proposals, faults = self._refusing(propose)
         write_faults = self._stack(faults)  # (L, 3)
+        ok = None  # () bool on the device: the step passed (deferred checks only)
         if not self.defer_checks:
             self._refusing(lambda: raise_first(self.layers, write_faults))
         else:
-            proposals = self._defer(write_faults, proposals)
+            proposals, ok = self._defer(write_faults, proposals)
         self._record_faults = None
         self._steps += 1
+        before = [(len(layer.store), layer.store.next_id) for layer in self.layers]  # sizes, ids
         for layer, entries in zip(self.layers, proposals, strict=True):
-            layer.commit(entries)
+            layer.commit(entries, ok)
         if self.budget is not None:
+            if ok is not None and not bool(ok):  # refused: the zero rows go, nothing else
+                for layer, (size, next_id) in zip(self.layers, before, strict=True):
+                    layer.take_back_rows(size, next_id)
+                return
             masks = [self.budget.evict_mask(layer) for layer in self.layers]  # (N,) each
             for layer, mask in zip(self.layers, masks, strict=True):
                 self.evicted[layer.name] += self.budget.apply(layer, mask)
@@ -196,9 +223,10 @@ class Grower(torch.optim.Optimizer):
         device = faults[0].device
         return torch.stack([fault.to(device) for fault in faults])
 
-    def _defer(self, write_faults: Tensor, proposals: list) -> list:
+    def _defer(self, write_faults: Tensor, proposals: list) -> tuple[list, Tensor]:
         """Remember this step's faults if it is the first refused one since the last
-        :meth:`check`; return the proposals zeroed where the step is refused (no read)."""
+        :meth:`check`; return the proposals zeroed where the step is refused, and whether
+        it passed (a ``()`` bool on the device: no read)."""
         records = self._record_faults  # None: write() without validate(), no record faults
         faults = torch.cat([torch.zeros_like(write_faults) if records is None else records,
                             write_faults])  # (2L, 3)
@@ -211,7 +239,7 @@ class Grower(torch.optim.Optimizer):
         ok = (faults[:, 0] == 0).all()  # () the step passed every check
         return [None if entries is None else
                 tuple(torch.where(ok, t, t.new_zeros(())) for t in entries)
-                for entries in proposals]
+                for entries in proposals], ok
 
     def check(self) -> None:
         """Raise the error of the first step refused since the last check, if any (one read
@@ -220,7 +248,10 @@ class Grower(torch.optim.Optimizer):
 
         Raises:
             ValueError: as :meth:`step` would have raised at the refused step, naming the
-                layer and the check, followed by the grower step it happened at.
+                layer and the check, followed by the step it happened at, counted from 0 as
+                :func:`rcdl.train.loop.train_one_pass` counts its steps (the grower's own
+                count, restored with its state dict: the loop's where the loop has stepped
+                this grower from the start of the run).
         """
         pending, self._pending = self._pending, None
         if pending is None:
@@ -230,8 +261,10 @@ class Grower(torch.optim.Optimizer):
         if refused.numel():
             step = int(rows[int(refused[0]), 3])
             raise_first(self.layers, rows[:, :3], suffix=(
-                f" (found at a deferred check: grower step {step} was refused and wrote "
-                "entries of zero weight, so its batch changed no output)"))
+                f" (found at a deferred check: grower step {step}, counted from 0 as the "
+                "training loop counts its steps, was refused and changed no output; any "
+                "entries it wrote have zero keys, values and weights: docs/precision.md, "
+                "\"Host reads in a step\")"))
 
     def _refusing(self, check: Callable[[], Any]) -> Any:
         """``check()``; if it raises, drop the records first: a refused batch leaves nothing
@@ -282,7 +315,8 @@ class Grower(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Everything besides the model's own state dict that a resumed run needs: per layer
         its step counter, evictions, output scale (the divergence check's reference) and
-        its group's learning rate. A refusal deferred since the last :meth:`check` is raised
+        its group's learning rate, and the steps taken (``steps_taken``: the count a
+        deferred refusal names). A refusal deferred since the last :meth:`check` is raised
         first: the state of a run with a refused step is never saved."""
         self.check()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -292,6 +326,7 @@ class Grower(torch.optim.Optimizer):
             "evicted": dict(self.evicted),
             "output_scale": {layer.name: layer.output_scale for layer in self.layers},
             "shard": self._shard_place(),
+            "steps_taken": self._steps,
         }
 
     def _shard_place(self) -> tuple[int, int] | None:
@@ -300,27 +335,88 @@ class Grower(torch.optim.Optimizer):
         return None if shard is None else (shard.rank, shard.world_size)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`; it must come from a grower over the same layers."""
-        place, theirs = self._shard_place(), state.get("shard")
+        """Load a :meth:`state_dict`; it must come from a grower over the same layers. The
+        whole state is checked first (:meth:`check_state_dict`): one that would be refused
+        changes nothing. A state saved before ``steps_taken`` was kept takes the layers'
+        largest step counter as the steps taken."""
+        self.check_state_dict(state)
+        for group, saved_group, layer in zip(self.param_groups, state["param_groups"],
+                                             self.layers, strict=True):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+            layer.restore_step_state(state["steps"][layer.name],
+                                     state["output_scale"][layer.name])
+        self.evicted = dict(state["evicted"])
+        self._steps = state.get("steps_taken", max(state["steps"].values()))
+        self._apply_learning_rates()
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise the ``ValueError`` that :meth:`load_state_dict` would raise for ``state``,
+        naming what is wrong (a missing or unknown part, a layer it lacks, a value of the
+        wrong type), or return: changes nothing."""
+        where = "Grower.load_state_dict"
+        if not isinstance(state, Mapping):
+            raise ValueError(f"{where}: expected the dict of a Grower's state_dict(), got "
+                             f"{type(state).__name__}")
+        missing = [k for k in ("param_groups", "steps", "evicted", "output_scale")
+                   if k not in state]
+        if missing:
+            raise ValueError(f"{where}: the state has no {', '.join(map(repr, missing))} "
+                             f"(it has {', '.join(map(repr, state))})")
+        self._check_place(state.get("shard"), where)
+        names = [layer.name for layer in self.layers]
+        groups = state["param_groups"]
+        if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+            raise ValueError(f"{where}: 'param_groups' must be a list of dicts, got "
+                             f"{_describe(groups)}")
+        saved = [g.get("layer") for g in groups]
+        if saved != names:
+            raise ValueError(f"{where}: the state is for layers {saved} (its param_groups), "
+                             f"this grower has {names}")
+        for key in ("steps", "evicted", "output_scale"):
+            part = state[key]
+            if not isinstance(part, Mapping):
+                raise ValueError(f"{where}: {key!r} must be a dict by layer name, got "
+                                 f"{_describe(part)}")
+            if set(part) != set(names):
+                lacking = [n for n in names if n not in part]
+                unknown = [n for n in part if n not in names]
+                raise ValueError(
+                    f"{where}: the state's {key!r} is for layers {list(part)}, this grower "
+                    f"has {names}" + (f"; missing {lacking}" if lacking else "")
+                    + (f"; not in this grower {unknown}" if unknown else ""))
+        for group, layer in zip(groups, self.layers, strict=True):
+            name = layer.name
+            for key, value, check, expected in (
+                    ("steps", state["steps"][name], _count, "an int >= 0"),
+                    ("evicted", state["evicted"][name], _count, "an int >= 0"),
+                    ("output_scale", state["output_scale"][name],
+                     lambda v: v is None or _real(v) and v >= 0, "None or a float >= 0"),
+                    ("param_groups' lr", group.get("lr"), _real, "a finite float")):
+                if not check(value):
+                    raise ValueError(f"{where}: {key} of layer {name!r} must be {expected}, "
+                                     f"got {_describe(value)}")
+            try:
+                layer.rule.with_lr(group["lr"])  # what _apply_learning_rates will do
+            except ValueError as err:
+                raise ValueError(f"{where}: {layer.where}: {err}") from None
+        if "steps_taken" in state and not _count(state["steps_taken"]):
+            raise ValueError(f"{where}: 'steps_taken' must be an int >= 0, got "
+                             f"{_describe(state['steps_taken'])}")
+
+    def _check_place(self, theirs: Any, where: str) -> None:
+        """Refuse a state saved by another shard placement (``None``: one process)."""
+        if theirs is not None and not (isinstance(theirs, (list, tuple)) and len(theirs) == 2
+                                       and all(_count(p) for p in theirs)):
+            raise ValueError(f"{where}: 'shard' must be None or (rank, world size), got "
+                             f"{_describe(theirs)}")
+        place = self._shard_place()
         if place != (None if theirs is None else tuple(theirs)):
             def describe(p):  # noqa: ANN001, ANN202
                 return "one process" if p is None else f"rank {p[0]} of {p[1]}"
             raise ValueError(
-                f"Grower.load_state_dict: the state was saved by {describe(theirs)}, this "
+                f"{where}: the state was saved by {describe(theirs)}, this "
                 f"grower is {describe(place)}: a sharded run resumes with the same number of "
                 "processes, each rank from its own state (re-sharding is not supported)")
-        names = [layer.name for layer in self.layers]
-        saved = [g.get("layer") for g in state.get("param_groups", [])]
-        if saved != names or set(state.get("steps", {})) != set(names):
-            raise ValueError(f"Grower.load_state_dict: the state is for layers {saved}, this "
-                             f"grower has {names}")
-        for group, saved_group, layer in zip(self.param_groups, state["param_groups"],
-                                             self.layers, strict=True):
-            group.update(saved_group)
-            layer.restore_step_state(state["steps"][layer.name],
-                                     state["output_scale"][layer.name])
-        self.evicted = dict(state["evicted"])
-        self._apply_learning_rates()
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -391,3 +487,22 @@ class Grower(torch.optim.Optimizer):
             return counts
         local = torch.tensor(counts, dtype=torch.long, device=sharded.store.device)
         return sharded.shard.all_reduce(local).tolist()
+
+
+def _count(value: Any) -> bool:
+    """Whether ``value`` is an int >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _real(value: Any) -> bool:
+    """Whether ``value`` is a finite real number (not a bool)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _describe(value: Any) -> str:
+    """``value`` as a refusal names it: its type, and its value where short."""
+    if value is None:
+        return "None"
+    text = repr(value)
+    return f"{type(value).__name__} {text}" if len(text) <= 60 else type(value).__name__

@@ -28,9 +28,12 @@ class HybridGrower(torch.optim.Optimizer):
     :meth:`state_dict` holds both halves' state. ``half_adam`` is :class:`EntryAdam`'s: how
     the Adam pass over a half-precision store runs (:mod:`rcdl.optim.half_adam`).
     ``defer_checks`` is the grower's (:class:`rcdl.optim.grower.Grower`): deferred, the
-    records' checks no longer refuse the Adam step (they refuse the growth and are raised at
-    :meth:`check`); the Adam step's own check of the entry gradients is the step's one read
-    back to the host.
+    records' verdict is read with the Adam step's own check of the entry gradients, the
+    step's one read back to the host, so a step whose records are refused moves nothing
+    (no entry, moment or Adam step count; no ordinary parameter) and writes nothing, as
+    where the checks are read in the step; the error is raised at :meth:`check`. A step
+    refused only at its proposed entries (records passed) keeps its Adam move and writes
+    nothing, again as in the step.
 
     Like any optimizer it leaves the gradients of the model's ordinary parameters (an
     ``nn.Linear`` in front, a ViT's embeddings) in place after ``step()``: call
@@ -65,8 +68,8 @@ class HybridGrower(torch.optim.Optimizer):
             raise TypeError("HybridGrower.step() takes no closure")
         if not self.grower.validate():  # a refused step drops the records
             return
-        try:
-            self.adam.step()  # checks the entry gradients before it moves anything
+        try:  # checks the entry gradients (and a deferred verdict) before anything moves
+            self.adam.step(allowed=self.grower.records_passed())
         except Exception:
             self.zero_grad()
             raise
@@ -95,7 +98,14 @@ class HybridGrower(torch.optim.Optimizer):
         return {"adam": self.adam.state_dict(), "grower": self.grower.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.adam.load_state_dict(state["adam"])
+        """Load a :meth:`state_dict` (after the model's own ``load_state_dict``); a state
+        either half refuses changes neither."""
+        if not isinstance(state, dict) or set(state) != {"adam", "grower"}:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"HybridGrower.load_state_dict: expected a dict with 'adam' and "
+                             f"'grower', got {got}")
+        self.grower.check_state_dict(state["grower"])
+        self.adam.load_state_dict(state["adam"])  # checks everything before it changes any
         self.grower.load_state_dict(state["grower"])
 
     # the counts of :class:`~rcdl.optim.grower.Grower`: local_* never communicate, *_all_ranks()
