@@ -132,6 +132,30 @@ def test_a_malformed_checkpoint_is_skipped_as_a_damaged_one(fault, interrupted, 
     assert resumed["resumed"] and resumed["history"] == reference["history"]
 
 
+
+LOOP_FAULTS = {
+    "no-history": (lambda loop: {k: v for k, v in loop.items() if k != "history"},
+                   "history is NoneType"),
+    "clock-a-list": (lambda loop: loop | {"clock": [0.0, 0.0]}, "clock is list"),
+    "history-of-strings": (lambda loop: loop | {"history": ["step 2"]},
+                           "history is not a list of evaluation records"),
+}
+
+
+@pytest.mark.parametrize("fault", list(LOOP_FAULTS))
+def test_a_training_loop_state_it_did_not_write_is_skipped(fault, interrupted, reference,
+                                                           capsys):
+    """train_one_pass checks the loop state its checkpoints hold (it used to die in
+    ``KeyError: 'history'``) and falls back to the checkpoint before."""
+    change, said = LOOP_FAULTS[fault]
+    rewrite(interrupted, 6, lambda s: s | {"loop": change(s["loop"])})
+    net, grower = build()
+    resumed = train_one_pass(net, DATA, grower=grower, checkpoint_path=interrupted, **KW)
+    err = capsys.readouterr().err
+    assert f"it does not hold what a checkpoint of this run holds: its loop part: {said}" in err
+    assert resumed["resumed"] and resumed["history"] == reference["history"]
+
+
 def test_with_every_checkpoint_malformed_the_run_starts_afresh(interrupted, reference, capsys):
     for step in (4, 6):
         rewrite(interrupted, step, without("model"))

@@ -221,6 +221,23 @@ def _new_loop() -> dict[str, Any]:
             "loss_sum": 0.0, "loss_count": 0, "last_loss": None}  # fmt: skip
 
 
+def _loop_problem(loop: dict[str, Any]) -> str | None:
+    """What makes a checkpoint's loop state other than one :func:`_new_loop` starts and the
+    loop keeps (``None`` if nothing): the checkpoint is then skipped as a damaged one."""
+    number = (int, float)
+    kinds = {"history": list, "clock": dict, "loss_sum": number, "loss_count": int,
+             "last_loss": (*number, type(None))}
+    for key, kind in kinds.items():
+        value = loop.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{key} is {type(value).__name__}, not what the training loop keeps"
+    if not all(isinstance(loop["clock"].get(k), number) for k in ("train", "eval")):
+        return "clock does not hold the train and eval seconds"
+    if not all(isinstance(r, dict) and isinstance(r.get("step"), int) for r in loop["history"]):
+        return "history is not a list of evaluation records"
+    return None
+
+
 class Evaluator:
     """Measures the test metrics (and ``on_epoch_end``'s values at epoch ends) and records
     them: in the loop's history, in ``run`` (``metrics.jsonl``) and on the progress bar.
@@ -534,7 +551,8 @@ def train_one_pass(
                         seed, order)
     identity = {"name": name, "seed": seed, "batch_size": batch_size, "train_samples": schedule.n}
     checkpoints = None if checkpoint_path is None else Checkpointer(
-        checkpoint_path, checkpoint_every or eval_every, identity, model, optimizer, grower)
+        checkpoint_path, checkpoint_every or eval_every, identity, model, optimizer, grower,
+        loop_problem=_loop_problem)
     try:
         loop = None if checkpoints is None else checkpoints.restore()
         resumed = loop is not None
