@@ -191,3 +191,33 @@ def test_an_exact_forget_replays_on_the_path_the_run_recorded(avx2_cpu, monkeypa
     with products_as(log.products):
         again, _ = train(order=stream_without(log, gone))
     assert same_model(again, retrained)
+
+
+# --------------------------------------------------------------------------- a checkpoint
+
+
+def test_train_one_pass_resumes_from_its_checkpoint_on_the_recorded_path(
+        avx2_cpu, monkeypatch, tmp_path, interrupt_after):
+    """A loop of one's own (train_one_pass with a checkpoint, no run folder): the checkpoint
+    records the path and the resume takes it, ending as the uninterrupted run."""
+    new_process(monkeypatch, widen_is_faster=True)
+    whole, _ = train()
+
+    new_process(monkeypatch, widen_is_faster=True)  # the first process: widened
+    ckpt = tmp_path / "ckpt.pt"
+    torch.manual_seed(0)
+    model = GrowingSoftmaxNet(D, CLASSES, 2, temperature=1.0, rule=ClippedSoftmaxRule(0.01, 1.0))
+    set_store_dtype(model, BF16)
+    grower = Grower(model)
+    with pytest.raises(interrupt_after(grower, 3)):
+        train_one_pass(model, data(), batch_size=B, seed=3, grower=grower,
+                       loss_fn=F.cross_entropy, eval_every=1000, progress=False,
+                       metrics={"acc": accuracy}, checkpoint_path=ckpt, checkpoint_every=2)
+
+    new_process(monkeypatch, widen_is_faster=False)  # the next one would take float32
+    with half.half_products("float32"):  # which gives another model
+        other_path, _ = train()
+    assert not same_model(other_path, whole)
+    resumed, _ = train(checkpoint_path=ckpt, checkpoint_every=2)
+    assert same_model(resumed, whole)
+    assert half.chunk_products(BF16, CPU, B) == "float32"  # this process's own, after it

@@ -72,6 +72,7 @@ from torch import Tensor, nn
 from rcdl._io import LockHeld, atomic_write, atomic_write_json, holder, lock_exclusively
 from rcdl._version import __version__
 from rcdl.distributed import is_sharded, rank_and_world
+from rcdl.ops.half import AUTO_PATHS, MODES, product_record
 from rcdl.retrieval.topk import load_retrieval_state, retrieval_state
 
 __all__ = ["CheckpointInUse", "Checkpointer", "DamagedCheckpoint", "UnsafeCheckpoint",
@@ -513,6 +514,12 @@ class Checkpointer:
     Under ``torch.distributed`` with sharded stores every rank passes the same ``path``; each
     writes its own files, and the manifest lists them.
 
+    A checkpoint also records how half-precision products ran
+    (:func:`rcdl.ops.half.product_record`: the mode, and ``"auto"``'s path where a timing
+    chose it); after a restore :attr:`products` holds that record, under which the resumed
+    run continues (:func:`rcdl.ops.half.products_as`), so it takes the path the interrupted
+    one took whatever a timing in this process says.
+
     Args:
         keep: committed checkpoints kept (the newest, and ``keep − 1`` to fall back to).
         loop_problem: what is wrong with a saved loop state (a message), or ``None`` if it
@@ -535,6 +542,9 @@ class Checkpointer:
         self._committed: list[dict[str, Any]] | None = None  # the manifest's list, once known
         self._lock_fd: int | None = None  # this rank's OS lock on the path (see _lock)
         self._scanned = False  # whether that list was found on disk, without a manifest
+        # the restored checkpoint's half-precision product record (None: none restored, or
+        # saved before checkpoints recorded it)
+        self.products: dict[str, str | None] | None = None
 
     @property
     def manifest(self) -> Path:
@@ -737,6 +747,13 @@ class Checkpointer:
                                                 or key.endswith("_extra_state")):
                 return (f"its model part holds {type(value).__name__} {reprlib.repr(value)} "
                         f"under {key!r}, not a tensor by name")
+        products = state.get("products")
+        if products is not None and not (
+                isinstance(products, dict) and products.get("mode") in MODES
+                and products.get("auto_path") in (None, *AUTO_PATHS)):
+            return (f"its products part {reprlib.repr(products)} is not a product record "
+                    f"(mode one of {', '.join(MODES)}; auto_path None or one of "
+                    f"{', '.join(AUTO_PATHS)})")
         retrieval = state.get("retrieval")
         if retrieval is not None and not (isinstance(retrieval, dict) and all(
                 isinstance(v, dict) for v in retrieval.values())):
@@ -803,6 +820,7 @@ class Checkpointer:
                 raise
             raise ValueError(f"checkpoint {file} was not loaded (the model and learners are "
                              f"as they were): {err}") from err
+        self.products = state.get("products")
         return state["loop"]
 
     # ---------------------------------------------------------------- save
@@ -825,6 +843,8 @@ class Checkpointer:
             "retrieval": retrieval_state(self.model),  # None unless top-k retrieval is on
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
             "grower": grower.state_dict() if hasattr(grower, "state_dict") else None,
+            # how half products ran: the restored record, else this process's (decided now)
+            "products": self.products or product_record(),
         }
         step = int(loop["step"])
         file = checkpoint_files(self.path, step, rank, world)

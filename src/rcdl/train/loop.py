@@ -38,6 +38,7 @@ from rcdl.memory.provenance import samples
 from rcdl.nn.layers import growing_layers
 from rcdl.nn.networks import eval_mode
 from rcdl.nn.store import format_bytes
+from rcdl.ops.half import products_as
 from rcdl.train.checkpoint import Checkpointer
 from rcdl.train.replay import ReplayLog
 
@@ -584,7 +585,9 @@ def train_one_pass(
                 assert grower is not None
                 grower.check()
 
-        with bar, _eval_caches(cached):
+        # a resumed run multiplies half-precision stores as the interrupted one did
+        products = products_as(None if checkpoints is None else checkpoints.products)
+        with bar, _eval_caches(cached), products:
             final = loop["history"][-1] if loop["history"] else record(0, loop)
             for step, idx in schedule.batches(loop["step"]):
                 t0 = time.perf_counter()
