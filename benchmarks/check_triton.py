@@ -60,7 +60,7 @@ def main() -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     from rcdl.ops.attention import attention, register_path, unregister_path
     from rcdl.ops.half import half_products
-    from rcdl.ops.triton_attention import TRITON, TritonAttention, triton_available
+    from rcdl.ops.triton_attention import TRITON, TritonAttention, triton_available, triton_paths
 
     if not triton_available():
         print("triton is not installed: pip install -e '.[triton]'")
@@ -111,6 +111,12 @@ def main() -> int:
                       f"{' / '.join(f'{e:.1e}' for e in errors)}{'  FAILED' if bad else ''}; "
                       f"triton {fast_s * 1e3:.2f} ms, streaming {slow_s * 1e3:.2f} ms",
                       flush=True)
+    # on a GPU the path checks itself at its first call and, where it disagrees, leaves the
+    # calls to streaming: the rows above then compared streaming with itself
+    for where, taken in triton_paths().items():
+        declined = taken != "triton"
+        failed |= declined
+        print(f"first-use check, {where}: {taken}{'  FAILED' if declined else ''}")
     return 1 if failed else 0
 
 
