@@ -225,9 +225,10 @@ def _new_loop() -> dict[str, Any]:
 def _loop_problem(loop: dict[str, Any]) -> str | None:
     """What makes a checkpoint's loop state other than one :func:`_new_loop` starts and the
     loop keeps (``None`` if nothing): the checkpoint is then skipped as a damaged one."""
-    number = (int, float)
-    kinds = {"history": list, "clock": dict, "loss_sum": number, "loss_count": int,
-             "last_loss": (*number, type(None))}
+    number: tuple[type, ...] = (int, float)
+    kinds: dict[str, type | tuple[type, ...]] = {
+        "history": list, "clock": dict, "loss_sum": number, "loss_count": int,
+        "last_loss": (*number, type(None))}
     for key, kind in kinds.items():
         value = loop.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
