@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import re
 
 import pytest
 
@@ -205,3 +206,6 @@ def test_the_demo_ends_with_the_command_that_runs_from_here(quick_output):
 
     last = quick_output.strip().splitlines()[-1]
     assert last.endswith(f": {invocation()} reproduce cifar10-1epoch --help"), last
+    listed = quick_output[quick_output.index("Available commands"):]
+    named = re.findall(r"`([^`]*) --help`", listed)
+    assert len(named) >= 3 and all(f"{c} ".startswith(f"{invocation()} ") for c in named), named

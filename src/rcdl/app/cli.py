@@ -416,7 +416,8 @@ _COMMANDS = {
 
 def _command_list(rcdl: str = "rcdl") -> str:
     width = max(map(len, _COMMANDS))
-    return "\n".join(f"  {rcdl} {name:<{width}} {help_}" for name, help_ in _COMMANDS.items())
+    return "\n".join(f"  {rcdl} {name:<{width}} {help_.replace('`rcdl ', f'`{rcdl} ')}"
+                     for name, help_ in _COMMANDS.items())
 
 
 class _Parser(argparse.ArgumentParser):
