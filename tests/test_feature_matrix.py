@@ -4,22 +4,23 @@ float64 reference.
 A *case* draws one value of every switch (:class:`Case`): the kind of growing layer and its
 learning rule (linear dual form, RBF, gws, normalised gws, gauge, hybrid; with weight decay
 and momentum for two of them), the hybrid's gate (none, distance, capacity, error-scaled)
-and learner (``HybridGrower`` or ``EntryAdam`` + ``Grower``), the store's dtype (float64,
-bfloat16, float16), the attention's chunk size (the layer's own, or 3 or 5 rows: a bfloat16
-store's full chunks are then packed where the CPU multiplies bfloat16 natively, for the sums
-over entries or for the score products too, rcdl.ops.packed; drawn from a generator of its
-own), the world size (1–3, spawned gloo processes), top-k retrieval with ``k ≥ N`` (exact,
-FAISS flat or HNSW; in training or not; the index refreshed every step or every third), the
-evaluation cache, a save through :class:`rcdl.train.loop.Checkpointer` and a resume into
-freshly built objects at a random step, evaluation passes between steps (whose outputs are
-then changed in place, as a user's post-processing may), an ``nn.Linear`` in front, an
-in-place ReLU between the two growing layers, a memory budget, the initial entries,
-forgetting some samples part-way (``rcdl.memory.forgetting.forget`` with the learners, on
-every rank, or ``rcdl.forget_and_repair`` with stored or recomputed keys where the readout
-allows it; the reference forgets them too; drawn from a generator of its own so that the
-other switches' draws stay as they were), and the stored weights split as ``w = 1/2``, ``v =
-2(−ηg)`` (the same function; not with float16 stores, where doubling a subnormal value
-rounds otherwise).
+and learner (``HybridGrower`` or ``EntryAdam`` + ``Grower``), the grower's checks
+(immediate, or deferred to check points as on a GPU: drawn from a generator of its own), the
+store's dtype (float64, bfloat16, float16), the attention's chunk size (the layer's own, or
+3 or 5 rows: a bfloat16 store's full chunks are then packed where the CPU multiplies
+bfloat16 natively, for the sums over entries or for the score products too, rcdl.ops.packed;
+drawn from a generator of its own), the world size (1–3, spawned gloo processes), top-k
+retrieval with ``k ≥ N`` (exact, FAISS flat or HNSW; in training or not; the index refreshed
+every step or every third), the evaluation cache, a save through
+:class:`rcdl.train.loop.Checkpointer` and a resume into freshly built objects at a random
+step, evaluation passes between steps (whose outputs are then changed in place, as a user's
+post-processing may), an ``nn.Linear`` in front, an in-place ReLU between the two growing
+layers, a memory budget, the initial entries, forgetting some samples part-way
+(``rcdl.memory.forgetting.forget`` with the learners, on every rank, or
+``rcdl.forget_and_repair`` with stored or recomputed keys where the readout allows it; the
+reference forgets them too; drawn from a generator of its own so that the other switches'
+draws stay as they were), and the stored weights split as ``w = 1/2``, ``v = 2(−ηg)`` (the
+same function; not with float16 stores, where doubling a subnormal value rounds otherwise).
 
 It trains a two-layer network ``[Linear] → layer → ReLU → layer`` for six steps (batch sizes
 1, 7, 7, 5, 7, 6: the first leaves most shards empty) with
@@ -160,6 +161,7 @@ class Case:
     repair: str = ""  # with forget_at: "values" or "keys", rcdl.forget_and_repair instead
     chunk: int | None = None  # rows per attention chunk (default: the layer's own)
     pack: str = "auto"  # rcdl.ops.packed's mode: "auto" (the sums), "all" (the scores too)
+    defer: bool = False  # the grower's checks deferred to the check points (defer_checks)
     guards: str = ""  # the defect a fixed case is there for
 
     def to_json(self) -> str:
@@ -238,6 +240,11 @@ FIXED = (
          guards="packed chunks: none for entries an optimizer moves"),
     Case("rbf", chunk=3, split=True, cache=True, evals=(1, 2, 4),
          guards="chunks of three over a float64 store (never packed)"),
+    Case("rbf-decay", world=2, resume_at=3, evals=(2, 4), defer=True,
+         guards="deferred checks: the step counters advance by the verdict, sharded, resumed"),
+    Case("hybrid", gate="distance", learner="hybrid-grower", budget=(12, "oldest", False, 2),
+         resume_at=2, defer=True,
+         guards="deferred checks: the hybrid's Adam and a budget take the verdict"),
 )
 
 
@@ -287,6 +294,7 @@ def drawn_cases() -> list[Case]:
     rng, forgets = random.Random(seed), random.Random(seed + 10_000)  # the second one: the
     cases = []  # forget switch, drawn apart so that the other switches' draws stay as they were
     chunks = random.Random(seed + 20_000)  # the chunk switch, drawn apart likewise
+    defers = random.Random(seed + 30_000)  # and the deferred checks
     for _ in range(count):
         case = draw(rng)
         if chunks.random() < 0.3 and chunk_compatible(case):
@@ -296,6 +304,8 @@ def drawn_cases() -> list[Case]:
             case = dataclasses.replace(case, forget_at=forgets.randint(2, STEPS - 1))
             if repairable(case):
                 case = dataclasses.replace(case, repair=forgets.choice(("", "values", "keys")))
+        if defers.random() < 0.3:
+            case = dataclasses.replace(case, defer=True)
         cases.append(case)
     return cases
 
@@ -418,11 +428,12 @@ def build(case: Case):  # noqa: ANN201
         budget = MemoryBudget(capacity, policy, merge=merge, slack=slack)
     optimizer, grower = None, None
     if case.kind == "hybrid" and case.learner == "hybrid-grower":
-        grower = HybridGrower(model, lr=0.05, budget=budget)
+        grower = HybridGrower(model, lr=0.05, budget=budget, defer_checks=case.defer)
     elif case.kind == "hybrid":
-        optimizer, grower = EntryAdam(model, lr=0.05), Grower(model, budget=budget)
+        optimizer = EntryAdam(model, lr=0.05)
+        grower = Grower(model, budget=budget, defer_checks=case.defer)
     else:
-        grower = Grower(model, budget=budget)
+        grower = Grower(model, budget=budget, defer_checks=case.defer)
         if case.front:
             optimizer = torch.optim.SGD(model[0].parameters(), lr=0.05)
     if case.cache:
@@ -498,6 +509,9 @@ def _run(case: Case, folder: Path) -> dict:
         return {"refused": str(err)}
     evals = {}
     for step in range(STEPS + 1):
+        if case.defer and (step in case.evals or step in (STEPS, case.resume_at,
+                                                          case.forget_at)):
+            grower.check()  # a check point, as the training loop has them
         if step in case.evals:
             evals[step] = evaluate(model)
         if step == STEPS:
@@ -711,6 +725,9 @@ def test_the_draws_cover_every_switch():
     assert {c.chunk for c in cases} == {None, 3, 5}
     assert {c.pack for c in cases if c.chunk} == {"auto", "all"}
     assert {c.store for c in cases if c.chunk} >= {"float64", "bfloat16"}
+    assert {c.defer for c in cases} == {False, True}
+    assert {c.world for c in cases if c.defer} == {1, 2, 3}
+    assert {c.kind for c in cases if c.defer} >= {"hybrid", "rbf-decay"}
 
 
 @pytest.mark.skipif("RCDL_MATRIX_CASE" not in os.environ,
