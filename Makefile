@@ -26,10 +26,11 @@ setup: torch
 		$(PIP_PINNED) -e ".[$(TEST_EXTRAS)]" && echo "$(SETUP_KEY)" > .setup-stamp; \
 	fi
 
-# What the demo needs: rcdl itself (torch, numpy, tqdm, matplotlib), no extra.
+# What the demo needs: rcdl itself (torch, numpy, tqdm, matplotlib), no extra (skipped where
+# `make setup`, which installs more, is up to date).
 DEMO_KEY = $(shell $(PYTHON) -c "import hashlib, sys; print(sys.executable, hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest()[:16])")
 setup-demo: torch
-	@if [ "$$(cat .setup-demo-stamp 2>/dev/null)" = "$(DEMO_KEY)" ] && $(PYTHON) -c "$(RCDL_FROM_HERE)" 2>/dev/null; then \
+	@if { [ "$$(cat .setup-demo-stamp 2>/dev/null)" = "$(DEMO_KEY)" ] || [ "$$(cat .setup-stamp 2>/dev/null)" = "$(SETUP_KEY)" ]; } && $(PYTHON) -c "$(RCDL_FROM_HERE)" 2>/dev/null; then \
 		echo "setup-demo: rcdl is installed from this checkout and pyproject.toml is unchanged (rm .setup-demo-stamp to reinstall)"; \
 	else \
 		$(PYTHON) -m pip install -e . && echo "$(DEMO_KEY)" > .setup-demo-stamp; \
