@@ -227,7 +227,7 @@ FIXED = (
          guards="fast forgetting, a half store and a trained layer in front"),
     Case("gauge", forget_at=4, repair="keys", resume_at=2, inplace=True,
          guards="fast forgetting after a resume, in-place activation"),
-    Case("laplacian", forget_at=2, repair="keys", budget=(14, "oldest", False, 0),
+    Case("laplacian", forget_at=4, budget=(14, "oldest", False, 0),
          guards="fast forgetting after evictions"),
     Case("gws", store="bfloat16", chunk=3, forget_at=3, cache=True, evals=(2, 4),
          guards="packed chunks dropped when samples are forgotten"),
@@ -322,10 +322,10 @@ def chunk_compatible(case: Case) -> bool:
 
 def repairable(case: Case) -> bool:
     """Whether ``forget_and_repair`` takes the case's readout: one a rule writes with its
-    queries as keys, unsharded, without top-k, ageing or merges."""
+    queries as keys, unsharded, without top-k, ageing or a memory budget (a readout a budget
+    evicted from or merged into is refused: tests/test_repair_budget.py)."""
     return (case.kind in ("rbf", "laplacian", "gws", "gws-normalized", "gauge")
-            and case.world == 1 and case.topk is None
-            and (case.budget is None or not case.budget[2]))
+            and case.world == 1 and case.topk is None and case.budget is None)
 
 
 def expected_refusal(case: Case) -> str | None:

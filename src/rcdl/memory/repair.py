@@ -43,6 +43,20 @@ gets. This costs a no-gradient pass of the layers below over the re-written samp
 
 ``steps`` bounds the work: only the first ``steps`` steps from the earliest forgotten
 sample's are re-written (nearest first, in time); the later entries stay as written.
+
+What the re-write refuses. It replays the readout's history from the rows it holds, so it
+needs every row that a re-written entry's output saw in training, other than the forgotten
+ones. A memory budget (:mod:`rcdl.memory.budgets`) that evicted rows breaks this: every
+entry written while an evicted row was held was fitted to an output that included it, and
+its value is gone, so the re-write would change even what nothing forgotten touched
+(docs/unlearning.md, "The fast mode"). The readout is then refused, as one whose budget
+merged rows is, and so are the layers below it when the keys are recomputed. An evicted
+row is told apart from a forgotten one by the layer's provenance map: both leave an id
+below the store's ``next_id`` that it no longer holds, but
+:func:`~rcdl.memory.forgetting.forget` erases the forgotten samples from the map, and an
+eviction leaves the map naming the sample. (Rows an undone step removed,
+:meth:`~rcdl.nn.layers.GrowingLayer.drop_last_step`, look the same and are refused the
+same way.)
 """
 
 from __future__ import annotations
@@ -104,7 +118,45 @@ def _problems(layer: GrowingLayer) -> list[str]:
         problems.append("a batch is recorded and not stepped")
     if bool((merged_counts(layer) > 0).any()):
         problems.append("a memory budget merged entries (an entry of several samples)")
+    evicted = _evicted(layer)
+    if evicted:
+        problems.append(_evicted_problem(evicted, "the re-write would not give back what "
+                                         "training wrote"))
     return problems
+
+
+def _evicted(layer: GrowingLayer) -> int:
+    """How many entries ``layer`` removed without forgetting their samples (a memory
+    budget's evictions): ids below the store's ``next_id`` that it no longer holds and whose
+    sample its provenance map still names (:func:`~rcdl.memory.forgetting.forget` erases the
+    samples it removes). A store sharded over ranks holds only its own rows: 0."""
+    store = layer.store
+    if layer.shard is not None or len(store) == store.next_id:
+        return 0
+    gone = torch.ones(store.next_id, dtype=torch.bool, device=store.device)  # (next_id,)
+    gone[store.ids] = False
+    missing = gone.nonzero().squeeze(1)  # (M,) ids handed out and not held
+    return int((layer.provenance.of(missing) != UNKNOWN).sum())
+
+
+def _evicted_problem(count: int, harm: str) -> str:
+    """Why ``count`` evicted entries are refused (``harm``: what would go wrong), and what to
+    do instead."""
+    return (f"{count} of its entries were evicted by a memory budget (or removed by an undone "
+            "step) without being forgotten, and what was written while they were held was "
+            f"fitted to outputs that included them: without them {harm}. "
+            "Forget without the re-write (rcdl.forget), or exactly "
+            "(rcdl.train.unlearning.forget_exactly with a ReplayLog), or retrain")
+
+
+def _check_keys_recomputable(model: nn.Module, layer: GrowingLayer) -> None:
+    """Refuse to recompute the readout ``layer``'s keys through layers that evicted rows."""
+    for _, other in growing_layers(model):
+        count = 0 if other is layer else _evicted(other)
+        if count:
+            raise ValueError(f"forget_and_repair: cannot recompute {layer.where}'s keys "
+                             f"through {other.where}: " + _evicted_problem(
+                                 count, "the keys would not be the features training stored"))
 
 
 def _refusal(layer: GrowingLayer) -> str | None:
@@ -293,6 +345,7 @@ def recompute_readout_keys(model: nn.Module, layer: GrowingLayer, inputs: Tensor
     ``model``'s layers would give them at its write step: every growing layer attending only
     to its rows written before that step (module docstring). ``inputs (n_train, ...)`` are
     the training inputs, indexed by sample. Returns the keys replaced."""
+    _check_keys_recomputable(model, layer)
     r0, r1, done = _span(layer, from_step, steps)
     if done == 0:
         return 0
@@ -390,7 +443,9 @@ def forget_and_repair(model: nn.Module, sample_indices: Tensor | Sequence[int], 
 
     One process (a sharded model is refused); the readout must store its queries as keys,
     step only by its rule (not the hybrid's Adam) and have no ageing rule, top-k
-    retrieval or merged entries.
+    retrieval, merged entries or entries a memory budget evicted (nor, with ``inputs``,
+    may the layers below have evicted any): each is refused before anything changes,
+    naming the layer (module docstring, "What the re-write refuses").
     """
     start = time.perf_counter()
     wanted = sample_index_tensor(sample_indices, "forget_and_repair")
@@ -399,6 +454,8 @@ def forget_and_repair(model: nn.Module, sample_indices: Tensor | Sequence[int], 
                          "re-write runs in one process")
     layer = readout_of(model, readout)
     _check_repairable(layer)
+    if inputs is not None:
+        _check_keys_recomputable(model, layer)
     owners = entry_samples(layer)
     written = layer.store.written_at
     hit = torch.isin(owners, wanted.to(owners.device)) & (owners != UNKNOWN)
