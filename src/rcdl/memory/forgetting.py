@@ -9,6 +9,11 @@ hybrid's Adam moments of those rows. It returns a :class:`ForgetReceipt` that sa
 removed and cleared, and the result of a scan of every tensor reachable from the model and
 the learners for a row equal to a forgotten key (:func:`scan_for_rows`).
 
+Given the run's replay log (``replay=``, :class:`rcdl.train.replay.ReplayLog`), it tells the
+log what it removed, so that a later :func:`rcdl.train.unlearning.forget_exactly` replays the
+stream without these samples too, and the log drops the snapshots that hold a history with
+them (docs/unlearning.md, "Edits that compose").
+
 It refuses what it cannot do right: sample indices given as a boolean mask, as floats or
 negative; a layer that cannot say which samples wrote its entries; and a step in flight (a
 batch recorded but not yet stepped, which would write the forgotten samples again).
@@ -25,7 +30,7 @@ import types
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +39,16 @@ from rcdl.distributed import model_shard
 from rcdl.memory.provenance import entry_samples
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.sample_map import UNKNOWN
+
+
+class _ReplayLike(Protocol):
+    """What :func:`forget` needs of a :class:`rcdl.train.replay.ReplayLog` (memory sits
+    below train, so it names the log by what it does)."""
+
+    @property
+    def stream(self) -> Tensor: ...
+
+    def record_forget(self, sample_indices: Tensor, erased: dict[str, Tensor]) -> list[str]: ...
 
 __all__ = ["ForgetReceipt", "RowScan", "forget", "sample_index_tensor", "scan_for_rows"]
 
@@ -188,8 +203,10 @@ class ForgetReceipt(Mapping[str, int]):
             those samples wrote, whichever rank holds the row).
         learners: the learners that dropped their state of the removed rows (the hybrid's
             Adam moments), by type.
-        checkpoints: checkpoint files removed (by callers that manage them, e.g.
-            :func:`rcdl.train.unlearning.forget_exactly`).
+        checkpoints: what was dropped that held a history with the samples: replay-log
+            snapshots, named ``"replay snapshot at step s"`` (:func:`forget` given
+            ``replay=``, :func:`rcdl.train.unlearning.forget_exactly`), and checkpoint files
+            removed by callers that manage them.
         scan: the scan for the forgotten keys (:func:`scan_for_rows`), this process's.
         seconds: wall time of the removal (the scan's is ``scan.seconds``).
     """
@@ -241,7 +258,8 @@ def _check_can_forget(layers: list[tuple[str, GrowingLayer]]) -> None:
 
 @torch.no_grad()
 def forget(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
-           learners: Iterable[Any] = (), scan: bool = True) -> ForgetReceipt:
+           learners: Iterable[Any] = (), scan: bool = True,
+           replay: _ReplayLike | None = None) -> ForgetReceipt:
     """Remove every entry that the training samples ``sample_indices`` wrote, in every
     growing layer of ``model``, and everything derived from those rows; returns a
     :class:`ForgetReceipt` (as a mapping: how many entries each layer removed).
@@ -254,7 +272,12 @@ def forget(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
             them an ``EntryAdam`` drops it at its next step or ``state_dict()``.
         scan: scan every tensor reachable from ``model`` and ``learners`` for a row equal to
             a forgotten key (:func:`scan_for_rows`; reads each tensor once) and put the
-            result in the receipt.
+            result in the receipt (with ``replay``, the log's snapshots are scanned too).
+        replay: the run's :class:`~rcdl.train.replay.ReplayLog`, if it keeps one: it records
+            the samples (a later ``forget_exactly`` replays the stream without them) and drops
+            the snapshots taken after the first batch that trained one of them, and any
+            whose stored rows name one; the receipt's ``checkpoints`` names them. Without
+            it, a later ``forget_exactly`` with this log refuses.
 
     Under sharding (:mod:`rcdl.distributed`) call it on every rank with the same samples:
     each rank removes its own rows, and the counts returned are the totals over every rank
@@ -270,16 +293,27 @@ def forget(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
     layers = growing_layers(model)
     learners = list(learners)
     _check_can_forget(layers)
+    if replay is not None:
+        if shard is not None:
+            raise ValueError("forget: replay= with a model sharded over ranks; a replay log "
+                             "records one process's run")
+        replay.stream  # noqa: B018 - refuses a log with no run recorded, before any change
     start = time.perf_counter()
     removed: dict[str, int] = {}
     released: dict[str, list[str]] = {}
     erased: dict[str, int] = {}
+    erased_ids: dict[str, Tensor] = {}
     gone_keys: list[Tensor] = []
     for name, layer in layers:
         owners = entry_samples(layer)  # (N,)
         mask = torch.isin(owners, wanted.to(owners.device)) & (owners != UNKNOWN)
         if scan and bool(mask.any()):
             gone_keys.append(layer.store.keys[mask].clone())
+        if replay is not None:  # every id the map names one of the samples for, kept or not
+            handed = torch.arange(layer.store.next_id, device=owners.device)
+            named = layer.provenance.of(handed)
+            erased_ids[name] = handed[torch.isin(named, wanted.to(named.device))
+                                      & (named != UNKNOWN)]
         removed[name], released[name] = layer.remove_rows(mask)
         erased[name] = layer.provenance.erase(wanted)
     synced = []
@@ -290,9 +324,13 @@ def forget(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
     if shard is not None:
         local = torch.tensor(list(removed.values()), device=layers[0][1].store.device)
         removed = dict(zip(removed, shard.all_reduce(local).tolist(), strict=True))
+    dropped = [] if replay is None else replay.record_forget(wanted, erased_ids)
     seconds, found = time.perf_counter() - start, None
     if scan:
-        roots = {"model": model} | {f"learners[{i}]": x for i, x in enumerate(learners)}
+        roots: dict[str, Any] = {"model": model} | {
+            f"learners[{i}]": x for i, x in enumerate(learners)}
+        if replay is not None:
+            roots["replay"] = replay
         found = scan_for_rows(roots, gone_keys)
     return ForgetReceipt(removed, int(wanted.unique().numel()), seconds, released, erased,
-                         synced, [], found)
+                         synced, dropped, found)

@@ -19,6 +19,7 @@ this process would choose, and a retraining to compare with takes it too
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from rcdl.memory.provenance import entry_samples, samples
 from rcdl.nn.layers import growing_layers
 from rcdl.ops.half import products_as
 from rcdl.train.loop import Metric, train_step
-from rcdl.train.replay import ReplayLog
+from rcdl.train.replay import ReplayLog, Snapshot
 
 __all__ = ["forget_exactly", "stream_without"]
 
@@ -51,7 +52,8 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
                    optimizer: Any = None, grower: Any = None,
                    device: torch.device | str = "cpu", scan: bool = True) -> ForgetReceipt:
     """Turn ``model`` (and its learners) into the model trained on ``replay``'s stream
-    without the samples ``sample_indices``; returns a
+    without the samples ``sample_indices`` and those a fast ``forget(..., replay=replay)``
+    removed before (:attr:`ReplayLog.forgotten <rcdl.train.replay.ReplayLog>`); returns a
     :class:`~rcdl.memory.forgetting.ForgetReceipt`.
 
     Args:
@@ -67,13 +69,22 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
             (:func:`rcdl.memory.forgetting.scan_for_rows`).
 
     The receipt's ``removed`` (and ``map_erased``) count, per layer, the entries the
-    forgotten samples had written; ``released`` says, per layer, the steps replayed;
-    ``checkpoints`` the snapshots dropped (they held a future that changed). One process:
-    a model sharded over ranks is refused.
+    samples ``sample_indices`` had written (those a fast forget removed before are gone
+    already); ``samples`` counts them and the earlier ones the replay left out;
+    ``released`` says, per layer, the steps replayed; ``checkpoints`` the snapshots dropped
+    (they held a future that changed). One process: a model sharded over ranks is refused.
+
+    All or nothing: everything is checked before anything changes (the data against the
+    log, the budgets, the snapshot), and if the replay fails part-way (a refused step, a
+    non-finite loss) the model, its learners and the log are put back as they were before
+    the call and the error is raised with a note saying so.
 
     Raises:
-        ValueError: for indices that are not sample indices, or a model whose stores
-            changed otherwise than by training since the snapshot (a removal, a budget).
+        ValueError: for indices that are not sample indices; data that do not match the
+            log; a learner whose memory budget merges; a model whose stores changed
+            otherwise than by training since the snapshot (a removal the log was not told
+            of, an eviction of rows the snapshot held).
+        FloatingPointError: a non-finite training loss while replaying (nothing changed).
     """
     start = time.perf_counter()
     wanted = sample_index_tensor(sample_indices, "forget_exactly")
@@ -81,9 +92,12 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
         raise ValueError("forget_exactly: the model's stores are sharded over ranks; exact "
                          "forgetting replays one process's run")
     x_train, y_train = data
+    _check_data(replay, x_train, y_train)
     learners = [optimizer, grower]
+    _check_budgets(learners)
     layers = growing_layers(model)
-    keep = ~torch.isin(replay.stream, wanted)  # (N,) by stream position
+    earlier = replay.forgotten[~torch.isin(replay.forgotten, wanted)]  # (F,) told forgets
+    keep = ~torch.isin(replay.stream, torch.cat([wanted, earlier]))  # (N,) by stream position
     counts: dict[str, int] = {}
     gone_keys = []
     for name, layer in layers:
@@ -91,17 +105,50 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
         counts[name] = int(mask.sum())
         if scan and bool(mask.any()):
             gone_keys.append(layer.store.keys[mask].clone())
+    left_out = int(torch.cat([wanted, earlier]).unique().numel())
     if bool(keep.all()):
-        return ForgetReceipt(counts, int(wanted.unique().numel()), time.perf_counter() - start,
+        return ForgetReceipt(counts, left_out, time.perf_counter() - start,
                              {name: ["nothing to replay"] for name, _ in layers})
     batch = replay.batch_size
     first_step = int((~keep).nonzero()[0]) // batch  # the first batch that changes
     snap = replay.newest_at_or_before(first_step)
+    problem = replay.restore_problem(snap, model)
+    if problem is not None:
+        raise ValueError(f"forget_exactly: {problem}")
     dropped = [f"replay snapshot at step {s}" for s in sorted(replay.snapshots) if s > snap.step]
+    before = _State(model, learners, replay)
+    try:
+        steps = _replay(model, learners, replay, snap, keep, (x_train, y_train), loss_fn,
+                        optimizer, grower, torch.device(device))
+    except BaseException as err:
+        before.put_back()
+        err.add_note("forget_exactly: the model, its learners and the replay log are as they "
+                     "were before the call")
+        raise
+    seconds = time.perf_counter() - start
+    found = None
+    if scan:
+        roots = {"model": model, "replay": replay} | {
+            f"learners[{i}]": x for i, x in enumerate(learners) if x is not None}
+        found = scan_for_rows(roots, gone_keys)
+    replayed = f"restored step {snap.step}, replayed {steps - snap.step} of {steps} steps"
+    if earlier.numel():
+        replayed += f", without {earlier.numel()} samples forgotten before by forget"
+    return ForgetReceipt(counts, left_out, seconds, {name: [replayed] for name, _ in layers},
+                         counts, [type(x).__name__ for x in learners if x is not None],
+                         dropped, found)
+
+
+def _replay(model: nn.Module, learners: list[Any], replay: ReplayLog, snap: Snapshot,
+            keep: Tensor, data: tuple[Tensor, Tensor], loss_fn: Metric, optimizer: Any,
+            grower: Any, device: torch.device) -> int:
+    """Restore ``snap``, cut the stream to the positions ``keep (N,)`` and train its steps
+    from the snapshot's on; returns the new stream's steps."""
+    x_train, y_train = data
     replay.restore(snap, model, learners)  # checked first: refused, nothing changed
     order = replay.keep_only(keep)
     ids = order if replay.sample_ids is None else replay.sample_ids[order]
-    device = torch.device(device)
+    batch = replay.batch_size
     model.train()
     steps = -(-len(order) // batch)
     with products_as(replay.products):  # the run's product path, not this process's timing
@@ -112,16 +159,74 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
                 loss = train_step(model, xb, yb, loss_fn, optimizer, grower)
             if not math.isfinite(loss):
                 raise FloatingPointError(
-                    f"forget_exactly: training loss is {loss} at step {step}")
+                    f"forget_exactly: training loss is {loss} at step {step} of the replay")
             if replay.due(step + 1):
                 replay.take(step + 1, model, learners)
-    seconds = time.perf_counter() - start
-    found = None
-    if scan:
-        roots = {"model": model, "replay": replay} | {
-            f"learners[{i}]": x for i, x in enumerate(learners) if x is not None}
-        found = scan_for_rows(roots, gone_keys)
-    replayed = f"restored step {snap.step}, replayed {steps - snap.step} of {steps} steps"
-    return ForgetReceipt(counts, int(wanted.unique().numel()), seconds,
-                         {name: [replayed] for name, _ in layers}, counts,
-                         [type(x).__name__ for x in learners if x is not None], dropped, found)
+    return steps
+
+
+def _check_data(replay: ReplayLog, x_train: Tensor, y_train: Tensor) -> None:
+    """Refuse data that cannot be the run's: inputs and labels of different lengths, fewer
+    rows than the log's stream indexes, or another count than the run's sample ids."""
+    order = replay.order
+    if order is None:
+        raise ValueError("forget_exactly: the replay log holds no run (give it to "
+                         "train_one_pass)")
+    if len(x_train) != len(y_train):
+        raise ValueError(f"forget_exactly: data has {len(x_train)} inputs and {len(y_train)} "
+                         "labels; give the (x_train, y_train) the run was trained on")
+    if replay.sample_ids is not None and len(replay.sample_ids) != len(x_train):
+        raise ValueError(f"forget_exactly: data holds {len(x_train)} rows, the run's sample "
+                         f"ids name {len(replay.sample_ids)}; give the (x_train, y_train) the "
+                         "run was trained on")
+    if order.numel() and int(order.max()) >= len(x_train):
+        position = int((order >= len(x_train)).nonzero()[0])
+        raise ValueError(f"forget_exactly: data holds {len(x_train)} rows, but the log's stream "
+                         f"trains row {int(order[position])} at position {position}; give the "
+                         "(x_train, y_train) the run was trained on")
+
+
+def _check_budgets(learners: list[Any]) -> None:
+    """Refuse a learner whose memory budget merges: a merge changes older rows in place,
+    which a snapshot of row counts does not undo, so the replay would not be the retrained
+    model. Eviction without merging keeps exactness (a snapshot's rows stay as written, or
+    their loss is detected)."""
+    for learner in learners:
+        for grower in (learner, getattr(learner, "grower", None)):  # a HybridGrower's own
+            budget = getattr(grower, "budget", None)
+            if budget is not None and budget.merge:
+                names = [layer.name for layer in getattr(grower, "layers", [])]
+                raise ValueError(
+                    f"forget_exactly: the memory budget of {type(learner).__name__} merges "
+                    f"evicted entries into kept ones (MemoryBudget(..., merge=True)) in layers "
+                    f"{names}: a merge changes older rows in place, which the replay log's "
+                    "snapshots do not undo, so the replay would not be the retrained model. "
+                    "Train with a budget without merge (merge=False) to forget exactly, or "
+                    "retrain on stream_without(log, samples)")
+
+
+class _State:
+    """The model (its state dict: stores, sample maps, parameters, buffers; and its mode),
+    the learners' state dicts and the log's fields, copied, to put back after a failure."""
+
+    def __init__(self, model: nn.Module, learners: list[Any], replay: ReplayLog) -> None:
+        self.model, self.learners, self.replay = model, learners, replay
+        self.training = model.training
+        self.model_state = copy.deepcopy(model.state_dict())
+        self.learner_states = [None if x is None else copy.deepcopy(x.state_dict())
+                               for x in learners]
+        self.log = replay.savepoint()
+
+    @torch.no_grad()
+    def put_back(self) -> None:
+        for learner in self.learners:
+            if learner is not None:
+                learner.zero_grad(set_to_none=True)  # drop a batch recorded, not stepped
+        self.model.load_state_dict(self.model_state)
+        for _, layer in growing_layers(self.model):
+            layer.release_rows()  # caches and indices of the rows that failed
+        for learner, state in zip(self.learners, self.learner_states, strict=True):
+            if learner is not None and state is not None:
+                learner.load_state_dict(copy.deepcopy(state))
+        self.model.train(self.training)
+        self.replay.roll_back(self.log)
