@@ -502,7 +502,8 @@ class Checkpointer:
     """Saves the loop's whole state (model, optimizer, grower, top-k indices, the loop's
     counters) every ``every`` steps as a checkpoint at ``path`` (see the module docstring),
     and restores it at the start of a run that finds one; a checkpoint written by another
-    run (``identity``: name, seed, batch size, training samples) is refused.
+    run (``identity``: name, seed, batch size, training samples) is refused. A run that records
+a replay log (``replay``) saves it with the rest, so that a resumed run keeps recording.
 
     A restore loads all of a checkpoint or none of it. A file whose digest verifies but
     which does not hold what a save writes (a part missing or of another type, a grower
@@ -526,18 +527,29 @@ class Checkpointer:
             is whole: the caller's own layout of the ``loop`` it saves (the Checkpointer
             itself needs only its ``step``, an integer). A loop it refuses makes the
             checkpoint a damaged one.
+        replay: the run's :class:`~rcdl.train.replay.ReplayLog` (``None``: none): each save
+            writes its state as the ``replay`` part, and a restore checks a saved one
+            (``replay_problem``) and keeps it in :attr:`replay_state` for the caller to load.
+        replay_problem: what is wrong with a saved ``replay`` part (a message), or ``None``:
+            the log's own check and the caller's (the same stream as this run's). A part it
+            refuses makes the checkpoint a damaged one.
     """
 
     def __init__(self, path: str | os.PathLike, every: int, identity: dict[str, Any],
                  model: nn.Module, optimizer: torch.optim.Optimizer | None, grower: Any,
                  keep: int = 2,
                  loop_problem: Callable[[dict[str, Any]], str | None] | None = None,
+                 replay: Any = None,
+                 replay_problem: Callable[[Any], str | None] | None = None,
                  ) -> None:  # fmt: skip
         if keep < 1:
             raise ValueError(f"Checkpointer: keep must be >= 1, got {keep}")
         self.path, self.every, self.identity, self.keep = Path(path), every, identity, keep
         self.model, self.optimizer, self.grower = model, optimizer, grower
         self.loop_problem = loop_problem
+        self.replay, self.replay_problem = replay, replay_problem
+        # the restored checkpoint's replay part, checked (None: none restored, or it holds none)
+        self.replay_state: dict[str, Any] | None = None
         self._checked = False
         self._committed: list[dict[str, Any]] | None = None  # the manifest's list, once known
         self._lock_fd: int | None = None  # this rank's OS lock on the path (see _lock)
@@ -754,6 +766,11 @@ class Checkpointer:
             return (f"its products part {reprlib.repr(products)} is not a product record "
                     f"(mode one of {', '.join(MODES)}; auto_path None or one of "
                     f"{', '.join(AUTO_PATHS)})")
+        replay = state.get("replay")
+        if self.replay is not None and replay is not None and self.replay_problem is not None:
+            problem = self.replay_problem(replay)
+            if problem is not None:
+                return f"its replay part: {problem}"
         retrieval = state.get("retrieval")
         if retrieval is not None and not (isinstance(retrieval, dict) and all(
                 isinstance(v, dict) for v in retrieval.values())):
@@ -821,6 +838,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint {file} was not loaded (the model and learners are "
                              f"as they were): {err}") from err
         self.products = state.get("products")
+        self.replay_state = None if self.replay is None else state.get("replay")
         return state["loop"]
 
     # ---------------------------------------------------------------- save
@@ -845,6 +863,8 @@ class Checkpointer:
             "grower": grower.state_dict() if hasattr(grower, "state_dict") else None,
             # how half products ran: the restored record, else this process's (decided now)
             "products": self.products or product_record(),
+            # the replay log (docs/unlearning.md): a resumed run keeps recording into it
+            "replay": None if self.replay is None else self.replay.state_dict(),
         }
         step = int(loop["step"])
         file = checkpoint_files(self.path, step, rank, world)

@@ -216,6 +216,27 @@ class Schedule:
         return step % self.steps_per_epoch == 0
 
 
+def _replay_problem(part: Any, replay: ReplayLog | None, schedule: Schedule, batch_size: int,
+                    sample_ids: Tensor | None) -> str | None:
+    """What makes a checkpoint's replay part other than a log of this run (``None`` if
+    nothing): not a log at all, or a log of another stream, batch size, sample ids or
+    snapshot interval."""
+    problem = ReplayLog.state_problem(part)
+    if problem is not None:
+        return problem
+    if replay is not None and part["every"] != replay.every:
+        return f"it snapshots every {part['every']} steps, this run's log every {replay.every}"
+    order, ids = part["order"], part["sample_ids"]
+    if order is None or part["batch_size"] != batch_size or not torch.equal(
+            order, schedule.permutation(0).to(order.device)):
+        return "it records another stream or batch size than this run's"
+    if (ids is None) != (sample_ids is None) or (
+            ids is not None and sample_ids is not None and not torch.equal(
+                ids, sample_ids.to(ids.device))):
+        return "it records other sample ids than this run's"
+    return None
+
+
 def _new_loop() -> dict[str, Any]:
     """The loop's whole state besides the model and optimizer: what a checkpoint holds."""
     return {"step": 0, "history": [], "clock": {"train": 0.0, "eval": 0.0},
@@ -517,6 +538,8 @@ def train_one_pass(
             (:func:`rcdl.train.unlearning.forget_exactly`).
         replay: a :class:`rcdl.train.replay.ReplayLog` to record the stream and a snapshot
             every ``replay.every`` steps into, for exact forgetting (one epoch, from step 0).
+            With ``checkpoint_path`` each checkpoint holds the log too, and a resumed run
+            continues the log its checkpoint holds (one that holds none is refused).
 
     Returns:
         ``{<metric names>, "train_loss", "entries", "bytes", "steps", "samples", "epochs",
@@ -554,7 +577,9 @@ def train_one_pass(
     identity = {"name": name, "seed": seed, "batch_size": batch_size, "train_samples": schedule.n}
     checkpoints = None if checkpoint_path is None else Checkpointer(
         checkpoint_path, checkpoint_every or eval_every, identity, model, optimizer, grower,
-        loop_problem=_loop_problem)
+        loop_problem=_loop_problem, replay=replay,
+        replay_problem=lambda part: _replay_problem(part, replay, schedule, batch_size,
+                                                    sample_ids))
     try:
         loop = None if checkpoints is None else checkpoints.restore()
         resumed = loop is not None
@@ -564,10 +589,15 @@ def train_one_pass(
                 f"{schedule.steps} steps of {epochs} epoch(s); delete it or train for more epochs"
             )
         loop = loop or _new_loop()
-        if replay is not None:
-            if loop["step"] != 0:
-                raise ValueError(f"{name}: a replay log records a run from step 0; this one "
-                                 f"resumes at step {loop['step']}")
+        if replay is not None and loop["step"] != 0:  # resumed: the log from the checkpoint
+            assert checkpoints is not None
+            if checkpoints.replay_state is None:
+                raise ValueError(
+                    f"{name}: a replay log records a run from step 0; checkpoint "
+                    f"{checkpoint_path} resumes at step {loop['step']} and holds no replay log "
+                    "(its run recorded none): delete it, or resume without replay=")
+            replay.load_state_dict(checkpoints.replay_state)  # checked at the restore
+        elif replay is not None:
             replay.start(schedule.permutation(0), batch_size, sample_ids)
             replay.take(0, model, [optimizer, grower])
         bar = tqdm(total=epochs * schedule.n, initial=schedule.seen(loop["step"]), unit="sample",

@@ -24,6 +24,15 @@ the log was not told of is detected at :meth:`ReplayLog.restore`, before anythin
 ids handed out after the snapshot whose sample the map no longer knows, or rows of a whole
 snapshot whose sample it no longer knows, would be written or loaded back.
 
+The log is saved to a file and loaded back under the rules of checkpoints
+(:meth:`ReplayLog.save`, :meth:`ReplayLog.load`; :mod:`rcdl.train.checkpoint`): plain
+containers and tensors behind a SHA-256, read without running code, a damaged file refused
+naming it and a file that does not hold a log refused naming what is wrong, before anything
+is built from it. A training checkpoint holds the log as its ``replay`` part, so a run
+interrupted with a log resumes and keeps recording. :func:`~rcdl.train.unlearning.forget_exactly`
+in another process, on a model, learners and log loaded from files, gives the bits it gives in
+the training process.
+
 The log also records how the run's half-precision products ran (:attr:`ReplayLog.products`,
 :func:`rcdl.ops.half.product_record`): the paths differ in the last bits, and the one
 ``"auto"`` takes for training batches on a CPU without native bfloat16 products is timed once
@@ -34,6 +43,7 @@ per process, so a replay sets the recorded one rather than timing again
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,9 +52,16 @@ from torch import Tensor, nn
 
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.sample_map import UNKNOWN
-from rcdl.ops.half import product_record
+from rcdl.ops.half import AUTO_PATHS, MODES, product_record
+from rcdl.train.checkpoint import DamagedCheckpoint, load_checkpoint, save_checkpoint
 
 __all__ = ["ReplayLog", "Snapshot"]
+
+FORMAT = 1  # the layout of ReplayLog.state_dict (its "format")
+_LOG_KEYS = ("format", "every", "order", "sample_ids", "batch_size", "snapshots", "products",
+             "forgotten", "erased")
+_LAYER_KEYS = ("size", "next_id", "last_id", "rows", "samples")
+_SNAPSHOT_KEYS = ("step", "layers", "tensors", "learners")
 
 
 @dataclass
@@ -201,6 +218,64 @@ class ReplayLog:
         """Bytes the snapshots hold (the stream's order is beside them: 8 per sample)."""
         return sum(s.nbytes for s in self.snapshots.values())
 
+    # ---------------------------------------------------------------- files
+    def state_dict(self) -> dict[str, Any]:
+        """The whole log as plain containers and tensors (``format``, ``every``, ``order``,
+        ``sample_ids``, ``batch_size``, ``snapshots`` by step, ``products``, ``forgotten``,
+        ``erased``): what :meth:`save` writes and a training checkpoint holds as its
+        ``replay`` part. It shares its tensors with the log (nothing writes into them)."""
+        return {
+            "format": FORMAT, "every": self.every, "order": self.order,
+            "sample_ids": self.sample_ids, "batch_size": self.batch_size,
+            "snapshots": {step: _snapshot_state(snap) for step, snap in self.snapshots.items()},
+            "products": None if self.products is None else dict(self.products),
+            "forgotten": self.forgotten, "erased": dict(self.erased),
+        }
+
+    @staticmethod
+    def state_problem(state: Any) -> str | None:
+        """What makes ``state`` other than what :meth:`state_dict` gives (a key missing or
+        unknown, a value of another type, a tensor of another shape or dtype, a snapshot at
+        another step than its key or of other layers than the others), or ``None``. Whether
+        the snapshots fit a model is checked when one is restored (:meth:`restore_problem`)."""
+        return _log_problem(state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make this log the one ``state`` (:meth:`state_dict`) describes, checked whole
+        first: a state that does not hold a log is refused with a ``ValueError`` naming what
+        is wrong, and the log is left as it was."""
+        problem = _log_problem(state)
+        if problem is not None:
+            raise ValueError(f"ReplayLog.load_state_dict: {problem}; the log was not changed")
+        self.every, self.batch_size = state["every"], state["batch_size"]
+        self.order, self.sample_ids = state["order"], state["sample_ids"]
+        self.snapshots = {step: _snapshot(part) for step, part in state["snapshots"].items()}
+        self.products = None if state["products"] is None else dict(state["products"])
+        self.forgotten, self.erased = state["forgotten"], dict(state["erased"])
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the log to ``path`` as a checksummed file
+        (:func:`rcdl.train.checkpoint.save_checkpoint`, atomically); returns its SHA-256."""
+        return save_checkpoint(self.state_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, map_location: Any = "cpu") -> ReplayLog:
+        """The log :meth:`save` wrote to ``path``, verified by its digest and read without
+        running code (:func:`rcdl.train.checkpoint.load_checkpoint`).
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            DamagedCheckpoint: the file is damaged or asks to build code (it names the
+                file), or it verifies but does not hold a log (naming what is wrong).
+        """
+        state = load_checkpoint(path, map_location=map_location)
+        problem = _log_problem(state)
+        if problem is not None:
+            raise DamagedCheckpoint(path, f"it does not hold a replay log: {problem}")
+        log = cls(every=state["every"])
+        log.load_state_dict(state)
+        return log
+
     # ---------------------------------------------------------------- restoring
     def newest_at_or_before(self, step: int) -> Snapshot:
         steps = [s for s in self.snapshots if s <= step]
@@ -242,7 +317,8 @@ class ReplayLog:
 
     def restore_problem(self, snap: Snapshot, model: nn.Module) -> str | None:
         """What would make :meth:`restore` of ``snap`` refuse, or make a replay from it
-        bring back a forgotten row (``None``: nothing): other layers than the snapshot's; a
+        bring back a forgotten row (``None``: nothing): other layers, parameters or buffers
+        than the snapshot's (a log of another model, say one loaded from another run's file); a
         row an append-only layer held at the snapshot gone since; an entry id handed out since
         the snapshot, or a row of a whole snapshot, whose sample the map no longer names
         while the log was not told of its forget."""
@@ -250,6 +326,22 @@ class ReplayLog:
         if set(layers) != set(snap.layers):
             return (f"the snapshot is of layers {sorted(snap.layers)}, the model has "
                     f"{sorted(layers)}")
+        own = dict(_named_tensors(model))
+        if set(own) != set(snap.tensors):
+            return (f"the snapshot at step {snap.step} holds the parameters and buffers "
+                    f"{sorted(snap.tensors)}, the model has {sorted(own)}: a log of another "
+                    "model")
+        for key, saved in snap.tensors.items():
+            if saved.shape != own[key].shape or saved.dtype != own[key].dtype:
+                return (f"the snapshot at step {snap.step} holds {key} as {saved.dtype} "
+                        f"{tuple(saved.shape)}, the model has {own[key].dtype} "
+                        f"{tuple(own[key].shape)}: a log of another model")
+        for name, state in snap.layers.items():
+            if (state.rows is not None) != layers[name].trains_entries:
+                kept, model_s = ("move", "only append") if state.rows is not None else (
+                    "only append", "move")
+                return (f"layer {name!r}: the snapshot at step {snap.step} is of a layer whose "
+                        f"entries {kept}, the model's {model_s}: a log of another model")
         told = ("a forget the log was not told of removed them (forget(model, samples) "
                 "without replay=): the replay would bring them back. Tell the log: "
                 "forget(model, samples, replay=log); or retrain")
@@ -287,3 +379,150 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
     """The model's parameters and buffers (the stores' rows are neither)."""
     return [(f"param:{k}", p) for k, p in model.named_parameters()] + [
         (f"buffer:{k}", b) for k, b in model.named_buffers()]
+
+
+# --------------------------------------------------------------------------- the log as a file
+
+
+def _snapshot_state(snap: Snapshot) -> dict[str, Any]:
+    layers = {name: {"size": st.size, "next_id": st.next_id, "last_id": st.last_id,
+                     "rows": st.rows, "samples": st.samples} for name, st in snap.layers.items()}
+    return {"step": snap.step, "layers": layers, "tensors": dict(snap.tensors),
+            "learners": list(snap.learners)}
+
+
+def _snapshot(part: dict[str, Any]) -> Snapshot:
+    layers = {name: _LayerState(**{key: st[key] for key in _LAYER_KEYS})
+              for name, st in part["layers"].items()}
+    return Snapshot(part["step"], layers, dict(part["tensors"]), list(part["learners"]))
+
+
+def _is_int(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _ids_problem(value: Any, where: str, length: int | None = None) -> str | None:
+    """Unless ``value`` is a 1-D int64 tensor (of ``length`` elements, if given): what it is."""
+    if not isinstance(value, Tensor) or value.dtype != torch.long or value.dim() != 1:
+        shown = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                 if isinstance(value, Tensor) else f"a {type(value).__name__}")
+        return f"{where} is {shown}, not a 1-D int64 tensor"
+    if length is not None and value.numel() != length:
+        return f"{where} holds {value.numel()} ids, not {length}"
+    return None
+
+
+def _keys_problem(part: Any, keys: tuple[str, ...], where: str) -> str | None:
+    if not isinstance(part, dict):
+        return f"{where} is a {type(part).__name__}, not a dict"
+    missing = [k for k in keys if k not in part]
+    unknown = sorted(str(k) for k in part if k not in keys)
+    if missing:
+        return f"{where} has no {', '.join(missing)}"
+    if unknown:
+        return f"{where} holds keys a replay log does not: {', '.join(unknown)}"
+    return None
+
+
+def _log_problem(state: Any) -> str | None:
+    """:meth:`ReplayLog.state_problem`."""
+    problem = _keys_problem(state, _LOG_KEYS, "the log")
+    if problem is not None:
+        return problem
+    if state["format"] != FORMAT:
+        return f"its format is {state['format']!r}; this rcdl reads format {FORMAT}"
+    every, batch = state["every"], state["batch_size"]
+    if not _is_int(every, 1):
+        return f"every is {every!r}, not an integer >= 1"
+    if not _is_int(batch):
+        return f"batch_size is {batch!r}, not an integer >= 0"
+    order, ids = state["order"], state["sample_ids"]
+    if order is None:
+        if ids is not None or state["snapshots"]:
+            return "it records no stream (order None) but holds sample ids or snapshots"
+    else:
+        problem = _ids_problem(order, "order")
+        if problem is None and batch < 1:
+            problem = f"batch_size is {batch} with a stream recorded"
+        if problem is None and ids is not None:
+            problem = _ids_problem(ids, "sample_ids")
+        if problem is not None:
+            return problem
+        rows = None if ids is None else len(ids)
+        if order.numel() and (int(order.min()) < 0 or (rows is not None
+                                                       and int(order.max()) >= rows)):
+            return f"order holds positions outside the {rows} sample ids"
+    products = state["products"]
+    if products is not None and not (
+            isinstance(products, dict) and set(products) == {"mode", "auto_path"}
+            and products["mode"] in MODES and products["auto_path"] in (None, *AUTO_PATHS)):
+        return f"products is {products!r}, not None or a product record"
+    problem = _ids_problem(state["forgotten"], "forgotten")
+    if problem is not None:
+        return problem
+    erased = state["erased"]
+    if not isinstance(erased, dict):
+        return f"erased is a {type(erased).__name__}, not a dict of ids by layer"
+    for name, value in erased.items():
+        problem = (None if isinstance(name, str) else f"erased is keyed by {name!r}, not a "
+                   "layer name") or _ids_problem(value, f"erased[{name!r}]")
+        if problem is not None:
+            return problem
+    snapshots = state["snapshots"]
+    if not isinstance(snapshots, dict):
+        return f"snapshots is a {type(snapshots).__name__}, not a dict of snapshots by step"
+    steps = None if order is None else -(-len(order) // batch)
+    layers: set[str] | None = None
+    for step, part in snapshots.items():
+        where = f"snapshots[{step!r}]"
+        if not _is_int(step) or step % every or (steps is not None and step > steps):
+            return (f"{where}: a snapshot is kept at a step that is a multiple of every "
+                    f"({every}) in 0..{steps}")
+        problem = _snapshot_problem(part, step, where)
+        if problem is not None:
+            return problem
+        if layers is not None and set(part["layers"]) != layers:
+            return f"{where} is of layers {sorted(part['layers'])}, others of {sorted(layers)}"
+        layers = set(part["layers"])
+    return None
+
+
+def _snapshot_problem(part: Any, step: int, where: str) -> str | None:
+    problem = _keys_problem(part, _SNAPSHOT_KEYS, where)
+    if problem is not None:
+        return problem
+    if part["step"] != step:
+        return f"{where} is of step {part['step']!r}"
+    if not isinstance(part["layers"], dict):
+        return f"{where}['layers'] is a {type(part['layers']).__name__}, not a dict by layer"
+    for name, layer in part["layers"].items():
+        at = f"{where}['layers'][{name!r}]"
+        problem = _keys_problem(layer, _LAYER_KEYS, at) if isinstance(name, str) else (
+            f"{where}['layers'] is keyed by {name!r}, not a layer name")
+        if problem is not None:
+            return problem
+        for key, least in (("size", 0), ("next_id", 0), ("last_id", -1)):
+            if not _is_int(layer[key], least):
+                return f"{at}[{key!r}] is {layer[key]!r}, not an integer >= {least}"
+        rows, owners = layer["rows"], layer["samples"]
+        if rows is None:
+            if owners is not None:
+                return f"{at} holds the samples of rows it does not hold"
+            continue
+        if not isinstance(rows, dict) or not all(
+                isinstance(k, str) and isinstance(v, Tensor) for k, v in rows.items()):
+            return f"{at}['rows'] is not None or a dict of tensors by name"
+        problem = (_ids_problem(rows.get("ids"), f"{at}['rows']['ids']", layer["size"])
+                   or (None if owners is None
+                       else _ids_problem(owners, f"{at}['samples']", layer["size"])))
+        if problem is not None:
+            return problem
+    tensors = part["tensors"]
+    if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items()):
+        return f"{where}['tensors'] is not a dict of tensors by name"
+    learners = part["learners"]
+    if not isinstance(learners, list) or not all(x is None or isinstance(x, dict)
+                                                 for x in learners):
+        return f"{where}['learners'] is not a list of state dicts (or None)"
+    return None
