@@ -1,4 +1,5 @@
-"""The ``rcdl`` command line: ``rcdl demo``, ``rcdl reproduce``, ``rcdl info``, ``rcdl --version``.
+"""The ``rcdl`` command line: ``rcdl demo``, ``rcdl reproduce``, ``rcdl forget``, ``rcdl info``,
+``rcdl --version``.
 
 ``rcdl reproduce NAME`` is generated from the experiment's declaration
 (:class:`rcdl.app.runner.Experiment`, ``EXPERIMENT_SPEC`` in its module): every field of
@@ -8,7 +9,8 @@ the help; a bool that defaults to true becomes ``--no-field-name``. Beside those
 experiment takes ``--quick`` (and ``--paper`` where the config has that scale; both help
 texts list the settings they change), its ``switches``, and the common ``--data-dir``,
 ``--no-download``, ``--out``, ``--resume``, ``--device``, ``--no-progress`` and
-``--threads`` (which ``rcdl demo`` takes too). Nothing is written twice: a default or a help
+``--threads`` (which ``rcdl demo`` takes too), and the experiment's options (on/off flags;
+those of :data:`_VALUED_OPTIONS` take a value). Nothing is written twice: a default or a help
 text lives in the config only.
 
 Building a command's flags imports its experiment's module, and with it what that
@@ -112,6 +114,22 @@ _THREADS_HELP = (
 )
 
 
+def _positive_int(text: str) -> int:
+    """An option's count: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
+# experiment options (Experiment.options: not settings, not in config.json) that take a
+# value, with its parser and metavar; every other option is an on/off flag
+_VALUED_OPTIONS = {"replay_every": (_positive_int, "N")}
+
+
 def _add_threads(parser: argparse.ArgumentParser, resume: bool) -> None:
     resume_note = "; not a setting of the run, so --resume takes it too" if resume else ""
     parser.add_argument("--threads", type=_threads, metavar="N",
@@ -190,7 +208,11 @@ def _add_common(parser: argparse.ArgumentParser, spec: Any) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     _add_threads(parser, resume=True)
     for flag, text in spec.options.items():
-        parser.add_argument(_flag(flag), action="store_true", help=text)
+        if flag in _VALUED_OPTIONS:
+            parse, metavar = _VALUED_OPTIONS[flag]
+            parser.add_argument(_flag(flag), type=parse, metavar=metavar, help=text)
+        else:
+            parser.add_argument(_flag(flag), action="store_true", help=text)
     if spec.combine is not None:
         parser.add_argument("--combine", nargs="+", metavar="RUN_DIR", help="train nothing: "
                             "merge the finished runs of these folders (same protocol) into one "
@@ -272,6 +294,9 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     except (OSError, CorruptDataError, ValueError) as e:  # bad settings or run folder
         raise CLIError(str(e)) from e
     options = {flag: getattr(args, flag) for flag in spec.options}
+    if options.get("replay_every") is not None and not options.get("keep_models"):
+        raise CLIError("--replay-every records a replay log for the kept models; give "
+                       "--keep-models too")
     if spec.load_data is not None:
         options["download"] = not args.no_download
     distributed = spec.shards and init_from_env(device)
@@ -367,6 +392,25 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_forget(args: argparse.Namespace) -> int:
+    """``rcdl forget RUN_DIR --samples ...``: :func:`rcdl.app.forget_request.forget_request`,
+    its refusals as usage errors (status 2, nothing changed); status 1 when the request was
+    carried out but the final scan found a forgotten key (the receipt names where)."""
+    from rcdl.app.forget_request import RequestRefused, forget_request
+
+    try:
+        result = forget_request(args.run_dir, args.samples, mode=args.mode, model=args.model,
+                                seed=args.seed, data_dir=args.data_dir)
+    except RequestRefused as e:
+        raise CLIError(str(e)) from e
+    print(result.describe())
+    if not result.clean:
+        print("rcdl forget: a forgotten sample's key is still in the run folder (see the "
+              "receipt's file_scan.hits)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rcdl.app.experiments.demo import DemoConfig, run_demo
     from rcdl.app.rundir import resolve_device
@@ -409,6 +453,8 @@ def invocation() -> str:
 _COMMANDS = {
     "demo": "teacher–student regression: a growing RBF net vs MLPs (SGD, Adam), one pass",
     "reproduce": "reproduce an experiment of the paper (see `rcdl reproduce --help`)",
+    "forget": "forget training samples from a run's kept models (`rcdl reproduce "
+              "cifar10-1epoch --keep-models`): edit them, clean the run folder, write a receipt",
     "info": "print the rcdl and torch versions, the device, CPU, threads and machine class "
             "rcdl would use",
 }
@@ -461,6 +507,33 @@ def build_parser(experiments: Iterable[str] | None = None) -> argparse.ArgumentP
                                      metavar="EXPERIMENT", required=True)
     for name in EXPERIMENTS if experiments is None else experiments:
         _add_experiment(which, name)
+
+    forget = sub.add_parser(
+        "forget", help=_COMMANDS["forget"],
+        description="A deletion request against a run folder of `rcdl reproduce cifar10-1epoch "
+        "--keep-models`: each kept model (and its replay log) forgets the samples and is saved "
+        "back, every other file of the folder holding their data is removed, a receipt is "
+        "appended to forget_receipts.jsonl, and every file of the folder is scanned for the "
+        "samples' keys. Bad input changes nothing. See docs/unlearning.md.")
+    forget.add_argument("run_dir", metavar="RUN_DIR", help="the run folder")
+    forget.add_argument("--samples", required=True, metavar="IDS_OR_FILE",
+                        help="the training samples to forget: their indices into the run's "
+                        "training set, comma-separated (3,17,42), or a file of them "
+                        "(separated by commas, spaces or lines; # starts a comment)")
+    forget.add_argument("--mode", choices=("fast", "repair", "exact"), default="fast",
+                        help="fast: remove the samples' entries (rcdl.forget); repair: remove "
+                        "them and re-write the readout (rcdl.forget_and_repair); exact: the "
+                        "model trained without them, bit for bit (forget_exactly; needs the "
+                        "replay log of --replay-every) (default: fast)")
+    forget.add_argument("--model", metavar="NAME",
+                        help="only this kept model (default: every kept model)")
+    forget.add_argument("--seed", type=int, metavar="S",
+                        help="only the kept models of this seed (default: every seed)")
+    forget.add_argument("--data-dir", type=_data_dir, metavar="DIR",
+                        help="where the run's data are, for --mode repair and exact (default: "
+                        "the run's data_dir); never downloaded")
+    _add_threads(forget, resume=False)
+    forget.set_defaults(func=_cmd_forget, command_parser=forget)
 
     info = sub.add_parser("info", help=_COMMANDS["info"], description=_COMMANDS["info"])
     info.add_argument("--threads", type=_threads, metavar="N",

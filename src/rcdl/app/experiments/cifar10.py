@@ -49,6 +49,11 @@ writes (:mod:`rcdl.app.runner`; ``environment.json`` is the first session's)::
     checkpoints/<model>-seed<k>.*    while that model trains (deleted when it finishes): the
                         checksummed ``.step<N>.pt`` files of the last two checkpoints and the
                         ``.manifest.json`` that commits them (:mod:`rcdl.train.checkpoint`)
+    models/<model>-seed<k>.pt        with the option ``keep_models``, each growing model once
+                        it finishes (:func:`save_model`): its state, its learners' states and
+                        the training data's SHA-256, what ``rcdl forget`` edits
+    models/<model>-seed<k>.log.pt    with ``replay_every`` too, the run's replay log
+                        (:class:`rcdl.train.replay.ReplayLog`), what exact forgetting replays
 
 The finished pairs are kept in ``summary.json`` (no ``finished.json``:
 :attr:`rcdl.app.runner.Experiment.finished_in_summary`). A resumed run continues an
@@ -60,6 +65,7 @@ between the last checkpoint and the interruption.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -82,10 +88,14 @@ from rcdl.app.runner import Combine, Experiment, Session, run_experiment
 from rcdl.distributed import rank_and_world, shard
 from rcdl.nn.hybrid import HybridSoftmax
 from rcdl.ops.half import product_mode, product_path
-from rcdl.train.checkpoint import remove_checkpoint
+from rcdl.train.checkpoint import remove_checkpoint, save_checkpoint
 from rcdl.train.loop import train_one_pass
+from rcdl.train.replay import ReplayLog
 
-__all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "Cifar10Config", "run_cifar10"]
+__all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "MODEL_FORMAT", "Cifar10Config", "data_digest",
+           "model_path", "run_cifar10", "save_model"]
+
+MODEL_FORMAT = 1  # the layout of a kept model's file (save_model)
 
 EXPERIMENT = "cifar10-1epoch"  # also the run folders' `experiment` (cifar10_config.EXPERIMENT)
 
@@ -101,9 +111,49 @@ def _result_name(result: Mapping[str, Any]) -> str:
     return _run_name(result["model"], result["seed"])
 
 
+def model_path(run: RunDir | Path, name: str, seed: int) -> Path:
+    """``models/<model>-seed<s>.pt``, where the option ``keep_models`` keeps a finished
+    growing model (its replay log beside it: :func:`log_path`)."""
+    folder = run.file("models") if isinstance(run, RunDir) else Path(run) / "models"
+    return folder / f"{_run_name(name, seed)}.pt"
+
+
+def log_path(run: RunDir | Path, name: str, seed: int) -> Path:
+    """``models/<model>-seed<s>.log.pt``, the kept model's replay log."""
+    return model_path(run, name, seed).with_suffix(".log.pt")
+
+
+def data_digest(x_train: torch.Tensor, y_train: torch.Tensor) -> str:
+    """The SHA-256 of the training inputs' and labels' bytes, as trained on (dtype
+    included): what tells ``rcdl forget`` that the data it is given are the run's."""
+    digest = hashlib.sha256()
+    for t in (x_train, y_train):
+        digest.update(str(t.dtype).encode())
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_model(path: Path, name: str, seed: int, model: torch.nn.Module, optimizer: Any,
+               grower: Any, data_sha256: str) -> str:
+    """Write a trained model with its learners' states to ``path``
+    (:func:`rcdl.train.checkpoint.save_checkpoint`: atomic, checksummed, read back without
+    running code); returns the file's SHA-256. The file is a dict: ``format``
+    (:data:`MODEL_FORMAT`), ``experiment``, ``model``, ``seed``, ``data_sha256``
+    (:func:`data_digest`), ``state`` (the model's state dict), ``optimizer`` and ``grower``
+    (their state dicts, or ``None``)."""
+    return save_checkpoint({
+        "format": MODEL_FORMAT, "experiment": EXPERIMENT, "model": name, "seed": seed,
+        "data_sha256": data_sha256, "state": model.state_dict(),
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "grower": None if grower is None else grower.state_dict()}, path)
+
+
 def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple,
            session: Session) -> dict[str, Any]:  # fmt: skip
-    """Train one (model, seed); returns its result (see ``train_one_pass``) plus identity."""
+    """Train one (model, seed); returns its result (see ``train_one_pass``) plus identity.
+    With the option ``keep_models`` a growing model is saved once trained (:func:`save_model`),
+    and with ``replay_every`` it trains with a :class:`~rcdl.train.replay.ReplayLog` saved
+    beside it."""
     if model_spec(name).classical:
         return _fit_classical(name, seed, cfg, data, session)
     world = rank_and_world()[1]
@@ -117,6 +167,9 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple,
     possible = (None if grower is None else
                 grower.num_entries_all_ranks() + len(grower.layers) * len(data[0]))
     checkpoint = _checkpoint_path(session.run, name, seed) if cfg.checkpoint else None
+    keep = session.options.get("keep_models") and grower is not None
+    every = session.options.get("replay_every")
+    replay = ReplayLog(every=every) if keep and every is not None else None
     result = train_one_pass(
         model, data, batch_size=cfg.batch_size, seed=seed, optimizer=optimizer, grower=grower,
         loss_fn=F.cross_entropy, metrics=METRICS, eval_every=cfg.eval_every,
@@ -124,7 +177,14 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple,
         run=session.log(model=name, seed=seed), name=_run_name(name, seed),
         progress=session.progress, checkpoint_path=checkpoint,
         checkpoint_every=cfg.checkpoint_every, incremental_eval=cfg.incremental_eval,
+        replay=replay,
     )  # fmt: skip
+    if keep:
+        digest = data_digest(data[0], data[1])
+        if replay is not None:  # the log first: a model file means its log is there too
+            replay.save(log_path(session.run, name, seed))
+        save_model(model_path(session.run, name, seed), name, seed, model, optimizer, grower,
+                   digest)
     parameters = sum(p.numel() for p in model.parameters())
     layer_stats = {layer.name: layer.stats() for layer in (grower.layers if grower else [])
                    if isinstance(layer, HybridSoftmax)}  # written / refused per hybrid layer
@@ -200,6 +260,12 @@ def _sub_runs(cfg: Cifar10Config, data: CifarData, session: Session) -> Iterator
                     (data.x_train.to(cfg.torch_dtype), data.y_train,
                      data.x_test.to(cfg.torch_dtype), data.y_test))  # fmt: skip
     keep = session.options.get("keep_checkpoints", False)
+    if session.options.get("replay_every") is not None and not session.options.get("keep_models"):
+        raise ValueError("--replay-every records a replay log for the kept models; give "
+                         "--keep-models too")
+    if session.options.get("keep_models") and rank_and_world()[1] > 1:
+        raise ValueError("--keep-models saves each model from one process; under torchrun "
+                         "the stores are sharded over the ranks: run without torchrun")
     if cfg.store_dtype == "bfloat16" and session.device.type == "cpu" and rank_and_world()[0] == 0:
         _note_if_bfloat16_is_emulated()
     if rank_and_world()[0] == 0:
@@ -233,7 +299,9 @@ def _add_rows(cfg: Cifar10Config, summary: dict[str, Any]) -> None:
 
 def run_cifar10(cfg: Cifar10Config, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
     """:func:`rcdl.app.runner.run_experiment` of the comparison; its option
-    ``keep_checkpoints`` keeps each model's last checkpoint after it finishes."""
+    ``keep_checkpoints`` keeps each model's last checkpoint after it finishes,
+    ``keep_models=True`` saves each growing model once it finishes (:func:`model_path`) and
+    ``replay_every=N`` (with ``keep_models``) trains it with a replay log saved beside it."""
     return run_experiment(EXPERIMENT_SPEC, cfg, **kw)
 
 
@@ -249,6 +317,11 @@ EXPERIMENT_SPEC = Experiment(
     "results.md, results.csv and test_accuracy.png. See docs/cifar10.md.",
     sub_runs=_sub_runs, report=write_report, load_data=load_data, start=_start,
     update=_add_rows, shards=True, sessions=True, finished_in_summary=_result_name,
-    options={"keep_checkpoints": "keep each model's last checkpoint after it finishes"},
+    options={"keep_checkpoints": "keep each model's last checkpoint after it finishes",
+             "keep_models": "save each growing model, with its learners' states, under "
+             "models/ once it finishes: what `rcdl forget RUN_DIR` edits (docs/unlearning.md)",
+             "replay_every": "with --keep-models, train with a replay log that snapshots "
+             "every N steps and save it beside the model, so that `rcdl forget --mode exact` "
+             "can replay the run without the forgotten samples (docs/unlearning.md)"},
     combine=Combine(combine_runs, keep=("models",), show=True),
 )  # fmt: skip
