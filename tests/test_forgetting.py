@@ -273,3 +273,16 @@ def test_the_receipt_says_what_went_and_the_scan_finds_a_copy_left_behind():
     del model.leak
     found = scan_for_rows({"model": model}, [first.store.keys[:1].clone()])
     assert found.holders and not found.clean  # a kept row is found where it lives
+
+
+def test_the_scan_reads_packed_copies_of_a_stores_chunks():
+    """A store's full chunks may be kept packed for the sums over their entries
+    (rcdl.ops.packed: mkldnn tensors, which have no storage to read): the scan reads them
+    densely and finds a forgotten row there too, in each of two packed copies of one width
+    (it used to fail with 'Cannot access storage of OpaqueTensorImpl')."""
+    gen = torch.Generator().manual_seed(0)
+    first, second = torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    packed = [first.to_mkldnn(), second.to_mkldnn()]
+    found = scan_for_rows({"cache": packed}, [first[2:3], second[4:5]])
+    assert found.holders == ("cache[0]", "cache[1]")
+    assert scan_for_rows({"cache": packed}, [torch.randn(1, 8, generator=gen)]).holders == ()

@@ -161,11 +161,15 @@ def scan_for_rows(roots: Mapping[str, Any], rows: Iterable[Tensor]) -> RowScan:
         cols = torch.randperm(words.shape[1], generator=gen)[:64]
         coef = torch.randint(1, 1 << 20, (cols.numel(),), generator=gen)
         probes[(d, dtype)] = (words, cols, coef, (words[:, cols].long() * coef).sum(1))
-    holders, count, nbytes, seen_storages = [], 0, 0, set()
+    holders, count, nbytes, seen_storages = [], 0, 0, set[tuple]()
     for path, t in _reachable_tensors(roots):
         if t.is_sparse or t.numel() == 0 or t.dim() == 0:
             continue
-        storage = (t.untyped_storage().data_ptr(), t.dtype, t.shape[-1])
+        if t.is_mkldnn:  # a packed copy (rcdl.ops.packed): no storage to name; read densely
+            storage: tuple = (id(t), t.dtype, t.shape[-1])  # t stays reachable from roots
+            t = t.to_dense()
+        else:
+            storage = (t.untyped_storage().data_ptr(), t.dtype, t.shape[-1])
         count += 1
         nbytes += t.numel() * t.element_size()
         probe = probes.get((t.shape[-1], t.dtype))
