@@ -296,5 +296,9 @@ def test_a_checkpoint_without_a_log_is_refused_to_a_run_with_one(tmp_path, inter
     model, grower = build("gws")
     with pytest.raises(interrupt_after(grower, 7)):
         train("gws", model, grower, checkpoint_path=ckpt, checkpoint_every=2)
+    model, grower = build("gws")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"resumes at step 6 and holds no replay log"):
-        train("gws", replay=ReplayLog(every=1), checkpoint_path=ckpt)
+        train("gws", model, grower, replay=ReplayLog(every=1), checkpoint_path=ckpt)
+    after = model.state_dict()  # refused before the model was loaded
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -820,6 +820,11 @@ a replay log (``replay``) saves it with the rest, so that a resumed run keeps re
         (where the grower can check one) and the model's are checked whole first; if the
         optimizer or grower refuses its part after the model was loaded, everything is put
         back as it was (``before``, :meth:`_snapshot`)."""
+        if self.replay is not None and state.get("replay") is None:  # before anything loads
+            raise ValueError(
+                f"checkpoint {file} resumes at step {state['loop']['step']} and holds no replay "
+                "log (its run recorded none), and a replay log records a run from step 0: "
+                "nothing was loaded; delete it, or resume without replay=")
         try:
             check = getattr(self.grower, "check_state_dict", None)  # refuses before a change
             if before["grower"] is not None and callable(check):
