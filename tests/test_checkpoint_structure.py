@@ -13,9 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from rcdl import FunctionalSGD, Grower, GrowingRBFNet
 from rcdl._io import lock_exclusively
-from rcdl.app.data import TeacherConfig, make_teacher_data
 from rcdl.train.checkpoint import (
     Checkpointer,
     CheckpointInUse,
@@ -25,16 +23,9 @@ from rcdl.train.checkpoint import (
     save_checkpoint,
 )
 from rcdl.train.loop import train_one_pass
+from small_runs import TEACHER_DATA, TEACHER_KW, teacher_net
 
-DATA = make_teacher_data(TeacherConfig(d_in=5, hidden=8, d_out=2, n_train=64, n_test=16,
-                                       dtype="float64"))
-KW = {"batch_size": 8, "eval_every": 2, "progress": False, "seed": 1}
-
-
-def build():
-    torch.manual_seed(0)
-    net = GrowingRBFNet(5, 2, 1, temperature=1.0, rule=FunctionalSGD(0.3)).double()
-    return net, Grower(net)
+DATA, KW, build = TEACHER_DATA, TEACHER_KW, teacher_net
 
 
 def states(net, grower):

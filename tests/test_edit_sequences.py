@@ -85,6 +85,7 @@ from rcdl.train.checkpoint import load_checkpoint, load_model_state, save_checkp
 from rcdl.train.loop import train_one_pass
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly
+from small_runs import same
 
 D_IN, WIDTH, CLASSES, N, B = 5, 6, 3, 48, 8
 SAMPLE_IDS = 1000 + 3 * torch.arange(N)  # (N,) the id each training row is recorded under
@@ -232,18 +233,6 @@ def train(d: Draw, log: ReplayLog | None = None, order: torch.Tensor | None = No
 
 
 # --------------------------------------------------------------------------- state
-
-
-def same(a, b) -> bool:  # noqa: ANN001
-    """Bit-for-bit equality of nested state (tensors, dicts, lists, numbers)."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape \
-            and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(same(u, v) for u, v in zip(a, b, strict=True))
-    return a == b
 
 
 def outputs(model: nn.Module) -> torch.Tensor:

@@ -20,15 +20,13 @@ from rcdl.nn.rules import ClippedSoftmaxRule
 from rcdl.train.loop import train_one_pass
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly, stream_without
+from small_runs import assert_same_stores, classification_data, same
 
 D, CLASSES, N, B = 8, 3, 72, 8
 
 
 def data():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(N + 16, D, generator=gen, dtype=torch.float64)
-    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
-    return x[:N], y[:N], x[N:], y[N:]
+    return classification_data(N, D)
 
 
 def build(kind, budget=None):
@@ -56,24 +54,10 @@ def exactly(model, grower, log, samples, x=None, y=None, loss_fn=F.cross_entropy
 
 
 def assert_same_model(a, b):
-    for (name, la), (_, lb) in zip(growing_layers(a), growing_layers(b), strict=True):
-        for field in ("keys", "values", "weights", "written_at", "ids"):
-            assert torch.equal(getattr(la.store, field), getattr(lb.store, field)), (name, field)
-        assert torch.equal(entry_samples(la), entry_samples(lb)), name
+    assert_same_stores(a, b)
     x = data()[2]
     with torch.no_grad():
         assert torch.equal(a.eval()(x), b.eval()(x))
-
-
-def same(a, b):
-    """Bit-for-bit equality of nested state (tensors, dicts, lists, numbers)."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(same(u, v) for u, v in zip(a, b, strict=True))
-    return a == b
 
 
 def everything(model, grower, log):

@@ -8,22 +8,19 @@ import torch.nn.functional as F
 
 from rcdl import Grower, GrowingRBFNet, GrowingSoftmaxNet, HybridGrower, HybridSoftmaxNet
 from rcdl.memory.forgetting import forget
-from rcdl.memory.provenance import entry_samples
 from rcdl.nn.gates import DistanceGate
 from rcdl.nn.layers import growing_layers
 from rcdl.nn.rules import ClippedSoftmaxRule, FunctionalSGD
 from rcdl.train.loop import accuracy, train_one_pass
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly, stream_without
+from small_runs import assert_same_stores, classification_data
 
 D, CLASSES, N, B = 8, 3, 72, 8
 
 
 def data():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(N + 16, D, generator=gen, dtype=torch.float64)
-    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
-    return x[:N], y[:N], x[N:], y[N:]
+    return classification_data(N, D)
 
 
 def build(kind):
@@ -49,10 +46,8 @@ def train(kind, **kw):
 
 
 def assert_same(a, b):
-    for (name, la), (_, lb) in zip(growing_layers(a), growing_layers(b), strict=True):
-        for field in ("keys", "values", "weights", "written_at", "ids"):
-            assert torch.equal(getattr(la.store, field), getattr(lb.store, field)), (name, field)
-        assert torch.equal(entry_samples(la), entry_samples(lb)), name
+    assert_same_stores(a, b)
+    for (_, la), (_, lb) in zip(growing_layers(a), growing_layers(b), strict=True):
         assert la.store.next_id == lb.store.next_id and int(la.steps) == int(lb.steps)
     for (k, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         if not k.endswith(("provenance.samples", "provenance.merged")):  # capacity may differ

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from rank_pool import run_ranks
 from rcdl import FunctionalSGD, Grower, GrowingRBFNet, GrowingSoftmaxNet
-from rcdl.app.data import TeacherConfig, make_teacher_data
 from rcdl.nn.rules import ClippedSoftmaxRule
 from rcdl.train.checkpoint import (
     DamagedCheckpoint,
@@ -22,17 +21,10 @@ from rcdl.train.checkpoint import (
     save_checkpoint,
 )
 from rcdl.train.loop import train_one_pass
+from small_runs import TEACHER_DATA, TEACHER_KW, teacher_net
 
 TIMEOUT = timedelta(seconds=60)
-DATA = make_teacher_data(TeacherConfig(d_in=5, hidden=8, d_out=2, n_train=64, n_test=16,
-                                       dtype="float64"))
-KW = {"batch_size": 8, "eval_every": 2, "progress": False, "seed": 1}
-
-
-def build():
-    torch.manual_seed(0)
-    net = GrowingRBFNet(5, 2, 1, temperature=1.0, rule=FunctionalSGD(0.3)).double()
-    return net, Grower(net)
+DATA, KW, build = TEACHER_DATA, TEACHER_KW, teacher_net
 
 
 def reference():

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from rcdl import Grower, GrowingSoftmaxNet, HybridGrower, HybridSoftmaxNet, set_store_dtype
-from rcdl.memory.provenance import entry_samples
 from rcdl.nn.gates import DistanceGate
 from rcdl.nn.layers import growing_layers
 from rcdl.nn.rules import ClippedSoftmaxRule
@@ -30,6 +29,7 @@ from rcdl.train.checkpoint import (
 from rcdl.train.loop import train_one_pass
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly, stream_without
+from small_runs import assert_same_stores, same
 
 D, CLASSES, N, B = 8, 3, 72, 8
 KINDS = ("gws", "hybrid", "bfloat16-store")
@@ -72,22 +72,9 @@ def forget(kind, model, grower, log):
                           loss_fn=F.cross_entropy, grower=grower)
 
 
-def same(a, b):
-    """Bit-for-bit equality of nested state (tensors, dicts, lists, numbers)."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(same(u, v) for u, v in zip(a, b, strict=True))
-    return a == b
-
-
 def assert_same_model(a, b, kind):
-    for (name, la), (_, lb) in zip(growing_layers(a), growing_layers(b), strict=True):
-        for field in ("keys", "values", "weights", "written_at", "ids"):
-            assert torch.equal(getattr(la.store, field), getattr(lb.store, field)), (name, field)
-        assert torch.equal(entry_samples(la), entry_samples(lb)), name
+    assert_same_stores(a, b)
+    for (_, la), (_, lb) in zip(growing_layers(a), growing_layers(b), strict=True):
         assert la.store.next_id == lb.store.next_id
     for (k, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         if not k.endswith(("provenance.samples", "provenance.merged")):  # capacity may differ

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import errno
+import hashlib
 import json
 import os
 import socket
@@ -158,6 +159,15 @@ def _not_a_lock_file(path: str | os.PathLike, kind: str) -> OSError:
                    f"the lock file {os.fspath(path)} is {kind}: a lock's holder is written "
                    "into a regular file of its own only, never through a link or into "
                    "another file; remove it, or give another path")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of the bytes of the file ``path`` (read a megabyte at a time), in hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def holder() -> str:

@@ -59,6 +59,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from rcdl._io import file_sha256
+
 __all__ = [
     "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR100_MEAN", "CIFAR100_STD", "CifarData",
     "CifarNotFoundError", "CorruptDataError", "cache_dir", "candidate_paths", "cifar_summary",
@@ -648,11 +650,7 @@ def data_provenance(source: Path) -> str:
     """What the data file is, for the results table (lossy JPEG copy or official files)."""
     if source.is_dir() or source.name.endswith(".tar.gz"):
         return "the official CIFAR-10 files (lossless)"
-    digest = hashlib.sha256()
-    with open(source, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() == _LOSSY_NPZ_SHA256 or _array_digest(source) == _LOSSY_ARRAYS_SHA256:
+    if file_sha256(source) == _LOSSY_NPZ_SHA256 or _array_digest(source) == _LOSSY_ARRAYS_SHA256:
         return ("the JPEG-decoded copy of CIFAR-10 (lossy, about 30 dB PSNR from the original "
                 "pixels; models trained on it are known to lose about 2–3 points against the "
                 "paper's numbers; see docs/data.md)")

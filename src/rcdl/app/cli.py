@@ -94,8 +94,8 @@ def _data_dir(text: str) -> str:
     return str(path)
 
 
-def _threads(text: str) -> int:
-    """``--threads``: a number of threads, at least 1."""
+def _positive_int(text: str) -> int:
+    """A count given on the command line (``--threads``, ``--replay-every``): an int >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -114,17 +114,6 @@ _THREADS_HELP = (
 )
 
 
-def _positive_int(text: str) -> int:
-    """An option's count: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
-    return value
-
-
 # experiment options (Experiment.options: not settings, not in config.json) that take a
 # value, with its parser and metavar; every other option is an on/off flag
 _VALUED_OPTIONS = {"replay_every": (_positive_int, "N")}
@@ -132,7 +121,7 @@ _VALUED_OPTIONS = {"replay_every": (_positive_int, "N")}
 
 def _add_threads(parser: argparse.ArgumentParser, resume: bool) -> None:
     resume_note = "; not a setting of the run, so --resume takes it too" if resume else ""
-    parser.add_argument("--threads", type=_threads, metavar="N",
+    parser.add_argument("--threads", type=_positive_int, metavar="N",
                         help=_THREADS_HELP.format(resume=resume_note))
 
 
@@ -536,7 +525,7 @@ def build_parser(experiments: Iterable[str] | None = None) -> argparse.ArgumentP
     forget.set_defaults(func=_cmd_forget, command_parser=forget)
 
     info = sub.add_parser("info", help=_COMMANDS["info"], description=_COMMANDS["info"])
-    info.add_argument("--threads", type=_threads, metavar="N",
+    info.add_argument("--threads", type=_positive_int, metavar="N",
                       help="report for N CPU threads, as `--threads N` on a run would set them "
                       "(default: torch's, from $OMP_NUM_THREADS or the core count)")
     info.set_defaults(func=_cmd_info, command_parser=info)

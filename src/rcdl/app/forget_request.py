@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import hashlib
 import json
 import mmap
 import os
@@ -49,6 +48,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from rcdl._io import file_sha256
+from rcdl.app.rundir import recorded_experiment
 
 __all__ = ["MODES", "RECEIPTS", "RequestRefused", "RequestResult", "forget_request",
            "parse_samples", "scan_files"]
@@ -160,14 +162,6 @@ def parse_samples(text: str) -> list[int]:
     if not words:
         raise RequestRefused(f"{source} names no sample")
     return sorted({int(w) for w in words})
-
-
-def _experiment_of(run: Path) -> str | None:
-    try:
-        env = json.loads((run / "environment.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return env.get("experiment") if isinstance(env, dict) else None
 
 
 def _n_train(run: Path, cfg: Any) -> int:
@@ -286,14 +280,6 @@ def scan_files(run: Path, keys: Sequence[bytes]) -> FileScan:
     return FileScan(tuple(files), nbytes, len(keys), hits, time.perf_counter() - start)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # --------------------------------------------------------------------------- the request
 
 
@@ -338,7 +324,7 @@ def forget_request(run_dir: str | os.PathLike, samples: str | Sequence[int], *,
     run = Path(run_dir).expanduser().resolve()
     if not run.is_dir():
         raise RequestRefused(f"{run} is not a run folder (no such folder)")
-    experiment = _experiment_of(run)
+    experiment = recorded_experiment(run)
     if experiment != EXPERIMENT:
         what = "no environment.json naming its experiment" if experiment is None else \
             f"a run of {experiment}"
@@ -405,11 +391,11 @@ def forget_request(run_dir: str | os.PathLike, samples: str | Sequence[int], *,
         if k.log is not None and mode != "repair":  # repair does not go through the log
             assert k.log_file is not None
             k.log.save(k.log_file)
-            touched.append({"path": _rel(run, k.log_file), "sha256": _sha256(k.log_file),
+            touched.append({"path": _rel(run, k.log_file), "sha256": file_sha256(k.log_file),
                             "action": "rewritten"})
         save_model(k.file, k.name, k.seed, k.model, k.optimizer, k.grower,
                    k.saved["data_sha256"])
-        touched.append({"path": _rel(run, k.file), "sha256": _sha256(k.file),
+        touched.append({"path": _rel(run, k.file), "sha256": file_sha256(k.file),
                         "action": "rewritten"})
     for path in stale:
         path.unlink(missing_ok=True)

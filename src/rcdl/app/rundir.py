@@ -632,6 +632,16 @@ def resume_command(command: str, folder: str | os.PathLike,
     return " ".join(words)
 
 
+def recorded_experiment(run_dir: str | os.PathLike) -> str | None:
+    """The experiment a run folder's ``environment.json`` names (``None``: no readable
+    record, as in an older folder)."""
+    try:
+        recorded = json.loads((Path(run_dir) / RunDir.ENVIRONMENT).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return recorded.get("experiment") if isinstance(recorded, dict) else None
+
+
 def read_config(run_dir: str | os.PathLike, config_cls: Any) -> Any:
     """The config saved in ``run_dir/config.json``, built by ``config_cls.from_dict``.
 
@@ -712,11 +722,7 @@ def open_run(
     if diff:
         raise ValueError(f"{resume}: the config differs from the saved one (saved, given): "
                          f"{diff}")
-    environment = Path(resume) / RunDir.ENVIRONMENT
-    try:
-        recorded = json.loads(environment.read_text(encoding="utf-8")).get("experiment")
-    except (OSError, ValueError, AttributeError):
-        recorded = None  # an older run folder, or no record: nothing to compare
+    recorded = recorded_experiment(resume)
     if recorded is not None and recorded != name:
         raise ValueError(f"{resume} is a run of {recorded}, not of {name}: resume it with "
                          f"rcdl reproduce {recorded} --resume {resume}")

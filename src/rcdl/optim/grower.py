@@ -207,11 +207,13 @@ class Grower(torch.optim.Optimizer):
             proposals, ok = self._defer(write_faults, proposals)
         self._record_faults = None
         self._steps += 1
-        before = [(len(layer.store), layer.store.next_id) for layer in self.layers]  # sizes, ids
+        # sizes and ids before the commit, where a refused step's rows would be taken back
+        before = None if self.budget is None or ok is None else [
+            (len(layer.store), layer.store.next_id) for layer in self.layers]
         for layer, entries in zip(self.layers, proposals, strict=True):
             layer.commit(entries, ok)
         if self.budget is not None:
-            if ok is not None and not bool(ok):  # refused: the zero rows go, nothing else
+            if before is not None and not bool(ok):  # refused: the zero rows go, nothing else
                 for layer, (size, next_id) in zip(self.layers, before, strict=True):
                     layer.take_back_rows(size, next_id)
                 return
