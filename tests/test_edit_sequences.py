@@ -20,6 +20,12 @@ samples by their position in the run's stream:
 - ``save``: ``save_checkpoint`` of the model's and the grower's state dicts and ``log.save``,
   then all three loaded into freshly built objects (a new process, as far as one process can
   be one: torch's global generator is moved elsewhere too).
+- ``rewind``: ``rewind`` by one or two steps (its "positions" are the steps): the model of the
+  shorter run, whose stream is the first steps of the log's; refused under a merging budget
+  and after a repair or an untold undo.
+- ``undo``: ``Grower.drop_last_step()``, not told to the log (not for the hybrid, whose
+  learner has none); every later exact request or rewind is refused, naming the undo, and so
+  is every later repair (the undone step's entries look like evictions to it).
 
 A refused edit must raise the documented ``ValueError`` and leave the model (its state dict
 and outputs), the grower's state dict and the log's state dict bit for bit as they were.
@@ -30,9 +36,9 @@ The invariants, on every draw:
     the edit that forgets it) is reachable from the model, the grower or the log
     (:func:`rcdl.memory.forgetting.scan_for_rows`), after every edit; nor found among the
     bytes of the files a ``save`` writes, nor of the files the final state is saved to;
-(b) after each successful exact request the model equals, bit for bit, the model trained
-    from scratch (``train_one_pass(..., order=...)``) on the run's stream without the union
-    of every sample forgotten so far, fast and exact: its stores (keys, values, weights, steps,
+(b) after each successful exact request or rewind the model equals, bit for bit, the model
+    trained from scratch (``train_one_pass(..., order=...)``) on the run's stream, cut where
+    rewinds cut it, without the union of every sample forgotten so far, fast and exact: its stores (keys, values, weights, steps,
     ids, the samples the map names), its other parameters and buffers, and its outputs on
     held-out inputs. A bfloat16 store is compared bit for bit too: the replay and the
     retraining run the same operations in one process, on the product path the log recorded.
@@ -84,7 +90,7 @@ from rcdl.ops.half import products_as
 from rcdl.train.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from rcdl.train.loop import train_one_pass
 from rcdl.train.replay import ReplayLog
-from rcdl.train.unlearning import forget_exactly
+from rcdl.train.unlearning import forget_exactly, rewind
 from small_runs import same
 
 D_IN, WIDTH, CLASSES, N, B = 5, 6, 3, 48, 8
@@ -93,7 +99,8 @@ READOUT = "2"  # the Sequential's last growing layer
 KINDS = ("gws", "rbf", "gauge", "hybrid")
 STORES = {"float64": None, "bfloat16": torch.bfloat16}
 BUDGETS = ("none", "evict", "merge")
-OPS = ("fast", "repair-values", "repair-keys", "exact", "exact-mismatch", "save")
+OPS = ("fast", "repair-values", "repair-keys", "exact", "exact-mismatch", "save", "rewind",
+       "undo")
 SAVE = ("save", ())
 
 
@@ -149,6 +156,13 @@ FIXED = (
     Draw("gws", store="bfloat16", every=2, edits=(("fast", (7,)), SAVE, ("exact", (26, 40)),
                                                   ("fast", (2,)), ("exact", (45,))),
          guards="a bfloat16 store, restarted between edits"),
+    Draw("gws", edits=(("undo", ()), ("exact", (10,))),
+         guards="a step undone outside the log: a later exact request is refused"),
+    Draw("rbf", every=2, edits=(("fast", (12,)), ("rewind", (1,)), SAVE, ("exact", (3,)),
+                                ("rewind", (2,))),
+         guards="rewinds through the log, between forgets and a restart"),
+    Draw("hybrid", budget="evict", edits=(("rewind", (2,)), ("exact", (20,))),
+         guards="the hybrid under an evicting budget, rewound exactly"),
 )
 
 
@@ -158,16 +172,20 @@ FIXED = (
 def draw(rng: random.Random) -> Draw:
     """A random draw: its edits name samples not named by an earlier edit of the draw."""
     pool = list(range(N))
-    edits = []
+    kind = rng.choice(KINDS)
+    edits: list[tuple[str, tuple[int, ...]]] = []
     for _ in range(rng.randint(1, 4)):
-        op = rng.choices(OPS, weights=(3, 1, 1, 3, 0.5, 1.5))[0]
-        if op == "save":
-            edits.append(SAVE)
+        op = rng.choices(OPS, weights=(3, 1, 1, 3, 0.5, 1.5, 1.5, 0 if kind == "hybrid" else 1))[0]
+        if op in ("save", "undo"):
+            edits.append((op, ()))
+            continue
+        if op == "rewind":
+            edits.append((op, (rng.randint(1, 2),)))
             continue
         positions = tuple(sorted(rng.sample(pool, rng.randint(1, 3))))
         pool = [p for p in pool if p not in positions]
         edits.append((op, positions))
-    return Draw(kind=rng.choice(KINDS), store=rng.choice(("float64", "float64", "bfloat16")),
+    return Draw(kind=kind, store=rng.choice(("float64", "float64", "bfloat16")),
                 budget=rng.choice(("none", "none", "evict", "merge")),
                 every=rng.choice((1, 2)), edits=tuple(edits))
 
@@ -344,16 +362,18 @@ def load(d: Draw, folder: Path):  # noqa: ANN201
 # --------------------------------------------------------------------------- one draw
 
 
-def expected_refusal(d: Draw, op: str, repaired: bool) -> str | None:
+def expected_refusal(d: Draw, op: str, repaired: bool, undone: bool) -> str | None:
     """The error (a regex) the edit ``op`` must be refused with, or ``None``."""
     if op == "exact-mismatch":
         return r"forget_exactly: data holds \d+ rows"
-    if op.startswith("repair") and (d.kind == "hybrid" or d.budget != "none"):
+    if op.startswith("repair") and (d.kind == "hybrid" or d.budget != "none" or undone):
         return r"forget_and_repair: cannot re-write"
-    if op == "exact" and d.budget == "merge":
+    if op in ("exact", "rewind") and d.budget == "merge":
         return r"merge=True"
-    if op == "exact" and repaired:
+    if op in ("exact", "rewind") and repaired:
         return r"not told of|lost rows it held"
+    if op in ("exact", "rewind") and undone:
+        return r"undone outside the log|lost rows it held"
     return None
 
 
@@ -364,9 +384,11 @@ def run_draw(d: Draw, folder: Path, outcomes: list[str] | None = None) -> list[s
     log = ReplayLog(every=d.every)
     model, grower = train(d, log)
     order, stream = log.order.clone(), log.stream.clone()  # the run as trained
+    alive = torch.ones(len(order), dtype=torch.bool)  # (N,) the positions rewinds kept
     gone: set[int] = set()  # every sample forgotten so far
     gone_keys: list[torch.Tensor] = []
-    repaired, problems = False, []
+    repaired = undone = False
+    problems: list[str] = []
     x_train, y_train = data()[:2]
     for i, (op, positions) in enumerate(d.edits):
         where = f"edit {i} ({op} {list(positions)})"
@@ -378,9 +400,16 @@ def run_draw(d: Draw, folder: Path, outcomes: list[str] | None = None) -> list[s
                 problems.append(f"{where}: the files {held} hold a forgotten key")
             model, grower, log = load(d, folder)
             continue
-        ids = stream[list(positions)].tolist()
+        if op == "undo":
+            grower.drop_last_step()
+            undone = True
+            outcomes.append("undo: done")
+            continue
+        ids = [] if op == "rewind" else stream[list(positions)].tolist()
         keys = keys_of(model, ids)
-        refusal = expected_refusal(d, op, repaired)
+        refusal = expected_refusal(d, op, repaired, undone)
+        left = alive & ~torch.isin(stream, torch.tensor(sorted(gone), dtype=torch.long))
+        target = max(0, -(-int(left.sum()) // B) - positions[0]) if op == "rewind" else 0
         before = everything(model, grower, log)
         try:
             if op == "fast":
@@ -390,6 +419,10 @@ def run_draw(d: Draw, folder: Path, outcomes: list[str] | None = None) -> list[s
                 receipt = forget_and_repair(model, ids, labels=by_sample_id(y_train),
                                             loss_fn=F.cross_entropy, readout=READOUT,
                                             learners=[grower], inputs=inputs)
+            elif op == "rewind":
+                receipt = None
+                rewind(model, target, replay=log, data=(x_train, y_train),
+                       loss_fn=F.cross_entropy, grower=grower)
             else:
                 cut = N - 8 if op == "exact-mismatch" else N
                 receipt = forget_exactly(model, ids, replay=log,
@@ -399,12 +432,12 @@ def run_draw(d: Draw, folder: Path, outcomes: list[str] | None = None) -> list[s
             changed = differences(before, everything(model, grower, log))
             if changed:
                 problems.append(f"{where}: refused, but changed {changed}")
-            if refusal is None and op == "exact" and "diverging" in str(err):
+            if refusal is None and op in ("exact", "rewind") and "diverging" in str(err):
                 outcomes.append(f"{op}: diverged")  # the run without them diverges: so must
                 try:  # the retraining
                     with products_as(log.products):
-                        train(d, order=order[~torch.isin(stream, torch.tensor(
-                            sorted(gone | set(ids))))])
+                        train(d, order=order[alive & ~torch.isin(stream, torch.tensor(
+                            sorted(gone | set(ids)), dtype=torch.long))])
                     problems.append(f"{where}: the replay refused a step, the retraining "
                                     f"did not: {err}")
                 except ValueError as again:
@@ -429,12 +462,15 @@ def run_draw(d: Draw, folder: Path, outcomes: list[str] | None = None) -> list[s
         if not scan.clean:
             problems.append(f"{where}: forgotten keys still held by {list(scan.holders)}")
         own = scan_for_rows({"model": model, "grower": grower}, unshared(keys, model, gone))
-        if receipt.scan is not None and receipt.scan.clean and not own.clean:
+        if receipt is not None and receipt.scan is not None and receipt.scan.clean and (
+                not own.clean):
             problems.append(f"{where}: the receipt's scan says clean, the keys it forgot are "
                             f"held by {list(own.holders)}")
         repaired |= op.startswith("repair")
-        if op == "exact":
-            keep = ~torch.isin(stream, torch.tensor(sorted(gone)))
+        if op == "rewind":
+            alive = left & (left.cumsum(0) <= target * B)
+        if op in ("exact", "rewind"):
+            keep = alive & ~torch.isin(stream, torch.tensor(sorted(gone), dtype=torch.long))
             with products_as(log.products):
                 retrained, _ = train(d, order=order[keep])
             problems += [f"{where}: not the model retrained without {len(gone)} samples: {p}"

@@ -315,6 +315,35 @@ class ReplayLog:
                        for name, ids in self.erased.items() if name in snap.layers}  # anew
 
 
+    def steps_problem(self, model: nn.Module) -> str | None:
+        """Unless ``model`` has taken the steps of the whole stream (``None``): which layer
+        has not, and why that blocks a replay. A layer that took ``c`` steps when the newest
+        snapshot was taken, at step ``t`` of a stream of ``S`` steps, has taken ``c + S - t``
+        now; fewer mean a step undone outside the log (``Grower.drop_last_step``), which a
+        replay to the stream's end would train back in, or a run that has not finished. A
+        layer whose step count never moved (not trained in the run) is not counted."""
+        if self.order is None or not self.snapshots:
+            return None
+        total = -(-len(self.order) // self.batch_size)
+        newest = self.snapshots[max(self.snapshots)]
+        oldest = self.snapshots[min(self.snapshots)]
+        for name, layer in growing_layers(model):
+            key = f"buffer:{name}.steps" if name else "buffer:steps"
+            if key not in newest.tensors or key not in oldest.tensors:
+                continue
+            then, first, now = (int(newest.tensors[key]), int(oldest.tensors[key]),
+                                int(layer.steps))
+            if now == then == first and newest.step > oldest.step:
+                continue  # a layer the run does not step
+            expected = then + total - newest.step
+            if now != expected:
+                return (f"layer {name!r} has taken {now} steps where the log's stream of "
+                        f"{total} steps makes {expected}: a step undone outside the log "
+                        "(Grower.drop_last_step), or a run that has not finished; a replay "
+                        "would train steps the model did not take. Undo steps through the "
+                        "log: rewind(model, steps, replay=log, ...)")
+        return None
+
     def restore_problem(self, snap: Snapshot, model: nn.Module) -> str | None:
         """What would make :meth:`restore` of ``snap`` refuse, or make a replay from it
         bring back a forgotten row (``None``: nothing): other layers, parameters or buffers

@@ -23,6 +23,7 @@ import copy
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from rcdl.ops.half import products_as
 from rcdl.train.loop import Metric, train_step
 from rcdl.train.replay import ReplayLog, Snapshot
 
-__all__ = ["forget_exactly", "stream_without"]
+__all__ = ["Rewound", "forget_exactly", "rewind", "stream_without"]
 
 
 def stream_without(replay: ReplayLog, sample_indices: Tensor | Sequence[int]) -> Tensor:
@@ -92,9 +93,9 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
         raise ValueError("forget_exactly: the model's stores are sharded over ranks; exact "
                          "forgetting replays one process's run")
     x_train, y_train = data
-    _check_data(replay, x_train, y_train)
+    _check_data(replay, x_train, y_train, "forget_exactly")
     learners = [optimizer, grower]
-    _check_budgets(learners)
+    _check_budgets(learners, "forget_exactly")
     layers = growing_layers(model)
     earlier = replay.forgotten[~torch.isin(replay.forgotten, wanted)]  # (F,) told forgets
     keep = ~torch.isin(replay.stream, torch.cat([wanted, earlier]))  # (N,) by stream position
@@ -112,19 +113,12 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
     batch = replay.batch_size
     first_step = int((~keep).nonzero()[0]) // batch  # the first batch that changes
     snap = replay.newest_at_or_before(first_step)
-    problem = replay.restore_problem(snap, model)
+    problem = replay.restore_problem(snap, model) or replay.steps_problem(model)
     if problem is not None:
         raise ValueError(f"forget_exactly: {problem}")
     dropped = [f"replay snapshot at step {s}" for s in sorted(replay.snapshots) if s > snap.step]
-    before = _State(model, learners, replay)
-    try:
-        steps = _replay(model, learners, replay, snap, keep, (x_train, y_train), loss_fn,
-                        optimizer, grower, torch.device(device))
-    except BaseException as err:
-        before.put_back()
-        err.add_note("forget_exactly: the model, its learners and the replay log are as they "
-                     "were before the call")
-        raise
+    steps = _replay_or_put_back("forget_exactly", model, learners, replay, snap, keep,
+                                (x_train, y_train), loss_fn, optimizer, grower, device)
     seconds = time.perf_counter() - start
     found = None
     if scan:
@@ -139,9 +133,101 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
                          dropped, found)
 
 
+@dataclass(frozen=True)
+class Rewound:
+    """What :func:`rewind` did.
+
+    Attributes:
+        step: the steps the model has now taken of the log's stream.
+        restored: the step of the snapshot restored.
+        replayed: the steps trained again from it (``step - restored``).
+        dropped: the snapshots dropped (they held steps after ``step``), named
+            ``"replay snapshot at step s"``.
+        seconds: wall time.
+    """
+
+    step: int
+    restored: int
+    replayed: int
+    dropped: list[str]
+    seconds: float
+
+
+def rewind(model: nn.Module, steps: int, *, replay: ReplayLog, data: tuple[Tensor, Tensor],
+           loss_fn: Metric, optimizer: Any = None, grower: Any = None,
+           device: torch.device | str = "cpu") -> Rewound:
+    """Turn ``model`` (and its learners) into the model after the first ``steps`` steps of
+    ``replay``'s stream: step undo and rewind through the log (docs/unlearning.md, "Step undo
+    and rewind"). ``rewind(model, k - 1, ...)`` after ``k`` steps undoes the last one.
+
+    The stream is the log's without the samples a fast ``forget(..., replay=replay)`` removed
+    (:attr:`ReplayLog.forgotten <rcdl.train.replay.ReplayLog>`), in batches of the run's
+    size: the result is, bit for bit, the model ``train_one_pass(..., order=...)`` makes on
+    the first ``steps · batch_size`` positions of that stream. It restores the newest
+    snapshot at or before ``steps`` and trains the steps from there (none where a snapshot
+    was taken at ``steps``: ``every = 1`` makes an undo a restore), so it is exact for every
+    layer the log can replay, the hybrid's and those under an evicting budget included, where
+    :meth:`rcdl.optim.grower.Grower.drop_last_step` does not undo the hybrid's Adam moves or
+    a budget's evictions. The log then describes the shorter run: its stream is cut after
+    ``steps`` batches and the snapshots after them are dropped, so a later
+    :func:`forget_exactly` replays that run.
+
+    Arguments as for :func:`forget_exactly`. All or nothing, as there: everything is checked
+    first, and a replay that fails part-way leaves the model, its learners and the log as
+    they were.
+
+    Raises:
+        ValueError: ``steps`` not an integer in ``0..`` the stream's steps; data that do not
+            match the log; a learner whose memory budget merges; a model whose memory changed
+            since the snapshot otherwise than through the log.
+        FloatingPointError: a non-finite training loss while replaying (nothing changed).
+    """
+    start = time.perf_counter()
+    if model_shard(model, "rewind") is not None:
+        raise ValueError("rewind: the model's stores are sharded over ranks; a rewind replays "
+                         "one process's run")
+    x_train, y_train = data
+    _check_data(replay, x_train, y_train, "rewind")
+    learners = [optimizer, grower]
+    _check_budgets(learners, "rewind")
+    kept = ~torch.isin(replay.stream, replay.forgotten.to(replay.stream.device))  # (N,)
+    batch = replay.batch_size
+    total = -(-int(kept.sum()) // batch)
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= total:
+        raise ValueError(f"rewind: steps must be an integer in 0..{total} (the steps of the "
+                         f"log's stream), got {steps!r}")
+    keep = kept & (kept.cumsum(0) <= steps * batch)  # (N,) the first steps' positions
+    snap = replay.newest_at_or_before(steps)
+    problem = replay.restore_problem(snap, model) or replay.steps_problem(model)
+    if problem is not None:
+        raise ValueError(f"rewind: {problem}")
+    if bool(keep.all()):
+        return Rewound(steps, steps, 0, [], time.perf_counter() - start)
+    dropped = [f"replay snapshot at step {s}" for s in sorted(replay.snapshots) if s > snap.step]
+    _replay_or_put_back("rewind", model, learners, replay, snap, keep, (x_train, y_train),
+                        loss_fn, optimizer, grower, device)
+    return Rewound(steps, snap.step, steps - snap.step, dropped, time.perf_counter() - start)
+
+
+def _replay_or_put_back(who: str, model: nn.Module, learners: list[Any], replay: ReplayLog,
+                        snap: Snapshot, keep: Tensor, data: tuple[Tensor, Tensor],
+                        loss_fn: Metric, optimizer: Any, grower: Any,
+                        device: torch.device | str) -> int:
+    """:func:`_replay`, or, where it fails part-way, everything put back as it was."""
+    before = _State(model, learners, replay)
+    try:
+        return _replay(model, learners, replay, snap, keep, data, loss_fn, optimizer, grower,
+                       torch.device(device), who)
+    except BaseException as err:
+        before.put_back()
+        err.add_note(f"{who}: the model, its learners and the replay log are as they were "
+                     "before the call")
+        raise
+
+
 def _replay(model: nn.Module, learners: list[Any], replay: ReplayLog, snap: Snapshot,
             keep: Tensor, data: tuple[Tensor, Tensor], loss_fn: Metric, optimizer: Any,
-            grower: Any, device: torch.device) -> int:
+            grower: Any, device: torch.device, who: str) -> int:
     """Restore ``snap``, cut the stream to the positions ``keep (N,)`` and train its steps
     from the snapshot's on; returns the new stream's steps."""
     x_train, y_train = data
@@ -159,34 +245,34 @@ def _replay(model: nn.Module, learners: list[Any], replay: ReplayLog, snap: Snap
                 loss = train_step(model, xb, yb, loss_fn, optimizer, grower)
             if not math.isfinite(loss):
                 raise FloatingPointError(
-                    f"forget_exactly: training loss is {loss} at step {step} of the replay")
+                    f"{who}: training loss is {loss} at step {step} of the replay")
             if replay.due(step + 1):
                 replay.take(step + 1, model, learners)
     return steps
 
 
-def _check_data(replay: ReplayLog, x_train: Tensor, y_train: Tensor) -> None:
+def _check_data(replay: ReplayLog, x_train: Tensor, y_train: Tensor, who: str) -> None:
     """Refuse data that cannot be the run's: inputs and labels of different lengths, fewer
     rows than the log's stream indexes, or another count than the run's sample ids."""
     order = replay.order
     if order is None:
-        raise ValueError("forget_exactly: the replay log holds no run (give it to "
+        raise ValueError(f"{who}: the replay log holds no run (give it to "
                          "train_one_pass)")
     if len(x_train) != len(y_train):
-        raise ValueError(f"forget_exactly: data has {len(x_train)} inputs and {len(y_train)} "
+        raise ValueError(f"{who}: data has {len(x_train)} inputs and {len(y_train)} "
                          "labels; give the (x_train, y_train) the run was trained on")
     if replay.sample_ids is not None and len(replay.sample_ids) != len(x_train):
-        raise ValueError(f"forget_exactly: data holds {len(x_train)} rows, the run's sample "
+        raise ValueError(f"{who}: data holds {len(x_train)} rows, the run's sample "
                          f"ids name {len(replay.sample_ids)}; give the (x_train, y_train) the "
                          "run was trained on")
     if order.numel() and int(order.max()) >= len(x_train):
         position = int((order >= len(x_train)).nonzero()[0])
-        raise ValueError(f"forget_exactly: data holds {len(x_train)} rows, but the log's stream "
+        raise ValueError(f"{who}: data holds {len(x_train)} rows, but the log's stream "
                          f"trains row {int(order[position])} at position {position}; give the "
                          "(x_train, y_train) the run was trained on")
 
 
-def _check_budgets(learners: list[Any]) -> None:
+def _check_budgets(learners: list[Any], who: str) -> None:
     """Refuse a learner whose memory budget merges: a merge changes older rows in place,
     which a snapshot of row counts does not undo, so the replay would not be the retrained
     model. Eviction without merging keeps exactness (a snapshot's rows stay as written, or
@@ -197,7 +283,7 @@ def _check_budgets(learners: list[Any]) -> None:
             if budget is not None and budget.merge:
                 names = [layer.name for layer in getattr(grower, "layers", [])]
                 raise ValueError(
-                    f"forget_exactly: the memory budget of {type(learner).__name__} merges "
+                    f"{who}: the memory budget of {type(learner).__name__} merges "
                     f"evicted entries into kept ones (MemoryBudget(..., merge=True)) in layers "
                     f"{names}: a merge changes older rows in place, which the replay log's "
                     "snapshots do not undo, so the replay would not be the retrained model. "
