@@ -38,10 +38,11 @@ The invariants, on every draw:
     bytes of the files a ``save`` writes, nor of the files the final state is saved to;
 (b) after each successful exact request or rewind the model equals, bit for bit, the model
     trained from scratch (``train_one_pass(..., order=...)``) on the run's stream, cut where
-    rewinds cut it, without the union of every sample forgotten so far, fast and exact: its stores (keys, values, weights, steps,
-    ids, the samples the map names), its other parameters and buffers, and its outputs on
-    held-out inputs. A bfloat16 store is compared bit for bit too: the replay and the
-    retraining run the same operations in one process, on the product path the log recorded.
+    rewinds cut it, without the union of every sample forgotten so far, fast and exact: its
+    stores (keys, values, weights, steps, ids, the samples the map names), its other
+    parameters and buffers, and its outputs on held-out inputs. A bfloat16 store is compared
+    bit for bit too: the replay and the retraining run the same operations in one process, on
+    the product path the log recorded.
 
 The model is ``layer → ReLU → layer`` over 5 inputs, 6 hidden and 3 classes, trained with
 ``train_one_pass`` for one pass of 48 samples in batches of 8 under sample ids that are not

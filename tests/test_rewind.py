@@ -8,13 +8,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rcdl.memory.forgetting import forget
 from rcdl.train.loop import train_one_pass
 from rcdl.train.replay import ReplayLog
-from rcdl.train.unlearning import forget_exactly, rewind
-from rcdl.memory.forgetting import forget
+from rcdl.train.unlearning import rewind
 from small_runs import same
-from test_edits_compose import (B, N, assert_same_model, assert_unchanged, build, data,
-                                everything, exactly)
+from test_edits_compose import (
+    B,
+    N,
+    assert_same_model,
+    assert_unchanged,
+    build,
+    data,
+    everything,
+    exactly,
+)
 
 
 def logged(kind, every=1):
