@@ -73,7 +73,7 @@ typecheck:
 # Data: $RCDL_DATA, else ../shared/data; extra flags in ARGS, e.g.
 # make check-results ARGS="--only cifar10-1epoch --data-dir DIR"   (or ARGS=--update, --list)
 check-results:
-	$(PYTHON) benchmarks/check_results.py $(ARGS)
+	$(PYTHON) tools/check_results.py $(ARGS)
 
 # The documentation site (mkdocs.yml) into site/; the docs extra is installed (as constraints.txt
 # pins it) if mkdocs is missing or an installed docs tool differs from its pin.

@@ -1,15 +1,18 @@
 """This checkout against another git revision, interleaved: the hot paths' speed, A B A B ….
 
-Measures, in fresh processes taking turns (so that a drift of the machine's speed hits both
-sides alike), with the code of this checkout (``new``) and of ``--base`` (``old``, checked
-out into a temporary git worktree and put first on ``PYTHONPATH``):
+Registers two cases with the harness (``benchmarks/harness.py``) and runs them through the
+runner's revision comparison (``python benchmarks/run.py attention model --base REV``),
+in fresh processes taking turns (so that a drift of the machine's speed hits both sides
+alike), with the code of this checkout (``new``) and of ``--base`` (``old``, checked out
+into a temporary git worktree and put first on ``PYTHONPATH``):
 
-- ``attn16`` / ``attn500``: the weighted-softmax streaming attention, forward plus backward
-  w.r.t. the queries, B = 16 and 500 queries over N entries of width 3 072
-  (as ``benchmarks/bench_attention.py`` runs it), median of the repeats;
-- ``step``: one training step (batch 16) of a growing model of the one-epoch comparison with
-  N entries in every growing layer's store (as ``benchmarks/profile_step.py`` fills them),
-  median over the steps; ``eval500``: one no-grad evaluation batch of 500 images.
+- ``attention`` — ``attn16`` / ``attn500``: the weighted-softmax streaming attention,
+  forward plus backward w.r.t. the queries, B = 16 and 500 queries over N entries of width
+  3 072 (as ``benchmarks/bench_attention.py`` runs it), median of the repeats;
+- ``model`` — ``step``: one training step (batch 16) of a growing model of the one-epoch
+  comparison with N entries in every growing layer's store (filled by
+  ``harness.fill_stores``), median over the steps after one warm-up; ``eval500``: one
+  no-grad evaluation batch of 500 images.
 
 For each figure it prints every pair's ratio new / old and their median, min and max, beside
 the CPU model and flags. A ratio below 1 means this checkout is faster.
@@ -21,55 +24,25 @@ Run: ``python benchmarks/ab_revisions.py --base REV [--model gws] [--entries 500
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+import run
+from harness import case, fill_stores, timeit
+
+QUICK = {"entries": 2_000, "steps": 2, "repeats": 3}
 
 
-def _median_seconds(fn, repeats: int) -> float:  # noqa: ANN001
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+@case("attention", quick=QUICK, entries=50_000, dim=3072, store_dtype="float32", steps=8,
+      repeats=6)
+def attention_figures(entries: int, dim: int, store_dtype: str, steps: int,
+                      repeats: int) -> dict[str, float]:
+    """The weighted-softmax streaming attention, forward and backward w.r.t. the queries,
+    at B = 16 and B = 500 over ``entries`` entries of width ``dim``.
 
-
-def _attention_figures(attention, entries: int, dim: int, dtype: torch.dtype,  # noqa: ANN001
-                       repeats: int, gen: torch.Generator) -> dict[str, float]:
-    keys = (torch.randn(entries, dim, generator=gen) / dim**0.5).to(dtype)
-    values = torch.randn(entries, dim, generator=gen).to(dtype)
-    weights = torch.rand(entries, generator=gen)
-    out = {}
-    for batch, reps in ((16, repeats), (500, max(1, repeats // 3))):
-        q = torch.randn(batch, dim, generator=gen)
-        grad = torch.randn(batch, dim, generator=gen)
-
-        def fwd_bwd(q=q, grad=grad) -> None:  # noqa: ANN001
-            qq = q.detach().requires_grad_()
-            attention(qq, keys, values, weights, kernel="softmax", temperature=6.0).backward(grad)
-
-        out[f"attn{batch}"] = _median_seconds(fwd_bwd, reps)
-    return out
-
-
-def child(model_name: str, entries: int, store_dtype: str, steps: int, repeats: int,
-          dim: int, figures: tuple[str, ...] = ("attention", "model")) -> dict[str, float]:
-    """The figures of one side, in this process (the ``rcdl`` on ``sys.path``)."""
-    import torch.nn.functional as F
-
-    from rcdl import growing_layers
-    from rcdl.app.experiments.cifar10_models import build_model
+    ``steps`` is unused (the ``model`` case's); both cases take the same parameters so that
+    one command sets both.
+    """
     try:  # the module path of the code under test; revisions before the packages were flat
         from rcdl.ops.attention import attention
     except ImportError:
@@ -77,49 +50,63 @@ def child(model_name: str, entries: int, store_dtype: str, steps: int, repeats: 
 
     dtype = getattr(torch, store_dtype)
     gen = torch.Generator().manual_seed(0)
-    out = _attention_figures(attention, entries, dim, dtype, repeats, gen) if (
-        "attention" in figures) else {}
-    if "model" not in figures:
-        return out
-    model, optimizer, grower = build_model(model_name, 0, store_dtype=None if dtype is
-                                           torch.float32 else dtype)
-    for _, layer in growing_layers(model):
-        store = layer.store
-        store.reserve(entries)
-        for start in range(0, entries, 8192):
-            b = min(8192, entries - start)
-            store.append(torch.randn(b, store.d_in, generator=gen),
-                         0.01 * torch.randn(b, store.d_out, generator=gen),
-                         torch.full((b,), 1e-3), written_at=0)
-    stepper = optimizer if optimizer is not None and hasattr(optimizer, "grower") else grower
-    xs = torch.randn(steps + 1, 16, 3072, generator=gen)
-    ys = torch.randint(0, 10, (steps + 1, 16), generator=gen)
-    times = []
-    for i in range(steps + 1):
-        start = time.perf_counter()
-        stepper.zero_grad()
-        F.cross_entropy(model(xs[i]), ys[i]).backward()
-        stepper.step()
-        times.append(time.perf_counter() - start)
-    out["step"] = statistics.median(times[1:])  # the first is a warm-up
-    model.eval()
-    x_eval = torch.randn(500, 3072, generator=gen)
-    with torch.no_grad():
-        out["eval500"] = _median_seconds(lambda: model(x_eval), max(1, repeats // 3))
+    keys = (torch.randn(entries, dim, generator=gen) / dim**0.5).to(dtype)  # (N, d)
+    values = torch.randn(entries, dim, generator=gen).to(dtype)  # (N, d)
+    weights = torch.rand(entries, generator=gen)  # (N,)
+    out = {}
+    for batch, reps in ((16, repeats), (500, max(1, repeats // 3))):
+        q = torch.randn(batch, dim, generator=gen)  # (B, d)
+        grad = torch.randn(batch, dim, generator=gen)  # (B, d)
+
+        def fwd_bwd(q: torch.Tensor = q, grad: torch.Tensor = grad) -> None:
+            qq = q.detach().requires_grad_()
+            attention(qq, keys, values, weights, kernel="softmax", temperature=6.0).backward(grad)
+
+        out[f"attn{batch}"] = timeit(fwd_bwd, reps).median
     return out
 
 
-def _cpu() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "?"
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                  if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
-                  if ln.startswith("flags")), [])
-    shown = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
-    return f"{model} ({' '.join(shown)})"
+@case("model", quick=QUICK, model="gws", entries=50_000, dim=3072, store_dtype="float32",
+      steps=8, repeats=6)
+def model_figures(model: str, entries: int, dim: int, store_dtype: str, steps: int,
+                  repeats: int) -> dict[str, float]:
+    """One training step (batch 16) and one no-grad evaluation batch (500 images) of a
+    growing model of the one-epoch comparison, ``entries`` entries per growing layer.
+
+    ``step`` is the median over ``steps`` steps after one warm-up step, each on its own
+    batch; ``eval500`` the median of ``repeats // 3`` (at least one) evaluation calls.
+    """
+    import torch.nn.functional as F
+
+    try:  # the model zoo of the code under test; before it was an app module, an experiment's
+        from rcdl.app.models import build_model
+    except ImportError:
+        from rcdl.app.experiments.cifar10_models import (  # type: ignore[no-redef]
+            build_model,
+        )
+
+    dtype = getattr(torch, store_dtype)
+    gen = torch.Generator().manual_seed(0)
+    net, optimizer, grower = build_model(model, 0, store_dtype=None if dtype is torch.float32
+                                         else dtype)
+    fill_stores(net, entries, gen)
+    stepper = optimizer if optimizer is not None and hasattr(optimizer, "grower") else grower
+    xs = torch.randn(steps + 1, 16, dim, generator=gen)  # (steps + 1, B, d)
+    ys = torch.randint(0, 10, (steps + 1, 16), generator=gen)  # (steps + 1, B)
+    batches = iter(zip(xs, ys, strict=True))
+
+    def step() -> None:
+        x, y = next(batches)
+        stepper.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        stepper.step()
+
+    out = {"step": timeit(step, steps).median}
+    net.eval()
+    x_eval = torch.randn(500, dim, generator=gen)  # (500, d)
+    with torch.no_grad():
+        out["eval500"] = timeit(lambda: net(x_eval), max(1, repeats // 3)).median
+    return out
 
 
 def main() -> None:
@@ -135,60 +122,19 @@ def main() -> None:
                         default=["attention", "model"],
                         help="the attention calls, the model's step and evaluation, or both")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # store dtype, out file
     args = parser.parse_args()
-    dim = 3072
     if args.quick:
         args.entries, args.steps, args.repeats, args.pairs = 2_000, 2, 3, 1
-    if args.child:
-        result = child(args.model, args.entries, args.child[0], args.steps, args.repeats, dim,
-                       tuple(args.figures))
-        Path(args.child[1]).write_text(json.dumps(result))
-        return
     if not args.base:
         parser.error("--base REV is required")
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base],
-                         check=True, capture_output=True, text=True).stdout.strip()
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    threads = torch.get_num_threads()
-    print(f"# new: this checkout (HEAD {head}, with its uncommitted changes); old: {rev}")
-    print(f"# {_cpu()}, torch {torch.__version__}, {threads} threads; {args.model}, "
-          f"{args.entries:,} entries per layer; {args.pairs} pairs per dtype, interleaved")
-    with tempfile.TemporaryDirectory(prefix="rcdl-ab-") as tmp:
-        old_tree = Path(tmp) / "old"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q",
-                        str(old_tree), rev], check=True)
-        try:
-            trees = {"new": ROOT / "src", "old": old_tree / "src"}
-            for store_dtype in args.store_dtypes:
-                results: dict[str, list[dict[str, float]]] = {"new": [], "old": []}
-                for pair in range(args.pairs):
-                    order = ("new", "old") if pair % 2 == 0 else ("old", "new")
-                    for side in order:
-                        out = Path(tmp) / f"{side}.json"
-                        env = {**os.environ, "PYTHONPATH": str(trees[side])}
-                        subprocess.run([sys.executable, __file__, "--child", store_dtype,
-                                        str(out), "--model", args.model, "--entries",
-                                        str(args.entries), "--steps", str(args.steps),
-                                        "--repeats", str(args.repeats), "--figures",
-                                        *args.figures], check=True, env=env)
-                        results[side].append(json.loads(out.read_text()))
-                print(f"\n## store {store_dtype}")
-                print("| figure | new ms (median) | old ms (median) | new / old per pair: "
-                      "median [min, max] |")
-                print("|---|---|---|---|")
-                for key in results["new"][0]:
-                    new = [r[key] for r in results["new"]]
-                    old = [r[key] for r in results["old"]]
-                    ratios = [a / b for a, b in zip(new, old, strict=True)]
-                    print(f"| {key} | {1e3 * statistics.median(new):.1f} | "
-                          f"{1e3 * statistics.median(old):.1f} | "
-                          f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, "
-                          f"{max(ratios):.3f}] |")
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                            str(old_tree)], check=False)
+    cases = run.load_cases(args.figures)
+    combos = [{"model": args.model, "entries": args.entries, "store_dtype": dtype,
+               "steps": args.steps, "repeats": args.repeats} for dtype in args.store_dtypes]
+    if "model" not in args.figures:
+        combos = [{k: v for k, v in c.items() if k != "model"} for c in combos]
+    run.compare_revisions(cases, combos, args.base, args.pairs, quick=False,
+                          describe=f"{args.model}, {args.entries:,} entries per layer; ",
+                          title=lambda params: f"store {params['store_dtype']}")
 
 
 if __name__ == "__main__":

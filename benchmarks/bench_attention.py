@@ -29,12 +29,12 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
+
+from harness import case, machine_line, timeit
 
 
 def _rss_kib(field: str) -> int:
@@ -43,16 +43,6 @@ def _rss_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(batch: int, n: int, d: int, repeats: int, chunk_size: int | None,
@@ -96,14 +86,25 @@ def measure(batch: int, n: int, d: int, repeats: int, chunk_size: int | None,
     fwd_bwd()
     peak_bytes = max(0, _rss_kib("VmHWM") - rss_before) * 1024
     flops = 8 * batch * n * d
-    t_attn = _median_time(fwd_bwd, repeats)
-    t_gemm = min(_median_time(gemms, repeats), _median_time(gemms_entry_major, repeats))
+    t_attn = timeit(fwd_bwd, repeats).median
+    t_gemm = min(timeit(gemms, repeats).median, timeit(gemms_entry_major, repeats).median)
     return {
         "B": batch, "N": n, "d": d,
         "attn_gflops": flops / t_attn / 1e9, "gemm_gflops": flops / t_gemm / 1e9,
         "ratio": t_gemm / t_attn, "attn_s": t_attn, "gemm_s": t_gemm,
         "peak_over_store": peak_bytes / store_bytes, "store_gb": store_bytes / 1e9,
     }
+
+
+@case("attention-gemm", quick={"n": 2_000, "d": 256, "repeats": 2}, batch=16, n=50_000,
+      d=3072, repeats=3, store_dtype="float32")
+def attention_against_gemm(batch: int, n: int, d: int, repeats: int,
+                           store_dtype: str) -> dict[str, float]:
+    """The streaming attention's forward and backward against ``torch.matmul`` on the same
+    products (the faster layout), median seconds; no peak memory (that needs a fresh
+    process: the script's table has it)."""
+    r = measure(batch, n, d, repeats, None, 0.05, store_dtype)
+    return {"fwd+bwd": r["attn_s"], "gemm": r["gemm_s"]}
 
 
 def main() -> None:
@@ -129,12 +130,9 @@ def main() -> None:
                                  args.save_fraction, store_dtype)))
         return
 
-    from rcdl.app.rundir import cpu_flags, cpu_model
     from rcdl.nn.store import format_bytes
 
-    flags = " ".join(cpu_flags()) or "none of avx2/avx512f/avx512_bf16/amx"
-    print(f"# machine: {platform.node()} {platform.machine()}, {cpu_model()} "
-          f"(flags {flags}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"# machine: {platform.node()} {platform.machine()}, {machine_line()}, "
           f"d_in = d_out = {args.dim}; queries and gradients float32")
     header = ("| store |   B |       N | store bytes | attn GFLOP/s | GEMM GFLOP/s | ratio | "
               "peak / store | × fp32 |")

@@ -22,24 +22,69 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from rcdl.app.rundir import cpu_flags, cpu_model
+from harness import case, machine_line, timeit
 from rcdl.ops import packed as packing
 from rcdl.ops import widen
 from rcdl.ops.attention import attend
 from rcdl.ops.entries import Entries
 from rcdl.ops.half import half_products, native_products
 
+# each case: (its name, the store it reads, the product mode it runs under)
+PATHS = {"float32": ("float32", "auto"), "float32 packed": ("float32", "auto"),
+         "bfloat16 float32 chunks": ("bfloat16", "float32"),
+         "bfloat16 widened": ("bfloat16", "widen"), "bfloat16 native": ("bfloat16", "native")}
 
-def timed(fn, repeats: int) -> float:  # noqa: ANN001 - seconds per call
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
+
+def call_times(kernel: str, name: str, leaves: dict[str, tuple[torch.Tensor, ...]],
+               chunk_cache: packing.PackedChunks, q_train: torch.Tensor, q_eval: torch.Tensor,
+               repeats: int) -> dict[str, float]:
+    """Median seconds of a training call (forward and backward of ``q_train``) and of a
+    no-grad evaluation call (``q_eval``) of ``kernel`` on the store and path ``name``."""
+    store, mode = PATHS[name]
+    k, v, w = leaves[store]
+    op = "softmax" if kernel == "hybrid" else kernel
+    entries = Entries(k, v, w, op, packed=chunk_cache if name == "float32 packed" else None)
+    with half_products(mode):
+        def train() -> None:
+            attend(q_train, entries).sum().backward()
+
+        def evaluate() -> None:
+            with torch.no_grad():
+                attend(q_eval, entries)
+
+        return {"train": timeit(train, repeats).median,
+                "eval": timeit(evaluate, max(1, repeats // 3)).median}
+
+
+def half_inputs(kernel: str, width: int, entries: int, train_batch: int, eval_batch: int,
+                gen: torch.Generator) -> tuple[dict[str, tuple[torch.Tensor, ...]],
+                                               torch.Tensor, torch.Tensor]:
+    """A float32 store and its bfloat16 copy (keys, values, weights; leaves that need a
+    gradient where ``kernel`` is ``hybrid``, whose entries train) and the two query batches."""
+    keys = torch.randn(entries, width, generator=gen)  # (N, d)
+    values = torch.randn(entries, width, generator=gen)  # (N, d)
+    weights = torch.rand(entries, generator=gen) + 0.1  # (N,)
+    stores = {"float32": (keys, values), "bfloat16": (keys.bfloat16(), values.bfloat16())}
+    q_train = torch.randn(train_batch, width, generator=gen, requires_grad=True)  # (B, d)
+    q_eval = torch.randn(eval_batch, width, generator=gen)  # (B_eval, d)
+    leaves = {name: tuple(t.detach().requires_grad_(kernel == "hybrid") for t in (*kv, weights))
+              for name, kv in stores.items()}
+    return leaves, q_train, q_eval
+
+
+@case("half-path", quick={"width": 64, "entries": 500, "eval_batch": 32, "repeats": 1},
+      kernel="softmax", path="bfloat16 float32 chunks", width=1024, entries=6000,
+      train_batch=16, eval_batch=500, repeats=3)
+def half_path(kernel: str, path: str, width: int, entries: int, train_batch: int,
+              eval_batch: int, repeats: int) -> dict[str, float]:
+    """One store and product path of ``kernel`` (``path``: a name of ``PATHS``): a training
+    and an evaluation call, median seconds."""
+    leaves, q_train, q_eval = half_inputs(kernel, width, entries, train_batch, eval_batch,
+                                          torch.Generator().manual_seed(0))
+    return call_times(kernel, path, leaves, packing.PackedChunks(), q_train, q_eval, repeats)
 
 
 def main() -> None:
@@ -55,22 +100,16 @@ def main() -> None:
     parser.add_argument("--native", action="store_true",
                         help="time the native path also where it is emulated (slow)")
     args = parser.parse_args()
-    print(f"# {cpu_model()} (flags {' '.join(cpu_flags())}), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; bfloat16 native here: "
-          f"{native_products(torch.bfloat16)}")
+    print(f"# {machine_line()}; bfloat16 native here: {native_products(torch.bfloat16)}")
     gen = torch.Generator().manual_seed(0)
-    keys = torch.randn(args.entries, args.width, generator=gen)
-    values = torch.randn(args.entries, args.width, generator=gen)
-    weights = torch.rand(args.entries, generator=gen) + 0.1
-    stores = {"float32": (keys, values), "bfloat16": (keys.bfloat16(), values.bfloat16())}
-    cases = [("float32", "float32", "auto"), ("bfloat16 float32 chunks", "bfloat16", "float32")]
+    cases = ["float32", "bfloat16 float32 chunks"]
     packs = packing.supported(torch.float32) and packing.PACKED.get() != "off"
     if packs:
-        cases.insert(1, ("float32 packed", "float32", "auto"))
+        cases.insert(1, "float32 packed")
     if widen.available():
-        cases.append(("bfloat16 widened", "bfloat16", "widen"))
+        cases.append("bfloat16 widened")
     if native_products(torch.bfloat16) or args.native:  # emulated: 20-160x float32, skipped
-        cases.append(("bfloat16 native", "bfloat16", "native"))
+        cases.append("bfloat16 native")
     print(f"# width {args.width}, {args.entries} entries, train batch {args.train_batch}, "
           f"eval batch {args.eval_batch}; median of {args.rounds} interleaved rounds")
     packed_col = " × float32 packed (train, eval) |" if packs else ""
@@ -78,35 +117,23 @@ def main() -> None:
           f"{packed_col}")
     print("|---|---|---:|---:|---:|---:|" + ("---:|" if packs else ""))
     for kernel in args.kernels:
-        times: dict[str, dict[str, list[float]]] = {n: {"train": [], "eval": []}
-                                                    for n, _, _ in cases}
-        q_train = torch.randn(args.train_batch, args.width, generator=gen, requires_grad=True)
-        q_eval = torch.randn(args.eval_batch, args.width, generator=gen)
+        leaves, q_train, q_eval = half_inputs(kernel, args.width, args.entries,
+                                              args.train_batch, args.eval_batch, gen)
         trained = kernel == "hybrid"
-        leaves = {name: tuple(t.detach().requires_grad_(trained) for t in (*kv, weights))
-                  for name, kv in stores.items()}
-        op = "softmax" if trained else kernel
         # a layer that trains its entries (the hybrid) packs none: plain float32 is its
         # store's time; the packed case's chunks are packed once, as a store keeps them
-        kernel_cases = [case for case in cases if not (trained and case[0] == "float32 packed")]
+        kernel_cases = [name for name in cases if not (trained and name == "float32 packed")]
         baseline = "float32" if trained else "float32 packed"
+        times: dict[str, dict[str, list[float]]] = {n: {"train": [], "eval": []}
+                                                    for n in kernel_cases}
         chunk_cache = packing.PackedChunks()
         for _ in range(args.rounds):
-            for name, store, mode in kernel_cases:
-                k, v, w = leaves[store]
-                entries = Entries(k, v, w, op,
-                                  packed=chunk_cache if name == "float32 packed" else None)
-                with half_products(mode):
-                    def train(e=entries, q=q_train) -> None:  # noqa: ANN001
-                        attend(q, e).sum().backward()
-
-                    def evaluate(e=entries, q=q_eval) -> None:  # noqa: ANN001
-                        with torch.no_grad():
-                            attend(q, e)
-
-                    times[name]["train"].append(timed(train, args.repeats))
-                    times[name]["eval"].append(timed(evaluate, max(1, args.repeats // 3)))
-        for name, _, _ in kernel_cases:
+            for name in kernel_cases:
+                got = call_times(kernel, name, leaves, chunk_cache, q_train, q_eval,
+                                 args.repeats)
+                for what in ("train", "eval"):
+                    times[name][what].append(got[what])
+        for name in kernel_cases:
             tr, ev = (statistics.median(times[name][w]) for w in ("train", "eval"))
             against_packed = (f" {ratio(times, name, 'train', baseline)}, "
                               f"{ratio(times, name, 'eval', baseline)} |" if packs else "")

@@ -35,14 +35,20 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import rcdl
+from harness import case, clock, machine_line
 from rcdl import ClippedSoftmaxRule, DistanceGate, EntryAdam, Grower
+
+try:  # the learner's step of the code under test; older versions (--baseline): the layer's
+    from rcdl.optim._step import commit
+except ImportError:
+    def commit(layer, entries) -> None:  # noqa: ANN001
+        layer.commit(entries)
 
 try:  # the module path of the code under test; revisions before the packages were flat
     from rcdl.nn.hybrid import hybrid_layers
@@ -75,7 +81,7 @@ def build(n: int, steps: int, device: torch.device, seed: int = 0,  # noqa: ANN2
         keys.mul_(torch.rsqrt(keys.square().mean(1, keepdim=True)))  # (N, d), unit RMS
         values = torch.randn(n, layer.d_out, device=device).mul_(0.01)  # (N, d_out)
         weights = torch.rand(n, device=device).add_(0.5).div_(n)  # (N,)
-        layer.commit((keys, values, weights))
+        commit(layer, (keys, values, weights))
         del keys, values, weights
     adam = EntryAdam(net, lr=1e-3)  # its moments meet the n entries of every layer
     for name, layer in hybrid_layers(net):
@@ -105,27 +111,13 @@ def _peak_rss_bytes() -> int:
         return 0
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = (line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-            return next(names)
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def train_step(net, adam, grower, x, y, device, clock=None) -> None:  # noqa: ANN001
-    """One ``train_one_pass`` step; adds each phase's seconds to ``clock`` if given."""
-    marks = [time.perf_counter()]
+def train_step(net, adam, grower, x, y, device, phases=None) -> None:  # noqa: ANN001
+    """One ``train_one_pass`` step; adds each phase's seconds to ``phases`` if given (read
+    with the harness's clock, which waits for a GPU's queued kernels)."""
+    marks = [clock()]
 
     def mark() -> None:
-        _sync(device)
-        marks.append(time.perf_counter())
+        marks.append(clock())
 
     loss = F.cross_entropy(net(x), y)
     loss.item()
@@ -137,9 +129,9 @@ def train_step(net, adam, grower, x, y, device, clock=None) -> None:  # noqa: AN
     mark()
     grower.step()
     mark()
-    if clock is not None:
+    if phases is not None:
         for phase, t0, t1 in zip(PHASES, marks[:-1], marks[1:], strict=True):
-            clock[phase].append(t1 - t0)
+            phases[phase].append(t1 - t0)
 
 
 def measure(n: int, steps: int, warmup: int, device: torch.device, profile: bool,
@@ -147,25 +139,34 @@ def measure(n: int, steps: int, warmup: int, device: torch.device, profile: bool
     """Median seconds per phase (and of the whole step) at ``n`` entries per layer."""
     net, adam, grower = build(n, steps + warmup + int(profile), device, store_dtype=store_dtype)
     gen = torch.Generator().manual_seed(1)
-    clock = {phase: [] for phase in PHASES}
+    phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
     for i in range(warmup + steps):
         x = torch.randn(BATCH, D, generator=gen).to(device)  # (B, d)
         y = torch.randint(0, CLASSES, (BATCH,), generator=gen).to(device)  # (B,)
-        train_step(net, adam, grower, x, y, device, clock if i >= warmup else None)
+        train_step(net, adam, grower, x, y, device, phases if i >= warmup else None)
     if profile:
         from torch import profiler
 
         with profiler.profile(activities=[profiler.ProfilerActivity.CPU]) as prof:
             train_step(net, adam, grower, x, y, device)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    totals = [sum(parts) for parts in zip(*clock.values(), strict=True)]
-    result = {phase: statistics.median(times) for phase, times in clock.items()}
+    totals = [sum(parts) for parts in zip(*phases.values(), strict=True)]
+    result = {phase: statistics.median(times) for phase, times in phases.items()}
     result["step"] = statistics.median(totals)
     result["entries"] = [len(layer.store) for _, layer in hybrid_layers(net)]
     result["peak_gb"] = _peak_rss_bytes() / 1e9
     del net, adam, grower
     gc.collect()
     return result
+
+
+@case("hybrid-step", quick={"entries": 2000, "steps": 1}, entries=8000, steps=3, warmup=1,
+      store_dtype="float32")
+def hybrid_step(entries: int, steps: int, warmup: int, store_dtype: str) -> dict[str, float]:
+    """One training step of the paper-size hybrid net at ``entries`` entries per layer, phase
+    by phase: median seconds of each phase and of the whole step over ``steps`` steps."""
+    r = measure(entries, steps, warmup, torch.device("cpu"), False, store_dtype)
+    return {k: r[k] for k in (*PHASES, "step")}
 
 
 def _child(n: int, args: argparse.Namespace, src: str) -> dict:
@@ -230,10 +231,9 @@ def main() -> None:
     versions = args.versions or [("current", str(Path(__file__).resolve().parents[1] / "src"))]
     if args.baseline:
         versions = [("baseline", args.baseline), *versions]
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     tunables = os.environ.get("GLIBC_TUNABLES")
-    print(f"# {platform.node()} {platform.machine()} {where}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {device}, store {args.store_dtype}"
+    print(f"# {platform.node()} {platform.machine()} {machine_line(device)}, {device}, "
+          f"store {args.store_dtype}"
           + (f", GLIBC_TUNABLES={tunables}" if tunables else ""))
     print("# " + ", ".join(f"{label}: rcdl from {src}" for label, src in versions))
     print(f"# hybrid net d = {D}, 3 blocks + readout, batch {BATCH}; ms per step (% of the "

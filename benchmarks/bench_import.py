@@ -26,18 +26,15 @@ start compiles the imported rcdl sources again, which the line about the cache s
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import platform
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rcdl._cpu import cpuinfo_field, cpuinfo_flags
-from rcdl.app.rundir import SPEED_FLAGS
+from harness import case, machine_line, timeit
 
 COMMANDS = {
     'python -c "import torch"': ["-c", "import torch"],
@@ -49,24 +46,20 @@ HELP = "python -m rcdl --help"
 
 
 def machine() -> str:
-    """The CPU's model, its flags of :data:`rcdl.app.rundir.SPEED_FLAGS`, the core count,
-    Python and torch."""
-    model = cpuinfo_field("model name") or platform.processor() or "unknown CPU"
-    have = cpuinfo_flags()
-    flags = " ".join(f for f in SPEED_FLAGS if f in have) or "none of " + "/".join(SPEED_FLAGS)
-    return (f"{model} (flags {flags}), {os.cpu_count()} CPUs, Python "
-            f"{platform.python_version()}, torch {importlib.metadata.version('torch')}")
+    """The CPU's model and speed flags, torch (:func:`harness.machine_line`), the core count
+    and Python."""
+    return f"{machine_line()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 
 def time_once(args: Sequence[str]) -> float:
     """Seconds from starting ``python args`` in a fresh process to its exit."""
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, *args], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
+    done: list[subprocess.CompletedProcess] = []
+    seconds = timeit(lambda: done.append(subprocess.run(
+        [sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)),
+        1, warmup=0).median
+    if done[0].returncode != 0:
         raise SystemExit(f"bench_import: `python {' '.join(args)}` failed "
-                         f"(exit status {done.returncode}):\n{done.stderr}")
+                         f"(exit status {done[0].returncode}):\n{done[0].stderr}")
     return seconds
 
 
@@ -81,6 +74,13 @@ def measure(rounds: int) -> dict[str, list[float]]:
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(time_once(COMMANDS[name]))
     return times
+
+
+@case("startup", quick={"rounds": 1}, rounds=5)
+def startup(rounds: int) -> dict[str, float]:
+    """Each start-up command of :data:`COMMANDS` in a fresh process: median seconds over
+    ``rounds`` interleaved rounds after one untimed round."""
+    return {name: statistics.median(ts) for name, ts in measure(rounds).items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from rcdl.app.allocator import keep_freed_memory
-from rcdl.app.experiments.cifar10_config import METRICS, Cifar10Config, load_data
-from rcdl.app.experiments.cifar10_models import build_model
+from rcdl.app.experiments.cifar10.config import METRICS, Cifar10Config, load_data
+from rcdl.app.models import build_model
 from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.train.loop import train_one_pass
 

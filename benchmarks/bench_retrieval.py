@@ -17,7 +17,7 @@ plus one float32 copy of the keys per index (and the ground truth's transient co
 1 M CIFAR-width keys (3072) would take 12 GB for the keys alone.
 
 **CIFAR-10** (``--cifar``). Trains the one-epoch ``gws`` or ``rbf`` model
-(``rcdl.app.experiments.cifar10_models.build_model``, ``rcdl.train.loop.train_one_pass``,
+(``rcdl.app.models.build_model``, ``rcdl.train.loop.train_one_pass``,
 batch 16) on
 ``--train-size`` images, exactly or with top-k attention in training too (``--train-k``),
 then evaluates test accuracy, loss and evaluation time, exact and with top-k for each k,
@@ -37,17 +37,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from harness import case, machine_line, timeit
 from rcdl.app.allocator import keep_freed_memory
-from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.nn.layers import growing_layers
 from rcdl.nn.store import format_bytes
 from rcdl.ops.attention import attention, attention_partial
@@ -72,20 +70,7 @@ def header() -> str:
         faiss_line = f"faiss {faiss.__version__}, {faiss.omp_get_max_threads()} threads"
     except ImportError:
         faiss_line = "faiss not installed"
-    flags = " ".join(cpu_flags()) or "?"
-    return (f"# {cpu_model()}, flags {flags}; torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads; {faiss_line}")
-
-
-def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return f"# {machine_line()}; {faiss_line}"
 
 
 def true_left_out(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, kept: torch.Tensor,
@@ -146,6 +131,26 @@ def bench_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+@case("topk-attention", quick={"entries": 20_000, "dim": 64, "d_out": 64}, kernel="rbf",
+      backend="faiss-flat", k=256, batch=64, entries=1_000_000, dim=256, d_out=256,
+      clusters=1000, temperature=0.25, repeats=5)
+def topk_case(kernel: str, backend: str, k: int, batch: int, entries: int, dim: int,
+              d_out: int, clusters: int, temperature: float, repeats: int) -> dict[str, float]:
+    """Exact streaming attention and index search + top-k attention for ``batch`` queries
+    over the synthetic store: median seconds of each (an HNSW index takes the script's
+    default settings)."""
+    keys, values, weights, queries = synthetic_store(entries, dim, d_out, clusters, batch, 0)
+    kw = {"kernel": kernel, "temperature": temperature}
+    settings = {"hnsw_m": 32, "ef_search": 128, "ef_construction": 40}
+    index = make_index(backend, metric_for(kernel),
+                       **(settings if backend == "faiss-hnsw" else {}))
+    index.add(keys)
+    return {"exact": timeit(lambda: attention(queries, keys, values, weights, **kw),
+                            repeats).median,
+            f"{backend} top-{k}": timeit(lambda: topk_attention(
+                queries, keys, values, weights, index=index, k=k, **kw), repeats).median}
+
+
 def bench_kernel(kernel: str, keys, values, weights, queries, args) -> dict[str, Any]:  # noqa: ANN001
     metric, t = metric_for(kernel), args.temperature
     kw = {"kernel": kernel, "temperature": t}
@@ -174,15 +179,15 @@ def bench_kernel(kernel: str, keys, values, weights, queries, args) -> dict[str,
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for b in (1, 64):
         q = queries[:b]
-        exact_s = median_seconds(lambda q=q: attention(q, keys, values, weights, **kw),
-                                 args.repeats)
+        exact_s = timeit(lambda q=q: attention(q, keys, values, weights, **kw),
+                         args.repeats).median
         rows["exact"][b] = exact_s
         print(f"| {b} | exact streaming | — | {1000 * exact_s:.2f} | 1 | | | | |")
         for backend, index in indices.items():
             for k in args.ks:
                 run = lambda q=q, index=index, k=k: topk_attention(  # noqa: E731
                     q, keys, values, weights, index=index, k=k, **kw)
-                seconds = median_seconds(run, args.repeats)
+                seconds = timeit(run, args.repeats).median
                 row = {"latency_s": seconds, "speedup": exact_s / seconds}
                 if b == 64:  # quality over all the queries, once per (index, k)
                     row |= quality(queries, keys, values, weights, index, k, truth, exact_out, kw)
@@ -219,8 +224,8 @@ def fmt(x: float | None) -> str:
 
 
 def bench_cifar(args: argparse.Namespace) -> dict[str, Any]:
-    from rcdl.app.experiments.cifar10_config import METRICS, Cifar10Config, load_data
-    from rcdl.app.experiments.cifar10_models import build_model
+    from rcdl.app.experiments.cifar10.config import METRICS, Cifar10Config, load_data
+    from rcdl.app.models import build_model
     from rcdl.train.loop import train_one_pass
 
     cfg = Cifar10Config(models=(args.model,), train_size=args.train_size,
@@ -267,7 +272,7 @@ def load_trained(model: torch.nn.Module, path: Path) -> dict[str, Any]:
 def bench_cifar_evaluation(args: argparse.Namespace, model: torch.nn.Module, data: Any,
                            trained: dict[str, Any]) -> dict[str, Any]:
     """Exact against top-k evaluation of a trained ``model`` on the test set."""
-    from rcdl.app.experiments.cifar10_config import METRICS
+    from rcdl.app.experiments.cifar10.config import METRICS
     from rcdl.train.loop import evaluate
 
     training = trained["training"]

@@ -17,12 +17,10 @@ Prints the CPU model and flags first; times compare only within one run.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
+from harness import case, machine_line, timeit
 from rcdl import (
     AlwaysGrow,
     ClippedSoftmaxRule,
@@ -35,29 +33,27 @@ from rcdl import (
     growing_layers,
 )
 from rcdl.app.data import TeacherConfig, make_teacher_data
-from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.ops.rounding import round_stochastically, rounding_noise
 
 
-def median_ms(fn, repeat: int, warmup: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+@case("rounding", quick={"calls": 10}, rows=85, width=3072, calls=300)
+def rounding_case(rows: int, width: int, calls: int) -> dict[str, float]:
+    """Stochastic rounding of a ``(rows, width)`` float32 block to bfloat16 with
+    counter-based noise and with torch's generator: median seconds of ``calls`` calls after
+    20 untimed ones."""
+    x, ids = torch.randn(rows, width), torch.arange(1000, 1000 + rows)
+    step = torch.tensor(5)
+    return {"generator": timeit(lambda: round_stochastically(x, torch.bfloat16), calls,
+                                warmup=20).median,
+            "counter": timeit(lambda: round_stochastically(
+                x, torch.bfloat16, rounding_noise(seed=3, step=step, ids=ids, width=width)),
+                calls, warmup=20).median}
 
 
 def rounding() -> None:
-    x, ids = torch.randn(85, 3072), torch.arange(1000, 1085)
-    step = torch.tensor(5)
-    generator = median_ms(lambda: round_stochastically(x, torch.bfloat16), 300)
-    counter = median_ms(lambda: round_stochastically(
-        x, torch.bfloat16, rounding_noise(seed=3, step=step, ids=ids, width=3072)), 300)
-    print(f"1. rounding an 85x3072 block: counter-based {counter:.3f} ms, torch's generator "
-          f"{generator:.3f} ms (median of 300)")
+    ms = {k: 1e3 * v for k, v in rounding_case(85, 3072, 300).items()}
+    print(f"1. rounding an 85x3072 block: counter-based {ms['counter']:.3f} ms, torch's "
+          f"generator {ms['generator']:.3f} ms (median of 300)")
 
 
 def look_ahead() -> None:
@@ -70,14 +66,14 @@ def look_ahead() -> None:
         grower = Grower(net)
         for _, layer in growing_layers(net):
             layer.max_output_growth = 1e4 if check else None
-        times = []
-        for i in range(300):
-            start = time.perf_counter()
+        batches = iter(range(300))
+
+        def step(net=net, grower=grower, batches=batches) -> None:  # noqa: ANN001
+            i = next(batches)
             F.cross_entropy(net(x[16 * i : 16 * i + 16]), y[16 * i : 16 * i + 16]).backward()
             grower.step()
-            if i >= 200:
-                times.append(time.perf_counter() - start)
-        result.setdefault(check, []).append(1e3 * statistics.median(times))
+
+        result.setdefault(check, []).append(1e3 * timeit(step, 100, warmup=200).median)
     on, off = (", ".join(f"{t:.1f}" for t in result[k]) for k in (True, False))
     print(f"2. gws step (median, steps 200-300, two runs each): look-ahead on {on} ms, "
           f"off {off} ms")
@@ -132,8 +128,7 @@ def divergence() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    print(f"{cpu_model()}, flags {' '.join(cpu_flags())}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(machine_line())
     rounding()
     look_ahead()
     half_layouts()

@@ -5,7 +5,7 @@ At B = 16 the streaming attention's training step multiplies each store chunk tw
 pass: once as the scores' wide operand (``keys_c @ qᵀ``, which streams at the machine's
 best rate) and once summed over its entries (``left (B, c) @ values_c (c, d)`` forward, the
 same shape with the keys backward). In bfloat16 the second runs about half as fast on the
-AVX512-bf16 CPUs measured (docs/precision.md, results/roofline/). This script times that
+AVX512-bf16 CPUs measured (docs/precision.md, results/speed/roofline/). This script times that
 product as the attention runs it and in the orders a change could run it instead, streamed
 over consecutive chunks of one store, interleaved rounds, best of each:
 
@@ -42,28 +42,23 @@ bound by arithmetic well below it), with the CPU model and flags.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from rcdl.app.rundir import cpu_flags, cpu_model
+from harness import case, machine_line, timeit
 from rcdl.ops import packed as packing
 from rcdl.ops import widen
 from rcdl.ops.kernels import row_sq_norms
 
+Products = dict[str, Callable[[int], torch.Tensor]]
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--width", type=int, default=3072)
-    parser.add_argument("--chunk", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--chunks", type=int, default=10, help="chunks streamed per timing")
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    dtype, d, c, b, n = getattr(torch, args.dtype), args.width, args.chunk, args.batch, args.chunks
+
+def products_of(dtype: torch.dtype, d: int, c: int, b: int,
+                n: int) -> tuple[Products, dict[str, int]]:
+    """Every product of the module's docstring over ``n`` chunks of ``c`` rows of width ``d``
+    at batch ``b`` (each a function of the chunk's index), and the store bytes each reads."""
     torch.manual_seed(0)
     keys = torch.randn(n * c, d).to(dtype)  # (N, d)
     values = torch.randn(n * c, d).to(dtype)  # (N, d)
@@ -131,20 +126,45 @@ def main() -> None:
         lambda i: (keys[rows(i)] * keys[rows(i)]).sum(1, dtype=torch.float32))
     products["norms row_sq_norms"] = lambda i: row_sq_norms(keys[rows(i)], torch.float32)
 
-    def best_ms(fn: Callable[[int], torch.Tensor]) -> float:
-        start = time.perf_counter()
-        for i in range(n):
-            fn(i)
-        return (time.perf_counter() - start) / n * 1e3
+    return products, bytes_per
 
+
+def time_products(products: Products, n: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per chunk of every product, streamed over the ``n`` chunks, in ``rounds``
+    interleaved rounds (after one warm-up call of each)."""
     for fn in products.values():
         fn(0)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in products}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, fn in products.items():
-            times[name].append(best_ms(fn))
-    print(f"CPU: {cpu_model()}; flags {' '.join(cpu_flags()) or '-'}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+            streamed = timeit(lambda fn=fn: [fn(i) for i in range(n)], 1, warmup=0)
+            times[name].append(streamed.median / n)
+    return times
+
+
+@case("sum-products", quick={"width": 256, "chunks": 2, "rounds": 1}, dtype="bfloat16",
+      width=3072, chunk=2048, batch=16, chunks=10, rounds=3)
+def sum_products(dtype: str, width: int, chunk: int, batch: int, chunks: int,
+                 rounds: int) -> dict[str, float]:
+    """Seconds per chunk of each way to run a chunk's products (best of the rounds)."""
+    products, _ = products_of(getattr(torch, dtype), width, chunk, batch, chunks)
+    return {name: min(ts) for name, ts in time_products(products, chunks, rounds).items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--width", type=int, default=3072)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--chunks", type=int, default=10, help="chunks streamed per timing")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    b, c, d, n = args.batch, args.chunk, args.width, args.chunks
+    products, bytes_per = products_of(getattr(torch, args.dtype), d, c, b, n)
+    times = {name: [1e3 * t for t in ts]
+             for name, ts in time_products(products, n, args.rounds).items()}
+    print(f"CPU: {machine_line()}")
     print(f"{args.dtype}, B = {b}, chunk {c} × {d}, {n} chunks streamed, best of {args.rounds}")
     reference = min(times["scores keys_c @ qᵀ"])
     print("| product | ms per chunk | × scores | GFLOP/s | GB/s read |\n|---|---:|---:|---:|---:|")

@@ -1,5 +1,5 @@
 """Retrieval-side readouts of a growing RBF network learnt class by class, on CIFAR-10
-(docs/continual.md, "What did not help").
+(results/continual/LOG.md, "What did not help").
 
 For each order and seed: trains ``rbf`` and ``rbf+labels`` exactly as ``rcdl reproduce
 continual`` does (Split CIFAR-10, 5 tasks of 2 classes, one pass, batch 16), then answers
@@ -18,7 +18,7 @@ The entries' task comes from their sample (``rcdl.memory.provenance``). Prints t
 a table of the final accuracy (mean over orders and seeds); with ``--out`` writes JSON.
 
     python benchmarks/continual_readouts.py --data-dir ../shared/data \
-        --out results/continual-methods
+        --out results/continual/methods
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ the JSON and a figure of the cost against the earliest position, beside the cost
 from position p should have when a step's cost grows with the store (1 − p²).
 
     python benchmarks/exact_forgetting.py --data-dir ../shared/data --train-size 5000 \\
-        --out results/unlearning-exact
+        --out results/unlearning/exact
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from rcdl.app.allocator import keep_freed_memory
-from rcdl.app.experiments.cifar10_config import Cifar10Config, load_data
+from rcdl.app.experiments.cifar10.config import Cifar10Config, load_data
 from rcdl.app.recipes import copy_trained, train_with_learners
 from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.train.replay import ReplayLog

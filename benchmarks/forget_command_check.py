@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rcdl.app.experiments.cifar10_config import Cifar10Config, load_data
-from rcdl.app.experiments.cifar10_models import build_model
+from rcdl.app.experiments.cifar10.config import Cifar10Config, load_data
+from rcdl.app.models import build_model
 from rcdl.app.rundir import describe_machine, read_config
 from rcdl.ops.half import products_as
 from rcdl.train.checkpoint import load_checkpoint, load_model_state

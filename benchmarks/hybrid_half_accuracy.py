@@ -1,5 +1,5 @@
 """Where a bfloat16 store costs the hybrid its accuracy: one-epoch hybrid runs with one
-bfloat16 effect switched on at a time (docs/precision.md, "The hybrid's accuracy with a
+bfloat16 effect switched on at a time (results/speed/LOG.md, "The hybrid's accuracy with a
 bfloat16 store").
 
 Each variant is ``rcdl reproduce cifar10-1epoch --models hybrid`` with a diagnostic change

@@ -19,31 +19,21 @@ names the CPU flags (docs/precision.md, "Where the time goes").
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from rcdl.app.rundir import cpu_flags, cpu_model
+from harness import case, machine_line, timeit
 
 
-def _best_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _best_time(fn, repeats: int) -> float:  # noqa: ANN001
+    """The fastest of ``repeats`` calls after one warm-up (the machine's limit: the least
+    disturbed call)."""
+    return min(timeit(fn, repeats).times)
 
 
 def triad_gb_per_s(megabytes: int, repeats: int) -> float:
     n = megabytes * 1_000_000 // 4
-    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-
-    def triad() -> None:
-        torch.add(b, c, alpha=3.0, out=a)
-
-    return 3 * n * 4 / _best_time(triad, repeats) / 1e9
+    return 3 * n * 4 / triad_case(megabytes, repeats)["triad"] / 1e9
 
 
 def gemm_gflops(dtype: torch.dtype, chunk: int, d: int, batch: int, store_gb: float,
@@ -68,6 +58,26 @@ def gemm_gflops(dtype: torch.dtype, chunk: int, d: int, batch: int, store_gb: fl
             chunks * flops / _best_time(streamed, repeats) / 1e9)
 
 
+@case("triad", quick={"megabytes": 16, "repeats": 1}, megabytes=512, repeats=3)
+def triad_case(megabytes: int, repeats: int) -> dict[str, float]:
+    """A STREAM-like triad ``a = b + s·c`` over three float32 arrays of ``megabytes`` each:
+    the fastest call."""
+    n = megabytes * 1_000_000 // 4
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    return {"triad": _best_time(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)}
+
+
+@case("chunk-product", quick={"dim": 256, "store_gb": 0.02, "repeats": 1}, dtype="float32",
+      chunk=2048, dim=3072, batch=16, store_gb=1.0, repeats=3)
+def chunk_product(dtype: str, chunk: int, dim: int, batch: int, store_gb: float,
+                  repeats: int) -> dict[str, float]:
+    """``keys_c @ qᵀ`` at the attention's chunk shape: seconds per chunk on one cached chunk
+    and streamed over a store of ``store_gb`` (the fastest call of each)."""
+    cached, streamed = gemm_gflops(getattr(torch, dtype), chunk, dim, batch, store_gb, repeats)
+    flops = 2 * chunk * dim * batch
+    return {"cached": flops / cached / 1e9, "streamed": flops / streamed / 1e9}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dim", type=int, default=3072)
@@ -80,9 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.dim, args.store_gb, args.triad_mb, args.repeats = 256, 0.02, 16, 1
-    flags = " ".join(cpu_flags()) or "?"
-    print(f"# {cpu_model()} (flags {flags}), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(f"# {machine_line()}")
     print(f"triad: {triad_gb_per_s(args.triad_mb, args.repeats):.1f} GB/s "
           f"(3 arrays of {args.triad_mb} MB, float32)")
     print("| dtype | B | chunk × d | cached GFLOP/s | streamed GFLOP/s | streamed GB/s |")

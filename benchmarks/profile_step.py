@@ -29,25 +29,9 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness import fill_stores, machine_line
 from rcdl.app.allocator import keep_freed_memory
-from rcdl.app.experiments.cifar10_models import build_model
-from rcdl.app.rundir import cpu_flags, cpu_model
-from rcdl.nn.layers import growing_layers
-
-
-def fill_stores(model: torch.nn.Module, entries: int, seed: int = 0) -> None:
-    """Append ``entries`` rows to every growing layer: keys of unit RMS (the normalised
-    inputs' scale), values of RMS 0.01, weights 1e-3 (a plausible trained store)."""
-    gen = torch.Generator().manual_seed(seed)
-    for _, layer in growing_layers(model):
-        store = layer.store
-        factory = {"dtype": store.dtype, "device": store.device}
-        store.reserve(len(store) + entries)
-        for start in range(0, entries, 8192):  # in blocks: no 2x peak for large stores
-            b = min(8192, entries - start)
-            keys = torch.randn(b, store.d_in, generator=gen).to(**factory)
-            values = (0.01 * torch.randn(b, store.d_out, generator=gen)).to(**factory)
-            store.append(keys, values, torch.full((b,), 1e-3, **factory), written_at=0)
+from rcdl.app.models import build_model
 
 
 class HostReads(TorchDispatchMode):
@@ -109,7 +93,7 @@ def main() -> None:
                                            store_dtype=store_dtype)
     if grower is None:
         raise SystemExit(f"{args.model} has no growing layers to profile")
-    fill_stores(model, args.entries)
+    fill_stores(model, args.entries, torch.Generator().manual_seed(0))
     step_opt = optimizer if optimizer is not None and hasattr(optimizer, "grower") else grower
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(16, 3072, generator=gen).to(device),
@@ -147,10 +131,8 @@ def main() -> None:
             model(x_eval)
         sync()
         eval_s = time.perf_counter() - start
-    flags = " ".join(cpu_flags()) or "?"
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"{cpu_model()} ({flags})"
     print(f"# {args.model}, {args.entries:,} entries per layer, store {args.store_dtype}, "
-          f"{device}: {where}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"{device}: {machine_line(device)}")
     print(f"# per training step (batch 16): {1e3 * step_s:.1f} ms; one evaluation batch (500): "
           f"{1e3 * eval_s:.1f} ms")
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"

@@ -11,7 +11,7 @@ Measures the seconds and the forget-set, retained-set and test accuracy and the 
 score of every variant; prints the CPU and a table, and with --out writes the JSON and a
 figure of each gap to retraining against the seconds.
 
-    python benchmarks/repair_budget.py --data-dir ../shared/data --out results/unlearning-repair
+    python benchmarks/repair_budget.py --data-dir ../shared/data --out results/unlearning/fast
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rcdl.app.allocator import keep_freed_memory
-from rcdl.app.experiments.cifar10_config import Cifar10Config, load_data
+from rcdl.app.experiments.cifar10.config import Cifar10Config, load_data
 from rcdl.app.recipes import train_with_learners
 from rcdl.app.rundir import cpu_flags, cpu_model
 from rcdl.train.checkpoint import save_checkpoint

@@ -1,7 +1,7 @@
 """Each growing model's training step and evaluation batch against its flop floor.
 
 For every growing model of the one-epoch comparison and every store dtype, this fills each
-growing layer's store with ``--entries`` entries (as ``benchmarks/profile_step.py`` does),
+growing layer's store with ``--entries`` entries (``harness.fill_stores``),
 then measures in one run on this machine:
 
 - ``step``: one training step (batch 16: forward, backward, the growth step), median over
@@ -24,7 +24,7 @@ then measures in one run on this machine:
 Each process keeps freed memory as the ``rcdl`` command does
 (:func:`rcdl.app.allocator.keep_freed_memory`), so a step pays no page faults for its large
 temporaries (the hybrid's entry gradients are ``(N, d)``) that a run would not pay; tables
-made before revision 2cb890e (``results/roofline/``, 2026-12-07 and earlier) measured with
+made before revision 2cb890e (``results/speed/roofline/``, 2026-12-07 and earlier) measured with
 the system's allocator.
 
 Where the store's products do not run natively in its dtype (a bfloat16 store on a CPU
@@ -40,7 +40,7 @@ per class.
 Run: ``python benchmarks/roofline.py [--models gws gauge rbf hybrid] [--store-dtypes float32
 bfloat16] [--entries 50000] [--classes here avx512 avx2]`` (``--quick`` for a small smoke
 run); ``--markdown FILE`` writes the table there too. The committed tables are in
-``results/roofline/``.
+``results/speed/roofline/``.
 """
 
 from __future__ import annotations
@@ -48,19 +48,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from harness import case, fill_stores, machine_line, timeit
 from rcdl.app.allocator import keep_freed_memory
-from rcdl.app.experiments.cifar10_models import build_model
-from rcdl.app.rundir import cpu_flags, cpu_model
+from rcdl.app.models import build_model
 from rcdl.nn.layers import growing_layers
 from rcdl.ops.half import native_products, product_mode, product_path
 
@@ -81,28 +78,12 @@ def streamed_rate(dtype: torch.dtype, batch: int, width: int, store_bytes: float
     rows -= rows % CHUNK
     store = torch.randn(rows, width, dtype=torch.float32).to(dtype)
     q = torch.randn(batch, width).to(dtype)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
+
+    def stream() -> None:
         for begin in range(0, rows, CHUNK):
             store[begin:begin + CHUNK] @ q.T  # noqa: B018 - timed for its cost
-        best = min(best, time.perf_counter() - start)
-    return 2 * batch * rows * width / best
 
-
-def fill_stores(model: torch.nn.Module, entries: int, gen: torch.Generator) -> None:
-    """``entries`` rows in every growing layer, written through the layer's own ``commit``
-    (so a hybrid layer's Adam moments follow): keys of unit RMS, values of RMS 0.01,
-    weights 1e-3."""
-    for _, layer in growing_layers(model):
-        store = layer.store
-        store.reserve(len(store) + entries)
-        for start in range(0, entries, 8192):
-            b = min(8192, entries - start)
-            factory = {"dtype": store.dtype}
-            layer.commit((torch.randn(b, store.d_in, generator=gen).to(**factory),
-                          (0.01 * torch.randn(b, store.d_out, generator=gen)).to(**factory),
-                          torch.full((b,), 1e-3, **factory)))
+    return 2 * batch * rows * width / min(timeit(stream, repeats).times)
 
 
 def layer_flops(model: torch.nn.Module, x: torch.Tensor, batch: int, training: bool) -> float:
@@ -136,7 +117,7 @@ def measure(name: str, store_dtype: str, entries: int, steps: int,
     gen = torch.Generator().manual_seed(0)
     model, optimizer, grower = build_model(name, 0, store_dtype=None if dtype is torch.float32
                                            else dtype)
-    fill_stores(model, entries, gen)
+    fill_stores(model, entries, gen, commit=True)  # a hybrid layer's moments follow
     stepper = optimizer if optimizer is not None and hasattr(optimizer, "grower") else grower
     xs = torch.randn(steps + 2, 16, 3072, generator=gen)
     ys = torch.randint(0, 10, (steps + 2, 16), generator=gen)
@@ -144,22 +125,18 @@ def measure(name: str, store_dtype: str, entries: int, steps: int,
     train_flops = layer_flops(model, xs[0], 16, training=True)
     eval_flops = layer_flops(model, x_eval, 500, training=False)
     model.train()
-    times = []
-    for i in range(steps + 2):
-        start = time.perf_counter()
+    batches = iter(zip(xs, ys, strict=True))
+
+    def step() -> None:
+        x, y = next(batches)
         stepper.zero_grad()
-        F.cross_entropy(model(xs[i]), ys[i]).backward()
+        F.cross_entropy(model(x), y).backward()
         stepper.step()
-        times.append(time.perf_counter() - start)
-    step_s = statistics.median(times[2:])
+
+    step_s = timeit(step, steps, warmup=2).median
     model.eval()
-    eval_times = []
     with torch.no_grad():
-        for _ in range(3):
-            start = time.perf_counter()
-            model(x_eval)
-            eval_times.append(time.perf_counter() - start)
-    eval_s = statistics.median(eval_times[1:])
+        eval_s = timeit(lambda: model(x_eval), 2).median
     # where the products do not run in the store's dtype, they run in float32
     rate_dtype = store_dtype if native_products(dtype) else "float32"
     step_floor = train_flops / rates[(rate_dtype, 16)]
@@ -171,17 +148,30 @@ def measure(name: str, store_dtype: str, entries: int, steps: int,
             "eval_floor_ms": 1e3 * eval_floor, "entries": entries}
 
 
+def streamed_rates(store_dtypes: list[str], store_gb: float) -> dict[tuple[str, int], float]:
+    """:func:`streamed_rate` at B = 16 and 500 for float32 and every store dtype whose
+    products run natively here."""
+    return {(dt, b): streamed_rate(getattr(torch, dt), b, 3072, store_gb * 1e9)
+            for dt in sorted(set(store_dtypes) | {"float32"}) for b in (16, 500)
+            if dt == "float32" or native_products(getattr(torch, dt))}
+
+
+@case("roofline", quick={"entries": 2_000, "steps": 2, "store_gb": 0.05}, model="gws",
+      store_dtype="float32", entries=50_000, steps=5, store_gb=1.0)
+def roofline_case(model: str, store_dtype: str, entries: int, steps: int,
+                  store_gb: float) -> dict[str, float]:
+    """A growing model's training step and evaluation batch (median seconds) and their flop
+    floors at the streamed rate of the score product."""
+    r = measure(model, store_dtype, entries, steps, streamed_rates([store_dtype], store_gb))
+    return {"step": r["step_ms"] / 1e3, "step floor": r["step_floor_ms"] / 1e3,
+            "eval": r["eval_ms"] / 1e3, "eval floor": r["eval_floor_ms"] / 1e3}
+
+
 def run_class(args: argparse.Namespace) -> tuple[str, list[dict]]:
     """Measure every model and store dtype in this process: the machine line and the rows."""
-    flags = " ".join(cpu_flags()) or "?"
-    machine = (f"{cpu_model() or platform.processor() or '?'} ({flags}), torch "
-               f"{torch.__version__}, {torch.get_num_threads()} threads, half products: "
-               f"{product_mode()}")
+    machine = f"{machine_line()}, half products: {product_mode()}"
     print(f"# {machine}", flush=True)
-    dtypes = sorted(set(args.store_dtypes) | {"float32"})
-    rates = {(dt, b): streamed_rate(getattr(torch, dt), b, 3072, args.store_gb * 1e9)
-             for dt in dtypes for b in (16, 500)
-             if dt == "float32" or native_products(getattr(torch, dt))}
+    rates = streamed_rates(args.store_dtypes, args.store_gb)
     rate_text = ", ".join(f"{dt} B={b}: {r / 1e9:.0f} GFLOP/s" for (dt, b), r in rates.items())
     print(f"# streamed score-product rates: {rate_text}", flush=True)
     rows = []

@@ -32,7 +32,7 @@ cores that does not fit; ``--width W`` builds the blocks at width ``W`` behind t
 fixed random lift 3072 → W (``ResNetMLP(..., width=W)``; the lift is the same for every
 model and is not trained). The default, 192 (298 k parameters), is chosen to fit the whole
 measurement at 5 000 / 500 images in 20–30 minutes on the 2-core machine of
-results/attribution-lds/trak-mlp.md: featurising a training image (its per-sample gradient
+results/attribution/lds/trak-mlp.md: featurising a training image (its per-sample gradient
 and projection) took about 9 ms at width 192 and 21 ms at 256, and the run featurises
 ~115 000 images (11 model-passes over the training and test images for the LDS, 11 over the
 training images for mislabels): about 20 minutes at 192 (31 there, under other jobs' load),
@@ -142,7 +142,7 @@ def train_mlp(seed: int, x: Tensor, y: Tensor, x_eval: Tensor, y_eval: Tensor, w
               ) -> tuple[ResNetMLP, float, float]:  # fmt: skip
     """The ResNet-MLP (``mlp-adam`` at blocks' width ``width``) built from ``seed`` and trained
     one pass, batch 16, over ``x (n, 3072)``, ``y (n,)`` in ``seed``'s order, as
-    ``rcdl.app.experiments.cifar10_models.build_model("mlp-adam", seed)`` and the attribution
+    ``rcdl.app.models.build_model("mlp-adam", seed)`` and the attribution
     experiment's trainer do. Returns the model, its accuracy on ``(x_eval, y_eval)`` and the
     training seconds."""
     torch.manual_seed(seed)

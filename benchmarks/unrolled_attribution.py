@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
@@ -58,6 +57,7 @@ from rcdl.app.experiments.attribution_exp import (
     spearman,
 )
 from rcdl.app.recipes import train_model
+from rcdl.app.rundir import describe_machine
 from rcdl.memory.provenance import UNKNOWN, entry_samples
 from rcdl.nn.layers import GrowingLayer, GrowingRBF, growing_layers
 from rcdl.nn.networks import layer_input
@@ -236,8 +236,7 @@ def main() -> None:
                 for v, k in enumerate(scores)},
         "seed_ceiling": _mean_finite(ceiling),
         "seconds": seconds, "cascade": cascade_ok,
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} threads",
+        "machine": describe_machine("cpu"),  # the CPU's model and speed flags, torch, threads
     }  # fmt: skip
     print(json.dumps(result, indent=1))
 

@@ -17,9 +17,9 @@ OWN_OBJECTS = {
 # in-place writes into another object's tensors (``x.t[i] = ...``, ``x.t += ...``,
 # ``x.t.copy_(...)``), each with why the object is the writer's own
 OWN_TENSORS = {
-    ("rcdl/ops/streaming.py", "part.num.mul_"),  # a Partial of this module's own fold
-    ("rcdl/ops/streaming.py", "part.den.mul_"),
-    ("rcdl/ops/streaming.py", "part.mass.mul_"),
+    ("rcdl/ops/partials.py", "part.num.mul_"),  # a Partial of this module's own fold
+    ("rcdl/ops/partials.py", "part.den.mul_"),
+    ("rcdl/ops/partials.py", "part.mass.mul_"),
     ("rcdl/app/data.py", "linear.weight.copy_"),  # the teacher's layers, built here
     ("rcdl/app/data.py", "linear.weight.mul_"),
     ("rcdl/app/data.py", "linear.bias.copy_"),
@@ -176,7 +176,7 @@ def test_the_attention_op_and_its_paths_import_only_maths():
     backends, sharding or retrieval."""
     graph = import_graph()
     maths = {"rcdl.ops.half", "rcdl.ops.kernels", "rcdl.options", "rcdl.ops.widen",
-             "rcdl.ops.packed"}
+             "rcdl.ops.packed", "rcdl.ops.partials"}
     assert graph["rcdl.ops.packed"] <= maths, graph["rcdl.ops.packed"]
     assert graph["rcdl.ops.entries"] <= maths, graph["rcdl.ops.entries"]
     assert graph["rcdl.ops.streaming"] <= maths | {"rcdl.ops.entries"}, graph["rcdl.ops.streaming"]
@@ -186,7 +186,7 @@ def test_the_attention_op_and_its_paths_import_only_maths():
 
 def test_no_module_assigns_another_objects_attributes():
     """Other modules change a layer through its methods (bind_name, set_learning_rate,
-    restore_step_state, use_shard, use_retrieval, drop_entry_grads), never by assignment."""
+    count_steps, drop_entry_grads) or the switches of rcdl.nn.backends, never by assignment."""
     found = set()
     for path in FILES:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -275,17 +275,18 @@ def test_a_rule_written_as_the_architecture_page_says_trains_a_layer():
 
 
 # What one experiment may take from another (src/rcdl/app/__init__.py says so): the one-epoch
-# comparison's model zoo, settings, report and runs (the later studies train its models; the
-# tau sweep runs it once per tau), and the continual study's baselines. Nothing else crosses.
-SHARED_EXPERIMENT_PARTS = {"cifar10", "cifar10_models", "cifar10_config", "cifar10_report",
-                           "cifar10_combine", "continual_baselines"}
+# comparison's settings, report and runs (the later studies train its models, from the app's
+# zoo; the tau sweep runs it once per tau), and the continual study's baselines. Nothing else
+# crosses.
+SHARED_EXPERIMENT_PARTS = {"cifar10", "cifar10.config", "cifar10.report", "cifar10.combine",
+                           "continual.baselines"}
 
 
 def _experiment(module: str) -> str:
-    """The experiment a module of ``rcdl.app.experiments`` belongs to, by its name's first
-    word: ``cifar10_models`` is the one-epoch comparison's, ``continual_baselines`` the
-    continual study's."""
-    return module.rpartition(".")[2].split("_")[0]
+    """The experiment a module of ``rcdl.app.experiments`` belongs to: its package
+    (``cifar10.config`` is the one-epoch comparison's, ``continual.baselines`` the continual
+    study's), else its name's first word (``tau_sweep``)."""
+    return module.removeprefix("rcdl.app.experiments.").split(".")[0].split("_")[0]
 
 
 def test_experiments_share_only_the_parts_the_app_docstring_names():

@@ -11,6 +11,7 @@ from rcdl import Grower, GrowingLayer, GrowingRBFNet, GrowingSoftmaxNet
 from rcdl.memory.attribution import entry_contributions, explain
 from rcdl.nn.rules import FunctionalSGD
 from rcdl.ops.kernels import KERNELS
+from rcdl.optim._step import commit
 
 D_IN, D_OUT, N, B = 6, 4, 300, 5
 
@@ -24,7 +25,7 @@ def filled_layer(kernel: str, seed: int = 0, decay: float = 0.0) -> GrowingLayer
         keys = torch.randn(b, D_IN, generator=gen, dtype=torch.float64)
         values = torch.randn(b, D_OUT, generator=gen, dtype=torch.float64)
         weights = torch.rand(b, generator=gen, dtype=torch.float64) + 0.1
-        layer.commit((layer.query_keys(keys), values, weights))
+        commit(layer, (layer.query_keys(keys), values, weights))
     return layer
 
 

@@ -241,7 +241,7 @@ def test_targets_say_met_or_not_met_for_the_best_score():
 def test_leave_one_out_vote_is_the_vote_of_a_readout_without_the_images_entries(kind):
     import copy
 
-    from rcdl.app.experiments.continual_baselines import LabelVote
+    from rcdl.app.experiments.continual.baselines import LabelVote
     from rcdl.memory.provenance import entry_samples
     from tiny_nets import tiny_net, train_with_samples
 

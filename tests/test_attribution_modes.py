@@ -12,10 +12,12 @@ from torch.testing import assert_close
 from rcdl import Grower, GrowingLayer, GrowingRBFNet, GrowingSoftmaxNet, use_exact, use_topk
 from rcdl.memory.attribution import deletion_effects, entry_contributions, explain
 from rcdl.memory.leave_one_out import leave_one_out, left_out_attention
+from rcdl.nn.backends import use_retrieval
 from rcdl.nn.layers import growing_layers
 from rcdl.nn.rules import ClippedSoftmaxRule, FunctionalSGD
 from rcdl.ops import widen
 from rcdl.ops.half import half_products
+from rcdl.optim._step import commit
 from tiny_nets import tiny_net, train_with_samples
 
 D_IN, D_OUT, N, B = 16, 4, 600, 6
@@ -28,7 +30,7 @@ def bfloat16_layer(kernel: str) -> GrowingLayer:
     gen = torch.Generator().manual_seed(0)
     layer = GrowingLayer(D_IN, D_OUT, kernel=kernel, temperature=1.0, rule=FunctionalSGD(0.1),
                          store_dtype=torch.bfloat16, chunk_size=128)
-    layer.commit((layer.query_keys(torch.randn(N, D_IN, generator=gen)),
+    commit(layer, (layer.query_keys(torch.randn(N, D_IN, generator=gen)),
                   torch.randn(N, D_OUT, generator=gen), torch.rand(N, generator=gen) + 0.1))
     return layer
 
@@ -142,12 +144,12 @@ def test_the_refusals_way_out_switches_the_layers_to_exact_attention_for_the_cal
     net, x = topk_net
     modes = {name: layer.retrieval for name, layer in growing_layers(net)}
     for _, layer in growing_layers(net):
-        layer.use_retrieval(None)
+        use_retrieval(layer, None)
     try:
         got = leave_one_out(net, x[:3], torch.arange(3))
     finally:
         for name, layer in growing_layers(net):
-            layer.use_retrieval(modes[name])
+            use_retrieval(layer, modes[name])
     exact = use_exact(copy.deepcopy(net))
     assert_close(got, leave_one_out(exact, x[:3], torch.arange(3)), rtol=0, atol=0)
     assert all(layer.retrieval is modes[name] for name, layer in growing_layers(net))

@@ -1,4 +1,4 @@
-"""benchmarks/check_results.py: the comparison of committed quick results with a new run,
+"""tools/check_results.py: the comparison of committed quick results with a new run,
 on fabricated run summaries (no experiment runs here), and the committed files' tables."""
 
 import importlib.util
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _load_checker():
     spec = importlib.util.spec_from_file_location("check_results",
-                                                  ROOT / "benchmarks" / "check_results.py")
+                                                  ROOT / "tools" / "check_results.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["check_results"] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -423,7 +423,8 @@ def test_list(capsys):
     out = capsys.readouterr().out
     assert "rcdl reproduce cifar10-1epoch --quick" in out and "--data-dir" not in out
     assert "shared" not in out
-    made = json.loads((cr.REPO / "results" / "cifar10-1epoch" / "quick.json").read_text())["made"]
+    committed = cr.REPO / "results" / "cifar10" / "1epoch" / "quick.json"
+    made = json.loads(committed.read_text())["made"]
     assert (f"time:     {made['seconds'] / 60:.1f} min on {made['cpu']}, 2 CPUs, 1 thread "
             "(the committed run)") in out
 

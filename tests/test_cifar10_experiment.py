@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from rcdl.app import cifar
+from rcdl.app import models as cifar10_models
 from rcdl.app.cli import main
-from rcdl.app.experiments import cifar10, cifar10_combine, cifar10_models
 from rcdl.app.experiments.cifar10 import Cifar10Config
-from rcdl.app.experiments.cifar10_models import MODELS, build_model, model_spec
+from rcdl.app.experiments.cifar10 import combine as cifar10_combine
+from rcdl.app.experiments.cifar10 import run as cifar10
+from rcdl.app.models import MODELS, build_model, model_spec
 from rcdl.nn.networks import ResNetMLP
 
 TINY = ["--train-size", "48", "--test-size", "24", "--eval-every", "2", "--device", "cpu",
@@ -369,7 +371,7 @@ def test_store_dtype_must_be_a_half_precision():
 
 
 def test_a_hybrid_in_a_half_store_is_told_what_it_costs(capsys):
-    from rcdl.app.experiments import cifar10
+    from rcdl.app.experiments.cifar10 import run as cifar10
 
     for dtype in ("bfloat16", "float16"):
         cifar10._note_if_hybrid_in_half(("gws", "hybrid"), dtype)

@@ -15,13 +15,13 @@ from rcdl.app import cifar
 from rcdl.app.cli import experiment_spec, main
 from rcdl.app.experiments import (
     COMMANDS,
-    cifar10,
     deltanet_decay,
     generalisation,
     memory_budget,
     optimizers,
     vit,
 )
+from rcdl.app.experiments.cifar10 import run as cifar10
 
 # every experiment the package finds, and those that read a data set (--data-dir)
 EXPERIMENTS = tuple(COMMANDS)

@@ -19,6 +19,7 @@ from rcdl import (
     explain,
     growing_layers,
 )
+from rcdl.nn.backends import enable_eval_cache, start_evaluation
 from rcdl.ops.attention import (
     attend,
     attend_partial,
@@ -142,8 +143,8 @@ def test_every_caller_computes_through_the_registered_path(dense, make):
         torch.manual_seed(1)
         model = train(make().double(), x, y)
         for _, layer in growing_layers(model):
-            layer.enable_eval_cache()
-            layer.start_evaluation()
+            enable_eval_cache(layer)
+            start_evaluation(layer)
         with torch.no_grad():
             out = model.eval()(x)
         models.append((model, out, explain(model, x[:3], k=4)))

@@ -14,7 +14,6 @@ from torch import nn
 
 from rcdl import FunctionalSGD, Grower
 from rcdl.app.cli import main
-from rcdl.app.experiments import continual_baselines as cb
 from rcdl.app.experiments.continual import (
     ContinualConfig,
     average_incremental_accuracy,
@@ -25,6 +24,7 @@ from rcdl.app.experiments.continual import (
     own_entries_copy,
     task_split,
 )
+from rcdl.app.experiments.continual import baselines as cb
 from rcdl.memory.provenance import UNKNOWN, entry_samples, samples
 from rcdl.nn.layers import growing_layers
 from rcdl.nn.networks import MLP, GrowingRBFNet, GrowingSoftmaxNet, ResNetMLP
@@ -315,7 +315,7 @@ def test_a_growing_net_keeps_the_first_task_where_an_sgd_mlp_loses_it():
 
 @pytest.mark.extra("classical")
 def test_the_command_runs_every_kind_of_model_and_reports(data_dir, tmp_path, monkeypatch):
-    from rcdl.app.experiments import cifar10_models as zoo
+    from rcdl.app import models as zoo
 
     # the ResNet-MLP's blocks at width 64 (at the paper's 3 072 its trainings take minutes)
     monkeypatch.setattr(zoo, "ResNetMLP", functools.partial(zoo.ResNetMLP, width=64))
@@ -417,18 +417,19 @@ def test_a_restricted_write_leaves_every_other_class_untouched(kind):
 
 
 def test_labels_trick_names_and_their_iid_references():
-    from rcdl.app.experiments.continual import iid_base, labels_trick, model_kind
+    from rcdl.app.experiments.continual import ModelName
 
-    assert labels_trick("rbf+labels") == ("rbf", "task")
-    assert labels_trick("gws+batch-labels") == ("gws", "batch")
-    assert model_kind("hybrid+labels") == "growing"
-    assert model_kind("mlp-adam+labels") == "parametric"
-    assert iid_base("rbf+labels", "mlp-adam") == "rbf"  # one task of every class: plain
-    assert iid_base("rbf+batch-labels", "mlp-adam") == "rbf+batch-labels"
+    assert ModelName.parse("rbf+labels") == ModelName("rbf", labels="task")
+    assert ModelName.parse("gws+batch-labels") == ModelName("gws", labels="batch")
+    assert ModelName.parse("hybrid+labels").kind == "growing"
+    assert ModelName.parse("mlp-adam+labels").kind == "parametric"
+    # one task of every class: plain
+    assert ModelName.parse("rbf+labels").iid("mlp-adam") == "rbf"
+    assert ModelName.parse("rbf+batch-labels").iid("mlp-adam") == "rbf+batch-labels"
     with pytest.raises(ValueError, match="labels trick"):
-        model_kind("slda+labels")
+        ModelName.parse("slda+labels")
     with pytest.raises(ValueError, match="unknown model"):
-        model_kind("nope+labels")
+        ModelName.parse("nope+labels")
 
 
 def test_value_mass_sums_the_readout_values_each_task_wrote_per_class():
@@ -552,17 +553,18 @@ def test_label_vote_is_the_log_class_kernel_mass_of_the_entries_samples_wrote(ki
 
 
 def test_label_vote_names_and_refusals():
-    from rcdl.app.experiments.continual import iid_base, label_vote, labels_trick, model_kind
+    from rcdl.app.experiments.continual import ModelName
 
-    assert label_vote("rbf+labels+vote") == ("rbf+labels", True)
-    assert labels_trick("rbf+labels+vote") == ("rbf", "task")
-    assert model_kind("rbf+labels+vote") == "growing"
-    assert iid_base("rbf+labels+vote", "mlp-adam") == "rbf+vote"  # the i.i.d. rbf, voted
-    assert iid_base("rbf+batch-labels+vote", "mlp-adam") == "rbf+batch-labels+vote"
+    name = ModelName.parse("rbf+labels+vote")
+    assert name == ModelName("rbf", labels="task", vote=True)
+    assert str(name) == "rbf+labels+vote"
+    assert name.kind == "growing"
+    assert name.iid("mlp-adam") == "rbf+vote"  # the i.i.d. rbf, voted
+    assert ModelName.parse("rbf+batch-labels+vote").iid("mlp-adam") == "rbf+batch-labels+vote"
     for bad, match in (("mlp-adam+vote", "growing readout"), ("knn-l2+vote", "growing"),
-                       ("rbf+vote+labels", "label vote last")):
+                       ("rbf+vote+labels", "label vote last"), ("rbf+vote+vote", "once")):
         with pytest.raises(ValueError, match=match):
-            model_kind(bad)
+            ModelName.parse(bad)
     with pytest.raises(ValueError, match="no growing readout"):
         cb.LabelVote(MLP(8, 16, 4), torch.zeros(3))
     net = GrowingRBFNet(8, 4, 1, temperature=0.5, rule=FunctionalSGD(1.0))

@@ -18,6 +18,7 @@ from rcdl import ClippedSoftmaxRule, FunctionalSGD, Grower, GrowingRBFNet, Growi
 from rcdl.memory.attribution import explain
 from rcdl.memory.forgetting import forget
 from rcdl.memory.provenance import entry_samples, samples
+from rcdl.nn.backends import use_shard
 from rcdl.nn.layers import growing_layers
 
 pytestmark = pytest.mark.spawns  # processes of its own: one such test at a time
@@ -226,7 +227,7 @@ def test_a_model_sharded_in_part_is_refused(call):
 
     net, grower = build("rbf")
     train(net, grower, range(2))
-    net.readout.use_shard(Shard(None, 0, 2))  # as if sharded by hand, one layer only
+    use_shard(net.readout, Shard(None, 0, 2))  # as if sharded by hand, one layer only
     sizes = [len(layer.store) for _, layer in growing_layers(net)]
     with pytest.raises(ValueError, match=rf"{call}: the growing layers \['blocks.0'\] of "
                                          r"GrowingRBFNet are not sharded as the others"):

@@ -15,7 +15,10 @@ from rcdl.app.experiments import COMMANDS, MAIN, declared_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = Path(package.__file__).parent
-MODULES = sorted(p.stem for p in FOLDER.glob("*.py") if p.stem != "__init__")
+# each module's source: name.py, or name/__init__.py for an experiment kept as a package
+SOURCES = {p.stem: p for p in FOLDER.glob("*.py") if p.stem != "__init__"} | {
+    p.parent.name: p for p in FOLDER.glob("*/__init__.py")}
+MODULES = sorted(SOURCES)
 EXPERIMENT_MODULES = set(COMMANDS.values())
 # an experiment that is another one run differently, and why it imports it
 BUILT_ON = {("tau_sweep", "cifar10"): "the τ sweep is the one-epoch comparison over "
@@ -29,7 +32,7 @@ def test_the_index_is_what_the_modules_declare():
         spec = getattr(module, "EXPERIMENT_SPEC", None)
         if spec is not None:
             assert spec.name == module.EXPERIMENT, (
-                f"src/rcdl/app/experiments/{name}.py: EXPERIMENT_SPEC's name {spec.name!r} is "
+                f"{SOURCES[name].relative_to(ROOT)}: EXPERIMENT_SPEC's name {spec.name!r} is "
                 f"not its EXPERIMENT {module.EXPERIMENT!r}; give the spec name=EXPERIMENT")
             declared[spec.name] = name
     assert dict(sorted(declared.items())) == COMMANDS
@@ -79,15 +82,26 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("path", [*(FOLDER / f"{m}.py" for m in MODULES),
-                                  FOLDER.parent / "recipes.py"], ids=lambda p: p.stem)
+def _owner(path: Path) -> str:
+    """The module of the experiments' package that ``path`` belongs to: its own name, or
+    the package that holds it (``cifar10/run.py``: ``cifar10``)."""
+    return path.stem if path.parent in (FOLDER, FOLDER.parent) else path.parent.name
+
+
+# every file of the experiments' modules and packages, and the recipes they share
+SHARING = [*sorted(p for p in FOLDER.rglob("*.py") if p != FOLDER / "__init__.py"),
+           FOLDER.parent / "recipes.py"]
+
+
+@pytest.mark.parametrize("path", SHARING, ids=lambda p: str(p.relative_to(FOLDER.parent)))
 def test_no_module_imports_an_experiment(path):
-    """What several experiments use lives in rcdl.app.recipes (or, for the one-epoch
-    comparison's models and settings, in its shared modules), never in an experiment."""
+    """What several experiments use lives in rcdl.app.recipes or rcdl.app.models (or, for
+    the one-epoch comparison's settings and report, in its package's modules), never in an
+    experiment."""
     imported = {m.removeprefix(f"{package.__name__}.") for m in imported_modules(path)
                 if m.startswith(f"{package.__name__}.")}
     wrong = sorted(m for m in imported & EXPERIMENT_MODULES
-                   if m != path.stem and (path.stem, m) not in BUILT_ON)
+                   if m != _owner(path) and (_owner(path), m) not in BUILT_ON)
     assert not wrong, (f"{path.relative_to(ROOT)} imports the experiment module(s) {wrong}; "
                        "move what it uses into src/rcdl/app/recipes.py and import it from there")
 
@@ -105,11 +119,11 @@ def nav_pages() -> set[str]:
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_every_experiment_has_a_docs_page_in_the_nav(command):
     module = COMMANDS[command]
-    source = FOLDER / f"{module}.py"
+    source = SOURCES[module]
     docstring = ast.get_docstring(ast.parse(source.read_text(encoding="utf-8"))) or ""
     named = [p for p in dict.fromkeys(re.findall(r"docs/([\w/]+\.md)", docstring))
              if f"rcdl reproduce {command}" in _page(p)]
-    assert named, (f"src/rcdl/app/experiments/{module}.py: its docstring names no docs page "
+    assert named, (f"{source.relative_to(ROOT)}: its docstring names no docs page "
                    f"that shows `rcdl reproduce {command}`; write docs/<page>.md with the "
                    f"command and say 'Run it with ``rcdl reproduce {command}`` (see "
                    "docs/<page>.md)' in the module's docstring")

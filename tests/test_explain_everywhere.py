@@ -10,13 +10,14 @@ from torch.testing import assert_close
 from rcdl import GrowingLayer
 from rcdl.memory.attribution import explain
 from rcdl.nn.rules import FunctionalSGD
+from rcdl.optim._step import commit
 
 
 def _filled(d_in: int, d_out: int, seed: int, n: int = 40) -> GrowingLayer:
     gen = torch.Generator().manual_seed(seed)
     layer = GrowingLayer(d_in, d_out, kernel="rbf", temperature=0.5, dtype=torch.float64,
                          rule=FunctionalSGD(0.1))
-    layer.commit((torch.randn(n, d_in, generator=gen, dtype=torch.float64),
+    commit(layer, (torch.randn(n, d_in, generator=gen, dtype=torch.float64),
                   torch.randn(n, d_out, generator=gen, dtype=torch.float64),
                   torch.ones(n, dtype=torch.float64)))
     return layer

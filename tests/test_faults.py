@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from rank_pool import run_ranks
 from rcdl import FunctionalSGD, Grower, GrowingRBFNet, GrowingSoftmaxNet
+from rcdl.nn.divergence import DivergenceGuard, outputs_after
 from rcdl.nn.rules import ClippedSoftmaxRule
+from rcdl.optim._step import propose
 from rcdl.train.checkpoint import (
     DamagedCheckpoint,
     checkpoint_files,
@@ -577,8 +579,8 @@ def test_the_look_ahead_predicts_the_outputs_the_step_leaves(kind):
     for i in (0, 8):
         x, y = DATA[0][i : i + 8], DATA[1][i : i + 8]
         F.mse_loss(layer.train()(x), y).backward()
-        records = layer.ready_records()
-        predicted = layer.outputs_after(records, *layer.propose())
+        records = layer.recorder.ready()
+        predicted = outputs_after(layer, records, *propose(layer))
         grower.step()
         with torch.no_grad():
             torch.testing.assert_close(layer.eval()(x), predicted, rtol=1e-12, atol=1e-12)
@@ -620,9 +622,10 @@ def test_a_sharp_kernel_whose_first_answers_are_tiny_is_not_refused_as_diverging
         grower.zero_grad()
         F.cross_entropy(net(x[rows]), y[rows]).backward()
         grower.step()
-    floor = net.readout.guard.SCALE_FLOOR
+    floor = DivergenceGuard.SCALE_FLOOR
     # the blocks' first answers were below the floor (RMS-normalised inputs: RMS 1)
-    assert all(layer.output_scale == pytest.approx(floor, rel=1e-5) for layer in net.blocks)
+    assert all(grower.guards[layer.name].output_scale == pytest.approx(floor, rel=1e-5)
+               for layer in net.blocks)
     with torch.no_grad():
         accuracy = (net.eval()(x[test]).argmax(1) == y[test]).float().mean()
     assert accuracy > 0.9

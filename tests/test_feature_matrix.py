@@ -112,6 +112,7 @@ from rcdl import (
 from rcdl.memory.forgetting import forget
 from rcdl.memory.provenance import samples
 from rcdl.memory.repair import forget_and_repair
+from rcdl.nn.backends import disable_eval_cache, enable_eval_cache, start_evaluation
 from rcdl.train.loop import Checkpointer, train_step
 
 pytestmark = pytest.mark.spawns  # processes of its own: one such test at a time
@@ -438,7 +439,7 @@ def build(case: Case):  # noqa: ANN201
             optimizer = torch.optim.SGD(model[0].parameters(), lr=0.05)
     if case.cache:
         for _, layer in growing_layers(model):
-            layer.enable_eval_cache()
+            enable_eval_cache(layer)
     return model, optimizer, grower
 
 
@@ -465,7 +466,7 @@ def held_out() -> torch.Tensor:
 def evaluate(model: nn.Module) -> torch.Tensor:
     """One evaluation pass; the output handed out is then changed in place."""
     for _, layer in growing_layers(model):
-        layer.start_evaluation()
+        start_evaluation(layer)
     model.eval()
     with torch.no_grad():
         out = model(held_out())
@@ -533,7 +534,7 @@ def _run(case: Case, folder: Path) -> dict:
             train_step(model.train(), x, y, F.mse_loss, optimizer, grower)
     use_exact(model)
     for _, layer in growing_layers(model):
-        layer.disable_eval_cache()
+        disable_eval_cache(layer)
     with torch.no_grad():
         final = model.eval()(held_out())
     packed = sum(len(layer.store.packed_chunks) for _, layer in growing_layers(model))

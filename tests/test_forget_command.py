@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from rcdl.app.cli import main
 from rcdl.app.experiments.cifar10 import data_digest
-from rcdl.app.experiments.cifar10_config import Cifar10Config, load_data
-from rcdl.app.experiments.cifar10_models import build_model
+from rcdl.app.experiments.cifar10.config import Cifar10Config, load_data
+from rcdl.app.models import build_model
 from rcdl.app.rundir import read_config
 from rcdl.memory.provenance import entry_samples
 from rcdl.nn.layers import growing_layers

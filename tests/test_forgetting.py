@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from rcdl import Grower, GrowingRBF, GrowingRBFNet, GrowingSoftmax, HybridGrower, HybridSoftmaxNet
 from rcdl.memory.forgetting import forget, scan_for_rows
 from rcdl.memory.provenance import entry_samples, samples
+from rcdl.nn.backends import enable_eval_cache, start_evaluation
 from rcdl.nn.gates import AlwaysGrow
 from rcdl.nn.layers import growing_layers
 from rcdl.nn.rules import ClippedSoftmaxRule, FunctionalSGD, GaugeSoftmaxRule
@@ -254,11 +255,11 @@ def test_train_one_pass_records_the_callers_sample_ids_for_a_subset():
 def test_the_receipt_says_what_went_and_the_scan_finds_a_copy_left_behind():
     model, learner = trained()
     for _, layer in growing_layers(model):
-        layer.enable_eval_cache()
+        enable_eval_cache(layer)
     with torch.no_grad():
         model.eval()
         for _, layer in growing_layers(model):
-            layer.start_evaluation()
+            start_evaluation(layer)
         model(data()[2])
     model.train()
     first = growing_layers(model)[0][1]

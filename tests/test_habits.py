@@ -127,7 +127,7 @@ def test_refused_step_leaves_nothing_pending(kind, poison):
         opt.step()
     assert_same_stores(stores(net, opt), before)
     for layer in opt.grower.layers if kind == "hybrid" else opt.layers:
-        assert not layer.ready_records()
+        assert not layer.recorder.ready()
     train_step(net, opt, 2)  # the next clean batch steps normally
     assert len(net.readout.store) > len(before["readout.store.keys"])
 
@@ -198,7 +198,7 @@ def test_diverging_layer_is_named_with_advice():
             F.mse_loss(net(x), (x - 50) @ w).backward()
             grower.step()
     for layer in grower.layers:  # refused: nothing pending, every store finite
-        assert not layer.ready_records() and torch.isfinite(layer.store.values).all()
+        assert not layer.recorder.ready() and torch.isfinite(layer.store.values).all()
 
 
 def test_non_finite_outputs_are_refused_naming_the_layer():
@@ -206,7 +206,7 @@ def test_non_finite_outputs_are_refused_naming_the_layer():
     train_step(net, grower, 0)
     x, y = batch(1)
     F.cross_entropy(net(x), y).backward()
-    net.readout.ready_records()[0].s[0, 0] = float("inf")
+    net.readout.recorder.ready()[0].s[0, 0] = float("inf")
     with pytest.raises(ValueError, match=r"GrowingRBF 'readout': outputs contain NaN or inf"):
         grower.step()
 
@@ -259,7 +259,7 @@ def test_only_the_last_layer_bad_refuses_every_layer(budget):
     x, y = batch(5)
     F.cross_entropy(net(x), y).backward()
     assert grower.layers[-1].name == "readout"
-    grower.layers[-1].ready_records()[0].grad[2, 1] = float("nan")
+    grower.layers[-1].recorder.ready()[0].grad[2, 1] = float("nan")
     with pytest.raises(ValueError, match="'readout': the output gradient contains NaN"):
         grower.step()
     assert_same_stores(stores(net), before)
@@ -286,7 +286,7 @@ def test_step_lr_halves_eta_for_entries_written_afterwards():
     for step in range(4):
         x, y = batch(step)
         F.cross_entropy(net(x), y).backward()
-        record = net.readout.ready_records()[0]
+        record = net.readout.recorder.ready()[0]
         g = record.grad * record.n_samples  # (B, classes) per-sample gradient
         grower.step()
         scheduler.step()

@@ -6,12 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from rcdl.nn.divergence import divergence_advice
 from rcdl.nn.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate
 from rcdl.nn.hybrid import HybridSoftmax
 from rcdl.nn.networks import HybridSoftmaxNet
 from rcdl.nn.rules import ClippedSoftmaxRule
 from rcdl.ops.attention import nearest_sq_distance
 from rcdl.ops.kernels import naive_attention
+from rcdl.optim._step import commit
 from rcdl.optim.entry_adam import EntryAdam, EntryMoments
 from rcdl.optim.grower import Grower
 from rcdl.train.loop import train_one_pass
@@ -62,7 +64,7 @@ def test_distance_gate_is_exact_at_tau(dtype, eps):
     tau = 50.0
     layer = _layer(d_in=3, trigger=DistanceGate(tau), initial_entries=0).to(dtype)
     anchor = torch.tensor([[1.0, -2.0, 0.5]], dtype=dtype)  # one stored key
-    layer.commit((anchor, torch.zeros(1, 3, dtype=dtype), torch.ones(1, dtype=dtype)))
+    commit(layer, (anchor, torch.zeros(1, 3, dtype=dtype), torch.ones(1, dtype=dtype)))
     direction = torch.tensor([0.6, 0.0, 0.8], dtype=dtype)  # unit vector
     q = anchor + torch.stack([(tau - eps) * direction, (tau + eps) * direction])  # (2, 3)
     loss = layer(q).sum()
@@ -138,7 +140,7 @@ def test_adversarial_store_keeps_outputs_and_gradients_finite():
     layer = _layer(d_in=4, d_out=2, initial_entries=0)
     keys = torch.eye(4, **F64)[:2].repeat(2, 1)  # pairs of equal keys
     weights = torch.tensor([1.0, 1.0, -1.0, -1.0], **F64)  # denominator cancels exactly
-    layer.commit((keys, torch.randn(4, 2, **F64), weights))
+    commit(layer, (keys, torch.randn(4, 2, **F64), weights))
     q = torch.randn(6, 4, **F64, requires_grad=True)
     out = layer(q)
     out.sum().backward()
@@ -500,8 +502,8 @@ def test_a_refusal_names_beta_for_weighted_softmax_rules_and_the_learning_rate_o
     gws = GrowingSoftmax(4, 2, temperature=5.0, rule=ClippedSoftmaxRule(0.3, 30.0))
     gauge = GrowingSoftmax(4, 2, temperature=5.0, rule=GaugeSoftmaxRule(10.0, 0.03, 3.0))
     rbf = GrowingRBF(4, 2, temperature=1.0, rule=FunctionalSGD(0.1))
-    assert "β/η (here 100)" in gws.divergence_advice()
-    assert "lower β or raise η" in gauge.divergence_advice()
-    assert rbf.divergence_advice().startswith("lower the learning rate (rule FunctionalSGD")
-    assert all("raise the temperature" in layer.divergence_advice()
+    assert "β/η (here 100)" in divergence_advice(gws)
+    assert "lower β or raise η" in divergence_advice(gauge)
+    assert divergence_advice(rbf).startswith("lower the learning rate (rule FunctionalSGD")
+    assert all("raise the temperature" in divergence_advice(layer)
                for layer in (gws, gauge, rbf))

@@ -20,6 +20,12 @@ from rcdl import (
     growing_layers,
 )
 from rcdl.app.data import TeacherConfig, make_teacher_data
+from rcdl.nn.backends import (
+    disable_eval_cache,
+    enable_eval_cache,
+    eval_cache_hits,
+    start_evaluation,
+)
 from rcdl.train.loop import train_one_pass
 
 
@@ -47,18 +53,11 @@ def build(kind, dtype=torch.float64):
 
 def run(kind, incremental, dtype=torch.float64, track=None):
     net, learner = build(kind, dtype)
-    if track is not None:  # count the cache hits of every layer, after the run
-        original = type(growing_layers(net)[0][1]).disable_eval_cache
-
-        def record(layer, _original=original):
-            track[layer.name] = layer.eval_cache_hits
-            _original(layer)
-
-        for _, layer in growing_layers(net):
-            layer.disable_eval_cache = record.__get__(layer)
     result = train_one_pass(net, data("float64" if dtype == torch.float64 else "float32"),
                             batch_size=8, eval_every=3, progress=False, loss_fn=F.mse_loss,
                             grower=learner, incremental_eval=incremental)
+    if track is not None:  # the cache hits of every layer, after the run
+        track.update({layer.name: eval_cache_hits(layer) for _, layer in growing_layers(net)})
     return [h["test_mse"] for h in result["history"]]
 
 
@@ -113,7 +112,7 @@ def test_a_resumed_run_evaluates_bit_identically_with_the_cache_on(interrupt_aft
 def test_other_inputs_are_not_served_from_the_cache():
     net, grower = build("gws")
     layer = net.blocks[0]
-    layer.enable_eval_cache()
+    enable_eval_cache(layer)
     x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
     net.eval()
     with torch.no_grad():
@@ -121,11 +120,11 @@ def test_other_inputs_are_not_served_from_the_cache():
     net.train()
     F.mse_loss(net(x), y).backward()
     grower.step()
-    layer.start_evaluation()
+    start_evaluation(layer)
     net.eval()
     other = torch.randn(5, 6, dtype=torch.float64)
     with torch.no_grad():
         got = net(other)
-    layer.disable_eval_cache()
+    disable_eval_cache(layer)
     with torch.no_grad():
         assert_close(got, net(other))

@@ -10,6 +10,7 @@ from torch.testing import assert_close
 
 from rcdl import MLP, Grower, GrowingLinear, GrowingRBF, GrowingRBFNet, to_dual_form
 from rcdl.nn.rules import FunctionalSGD
+from rcdl.optim._step import commit, discard, propose
 
 
 def regression_batch(batch=6, d_in=5, d_out=3, seed=0, target=torch.tanh):
@@ -34,13 +35,13 @@ def test_records_hold_per_sample_gradients():
     net, _ = grown_rbf_net()
     x, y = regression_batch(batch=4)
     F.mse_loss(net(x), y).backward()
-    record = net.readout.ready_records()[0]
+    record = net.readout.recorder.ready()[0]
     per_sample = torch.stack([
         torch.autograd.grad(F.mse_loss(s, t), s)[0]
         for s, t in zip(record.s.clone().requires_grad_(), y, strict=False)
     ])
     assert_close(record.grad * record.n_samples, per_sample)
-    net.readout.discard()
+    discard(net.readout)
 
 
 def test_rbf_rule_decreases_the_loss_at_first_order():
@@ -49,10 +50,10 @@ def test_rbf_rule_decreases_the_loss_at_first_order():
     net, grower = grown_rbf_net()
     x, y = regression_batch(seed=7)
     F.mse_loss(net(x), y).backward()
-    proposals = [layer.propose() for layer in grower.layers]
+    proposals = [propose(layer) for layer in grower.layers]
     predicted = 0.0
     for layer, (keys, values, _) in zip(grower.layers, proposals, strict=False):
-        record = layer.ready_records()[0]
+        record = layer.recorder.ready()[0]
         tau = layer.temperature * layer.d_in**0.5
         phi = torch.exp(-torch.cdist(record.q, keys) ** 2 / (2 * tau))  # (B, B)
         predicted += float((record.grad * (phi @ values)).sum())
@@ -61,7 +62,7 @@ def test_rbf_rule_decreases_the_loss_at_first_order():
     def loss_after(eps):
         moved = copy.deepcopy(net)
         for layer, (keys, values, weights) in zip(Grower(moved).layers, proposals, strict=False):
-            layer.commit((keys, eps * values, weights))
+            commit(layer, (keys, eps * values, weights))
         with torch.no_grad():
             return float(F.mse_loss(moved(x), y))
 
@@ -92,8 +93,8 @@ def test_training_reduces_loss():
 def test_rbf_weight_decay_scales_old_entries():
     layer = GrowingRBF(2, 1, temperature=1.0, rule=FunctionalSGD(1.0, weight_decay=0.5)).double()
     keys = torch.zeros(1, 2, dtype=torch.float64)
-    layer.commit((keys, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)))
-    layer.commit((keys + 100, torch.zeros(1, 1, dtype=torch.float64),
+    commit(layer, (keys, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)))
+    commit(layer, (keys + 100, torch.zeros(1, 1, dtype=torch.float64),
                   torch.ones(1, dtype=torch.float64)))
     with torch.no_grad():
         assert float(layer.eval()(keys)) == pytest.approx(0.5)  # (1 - lr * wd) ** 1
@@ -127,7 +128,7 @@ def test_leading_dims_are_flattened():
     x = torch.randn(4, 5, 3)  # (batch, tokens, d_in)
     assert layer(x).shape == (4, 5, 2)
     layer(x).pow(2).mean().backward()
-    layer.discard()
+    discard(layer)
     layer(x).pow(2).mean().backward()
     grower.step()
     assert len(layer.store) == 20

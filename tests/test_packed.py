@@ -212,7 +212,7 @@ def test_a_layer_trained_with_packed_chunks_learns_what_it_learns_without(kind, 
 
 
 def test_a_layer_whose_entries_are_trained_hands_no_packed_chunks_to_the_attention():
-    from rcdl.app.experiments.cifar10_models import build_model
+    from rcdl.app.models import build_model
 
     model, _, _ = build_model("hybrid-tau50", 0)
     layers = [m for m in model.modules() if getattr(m, "trains_entries", False)]

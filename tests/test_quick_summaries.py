@@ -135,9 +135,9 @@ SMALL_WIDTH = {"cifar10-1epoch-baselines": 64, "unlearning": 64, "continual": 64
 
 
 def _check_results():
-    """benchmarks/check_results.py, whose CPU classes this test shares."""
+    """tools/check_results.py, whose CPU classes this test shares."""
     spec = importlib.util.spec_from_file_location(
-        "check_results", Path(__file__).parents[1] / "benchmarks" / "check_results.py")
+        "check_results", Path(__file__).parents[1] / "tools" / "check_results.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("check_results", module)  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -146,7 +146,7 @@ def _check_results():
 
 def machine_class() -> str:
     """The machine class float results reproduce on: the CPU's class as
-    ``benchmarks/check_results.py`` tells it (AMX, avx512_bf16, AVX512, AVX2...), torch's
+    ``tools/check_results.py`` tells it (AMX, avx512_bf16, AVX512, AVX2...), torch's
     version and the thread count."""
     isa = _check_results().cpu_isa()
     return f"{isa} / torch {torch.__version__} / {torch.get_num_threads()} threads"
@@ -227,7 +227,7 @@ def _floatish(text: str) -> bool:
 def test_command_outcome_is_unchanged(name, data_dir, tmp_path, monkeypatch):
     path = RECORDED_FULL if FULL_DATA else RECORDED
     if name in SMALL_WIDTH:
-        from rcdl.app.experiments import cifar10_models as zoo
+        from rcdl.app import models as zoo
         monkeypatch.setattr(zoo, "ResNetMLP", functools.partial(zoo.ResNetMLP,
                                                                 width=SMALL_WIDTH[name]))
     now = _run(name, CASES[name], data_dir, tmp_path / "run")

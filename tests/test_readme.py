@@ -50,13 +50,13 @@ def test_the_first_block_runs_alone_and_the_rest_continue_it(tmp_path, monkeypat
 
 
 def test_the_half_precision_figures_are_the_committed_ones():
-    """The README's bfloat16 speed and accuracy figures appear in results/precision/, which
-    names their machine."""
+    """The README's bfloat16 speed and accuracy figures appear in results/speed/precision/,
+    which names their machine."""
     text = README.read_text(encoding="utf-8")
     claim = re.search(r"a full gws epoch took ([\d.]+) minutes instead of\s+([\d.]+) on a "
                       r"2-core Intel Xeon, at ([\d.]+) % against ([\d.]+) %", text)
     assert claim, "the README no longer gives the bfloat16 figures this test checks"
-    committed = (ROOT / "results" / "precision" / "README.md").read_text(encoding="utf-8")
+    committed = (ROOT / "results" / "speed" / "precision" / "README.md").read_text(encoding="utf-8")
     half, full, half_acc, full_acc = claim.groups()
     assert re.search(rf"\| gws, float32 \| {full_acc} \|.*\| {full} min \|", committed)
     assert re.search(rf"\| gws, bfloat16 \| {half_acc} \|.*\| {half} min \|", committed)

@@ -154,7 +154,7 @@ def test_leftover_temporaries_are_removed_on_resume_and_at_the_end(tmp_path, mon
 
 def test_a_session_is_recorded_when_it_starts(data_dir, tmp_path, monkeypatch):
     """Killed during its first model: summary.json already lists the session."""
-    from rcdl.app.experiments import cifar10
+    from rcdl.app.experiments.cifar10 import run as cifar10
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt

@@ -27,6 +27,7 @@ from rcdl import (
     use_exact,
     use_topk,
 )
+from rcdl.nn.backends import disable_eval_cache, enable_eval_cache, start_evaluation
 from rcdl.ops.kernels import naive_attention
 from rcdl.train.loop import train_one_pass
 
@@ -195,17 +196,17 @@ def test_an_in_place_op_on_an_evaluation_output_leaves_the_cache_intact(kernel):
     layer = layer.double()
     grower = Grower(layer)
     train(layer, grower, [0])
-    layer.enable_eval_cache()
+    enable_eval_cache(layer)
     q = held_out()
     for step in (1, 2):
-        layer.eval().start_evaluation()
+        start_evaluation(layer.eval())
         with torch.no_grad():
             layer(q).mul_(0.0).add_(1e6)  # a user's in-place post-processing
         train(layer, grower, [step])
-    layer.eval().start_evaluation()
+    start_evaluation(layer.eval())
     with torch.no_grad():
         cached = layer(q)
-        layer.disable_eval_cache()
+        disable_eval_cache(layer)
         assert_close(cached, layer(q), rtol=1e-12, atol=1e-12)
 
 

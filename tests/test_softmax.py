@@ -9,6 +9,7 @@ from torch.testing import assert_close
 
 from rcdl import ClippedSoftmaxRule, GaugeSoftmaxRule, Grower, GrowingSoftmax
 from rcdl.ops.kernels import naive_attention
+from rcdl.optim._step import commit, discard, propose
 
 RULES = {
     "gws": ClippedSoftmaxRule(eta=0.3, beta=2.0),
@@ -63,8 +64,8 @@ def test_appending_the_rules_entries_decreases_the_loss_at_first_order(rule_name
     loss_fn = LOSSES[loss_name]
     grower = Grower(layer)
     loss_fn(layer(q), y).backward()
-    record = layer.ready_records()[0]
-    keys, values, weights = layer.propose()
+    record = layer.recorder.ready()[0]
+    keys, values, weights = propose(layer)
     grower.discard()
     tau = layer.temperature * 6**0.5
     c = torch.exp(q @ keys.T / tau - layer.log_normalizer(q)[:, None])  # (B, B) c_i(k_j)
@@ -73,7 +74,7 @@ def test_appending_the_rules_entries_decreases_the_loss_at_first_order(rule_name
 
     def loss_after(eps):
         moved = copy.deepcopy(layer)
-        moved.commit((keys, eps * values, eps * weights))
+        commit(moved, (keys, eps * values, eps * weights))
         with torch.no_grad():
             return float(loss_fn(moved(q), y))
 
@@ -88,9 +89,9 @@ def test_single_sample_gauge_descent_closed_form():
     layer = random_layer(rule)
     q, y = data(1)
     F.mse_loss(layer(q), y).backward()
-    g, s = layer.ready_records()[0].grad, layer.ready_records()[0].s
-    keys, values, weights = layer.propose()
-    layer.discard()
+    g, s = layer.recorder.ready()[0].grad, layer.recorder.ready()[0].s
+    keys, values, weights = propose(layer)
+    discard(layer)
     c = torch.exp(q @ keys.T / (layer.temperature * 6**0.5) - layer.log_normalizer(q))
     lhs = c * ((g * values).sum() - weights * (g * s).sum())
     expected = -c * (rule.beta + rule.eta * rule.alpha**2) * g.pow(2).sum()
@@ -115,8 +116,8 @@ def test_gws_weights_are_clipped_and_non_negative():
     layer = random_layer(ClippedSoftmaxRule(eta=100.0, beta=1.0))
     q, y = data(8)
     F.mse_loss(layer(q) * 50, y).backward()
-    _, _, weights = layer.propose()
-    layer.discard()
+    _, _, weights = propose(layer)
+    discard(layer)
     assert (weights >= 0).all() and (weights <= 100.0 * 8).all()
 
 
@@ -128,15 +129,15 @@ def test_normalized_rule_divides_the_clipped_rule_by_the_normaliser():
     for name in ("gws", "normalized"):
         layer = random_layer(RULES[name])
         F.mse_loss(layer(q), y).backward()
-        entries[name] = layer.propose()
+        entries[name] = propose(layer)
         z = torch.exp(layer.log_normalizer(q))
-        layer.discard()
+        discard(layer)
     assert_close(entries["normalized"][1], entries["gws"][1] / z[:, None])
     assert_close(entries["normalized"][2], entries["gws"][2] / z)
     layer = random_layer(ClippedSoftmaxRule(eta=100.0, beta=1.0, normalize=True))
     F.mse_loss(layer(q) * 50, y).backward()
-    assert (layer.propose()[2] >= 0).all()  # the max(0, ·) is kept
-    layer.discard()
+    assert (propose(layer)[2] >= 0).all()  # the max(0, ·) is kept
+    discard(layer)
     with pytest.raises(TypeError, match="exact"):
         ClippedSoftmaxRule(eta=0.3, beta=2.0, exact=True)  # the misleading name is gone
 
@@ -146,7 +147,7 @@ def test_query_gradient_matches_dense_reference():
     layer.chunk_size = 7
     q = data(4)[0].requires_grad_()
     (g_fast,) = torch.autograd.grad(layer(q).pow(2).sum(), q)
-    layer.discard()
+    discard(layer)
     store = layer.store
     ref = naive_attention(q, store.keys, store.values, store.weights, kernel="softmax",
                           temperature=layer.temperature)

@@ -55,7 +55,7 @@ def test_config_refuses_what_cannot_be_forgotten():
 @pytest.mark.extra("classical")
 def test_the_command_forgets_what_the_samples_wrote_and_reports(data_dir, tmp_path,
                                                                monkeypatch):
-    from rcdl.app.experiments import cifar10_models as zoo
+    from rcdl.app import models as zoo
 
     # the ResNet-MLP's blocks at width 64 (at the paper's 3 072 its trainings take minutes)
     monkeypatch.setattr(zoo, "ResNetMLP", functools.partial(zoo.ResNetMLP, width=64))

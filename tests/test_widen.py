@@ -131,11 +131,54 @@ def test_the_widened_path_is_for_training_batches_of_bfloat16_stores_on_cpu(monk
     assert out.dtype == torch.float64
 
 
-def test_widen_pays_measures_both_ways_once():
-    half.widen_pays.cache_clear()
-    answer = half.widen_pays()
-    assert isinstance(answer, bool)
-    assert half.widen_pays() is answer and half.widen_pays.cache_info().hits == 1
+def test_widen_pays_measures_both_ways_once_per_thread_count():
+    """The timing is kept per thread count: a count set later is timed anew, not answered
+    from the first count's timing; asking for another count than the process's is refused."""
+    from rcdl.options import set_threads, threads
+
+    before = threads()
+    half.widen_pays_at.cache_clear()
+    try:
+        answer = half.widen_pays()
+        assert isinstance(answer, bool)
+        assert half.widen_pays() is answer and half.widen_pays_at.cache_info().hits == 1
+        set_threads(before + 1)
+        half.widen_pays()
+        assert half.widen_pays_at.cache_info().misses == 2  # timed at the new count
+        with pytest.raises(ValueError, match="set the count first"):
+            half.widen_pays_at(before + 5)  # a count not timed yet, not the process's
+    finally:
+        set_threads(before)
+
+
+@pytest.mark.spawns
+def test_set_threads_sets_torchs_and_numbas_count_once():
+    """rcdl.options.set_threads is the one place: numba's pool follows it, whether it started
+    before or after, and a widened call leaves both counts as they were set."""
+    import subprocess
+    import sys
+
+    code = ("import numba, torch\n"
+            "from rcdl.options import set_threads\n"
+            "from rcdl.ops import widen\n"
+            "set_threads(1)\n"
+            "widen.scores(torch.randn(5, 8).bfloat16(), torch.randn(3, 8))\n"
+            "print(torch.get_num_threads(), numba.get_num_threads())\n"
+            "set_threads(2)\n"
+            "widen.scores(torch.randn(5, 8).bfloat16(), torch.randn(3, 8))\n"
+            "print(torch.get_num_threads(), numba.get_num_threads())\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**__import__("os").environ, "NUMBA_NUM_THREADS": "2"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-4:] == ["1", "1", "2", "2"]
+
+
+def test_set_threads_refuses_what_is_not_a_count():
+    from rcdl.options import set_threads
+
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="thread count"):
+            set_threads(bad)
 
 
 @pytest.mark.spawns

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rcdl.nn.backends import ShardCollectives
+from rcdl.nn.backends import ShardCollectives, use_shard
 from rcdl.nn.layers import growing_layers
 from rcdl.ops.entries import Partial
 from rcdl.ops.kernels import Kernel, check_kernel
@@ -174,7 +174,7 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module
             keep = info.owned(n, layer.store.device)
             layer.remove_entries(~keep)
             layer.store.compact()  # release the other ranks' rows
-        layer.use_shard(info)
+        use_shard(layer, info)
     return model
 
 

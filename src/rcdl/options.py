@@ -7,15 +7,24 @@ object that computes: a learner takes it as an argument, saves it in its state d
 run writes it to ``environment.json``. Where the object is not given one, it reads the
 process-wide default, a :class:`ProcessDefault`: the environment variable sets it once, at
 the first read; :meth:`ProcessDefault.set` and ``with default.using(value):`` change it.
+
+The CPU threads are the one option of the process itself (a thread pool is the process's):
+:func:`set_threads` is the one place that sets them, for torch and for numba's kernels
+(:mod:`rcdl.ops.widen`, the fused Adam step) alike; ``rcdl ... --threads N`` calls it before
+anything runs. A measurement that depends on the count (:func:`rcdl.ops.half.widen_pays`)
+is kept per count.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["ProcessDefault"]
+import torch
+
+__all__ = ["ProcessDefault", "numba_threads", "set_threads", "threads"]
 
 
 class ProcessDefault:
@@ -62,3 +71,36 @@ class ProcessDefault:
 
     def __repr__(self) -> str:
         return f"ProcessDefault({self.what!r}, ${self.env}, {self.get()!r})"
+
+
+def threads() -> int:
+    """The CPU threads rcdl computes with: torch's count (:func:`set_threads` sets it)."""
+    return torch.get_num_threads()
+
+
+def set_threads(count: int) -> None:
+    """Compute with ``count`` CPU threads from now on: torch's intra-op threads and, where
+    numba's kernels have started their pool, numba's (:func:`numba_threads`); a pool that
+    starts later follows the count then. Set it before the work it is for: a thread count
+    that changes mid-run changes nothing computed, only how fast."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"set_threads: the thread count must be an integer >= 1, got "
+                         f"{count!r}")
+    torch.set_num_threads(count)
+    if "numba" in sys.modules:
+        numba_threads()
+
+
+def numba_threads() -> int:
+    """Make numba's thread count torch's (at most the pool's size, ``NUMBA_NUM_THREADS``), and
+    return it. Starting numba's OpenMP pool resets the process's OpenMP thread count, so
+    torch's is read first and put back after."""
+    import numba
+
+    count = torch.get_num_threads()
+    numba.get_num_threads()  # starts the pool, if it has not started
+    torch.set_num_threads(count)
+    n = min(count, numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n

@@ -8,14 +8,16 @@
 - :mod:`rcdl.app.rundir`: self-describing run folders;
 - :mod:`rcdl.app.cifar`, :mod:`rcdl.app.classical`: CIFAR loaders, kNN and SVM baselines;
 - :mod:`rcdl.app.allocator`: the command's malloc tuning;
-- :mod:`rcdl.app.experiments`: one module per experiment, holding only what is its own.
+- :mod:`rcdl.app.experiments`: one module (or package) per experiment, holding only what is
+  its own.
 - :mod:`rcdl.app.recipes`: what several experiments train and report with.
+- :mod:`rcdl.app.models`: the model zoo, the networks the experiments and benchmarks train.
 
 An experiment takes from another only what later studies build on: the one-epoch
-comparison's model zoo, settings, report and runs (``cifar10_models``, ``cifar10_config``,
-``cifar10_report``, ``cifar10_combine``, and ``cifar10`` itself, which the τ sweep runs once
-per τ), and the continual study's baselines (``continual_baselines``, which the attribution
-study scores too). ``tests/test_architecture.py`` checks that nothing else crosses.
+comparison's settings, report and runs (``cifar10.config``, ``cifar10.report``,
+``cifar10.combine``, and ``cifar10`` itself, which the τ sweep runs once per τ), and the
+continual study's baselines (``continual.baselines``, which the attribution study scores
+too). ``tests/test_architecture.py`` checks that nothing else crosses.
 
 The library (``rcdl``, the package above) never imports from here.
 """

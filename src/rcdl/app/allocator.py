@@ -2,7 +2,7 @@
 
 On Linux, glibc's ``malloc`` serves every block above its mmap threshold (32 MB at most) with
 fresh pages from ``mmap`` and unmaps them again on ``free``. The first write to a fresh page
-faults, at a cost proportional to the bytes touched (``results/bench_hybrid.md``).
+faults, at a cost proportional to the bytes touched (``results/speed/bench_hybrid.md``).
 A training step allocates such blocks every step: the gradient of a 3072 × 3072 weight is
 38 MB, Adam's temporaries are as large, and the hybrid layer's entry gradients are
 ``(N, 3072)``. So every step pays the faults again, unless :func:`keep_freed_memory` keeps

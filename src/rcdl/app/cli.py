@@ -28,11 +28,12 @@ flags that would change a run, and errors phrased in flags were all fixed before
 generator existed, and each library would have needed overrides for most of them.
 
 ``--data-dir`` must name an existing folder and is saved as an absolute path, so ``--resume
-RUN_DIR`` works from any working folder. ``--threads N`` sets torch's CPU threads before
-anything runs; it is no setting of the run (not in ``config.json``, free to change on
-``--resume``), and ``environment.json`` records the count the run used. ``main`` returns
-the exit status: 0 on success, 2 for a usage error (bad flag or value, reported in terms of
-the subcommand's flags, then a line pointing to its ``--help``), 1 for a failed run.
+RUN_DIR`` works from any working folder. ``--threads N`` sets the CPU threads (torch's and
+numba's: :func:`rcdl.options.set_threads`) before anything runs; it is no setting of the run
+(not in ``config.json``, free to change on ``--resume``), and ``environment.json`` records
+the count the run used. ``main`` returns the exit status: 0 on success, 2 for a usage error
+(bad flag or value, reported in terms of the subcommand's flags, then a line pointing to its
+``--help``), 1 for a failed run.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ def _positive_int(text: str) -> int:
 
 
 _THREADS_HELP = (
-    "the number of CPU threads torch computes with (torch.set_num_threads), set before "
-    "anything runs and recorded in the run folder's environment.json{resume} (default: "
+    "the number of CPU threads torch computes with, and numba's kernels with it "
+    "(rcdl.options.set_threads), set before anything runs and recorded in the run folder's "
+    "environment.json{resume} (default: "
     "torch's, from $OMP_NUM_THREADS or the core count). On a machine other processes are "
     "using, try one thread per process (docs/install.md compares the two): --threads 1, "
     "or OMP_NUM_THREADS=1"
@@ -562,9 +564,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:  # reported with the subcommand's usage, not that of rcdl
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "threads", None) is not None:  # before anything runs, the data included
-        import torch
+        from rcdl.options import set_threads
 
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     try:
         return args.func(args)
     except CLIError as e:

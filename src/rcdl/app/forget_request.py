@@ -180,7 +180,7 @@ def _n_train(run: Path, cfg: Any) -> int:
 def _load_kept(run: Path, cfg: Any, name: str, seed: int, file: Path) -> _Kept:
     """Load ``file`` (and its log, if kept) into the model the run's config builds."""
     from rcdl.app.experiments.cifar10 import EXPERIMENT, MODEL_FORMAT, log_path
-    from rcdl.app.experiments.cifar10_models import build_model
+    from rcdl.app.models import build_model
     from rcdl.train.checkpoint import DamagedCheckpoint, load_checkpoint, load_model_state
     from rcdl.train.replay import ReplayLog
 
@@ -221,7 +221,7 @@ def _load_data(cfg: Any, data_dir: str | None) -> tuple[Tensor, Tensor, str]:
     SHA-256 (:func:`rcdl.app.experiments.cifar10.data_digest`); never downloads."""
     from rcdl.app.cifar import CorruptDataError
     from rcdl.app.experiments.cifar10 import data_digest
-    from rcdl.app.experiments.cifar10_config import load_data
+    from rcdl.app.experiments.cifar10.config import load_data
 
     if data_dir is not None:
         cfg = dataclasses.replace(cfg, data_dir=data_dir)
@@ -314,8 +314,8 @@ def forget_request(run_dir: str | os.PathLike, samples: str | Sequence[int], *,
         RequestRefused: for bad input (module docstring); nothing was changed then.
     """
     from rcdl.app.experiments.cifar10 import EXPERIMENT, model_path, save_model
-    from rcdl.app.experiments.cifar10_config import Cifar10Config
-    from rcdl.app.experiments.cifar10_models import model_spec
+    from rcdl.app.experiments.cifar10.config import Cifar10Config
+    from rcdl.app.models import model_spec
     from rcdl.app.rundir import read_config
     from rcdl.memory.repair import repair_refusal
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData
 from rcdl.app.config import ExperimentConfig
-from rcdl.app.experiments.cifar10_models import build_model, model_spec
+from rcdl.app.models import build_model, model_spec
 from rcdl.app.report import markdown_table, mean_sd, pm
 from rcdl.app.rundir import RunDir, save_figure
 from rcdl.app.runner import Session, TaggedLog

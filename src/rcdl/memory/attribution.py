@@ -50,12 +50,13 @@ from torch import Tensor, nn
 
 from rcdl.distributed import model_shard
 from rcdl.memory.provenance import UNKNOWN, entry_samples
-from rcdl.nn.backends import AttendingLayer, Backend, ShardCollectives, Wrapper
+from rcdl.nn.backends import AttendingLayer, Backend, ShardCollectives, Wrapper, backend_wrapped
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.networks import eval_mode
 from rcdl.ops.attention import attend_partial, shares
 from rcdl.ops.entries import Entries
 from rcdl.ops.kernels import guard_denominator
+from rcdl.ops.partials import without_each
 
 __all__ = ["Explanation", "deletion_effects", "entry_contributions", "explain"]
 
@@ -160,7 +161,9 @@ def deletion_effects(layer: GrowingLayer, x: Tensor, direction: Tensor,
       entry also shrinks the normaliser, which the share ``c_j / g(D, A)`` leaves out.
 
     Arguments as :func:`entry_contributions` (``chunk``: entries per block), and the same
-    products. Tested against deleting each entry in float64.
+    products (:class:`rcdl.ops.partials.Products`; each entry taken out of the partial
+    over the whole store by :func:`rcdl.ops.partials.without_each`). Tested against
+    deleting each entry in float64.
 
     Raises:
         ValueError: as :func:`entry_contributions`; under top-k retrieval deleting a
@@ -179,16 +182,14 @@ def deletion_effects(layer: GrowingLayer, x: Tensor, direction: Tensor,
     u = direction.to(q.dtype)
     whole = guard_denominator(part.den, part.mass, entries.eps)  # (B,)
     big_u = (u * part.num).sum(1, keepdim=True)  # (B, 1)
-    tau = entries.tau(q.shape[1])
+    products = entries.products(q)  # the products the partial was formed from
     out = []
     for a in range(0, len(entries), chunk):
         rows = entries.rows(slice(a, a + chunk))
-        e = (entries.kernel.dense(q, rows.keys.to(q.dtype), tau) - part.m[:, None]).exp()
-        w = rows.weights.to(q.dtype)[None, :]  # (1, n)
-        c = e * (u @ rows.values.to(q.dtype).T)  # (B, n)
-        den = guard_denominator(part.den[:, None] - w * e, part.mass[:, None] - w.abs() * e,
-                                entries.eps)
-        out.append((big_u - c) / den - big_u / whole[:, None])
+        along = u @ rows.values.to(q.dtype).T  # (B, n) ⟨u_b, ṽ_j⟩
+        after = without_each(part, big_u, products.dense(rows.keys), along, rows.weights,
+                             entries.eps)  # (B, n) ⟨u_b, s_{−j}⟩
+        out.append(after - big_u / whole[:, None])
     return torch.cat(out, 1) if out else q.new_zeros(len(q), 0)
 
 
@@ -260,7 +261,7 @@ def explain(model: nn.Module, x: Tensor, target: Tensor | None = None, k: int = 
     try:
         with torch.enable_grad(), eval_mode(model), ExitStack() as products:
             for _, layer in layers:  # the products the shares are formed from
-                products.enter_context(layer.backend_wrapped(_AttributedProducts))
+                products.enter_context(backend_wrapped(layer, _AttributedProducts))
             x = x.detach().requires_grad_()  # the layers' outputs then carry a graph
             logits = model(x)  # (B, C)
             chosen = logits.argmax(dim=1) if target is None else target.to(logits.device)

@@ -246,7 +246,7 @@ def _check_can_forget(layers: list[tuple[str, GrowingLayer]]) -> None:
     """Refuse a step in flight and a layer that cannot name its entries' samples."""
     for name, layer in layers:
         where = f"forget: {type(layer).__name__} {name or '(the model)'!r}"
-        if layer.has_pending or layer.ready_records():
+        if layer.recorder.has_pending or layer.recorder.ready():
             raise RuntimeError(
                 f"{where} holds a training batch recorded since the last step(): stepping it "
                 "would write the forgotten samples again. Call the learner's step() (or its "
@@ -318,7 +318,7 @@ def forget(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
             named = layer.provenance.of(handed)
             erased_ids[name] = handed[torch.isin(named, wanted.to(named.device))
                                       & (named != UNKNOWN)]
-        removed[name], released[name] = layer.remove_rows(mask)
+        removed[name] = layer.remove_entries(mask, released.setdefault(name, []))
         erased[name] = layer.provenance.erase(wanted)
     synced = []
     for learner in learners:

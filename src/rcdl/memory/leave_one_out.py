@@ -14,6 +14,9 @@ numerator, denominator, weight mass and shift ``m``):
   A − Σ_{j∈E} |w_j| e^{z_j−m})``, with ``g`` the attention's guard of the denominator
   (:func:`rcdl.ops.kernels.guard_denominator`) and ``A`` the weight mass it scales by.
 
+The terms are taken out of the partial sums by :func:`rcdl.ops.partials.take_out`, each
+formed from the products the layer's forward multiplies (:class:`rcdl.ops.partials.Products`:
+a half-precision store's queries and kernel factors rounded where the forward rounds them).
 The corrected output of each layer is what the next layer sees, so the result is the
 deleted model's output exactly (a float64 test compares it with
 :func:`rcdl.memory.forgetting.forget` on a copy, sample by sample), for the price of one
@@ -40,8 +43,8 @@ from rcdl.memory.provenance import UNKNOWN, entry_samples
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.networks import eval_mode
 from rcdl.ops.attention import attend_partial
-from rcdl.ops.entries import Entries, Partial
-from rcdl.ops.kernels import guard_denominator
+from rcdl.ops.entries import Entries
+from rcdl.ops.partials import Partial, finalize, take_out
 
 __all__ = ["leave_one_out", "left_out_attention"]
 
@@ -70,23 +73,14 @@ def left_out_attention(layer: GrowingLayer, q: Tensor, leave: Tensor,
     rows, cols = (owners[None, :] == leave[:, None]).nonzero(as_tuple=True)  # pairs (P,)
     keep = leave[rows] != UNKNOWN
     rows, cols = rows[keep].to(q.device), cols[keep].to(q.device)
-    kernel, tau = entries.kernel, entries.tau(qk.shape[1])
-    # per pair (b, j): κ(q_b, k_j), or the logit z for the softmax; the kernel's dense
-    # reference mapped over the pairs, one value each
-    pair = torch.vmap(lambda a, b: kernel.dense(a[None], b[None], tau)[0, 0])
-    kappa = (pair(qk[rows], entries.keys[cols].to(qk.dtype)) if len(rows)
-             else qk.new_zeros(0))  # (P,)
-    weights = entries.weights.to(qk.dtype)[cols]  # (P,)
-    values = entries.values.to(qk.dtype)[cols]  # (P, d_out)
-    if not kernel.normalised:  # the left-out terms w_j κ_j v_j taken away
-        return part.num, part.num.clone().index_add_(0, rows, -(weights * kappa)[:, None]
-                                                     * values)
-    e = (kappa - part.m[rows]).exp()  # (P,) e^{z_j − m}
-    num = part.num.clone().index_add_(0, rows, -e[:, None] * values)
-    den = part.den.clone().index_add_(0, rows, -weights * e)
-    mass = part.mass.clone().index_add_(0, rows, -weights.abs() * e)
-    whole = part.num / guard_denominator(part.den, part.mass, entries.eps)[:, None]
-    return whole, num / guard_denominator(den, mass, entries.eps)[:, None]
+    # per pair (b, j): κ(q_b, k_j), or the logit z for the softmax, from the products the
+    # forward multiplies (the kernel's dense twin mapped over the pairs, one value each)
+    products = entries.products(qk)
+    kappa = products.pairs(rows, entries.keys[cols])  # (P,)
+    left = take_out(part, rows, kappa, entries.values[cols], entries.weights[cols],
+                    entries.kernel, products)
+    return (finalize(part, kernel=entries.kernel, eps=entries.eps),
+            finalize(left, kernel=entries.kernel, eps=entries.eps))
 
 
 @torch.no_grad()

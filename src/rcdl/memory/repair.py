@@ -27,7 +27,11 @@ The cost. The kernel values between the re-written queries and the keys before t
 not change as values are re-written, so they are formed ``block`` queries at a time: one
 pass of the attention op (:func:`rcdl.ops.attention.attend_partial`) over the rows before
 the block, and one matrix product among the block's own rows, whose values are then folded
-in step by step (``(rows, block)`` products with ``d_out``-wide values). A readout of
+in step by step (``(rows, block)`` products with ``d_out``-wide values; the partials are
+formed, folded and merged by :mod:`rcdl.ops.partials`). Every product runs as the layer's
+forward runs it (:class:`rcdl.ops.partials.Products`): a half-precision readout multiplies
+the queries rounded to its dtype and rounds each block before it multiplies the values
+where training did, so it is re-written with the products training used. A readout of
 ``N`` entries of width ``d`` costs about ``N² d`` multiply-adds, where training did that
 much per layer and three times over (forward, backward, the look-ahead).
 
@@ -75,12 +79,12 @@ from torch import Tensor, nn
 from rcdl.distributed import model_shard
 from rcdl.memory.forgetting import ForgetReceipt, forget, sample_index_tensor
 from rcdl.memory.provenance import UNKNOWN, entry_samples, merged_counts
-from rcdl.nn.backends import AttendingLayer, Backend
+from rcdl.nn.backends import AttendingLayer, Backend, backend_wrapped
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.records import Record
 from rcdl.ops.attention import attend_partial
-from rcdl.ops.entries import Entries, Partial, finalize, merge_partials
-from rcdl.ops.kernels import Kernel, row_sq_norms
+from rcdl.ops.entries import Entries
+from rcdl.ops.partials import Partial, finalize, fold
 
 __all__ = ["forget_and_repair", "readout_of", "recompute_readout_keys", "repair_refusal",
            "rewrite_readout"]
@@ -114,7 +118,7 @@ def _problems(layer: GrowingLayer) -> list[str]:
         problems.append("its keys are not its queries (the linear dual form's bias column)")
     if layer.retrieval is not None:
         problems.append("it attends by top-k retrieval")
-    if layer.has_pending:
+    if layer.recorder.has_pending:
         problems.append("a batch is recorded and not stepped")
     if bool((merged_counts(layer) > 0).any()):
         problems.append("a memory budget merged entries (an entry of several samples)")
@@ -248,7 +252,6 @@ def rewrite_readout(layer: GrowingLayer, labels: Tensor, *, from_step: int,
     owners = _owners(layer, r0, r1, len(labels), "labels")
     entries = layer.entries()
     dtype, kernel = store.dtype, layer.kernel
-    tau = entries.tau(store.d_in)
     keys = entries.keys  # (N, d) in the storage dtype
     values = entries.values[:r1].clone()  # (r1, d_out) the re-written ones replace these
     weights = entries.weights[:r1].clone()  # (r1,)
@@ -259,14 +262,15 @@ def rewrite_readout(layer: GrowingLayer, labels: Tensor, *, from_step: int,
         q = keys[a:b].to(dtype)  # (Q, d) the block's queries: their keys
         before = attend_partial(q, entries.replace(keys=keys[:a], values=values[:a],
                                                    weights=weights[:a]))
-        among = _kernel_values(q, keys[a:b], kernel, tau, dtype)  # (Q query, Q entry)
+        among_products = entries.rows(slice(a, b)).products(q)  # as training multiplied them
+        among = among_products.kernel_values(among_products.read_keys(keys[a:b])).T  # (Q, Q)
         block_steps = row_steps[a - r0 : b - r0]
         for lo, hi in _blocks(block_steps.cpu(), 1):  # one step at a time
             rows = slice(a + lo, a + hi)
             part = Partial(*(t[lo:hi] for t in before))
             if lo > 0:  # the block's earlier steps, already re-written
-                part = _fold(part, among[lo:hi, :lo], values[a : a + lo],
-                             weights[a : a + lo], kernel.normalised)
+                part = fold(part, among[lo:hi, :lo], values[a : a + lo],
+                            weights[a : a + lo], kernel, products=among_products)
             s = finalize(part, kernel=kernel, eps=entries.eps)  # (rows, d_out)
             n = (batch_sizes or {}).get(int(block_steps[lo]), hi - lo)
             new_keys, new_values, new_weights = layer.make_entries(_record(
@@ -319,11 +323,11 @@ class _Causal:
         n1 = int(torch.searchsorted(written, steps.max()))  # rows some query sees
         part = attend_partial(q, e.rows(slice(0, n0)))
         if n1 > n0:
-            kernel = layer.kernel
-            phi = _kernel_values(q, e.keys[n0:n1], kernel, e.tau(q.shape[1]), q.dtype)
+            rows = e.rows(slice(n0, n1))
+            products = rows.products(q)  # as the forward multiplies them
+            phi = products.kernel_values(products.read_keys(rows.keys)).T  # (Q, c)
             seen = written[n0:n1][None, :] < steps[:, None]  # (Q, c)
-            part = _fold(part, phi, e.values[n0:n1], e.weights[n0:n1], kernel.normalised,
-                         seen)
+            part = fold(part, phi, rows.values, rows.weights, e.kernel, seen, products)
         return finalize(part, kernel=layer.kernel, eps=e.eps)
 
     def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial:
@@ -362,7 +366,7 @@ def recompute_readout_keys(model: nn.Module, layer: GrowingLayer, inputs: Tensor
     with ExitStack() as stack:
         for _, other in growing_layers(model):
             if other is not layer:
-                stack.enter_context(other.backend_wrapped(lambda b: _Causal(current, b)))
+                stack.enter_context(backend_wrapped(other, lambda b: _Causal(current, b)))
         stack.callback(layer.register_forward_pre_hook(stop).remove)
         stack.callback(model.train, was_training)
         model.eval()
@@ -378,31 +382,6 @@ def recompute_readout_keys(model: nn.Module, layer: GrowingLayer, inputs: Tensor
             keys[a:b] = layer.query_keys(q).to(keys.dtype)
     layer.rewrite_rows(slice(r0, r1), keys=keys)
     return r1 - r0
-
-
-def _kernel_values(q: Tensor, keys: Tensor, kernel: Kernel, tau: float,
-                   dtype: torch.dtype) -> Tensor:  # (Q, c)
-    """The kernel values (normalised kernels: logits) of queries ``q (Q, d)`` against
-    ``keys (c, d)``, from the kernel's own per-chunk rule (:class:`rcdl.ops.kernels.Kernel`)."""
-    scores = keys.to(dtype) @ q.T  # (c, Q) entry-major, as the kernels take them
-    q_sqnorm = row_sq_norms(q, dtype) if kernel.distance else None
-    return kernel.values_(scores, q_sqnorm, keys, tau, dtype).T
-
-
-def _fold(part: Partial, phi: Tensor, values: Tensor, weights: Tensor, normalised: bool,
-          seen: Tensor | None = None) -> Partial:
-    """``part`` with the entries ``values (c, d_out)``, ``weights (c,)`` folded in, given
-    their kernel values ``phi (Q, c)`` (normalised kernels: logits); ``seen (Q, c)`` bool:
-    which entries each query sees (``None``: all)."""
-    values = values.to(phi.dtype)
-    if not normalised:
-        w = weights if seen is None else weights * seen
-        return part._replace(num=part.num + (phi * w) @ values)
-    if seen is not None:
-        phi = phi.masked_fill(~seen, float("-inf"))
-    m = phi.max(1).values  # (Q,) -inf where a query sees none
-    e = torch.exp(phi - torch.where(m == float("-inf"), 0.0, m)[:, None])  # (Q, c)
-    return merge_partials(part, Partial(m, e @ values, e @ weights, e @ weights.abs()))
 
 
 def _record(q: Tensor, s: Tensor, y: Tensor, loss_fn: Loss, n_samples: int, part: Partial,

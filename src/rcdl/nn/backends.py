@@ -22,16 +22,21 @@ that asks the backend reads the global store by construction. The backends:
   (:mod:`rcdl.retrieval.topk`); anything else goes to the backend it wraps.
 
 Every backend computes through the attention op (:mod:`rcdl.ops.attention`), which picks the
-compute path. They compose as ``TopK(EvalCached(Exact | Sharded))``: the layer's ``use_shard``,
-``use_retrieval`` and ``enable_eval_cache`` install them (:func:`rcdl.distributed.shard` and
-:func:`rcdl.retrieval.topk.use_topk` call those). A new backend is one class with these four
-methods and an ``inner``; it wraps another without the others knowing.
+compute path. They compose as ``TopK(EvalCached(Exact | Sharded))`` in one room, the layer's
+:class:`LayerBackend`, and only the functions over a layer at the end of this module rebuild
+it: :func:`use_shard`, :func:`use_retrieval` (:func:`rcdl.distributed.shard` and
+:func:`rcdl.retrieval.topk.use_topk` call those), :func:`wrap_backend` and
+:func:`backend_wrapped`, the evaluation cache's :func:`enable_eval_cache`,
+:func:`disable_eval_cache` and :func:`start_evaluation`, and :func:`release_rows` when rows
+change. A new backend is one class with these four methods and an ``inner``; it wraps another
+without the others knowing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,8 +48,11 @@ from rcdl.ops.attention import attend, attend_partial, nearest_sq_distance, resu
 from rcdl.ops.entries import Entries, Partial, finalize
 from rcdl.ops.kernels import Kernel
 
-__all__ = ["AttendingLayer", "Backend", "EvalCached", "Exact", "RetrievalMode", "ShardCollectives",
-           "Sharded", "TopK", "Wrapper", "compose", "find", "wrapped"]
+__all__ = ["AttendingLayer", "Backend", "EvalCached", "Exact", "LayerBackend", "RetrievalMode",
+           "ShardCollectives", "Sharded", "TopK", "Wrapper", "backend_wrapped", "compose",
+           "disable_eval_cache", "enable_eval_cache", "eval_cache_hits", "find",
+           "release_rows", "retrieval_of", "shard_of", "start_evaluation", "use_retrieval",
+           "use_shard", "wrap_backend", "wrapped"]
 
 class AttendingLayer(Protocol):
     """What a backend reads of the layer it answers for (a
@@ -57,6 +65,9 @@ class AttendingLayer(Protocol):
 
     @property
     def kernel(self) -> Kernel: ...
+
+    @property
+    def backend(self) -> LayerBackend: ...
 
     def entries(self, keys: Tensor | None = None, values: Tensor | None = None,
                 weights: Tensor | None = None) -> Entries: ...
@@ -245,7 +256,7 @@ class _CachedPartial:
 
 @dataclass(eq=False)
 class EvalCached(Wrapper):
-    """Incremental evaluation (:meth:`rcdl.nn.layers.GrowingLayer.enable_eval_cache`).
+    """Incremental evaluation (:func:`enable_eval_cache`).
 
     Evaluation repeats the same test queries between training steps, and a step only appends
     entries. The ``k``-th no-grad call after :meth:`start_evaluation` keeps its queries and
@@ -304,3 +315,136 @@ class TopK(Wrapper):
         if self.mode.applies(layer):
             return self.mode.attend(layer, q, entries)
         return self.inner.attend(layer, q, entries, stats)
+
+
+# --------------------------------------------------------------------------- the layer's room
+@dataclass(eq=False)
+class LayerBackend:
+    """The backend a layer attends through (``layer.backend``): the chain of :func:`compose`,
+    ``TopK(EvalCached(Exact | Sharded))`` inside the wrappers of one's own, answering every
+    question of :class:`Backend` by its outermost node. The functions below rebuild
+    :attr:`chain`; ``hits`` counts the evaluation cache hits of caches since dropped."""
+
+    chain: Backend = field(default_factory=Exact)
+    hits: int = 0
+
+    @property
+    def inner(self) -> Backend:
+        return self.chain
+
+    def attend(self, layer: AttendingLayer, q: Tensor, entries: Entries | None = None,
+               stats: list | None = None) -> Tensor:  # (B, d_out)
+        return self.chain.attend(layer, q, entries, stats)
+
+    def partial(self, layer: AttendingLayer, q: Tensor, entries: Entries) -> Partial:
+        return self.chain.partial(layer, q, entries)
+
+    def nearest_sq_distance(self, layer: AttendingLayer, q: Tensor) -> Tensor:  # (B,)
+        return self.chain.nearest_sq_distance(layer, q)
+
+    def size(self, layer: AttendingLayer) -> int:
+        return self.chain.size(layer)
+
+
+def shard_of(layer: AttendingLayer) -> ShardCollectives | None:
+    """The shard of ``layer``'s store split over ranks (:mod:`rcdl.distributed`), else
+    ``None`` (``layer.shard``)."""
+    sharded = find(layer.backend.chain, Sharded)
+    return None if sharded is None else sharded.shard
+
+
+def retrieval_of(layer: AttendingLayer) -> RetrievalMode | None:
+    """The top-k mode ``layer`` attends by (:mod:`rcdl.retrieval.topk`), else ``None``
+    (``layer.retrieval``)."""
+    topk = find(layer.backend.chain, TopK)
+    return None if topk is None else topk.mode
+
+
+def use_shard(layer: AttendingLayer, shard: ShardCollectives | None) -> None:
+    """Attend over this rank's rows of a store split over ranks (``None``: the whole store
+    here): the base of the chain becomes :class:`Sharded` (:func:`rcdl.distributed.shard`
+    installs it). Drops an evaluation cache."""
+    layer.backend.chain = compose(layer.backend.chain,
+                                  base=Exact() if shard is None else Sharded(shard), cache=None)
+
+
+def use_retrieval(layer: AttendingLayer, mode: RetrievalMode | None) -> None:
+    """Attend by a top-k mode (``None``: exact streaming attention again): the outer
+    :class:`TopK` of the chain (:func:`rcdl.retrieval.topk.use_topk` and ``use_exact``
+    install it)."""
+    layer.backend.chain = compose(layer.backend.chain, mode=mode)
+
+
+def wrap_backend(layer: AttendingLayer, wrap: Callable[[Backend], Backend]) -> None:
+    """Attend through ``wrap(backend)``: a backend of one's own around the current one, a
+    dataclass with an ``inner`` field; it stays outermost (docs/architecture.md, "Adding a
+    backend")."""
+    try:
+        layer.backend.chain = wrapped(layer.backend.chain, wrap)
+    except TypeError as err:
+        raise TypeError(f"{type(layer).__name__} {getattr(layer, 'name', '')!r}: {err}") from None
+
+
+@contextmanager
+def backend_wrapped(layer: AttendingLayer, wrap: Callable[[Backend], Backend]) -> Iterator[None]:
+    """Within the block, ``layer`` attends through ``wrap(backend)`` (as :func:`wrap_backend`);
+    the backend of before is back after it."""
+    before = layer.backend.chain
+    wrap_backend(layer, wrap)
+    try:
+        yield
+    finally:
+        layer.backend.chain = before
+
+
+def enable_eval_cache(layer: Any) -> None:
+    """Cache ``layer``'s partial results for repeated evaluations on fixed inputs: a no-grad
+    call on the queries of the last evaluation folds only the rows written since, bit for bit
+    the full answer (:class:`EvalCached`). Not cached: sharded stores, age coefficients
+    (weight decay, momentum: every entry's weight changes each step) and layers whose entries
+    are trained (``trains_entries``: the hybrid)."""
+    ages = layer.rule.ages
+    disable_eval_cache(layer)  # counts the hits of a cache enabled before: reset after
+    layer.backend.hits = 0
+    if shard_of(layer) is None and (ages is None or ages.trivial) and not layer.trains_entries:
+        layer.backend.chain = compose(layer.backend.chain, cache=EvalCached())
+
+
+def disable_eval_cache(layer: AttendingLayer) -> None:
+    """Turn ``layer``'s evaluation cache off and free it (its hits stay counted in
+    :func:`eval_cache_hits`)."""
+    cache = find(layer.backend.chain, EvalCached)
+    if cache is not None:
+        layer.backend.hits = layer.backend.hits + cache.hits
+        layer.backend.chain = compose(layer.backend.chain, cache=None)
+
+
+def start_evaluation(layer: AttendingLayer) -> None:
+    """Call before each evaluation: ``layer``'s next forward call is the first batch's."""
+    cache = find(layer.backend.chain, EvalCached)
+    if cache is not None:
+        cache.start_evaluation()
+
+
+def eval_cache_hits(layer: AttendingLayer) -> int:
+    """``layer``'s cached calls that only attended over new rows, since the cache was
+    enabled."""
+    cache = find(layer.backend.chain, EvalCached)
+    return layer.backend.hits + (0 if cache is None else cache.hits)
+
+
+def release_rows(layer: AttendingLayer) -> list[str]:
+    """Drop what ``layer``'s backend keeps derived from its rows (they changed): the
+    evaluation cache's partials and the top-k mode's index (rebuilt at its next call);
+    returns what it dropped, by name."""
+    dropped = []
+    cache = find(layer.backend.chain, EvalCached)
+    if cache is not None and cache.slots:
+        # a fresh cache: nothing of the old partials
+        layer.backend.hits = layer.backend.hits + cache.hits
+        layer.backend.chain = compose(layer.backend.chain, cache=EvalCached())
+        dropped.append("evaluation cache")
+    mode = retrieval_of(layer)
+    if mode is not None and mode.rows_removed():
+        dropped.append("top-k index")
+    return dropped

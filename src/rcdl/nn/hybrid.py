@@ -48,7 +48,7 @@ from rcdl.nn.gates import (
 )
 from rcdl.nn.layers import GrowingSoftmax
 from rcdl.nn.records import Record
-from rcdl.nn.rules import LearningRule, NewEntries
+from rcdl.nn.rules import LearningRule
 
 __all__ = [
     "GrowthStalledWarning", "HybridSoftmax", "hybrid_layers",
@@ -125,10 +125,8 @@ class HybridSoftmax(GrowingSoftmax):
         rounding_seed = int(torch.randint(1 << 62, ())) if seed is None else seed
         self.register_buffer("rounding_seed", torch.tensor(rounding_seed, dtype=torch.long))
         self._leaves: tuple[Tensor, Tensor, Tensor] | None = None
-        self._refused: Tensor | int = 0  # refused by the trigger in the pending proposal
         self._dry_steps = 0  # growth steps in a row that wrote nothing (host-side count)
         self._last_sq_distance: Tensor | None = None  # (B,) of the last gated batch
-        self._accepted: list[Tensor] = []  # (B,) bool per record of the pending proposal
         self._adam_skipped = False  # a growth step dropped entry gradients Adam never used
 
     # ---------------------------------------------------------------- forward
@@ -161,7 +159,7 @@ class HybridSoftmax(GrowingSoftmax):
         return dropped
 
     def _drop_unstepped(self) -> None:
-        if self.ready_records():  # the entries' gradients belong to the same dropped batch
+        if self.recorder.ready():  # the entries' gradients belong to the same dropped batch
             self._leaves = None
         super()._drop_unstepped()
 
@@ -181,6 +179,11 @@ class HybridSoftmax(GrowingSoftmax):
         """Whether a growth step dropped entry gradients that no Adam step had used (the
         steps ran in the wrong order; ``EntryAdam.step`` then refuses, saying so)."""
         return self._adam_skipped
+
+    def drop_leaves(self) -> None:
+        """Forget the entries' gradients of this step (their leaves): the step's records are
+        discarded (:func:`rcdl.optim._step.discard`)."""
+        self._leaves = None
 
     def drop_entry_grads(self) -> None:
         """Forget the entries' gradients of this step (their leaves), and a lost update."""
@@ -205,74 +208,29 @@ class HybridSoftmax(GrowingSoftmax):
         return super()._apply(fn, *args, **kwargs)
 
     # ---------------------------------------------------------------- growth
-    def make_entries(self, record: Record) -> NewEntries:
-        """The rule's entries for every row of ``record``, zeroed where the trigger refuses
-        the sample; :meth:`commit` keeps the accepted rows (so that one selection on the
-        device also drops a step refused at a deferred check)."""
-        keys, values, weights = super().make_entries(record)
+    def accepts(self, record: Record) -> Tensor:  # (B,) bool
+        """Which rows of ``record`` the trigger lets write their entries (the learner's step
+        zeroes the others and keeps only these, :mod:`rcdl.optim._step`)."""
         errors = (record.grad_mean * record.n_samples).norm(dim=1)  # (B,) per-sample ‖g‖
         sq_distance = None
         if self.trigger.needs_distance:
             sq_distance = self.backend.nearest_sq_distance(self, record.q)  # (B,) all ranks
             self._last_sq_distance = sq_distance
         size = self.num_entries_all_ranks() if getattr(self.trigger, "needs_size", True) else 0
-        accept = self.trigger.accept(sq_distance, size, errors)  # (B,) bool
-        self._accepted.append(accept)
-        self._refused = self._refused + (~accept).sum()  # () on the device: no read
-        return (keys.where(accept[:, None], 0.0), values.where(accept[:, None], 0.0),
-                weights.where(accept, 0.0))
+        return self.trigger.accept(sq_distance, size, errors)
 
-    def proposal(self) -> tuple[NewEntries | None, Tensor]:
-        self._refused = 0
-        self._accepted = []
-        return super().proposal()
-
-    @torch.no_grad()
-    def propose(self) -> NewEntries | None:
-        """The entries this step's records would write: the rows the trigger accepts."""
-        entries = super().propose()
-        if entries is None or not self._accepted:
-            return entries
-        keep = torch.cat(self._accepted)  # (B,) bool
-        return entries[0][keep], entries[1][keep], entries[2][keep]
-
-    def discard(self) -> None:
-        super().discard()
-        self._leaves = None
-        self._accepted = []
-
-    @torch.no_grad()
-    def commit(self, entries: NewEntries | None, ok: Tensor | None = None) -> None:
-        """Append the rows of ``entries`` that the trigger accepted when :meth:`proposal`
-        made them (all rows of entries made otherwise), and none where ``ok``, the verdict
-        of deferred checks (:meth:`GrowingLayer.commit <rcdl.nn.layers.GrowingLayer.commit>`),
-        is False: a step refused at a deferred check writes nothing, as a step refused in
-        the step does. Selecting rows by a device mask sizes the append from the device (an
-        implicit synchronisation, the one the trigger's choice always made)."""
-        accepted, self._accepted = self._accepted, []
-        refused = self._refused
-        if entries is not None:
-            count = entries[0].shape[0]
-            keep = torch.cat(accepted) if accepted else None  # (B,) bool
-            if keep is not None and keep.shape[0] != count:  # not what proposal() made
-                keep = None
-            if ok is not None:
-                ok = ok.to(entries[0].device)
-                keep = ok.expand(count) if keep is None else keep & ok
-                refused = refused * ok  # a refused step's samples are not the trigger's
-            if keep is not None:
-                entries = (entries[0][keep], entries[1][keep], entries[2][keep])
-                if self._proposed_samples is not None:
-                    self._proposed_samples = self._proposed_samples[keep.to(
-                        self._proposed_samples.device)]
-        written = 0 if entries is None else int(entries[0].shape[0])  # all ranks together
+    def note_growth(self, written: int, refused: Tensor | int) -> None:
+        """A growth step writes ``written`` rows (all ranks together) and its trigger refused
+        ``refused`` samples (a ``()`` tensor on the device, or 0), as the learner's commit
+        says (:func:`rcdl.optim._step.commit`): entry gradients no Adam step used are lost
+        (the steps ran in the wrong order: ``EntryAdam.step`` then refuses, saying so), the
+        leaves go with the rows they viewed, the statistics count the step, and a trigger
+        that refused every sample of the first :attr:`STALL_STEPS` steps is warned of."""
         if self.has_entry_grads:  # Grower.step() ran before EntryAdam.step()
             self._adam_skipped = True
-        super().commit(entries, ok)
         self._leaves = None
         self.entries_written += written
         self.entries_refused += refused
-        self._refused = 0
         self._dry_steps = 0 if written else self._dry_steps + 1
         if self._dry_steps == self.STALL_STEPS and int(self.entries_written) == 0:
             self._warn_stalled()
@@ -290,11 +248,6 @@ class HybridSoftmax(GrowingSoftmax):
             f"networks' RMS norm); the default for this width is "
             f"DistanceGate({default_tau(self.store.d_in):.3g}) (rcdl.nn.gates.default_tau)",
             GrowthStalledWarning, stacklevel=2)
-
-    @torch.no_grad()
-    def remove_entries(self, mask: Tensor) -> int:
-        self._leaves = None
-        return self.store.remove(mask)
 
     def stats(self) -> dict[str, int]:
         """Entries written and refused so far, entries stored and their bytes."""

@@ -22,40 +22,25 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rcdl.nn.backends import (
-    Backend,
-    EvalCached,
-    Exact,
-    RetrievalMode,
-    ShardCollectives,
-    Sharded,
-    compose,
-    find,
-    wrapped,
-)
-from rcdl.nn.backends import TopK as _TopKBackend
-from rcdl.nn.divergence import (
-    KEYS,
-    VALUES,
-    WEIGHTS,
-    DivergenceGuard,
-    Fault,
-    first_fault,
-    no_fault,
-    raise_first,
+    LayerBackend,
+    release_rows,
+    retrieval_of,
+    shard_of,
+    use_retrieval,
+    use_shard,
 )
 from rcdl.nn.records import EvalModeOutput, Record, Recorder
 from rcdl.nn.rules import FunctionalSGD, LearningRule, NewEntries, Step
-from rcdl.nn.sample_map import UNKNOWN, SampleMap
+from rcdl.nn.sample_map import SampleMap
 from rcdl.nn.store import EntryStore
-from rcdl.ops.attention import attend, attend_partial, attention
+from rcdl.ops.attention import attention
 from rcdl.ops.entries import Entries
 from rcdl.ops.half import PRODUCTS
 from rcdl.ops.kernels import Kernel, check_kernel, softmax_scale
@@ -87,6 +72,12 @@ def _run_eagerly(method: Callable) -> Callable:
 class GrowingLayer(nn.Module):
     """Base class: a layer ``d_in → d_out`` over an :class:`EntryStore` and a learning rule.
 
+    A growing layer is a store, a kernel, a rule, a backend and a forward: it answers. What
+    writes it is the learner's (:mod:`rcdl.optim._step`: propose, commit, undo a step; the
+    divergence guard, :mod:`rcdl.nn.divergence`); how it attends is composed by the
+    functions of :mod:`rcdl.nn.backends` (``use_shard``, ``use_retrieval``, the evaluation
+    cache, ``wrap_backend``).
+
     Args:
         d_in: input width. Inputs may have any leading dims ``(..., d_in)``; the first
             one is the sample dimension the loss averages over.
@@ -107,13 +98,16 @@ class GrowingLayer(nn.Module):
             RBF and growing softmax layers the outputs the step *would leave* on its batch
             are checked too, before it writes (against the inputs' RMS while the store
             answered only zeros), so a single step at a far too high learning rate writes
-            nothing. ``None`` turns the scale checks off.
+            nothing. ``None`` turns the scale checks off. The learner's divergence guard
+            reads it at every step (:class:`~rcdl.nn.divergence.DivergenceGuard`).
         store_dtype: what the store keeps keys and values as (default: the layer's dtype);
             ``torch.bfloat16`` or ``torch.float16`` halve its bytes, and where the CPU
             multiplies bf16 natively also the attention's time (docs/precision.md).
     """
 
     steps: Tensor  # buffer (): the growth steps taken so far
+    trains_entries = False  # True where an optimizer moves stored entries (the hybrid)
+    _stats: list | None = None  # set during a recording forward of a softmax layer
 
     def __init__(
         self,
@@ -140,36 +134,32 @@ class GrowingLayer(nn.Module):
         if not isinstance(rule, LearningRule):
             raise TypeError(f"{type(self).__name__}: rule must be a rcdl.nn.rules.LearningRule "
                             f"(e.g. FunctionalSGD, ClippedSoftmaxRule), got {type(rule).__name__}")
+        if max_output_growth is not None and not max_output_growth > 1:
+            raise ValueError(f"max_output_growth must be > 1 or None, got {max_output_growth}")
         self.rule = rule
         self.chunk_size = chunk_size
         # how a half-precision store multiplies (rcdl.ops.half; None: the process default)
         self.half_products = None if half_products is None else PRODUCTS.check(half_products)
-        # refuses a step that would make the layer diverge (the learners wrap their step in it)
-        self.guard = DivergenceGuard(max_output_growth)
+        self.max_output_growth = max_output_growth  # the divergence guard's limit
         self.store = EntryStore(key_dim or d_in, d_out, capacity=capacity, dtype=dtype,
                                 storage_dtype=store_dtype, device=device)
         self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=device))
         self.name = type(self).__name__  # set to the module path by the Grower
         self.recorder = Recorder()  # this step's training-mode calls (rcdl.nn.records)
         self.provenance = SampleMap(device=device)  # entry id -> training sample
-        self._proposed_samples: Tensor | None = None  # (B,) of the entries propose() made
-        # how the layer attends: a chain of rcdl.nn.backends wrappers, installed by use_shard,
-        # use_retrieval and enable_eval_cache (TopK(EvalCached(Exact | Sharded)))
-        self.backend: Backend = Exact()
+        # how the layer attends: the chain of rcdl.nn.backends wrappers, composed there
+        self.backend = LayerBackend()
 
-    # ---------------------------------------------------------------- set by other modules
-    # What the optimizers and the model-wide switches change in a layer, each through one
-    # method of the layer's own: no other module assigns the layer's attributes.
+    # the shard of a store split over ranks and the top-k mode, read and set through
+    # rcdl.nn.backends (else None)
+    shard = property(shard_of, use_shard)
+    retrieval = property(retrieval_of, use_retrieval)
+
+    # ---------------------------------------------------------------- written by learners
     def bind_name(self, name: str) -> None:
         """The layer's module path in its model, as errors and state dicts name it (set by
         the optimizer that steps it: :class:`~rcdl.optim.grower.Grower`, ``EntryAdam``)."""
         self.name = name or type(self).__name__
-
-    def expect_steps(self) -> None:
-        """Say that an optimizer grows this layer (:class:`~rcdl.optim.grower.Grower` calls it):
-        from its first batch on, a backward without a ``step()`` before the next training
-        forward is warned of (:class:`~rcdl.nn.records.UnsteppedBatchWarning`)."""
-        self.recorder.expects_steps = True
 
     def set_learning_rate(self, lr: float) -> None:
         """Replace the rule by the same rule with learning rate ``lr`` (a scheduler's step,
@@ -177,74 +167,10 @@ class GrowingLayer(nn.Module):
         if lr != self.rule.lr:
             self.rule = self.rule.with_lr(lr)
 
-    def defer_checks(self, deferred: bool) -> None:
-        """Say whether the learner reads this layer's check faults at check points rather
-        than in each step (:class:`~rcdl.optim.grower.Grower`'s ``defer_checks``): a training
-        forward then leaves its inputs' NaN/inf check to the divergence guard, on the device."""
-        self.guard = self.guard.replace(deferred=deferred)
-
-    def restore_step_state(self, steps: int, output_scale: float | None) -> None:
-        """The step count and the divergence guard's reference scale from a grower's
-        state dict."""
-        self.steps.fill_(steps)
-        self.guard.restore(output_scale)
-
-    @property
-    def max_output_growth(self) -> float | None:
-        """The divergence guard's limit (:class:`~rcdl.nn.divergence.DivergenceGuard`)."""
-        return self.guard.max_output_growth
-
-    @max_output_growth.setter
-    def max_output_growth(self, limit: float | None) -> None:
-        self.guard = self.guard.replace(max_output_growth=limit)
-
-    @property
-    def output_scale(self) -> float | None:
-        """The divergence guard's reference scale: the output RMS at the first step that
-        wrote (floored), ``None`` before."""
-        return self.guard.output_scale
-
-    def use_shard(self, shard: ShardCollectives | None) -> None:
-        """Attend over this rank's rows of a store split over ranks (``None``: the whole
-        store here): the base of :attr:`backend` becomes :class:`~rcdl.nn.backends.Sharded`
-        (:func:`rcdl.distributed.shard` installs it). Drops an evaluation cache."""
-        self.backend = compose(self.backend, base=Exact() if shard is None else Sharded(shard),
-                               cache=None)
-
-    def use_retrieval(self, mode: RetrievalMode | None) -> None:
-        """Attend by a top-k mode (``None``: exact streaming attention again): the outer
-        :class:`~rcdl.nn.backends.TopK` of :attr:`backend` (:func:`rcdl.retrieval.topk.use_topk`
-        and ``use_exact`` install it)."""
-        self.backend = compose(self.backend, mode=mode)
-
-    @property
-    def shard(self) -> ShardCollectives | None:
-        """The shard of a store split over ranks (:mod:`rcdl.distributed`), else ``None``."""
-        sharded = find(self.backend, Sharded)
-        return None if sharded is None else sharded.shard
-
-    @shard.setter
-    def shard(self, shard: ShardCollectives | None) -> None:  # as use_shard
-        self.use_shard(shard)
-
-    @property
-    def retrieval(self) -> RetrievalMode | None:
-        """The top-k mode the layer attends by (:mod:`rcdl.retrieval.topk`), else ``None``."""
-        topk = find(self.backend, _TopKBackend)
-        return None if topk is None else topk.mode
-
-    @retrieval.setter
-    def retrieval(self, mode: RetrievalMode | None) -> None:  # as use_retrieval
-        self.use_retrieval(mode)
-
-    def wrap_backend(self, wrap: Callable[[Backend], Backend]) -> None:
-        """Attend through ``wrap(backend)``: a backend of one's own around the current one,
-        a dataclass with an ``inner`` field; it stays outermost (docs/architecture.md,
-        "Adding a backend")."""
-        try:
-            self.backend = wrapped(self.backend, wrap)
-        except TypeError as err:
-            raise TypeError(f"{self.where}: {err}") from None
+    def count_steps(self, by: Tensor | int = 1) -> None:
+        """Advance the growth step counter by ``by`` (a ``()`` tensor on the device: nothing
+        is read back; ``-1`` steps it back): the counter the age coefficients read."""
+        self.steps += by
 
     # ---------------------------------------------------------------- forward
     def entry_weights(self) -> Tensor:  # (N,)
@@ -282,43 +208,6 @@ class GrowingLayer(nn.Module):
         no-grad calls, docs/architecture.md)."""
         return self.backend.attend(self, q, None, self._stats)
 
-    # ---------------------------------------------------------------- incremental evaluation
-    def enable_eval_cache(self) -> None:
-        """Cache this layer's partial results for repeated evaluations on fixed inputs: a
-        no-grad call on the queries of the last evaluation folds only the rows written since,
-        bit for bit the full answer (:class:`~rcdl.nn.backends.EvalCached`). Not cached:
-        sharded stores, age coefficients (weight decay, momentum: every entry's weight changes
-        each step) and layers whose entries are trained (``trains_entries``: the hybrid)."""
-        ages = self.rule.ages
-        self.disable_eval_cache()  # counts the hits of a cache enabled before: reset after
-        self._eval_hits = 0
-        if self.shard is None and (ages is None or ages.trivial) and not self.trains_entries:
-            self.backend = compose(self.backend, cache=EvalCached())
-
-    def disable_eval_cache(self) -> None:
-        """Turn the cache off and free it (its hits stay counted in :attr:`eval_cache_hits`)."""
-        cache = find(self.backend, EvalCached)
-        if cache is not None:
-            self._eval_hits += cache.hits
-            self.backend = compose(self.backend, cache=None)
-
-    def start_evaluation(self) -> None:
-        """Call before each evaluation: the next forward call is the first batch's."""
-        cache = find(self.backend, EvalCached)
-        if cache is not None:
-            cache.start_evaluation()
-
-    @property
-    def eval_cache_hits(self) -> int:
-        """Cached calls that only attended over new rows, since the cache was enabled."""
-        cache = find(self.backend, EvalCached)
-        return self._eval_hits + (0 if cache is None else cache.hits)
-
-    _eval_hits = 0
-    trains_entries = False  # True where an optimizer moves stored entries (the hybrid)
-
-    _stats: list | None = None  # set during a recording forward of a softmax layer
-
     def output(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, d_out)
         """The layer's function ``s(q)`` (subclasses add their parametric part)."""
         return self.attend(q)
@@ -327,7 +216,7 @@ class GrowingLayer(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # (..., d_in) -> (..., d_out)
         recording = self.training and torch.is_grad_enabled()
         # deferred checks: the guard checks a recorded query for NaN/inf on the device
-        q = self._check_input(x, finite=not (recording and self.guard.deferred))
+        q = self._check_input(x, finite=not (recording and self.recorder.deferred))
         q = q.reshape(-1, self.d_in)  # (B, d_in)
         if recording:
             self._drop_unstepped()
@@ -379,90 +268,13 @@ class GrowingLayer(nn.Module):
             raise ValueError(f"{where}: input contains NaN or inf")
         return x
 
-    # ---------------------------------------------------------------- growth
-    @property
-    def has_pending(self) -> bool:
-        """Whether a training-mode forward of this step still waits for its backward."""
-        return self.recorder.has_pending
-
-    def ready_records(self) -> list[Record]:
-        """The records of this step that backward has reached (what :meth:`propose` writes)."""
-        return self.recorder.ready()
-
-    @torch.no_grad()
-    def propose(self) -> NewEntries | None:
-        """The entries this step's records would write (nothing is written). Raises
-        ``ValueError`` naming the layer if the rule produced non-finite entries (a read
-        back to the host: the learners call :meth:`proposal` and read the faults of every
-        layer at once)."""
-        entries, fault = self.proposal()
-        raise_first([self], fault[None])
-        return entries
-
-    @torch.no_grad()
-    def proposal(self) -> tuple[NewEntries | None, Fault]:
-        """:meth:`propose`'s entries, with the fault of its finiteness check instead of the
-        error (:mod:`rcdl.nn.divergence`: the first of non-finite keys, values, weights;
-        code 0 where all are finite), read nothing back. The learners pass the entries
-        through the layer's :attr:`guard` before committing them."""
-        records = self.ready_records()
-        if not records:
-            return None, no_fault(self.store.device)
-        parts, samples = [], []
-        for record in records:
-            parts.append(self.make_entries(record))
-            rows = record.q.shape[0]
-            samples.append(record.samples if record.samples is not None else record.q.new_full(
-                (rows,), UNKNOWN, dtype=torch.long))
-        keys, values, weights = (torch.cat(p) for p in zip(*parts, strict=True))
-        self._proposed_samples = torch.cat(samples)
-        zero = weights.new_zeros((), dtype=torch.float64)
-        fault = first_fault(*(torch.stack([zero + code, zero, zero]).where(
-            ~torch.isfinite(t).all(), 0.0) for code, t in ((KEYS, keys), (VALUES, values),
-                                                          (WEIGHTS, weights))))
-        return (keys, values, weights), fault
-
-    @torch.no_grad()
-    def outputs_after(self, records: list[Record], keys: Tensor, values: Tensor,
-                      weights: Tensor) -> Tensor | None:  # (B, d_out)
-        """The outputs on the records' queries once ``(keys, values, weights)`` are appended
-        (what the divergence guard reads, :meth:`rcdl.nn.divergence.DivergenceGuard.lookahead`;
-        ``None`` where they cannot be had cheaply: a softmax forward that recorded no
-        normaliser). Where the attention's guard changed a softmax denominator (negative
-        weights) there is no cheap answer either: the recorded outputs ``s`` are returned
-        in its place, which the divergence guard has already passed (a choice made on the
-        device, with no read back). The age coefficients of the existing entries' next step
-        are not applied."""
-        q = torch.cat([r.q for r in records])  # (B, d_in)
-        s = torch.cat([r.s for r in records])  # (B, d_out)
-        new_entries = self.entries(keys, values, weights).replace(chunk_size=None)
-        if not self.kernel.normalised:
-            return s + attend(self.query_keys(q), new_entries)
-        if any(r.normaliser is None for r in records):  # none recorded (top-k, the hybrid)
-            return None
-        m, den = (torch.cat(t) for t in zip(*(r.normaliser for r in records), strict=True))
-        cheap = (den > 0).all()  # () False where the guard acted (negative weights)
-        log_z = m + torch.log(den)  # (B,) of the pre-step store
-        new = attend_partial(q, new_entries)  # the new entries alone
-        top = torch.maximum(log_z, new.m)  # (B,)
-        old_w, new_w = torch.exp(log_z - top), torch.exp(new.m - top)  # (B,)
-        after = (s * old_w[:, None] + new.num * new_w[:, None]) / (
-            old_w + new.den * new_w)[:, None]
-        return torch.where(cheap, after, s)
-
+    # ---------------------------------------------------------------- the rule's view
     def query_keys(self, q: Tensor) -> Tensor:  # (B, d_in) -> (B, key_dim)
         """Queries as the store's keys see them (the linear dual form appends a 1)."""
         return q
 
-    def divergence_advice(self) -> str:
-        """What a refusal for divergence tells the user to change: the rule's own advice
-        where it has one (a rule whose step size is not simply its learning rate, such as
-        gws's η, says what to change instead), else its learning rate; or the temperature."""
-        advice = getattr(self.rule, "divergence_advice", None)
-        step = advice() if advice is not None else f"lower the learning rate (rule {self.rule})"
-        return f"{step}, or raise the temperature (T = {self.temperature}), or normalise its inputs"
-
     def make_entries(self, record: Record) -> NewEntries:
+        """The rule's entries for ``record``'s rows, as the store keeps them."""
         return self.rule.entries(Step(record.q, record.s, record.grad_mean, record.n_samples))
 
     def num_entries_all_ranks(self) -> int:
@@ -470,57 +282,17 @@ class GrowingLayer(nn.Module):
         collective, to call on every rank), else ``len(self.store)`` (this process's)."""
         return self.backend.size(self)
 
+    # ---------------------------------------------------------------- rows changed
     @torch.no_grad()
-    def commit(self, entries: NewEntries | None, ok: Tensor | None = None) -> None:
-        """Append ``entries`` as :meth:`propose` returns them (checked finite there, so not
-        again here) as written at the next step.
-
-        ``ok`` (a ``()`` bool on the device, or ``None``: passed) is the verdict of a step
-        whose checks are deferred (:class:`~rcdl.optim.grower.Grower`'s ``defer_checks``):
-        where it is False the step was refused and the grower has zeroed ``entries``. They
-        are appended all the same (their number is all the host knows), but the step
-        counter advances by ``ok``, not 1, so no entry ages (weight decay, momentum) and
-        the zero rows count as written at the last step that passed. Nothing is read back.
-        """
-        proposed, self._proposed_samples = self._proposed_samples, None
-        self.discard()
-        self.recorder.stepped = True
-        if entries is None:
-            return
-        if ok is None:
-            self.steps += 1
-        else:  # a refused step leaves the counter: the entries' ages stay as they were
-            self.steps += ok.to(self.steps.dtype)
-        count = entries[0].shape[0]  # B, the same on every rank
-        ids = self.store.new_ids(count)  # (B,) the batch's ids, the same on every rank
-        self.provenance.record(ids, proposed if proposed is not None
-                               and proposed.shape[0] == count else None,
-                               end=self.store.next_id)
-        if self.shard is not None:  # this rank stores its rows of the batch
-            keep = self.shard.owned(count, entries[0].device,
-                                    offset=int(self.steps) * count)  # (B,) bool
-            keys, values, weights = entries
-            entries, ids = (keys[keep], values[keep], weights[keep]), ids[keep]
-        # checked finite by propose(); the write step as a tensor: no device sync
-        self.store.append(*entries, written_at=self.steps, ids=ids, check_finite=False)
-
-    def discard(self) -> None:
-        """Forget this step's records without writing anything: records made so far are never
-        written, even if their backward runs later."""
-        self.recorder.discard()
-
-    @torch.no_grad()
-    def remove_entries(self, mask: Tensor) -> int:
+    def remove_entries(self, mask: Tensor, released: list[str] | None = None) -> int:
         """Remove the entries where ``mask (N,)`` is True; returns how many were removed.
-        What the layer keeps derived from its rows goes with them (:meth:`remove_rows`)."""
-        return self.remove_rows(mask)[0]
-
-    def remove_rows(self, mask: Tensor) -> tuple[int, list[str]]:
-        """:meth:`remove_entries`, also saying what went with the rows, by name: the
-        evaluation cache's partials, the top-k mode's index (rebuilt at its next call), and,
-        in subclasses, per-step state over the rows (:meth:`release_rows`)."""
+        What the layer keeps derived from its rows goes with them (:meth:`release_rows`),
+        named in ``released`` where a list is given. The one door every removal takes: a
+        budget's eviction, a shard's split, an undone step, a forget."""
         removed = self.store.remove(mask)
-        return removed, (self.release_rows() if removed else [])
+        if removed:
+            (released if released is not None else []).extend(self.release_rows())
+        return removed
 
     def rewrite_rows(self, rows: slice, *, keys: Tensor | None = None,
                      values: Tensor | None = None, weights: Tensor | None = None) -> list[str]:
@@ -530,56 +302,11 @@ class GrowingLayer(nn.Module):
         self.store.rewrite(rows, keys=keys, values=values, weights=weights)
         return self.release_rows()
 
-    @contextmanager
-    def backend_wrapped(self, wrap: Callable[[Backend], Backend]) -> Iterator[None]:
-        """Within the block, attend through ``wrap(backend)`` (as :meth:`wrap_backend`);
-        the backend of before is back after it."""
-        before = self.backend
-        self.wrap_backend(wrap)
-        try:
-            yield
-        finally:
-            self.backend = before
-
-    @torch.no_grad()
-    def take_back_rows(self, size: int, next_id: int) -> None:
-        """Take back the rows appended since the store held ``size`` rows and handed out
-        ids up to ``next_id`` (the zero rows of a step refused at a deferred check, when a
-        memory budget reads the step's verdict): the store and the provenance map as they
-        were then (:meth:`rcdl.nn.store.EntryStore.rewind`)."""
-        if len(self.store) == size and self.store.next_id == next_id:
-            return
-        self.release_rows()
-        self.store.rewind(size, next_id)
-        self.provenance.rewind(next_id)
-
     def release_rows(self) -> list[str]:
-        """Drop what the layer keeps derived from its rows (they changed); returns what it
-        dropped, by name."""
-        dropped = []
-        cache = find(self.backend, EvalCached)
-        if cache is not None and cache.slots:
-            self._eval_hits += cache.hits  # a fresh cache: nothing of the old partials
-            self.backend = compose(self.backend, cache=EvalCached())
-            dropped.append("evaluation cache")
-        mode = self.retrieval
-        if mode is not None and mode.rows_removed():
-            dropped.append("top-k index")
-        return dropped
-
-    @torch.no_grad()
-    def drop_last_step(self) -> int:
-        """Undo the last growth step: remove the entries it wrote (``written_at`` is the
-        current step; the zero rows of steps refused at a deferred check since, written at
-        the same step, go with them) and step the counter back, so the layer computes what
-        it did before that step (weight decay and momentum included). Returns how many
-        entries went. Not undone: evictions by a memory budget, and the hybrid's Adam moves
-        of the other entries."""
-        if int(self.steps) == 0:
-            return 0
-        removed = self.remove_entries(self.store.written_at == self.steps)
-        self.steps -= 1
-        return removed
+        """Drop what the layer keeps derived from its rows (they changed): the backend's
+        (:func:`rcdl.nn.backends.release_rows`) and, in subclasses, their own; returns what
+        it dropped, by name."""
+        return release_rows(self)
 
     def extra_repr(self) -> str:
         return (

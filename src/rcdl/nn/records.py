@@ -93,7 +93,17 @@ class Recorder:
         self._generation = 0  # bumped by discard: older records are never written
         self.stepped = False  # a step has committed (then dropped batches are warned of)
         self.expects_steps = False  # an optimizer steps this layer (warn from the start)
+        self.deferred = False  # the learner reads the step's checks later (see follow)
         self._samples: Tensor | None = None  # the batch's sample indices (rcdl.memory.provenance)
+
+    def follow(self, deferred: bool) -> None:
+        """Say that a learner steps this layer (:class:`~rcdl.optim.grower.Grower`): from its
+        first batch on, a backward without a ``step()`` before the next training forward is
+        warned of (:class:`UnsteppedBatchWarning`). ``deferred``: the learner reads the
+        step's checks at check points rather than in each step (its ``defer_checks``), so a
+        training forward leaves its inputs' NaN/inf check to the divergence guard, on the
+        device."""
+        self.expects_steps, self.deferred = True, deferred
 
     def set_samples(self, indices: Tensor | None) -> None:
         """The training samples of the batch the next training forward passes see
@@ -170,9 +180,11 @@ class Recorder:
         self._generation += 1
         return True
 
-    def discard(self) -> None:
+    def discard(self, stepped: bool = False) -> None:
         """Forget this step's records: records made so far are never written, even if their
-        backward runs later."""
+        backward runs later. ``stepped``: a step has just committed them (from then on a
+        dropped batch is warned of)."""
+        self.stepped = self.stepped or stepped
         self._ready.clear()
         self._pending.clear()
         self._generation += 1

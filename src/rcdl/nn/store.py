@@ -72,7 +72,7 @@ class EntryStore(nn.Module):
 
     ``version`` counts the changes other than appends (removals, clears, loads and in-place
     edits, which must call :meth:`touch` or :meth:`moved`): a cache of partial results over
-    the first ``n`` rows (:meth:`rcdl.nn.layers.GrowingLayer.enable_eval_cache`) stays valid
+    the first ``n`` rows (:func:`rcdl.nn.backends.enable_eval_cache`) stays valid
     while it is unchanged, because an append only adds rows after them. ``moves`` counts the
     changes that only moved rows in place (:meth:`moved`: the hybrid's Adam step), so that
     a reader can tell them from the rest, ``version − moves``: a top-k index keeps its
@@ -242,7 +242,7 @@ class EntryStore(nn.Module):
         entries are refused, and so are entries that overflow the storage dtype (float16).
         ``check_finite=False`` skips the finiteness test (one device sync) where the storage
         dtype cannot overflow, for callers that have just made it
-        (:meth:`rcdl.nn.layers.GrowingLayer.propose`).
+        (:func:`rcdl.optim._step.propose`).
         """
         b = keys.shape[0] if keys.dim() == 2 else -1
         if weights is None:

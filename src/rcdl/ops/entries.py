@@ -6,9 +6,9 @@
   (``τ = T √key_dim``), the chunk size, the softmax denominator's guard ``eps`` and the
   half-precision product mode. A layer hands its store to the op as one
   (:meth:`rcdl.nn.layers.GrowingLayer.entries`).
-- :class:`Partial`: the attention over a subset of the entries, ``(m, num, den, mass)``;
-  partials of disjoint subsets merge exactly (:func:`merge_partials`), and
-  :func:`finalize` turns the partial over all entries into the output (docs/reference.md §2).
+- :class:`~rcdl.ops.partials.Partial`: the attention over a subset of the entries,
+  ``(m, num, den, mass)``, with its algebra (merge, fold, take out, finalize) in
+  :mod:`rcdl.ops.partials`; :meth:`Entries.products` says how a call's products run.
 
 This module computes nothing over a store; the compute paths (:mod:`rcdl.ops.streaming`, or
 one registered with :func:`rcdl.ops.attention.register_path`) do.
@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 from torch import Tensor
 
 from rcdl.ops.half import HALF_DTYPES
-from rcdl.ops.kernels import Kernel, check_kernel, guard_denominator, softmax_scale
+from rcdl.ops.kernels import Kernel, check_kernel, softmax_scale
 from rcdl.ops.packed import PackedChunks
+from rcdl.ops.partials import Partial, Products, empty_partial, finalize, merge_partials
 
+# the partials' names stay importable from here, where the op's data is
 __all__ = ["Entries", "Partial", "empty_partial", "finalize", "merge_partials"]
-
-_NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,6 +88,13 @@ class Entries:
         """``τ = T √key_dim`` (:func:`rcdl.ops.kernels.softmax_scale`)."""
         return softmax_scale(self.temperature, key_dim)
 
+    def products(self, q: Tensor) -> Products:
+        """How the products of the queries ``q (B, key_dim)`` with these entries run: by
+        their ``half_products`` mode, the store's dtype and device and the batch
+        (:class:`~rcdl.ops.partials.Products`), as the attention's forward runs them."""
+        return Products(q, self.keys, self.values, self.half_products, self.kernel,
+                        self.tau(q.shape[1]))
+
     def check(self, q: Tensor) -> None:
         """Raise a ``ValueError``/``TypeError`` naming what does not fit between the queries
         ``q (B, key_dim)`` and these entries: shapes, dtypes, devices."""
@@ -112,43 +118,3 @@ class Entries:
         for name, t in (("keys", keys), ("values", values), ("weights", weights)):
             if t.device != q.device:
                 raise TypeError(f"attention: {name} are on {t.device}, queries on {q.device}")
-
-
-class Partial(NamedTuple):
-    """Attention over a subset of the entries, mergeable with other subsets:
-
-    - ``m (B,)``        the largest logit seen (softmax; zeros for the other kernels),
-    - ``num (B, d_out)`` ``Σ_j e^{z_j − m} ṽ_j`` (softmax) or ``Σ_j w_j κ(q, k_j) v_j``,
-    - ``den (B,)``      ``Σ_j w_j e^{z_j − m}`` (softmax; zeros otherwise),
-    - ``mass (B,)``     ``Σ_j |w_j| e^{z_j − m}`` (softmax; zeros otherwise): the scale of the
-      denominator's guard (:func:`rcdl.ops.kernels.guard_denominator`).
-    """
-
-    m: Tensor  # (B,)
-    num: Tensor  # (B, d_out)
-    den: Tensor  # (B,)
-    mass: Tensor  # (B,)
-
-
-def empty_partial(q: Tensor, d_out: int, kernel: Kernel) -> Partial:
-    """The partial over no entries (``m = −inf`` for the softmax)."""
-    b = q.shape[0]
-    m = q.new_full((b,), _NEG_INF) if kernel.normalised else q.new_zeros(b)
-    return Partial(m, q.new_zeros(b, d_out), q.new_zeros(b), q.new_zeros(b))
-
-
-def merge_partials(a: Partial, b: Partial) -> Partial:
-    """Exact merge of the partials of two disjoint sets of entries (log-sum-exp rescaling)."""
-    m = torch.maximum(a.m, b.m)
-    scale_a = torch.where(a.m == _NEG_INF, 0.0, torch.exp(a.m - m))  # (B,)
-    scale_b = torch.where(b.m == _NEG_INF, 0.0, torch.exp(b.m - m))
-    num = a.num * scale_a[:, None] + b.num * scale_b[:, None]
-    return Partial(m, num, a.den * scale_a + b.den * scale_b, a.mass * scale_a + b.mass * scale_b)
-
-
-def finalize(part: Partial, *, kernel: str | Kernel, eps: float = 1e-6) -> Tensor:  # (B, d_out)
-    """Output of the attention from the partial over *all* entries: a new tensor, never one
-    of the partial's (a cached partial stays intact whatever is done to the output)."""
-    if not check_kernel(kernel).normalised:
-        return part.num.clone(memory_format=torch.contiguous_format)
-    return (part.num / guard_denominator(part.den, part.mass, eps)[:, None]).contiguous()

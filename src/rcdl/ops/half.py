@@ -48,7 +48,7 @@ import torch
 
 from rcdl import _cpu
 from rcdl._cpu import cpuinfo_flags
-from rcdl.options import ProcessDefault
+from rcdl.options import ProcessDefault, threads
 
 __all__ = ["AUTO_PATHS", "HALF_DTYPES", "MODES", "PRODUCTS", "WIDEN_MAX_BATCH", "auto_path",
            "capped_below_half", "chunk_products", "half_products", "native_products",
@@ -101,14 +101,24 @@ def native_products(dtype: torch.dtype, device: torch.device | str = "cpu") -> b
     return bool(_NATIVE_FLAGS.get(dtype, set()) & _cpu_flags()) and not capped_below_half()
 
 
-@functools.cache
 def widen_pays() -> bool:
     """Whether widening in registers (:mod:`rcdl.ops.widen`) is faster here than converting
-    chunks to float32, for a training batch: measured once per process on one chunk of
-    1 024 bfloat16 rows of width 1 024 and 16 queries (both products of a chunk, the best of
-    five interleaved tries each; the kernels are compiled first). ``False`` where numba is
-    not installed. It answers :func:`auto_path` only where no path was set: a timing is no
-    record (see the module docstring)."""
+    chunks to float32, for a training batch, at this process's thread count
+    (:func:`rcdl.options.threads`): measured once per count (:func:`widen_pays_at`). It
+    answers :func:`auto_path` only where no path was set: a timing is no record (see the
+    module docstring)."""
+    return widen_pays_at(threads())
+
+
+@functools.cache
+def widen_pays_at(count: int) -> bool:
+    """:func:`widen_pays` at ``count`` threads (the process's count: the call times what runs
+    now), measured once per count on one chunk of 1 024 bfloat16 rows of width 1 024 and 16
+    queries (both products of a chunk, the best of five interleaved tries each; the kernels
+    are compiled first). ``False`` where numba is not installed."""
+    if count != threads():
+        raise ValueError(f"widen_pays_at({count}) times what runs now, at {threads()} threads: "
+                         "set the count first (rcdl.options.set_threads)")
     from rcdl.ops import widen
 
     if not widen.available():

@@ -3,19 +3,20 @@
 taken wherever no other is registered.
 
 The store is visited chunk by chunk along N; each chunk contributes a ``(c, B)`` block of
-scores and is folded into a running :class:`~rcdl.ops.entries.Partial` ``(m, num, den, mass)``
-(the log-sum-exp rescaling for the softmax). No ``(B, N, d)`` tensor is ever formed, and
-working memory is a few ``(c, B)`` blocks. The backward pass streams the same chunks again,
-or reuses the blocks the forward kept (:meth:`Streaming.forward`'s ``keep``). The shares
-(:meth:`Streaming.shares`) are formed from the same products, rounded as the output's are,
-so they sum to the output to its own rounding.
+scores and is folded into a running :class:`~rcdl.ops.partials.Partial` ``(m, num, den,
+mass)`` (:func:`rcdl.ops.partials.fold_block`: the log-sum-exp rescaling for the softmax).
+No ``(B, N, d)`` tensor is ever formed, and working memory is a few ``(c, B)`` blocks. The
+backward pass streams the same chunks again, or reuses the blocks the forward kept
+(:meth:`Streaming.forward`'s ``keep``). The shares (:meth:`Streaming.shares`) are formed
+from the same products, rounded as the output's are, so they sum to the output to its own
+rounding.
 
 A half-precision store multiplies natively, on float32 copies of each chunk, or widened in
 registers inside the products (:mod:`rcdl.ops.half`, :mod:`rcdl.ops.widen`; chosen per call
-by the entries' ``half_products`` and the batch size). Where the products run on the rows as
-they lie and the batch is a training batch, the sums over a full chunk's entries (and in the
-mode ``"all"`` its score products) run from the store's packed copies of the chunk
-(:mod:`rcdl.ops.packed`).
+by the entries' ``half_products`` and the batch size: :class:`rcdl.ops.partials.Products`).
+Where the products run on the rows as they lie and the batch is a training batch, the sums
+over a full chunk's entries (and in the mode ``"all"`` its score products) run from the
+store's packed copies of the chunk (:mod:`rcdl.ops.packed`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from torch import Tensor
 
 from rcdl.ops import packed as packing
 from rcdl.ops import widen
-from rcdl.ops.entries import Entries, Partial, empty_partial
-from rcdl.ops.half import HALF_DTYPES, chunk_products
+from rcdl.ops.entries import Entries
 from rcdl.ops.kernels import Kernel, guard_denominator, row_sq_norms
+from rcdl.ops.partials import Partial, Products, empty_partial, fold_block, per_query
 
 __all__ = ["STREAMING", "Streaming", "default_chunk_size", "nearest_sq_distance"]
 
@@ -46,17 +47,6 @@ def default_chunk_size(batch: int, device: torch.device | str | None = None) -> 
     if device is not None and torch.device(device).type == "cuda":
         return 1 << 16
     return 2048 if batch <= 128 else 1024
-
-
-def _products(q: Tensor, keys: Tensor, values: Tensor | None, mode: str | None) -> str:
-    """How this call's products run (:func:`rcdl.ops.half.chunk_products`): ``"store"``,
-    ``"float32"`` (each chunk converted to the queries' dtype) or ``"widen"`` (in
-    registers: float32 queries and contiguous stores only, else ``"float32"``)."""
-    path = chunk_products(keys.dtype, keys.device, q.shape[0], mode)
-    if path == "widen" and not (q.dtype == torch.float32 and keys.is_contiguous()
-                                and (values is None or values.is_contiguous())):
-        return "float32"
-    return path
 
 
 def _chunk_rows(q: Tensor, keys: Tensor, products: str, chunk_size: int | None) -> int:
@@ -80,77 +70,6 @@ def _chunk_rows(q: Tensor, keys: Tensor, products: str, chunk_size: int | None) 
     return max(256, min(rows, (1 << 21) // (q.element_size() * max(1, keys.shape[1]))))
 
 
-# Blocks are entry-major, (c, B): ``keys_c @ q.T`` reads the store rows contiguously, which
-# suits small B on CPU. The products that sum over the chunk's entries (``blockᵀ @ values_c``,
-# and ``gradᵀ @ keys_c`` backward) take the block transposed into a contiguous (B, c) copy and
-# the store chunk as it lies, rather than ``values_c.T @ block``. For a half-precision store
-# and B > 128 (evaluation) the scores are formed as ``q @ keys_c.T`` instead. Each order is
-# the faster one where it is used; docs/precision.md gives the measurements.
-
-
-def _chunk_kernel_values(kernel: Kernel, q: Tensor, q_sqnorm: Tensor | None, keys: Tensor,
-                         tau: float, dtype: torch.dtype, widened: bool = False,
-                         packed: Tensor | None = None, k_sqnorm: Tensor | None = None
-                         ) -> Tensor:  # (c, B)
-    """Unweighted kernel values of one chunk, in ``dtype``; for a normalised kernel the raw
-    logits ``z``. ``q`` is in the keys' dtype (the product runs in it, see
-    :func:`_sum_over_entries_`), or float32 where the bfloat16 keys are ``widened`` in
-    registers (with their squared norms, for a distance kernel). ``packed``: the keys packed
-    for the score product (:mod:`rcdl.ops.packed`), which then runs from there (a ``(c, B)``
-    view of a ``(B, c)`` product); ``k_sqnorm``: the keys' squared norms, where kept."""
-    if packed is not None:
-        scores = packing.packed_product(q, packed).T.to(dtype)  # (c, B) view
-        return _values(kernel, scores, q_sqnorm, keys, tau, dtype, k_sqnorm)
-    if widened:
-        scores, k_sqnorm = widen.scores(keys, q, sqnorm=kernel.distance)
-        if kernel.distance:
-            return kernel.values_(scores, q_sqnorm, keys, tau, dtype, k_sqnorm=k_sqnorm)
-        return kernel.values_(scores, q_sqnorm, keys, tau, dtype)
-    if keys.dtype in HALF_DTYPES and q.shape[0] > 128:  # see the layout note above
-        scores = (q @ keys.T).T.to(dtype)  # (c, B) view of a (B, c) product
-    else:
-        scores = (keys @ q.T).to(dtype)  # (c, B), no copy when the dtypes agree
-    return _values(kernel, scores, q_sqnorm, keys, tau, dtype, k_sqnorm)
-
-
-def _values(kernel: Kernel, scores: Tensor, q_sqnorm: Tensor | None, keys: Tensor, tau: float,
-            dtype: torch.dtype, k_sqnorm: Tensor | None) -> Tensor:  # (c, B)
-    """``kernel.values_``, handing over the keys' squared norms only where they are had (a
-    kernel that is not a distance kernel need not take them, docs/architecture.md)."""
-    if k_sqnorm is None:
-        return kernel.values_(scores, q_sqnorm, keys, tau, dtype)
-    return kernel.values_(scores, q_sqnorm, keys, tau, dtype, k_sqnorm=k_sqnorm)
-
-
-def _sum_over_entries_(acc: Tensor, block: Tensor, rows: Tensor, alpha: float = 1.0,
-                       widened: bool = False, packed: Tensor | None = None) -> Tensor:
-    """``acc += alpha · blockᵀ @ rows``: ``acc (B, d)`` accumulates a chunk's ``block (c, B)``
-    (in ``acc``'s dtype) times its store ``rows (c, d)``. The block is copied transposed into
-    a contiguous ``(B, c)`` operand. For a half-precision store the product runs in the
-    rows' dtype (the block rounded to it; the matrix unit accumulates in float32) and is added
-    to ``acc`` in its dtype; ``widened`` bfloat16 rows are widened in registers instead
-    (:mod:`rcdl.ops.widen`: the block is not rounded). ``packed``: the rows as
-    :mod:`rcdl.ops.packed` packed them, multiplied from there (the same rounding of the
-    block; the product's own float32 accumulation may run in another order)."""
-    if widened:
-        return widen.sum_over_entries_(acc, block, rows, alpha)
-    left = block.T.to(rows.dtype, memory_format=torch.contiguous_format)  # (B, c)
-    if packed is not None:
-        return acc.add_(packing.packed_product(left, packed), alpha=alpha)
-    if rows.dtype == acc.dtype:
-        return acc.addmm_(left, rows, alpha=alpha)
-    return acc.add_(left @ rows, alpha=alpha)
-
-
-def _as_multiplied(block: Tensor, rows: Tensor, widened: bool = False) -> Tensor:  # (c, B)
-    """``block`` rounded as :func:`_sum_over_entries_` rounds it before multiplying ``rows``
-    (to their dtype, and back; not at all where they are ``widened``), so that a share
-    formed from it is the term the output sums."""
-    if widened or rows.dtype == block.dtype:
-        return block
-    return block.to(rows.dtype).to(block.dtype)
-
-
 _NARROW_BLOCK_BYTES = 1 << 23  # the float32 product block a half gradient is rounded from
 
 
@@ -160,7 +79,7 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor,
     gradients), on CPU, the product is formed into a float32 buffer of at most 8 MiB, a
     block of rows at a time, and each block rounded into ``out``: a fresh ``(c, d)`` float32
     product per chunk (50 MB at 4 096 × 3 072) costs its page faults and a round trip
-    through memory (docs/precision.md, "Measured on a real AVX2-only CPU"). ``buffers``
+    through memory (results/speed/LOG.md, "Measured on a real AVX2-only CPU"). ``buffers``
     keeps that buffer from call to call (a pass's, :class:`_Pass`)."""
     if out.dtype == a.dtype == b.dtype:
         return torch.mm(a, b, out=out)
@@ -178,88 +97,24 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor,
     return out
 
 
-_NARROW = 32  # queries below which a block's per-query extremes are taken with max/min
-
-
-def _per_query(block: Tensor, largest: bool) -> Tensor:  # (B,)
-    """The largest (else smallest) of a block ``(c, B)``'s entries, per query. For a block
-    of fewer than 32 queries (a training batch) ATen's ``amax``/``amin`` over the outer
-    dimension run several times slower than ``max``/``min``, which return the same numbers;
-    from 32 on, ``amax``/``amin`` are as fast or faster (``benchmarks/bench_extremes.py``
-    times both, on torch's AVX2 and AVX512 kernels alike)."""
-    if block.shape[1] < _NARROW:
-        return (block.max(dim=0) if largest else block.min(dim=0)).values
-    return block.amax(dim=0) if largest else block.amin(dim=0)
-
-
-def _fold_chunk(kernel: Kernel, part: Partial, block: Tensor, values: Tensor, weights: Tensor,
-                widened: bool = False, packed: Tensor | None = None
-                ) -> tuple[Partial, Tensor | None]:
-    """Fold one chunk's block ``(c, B)`` into ``part``. A normalised kernel (the softmax)
-    turns ``block`` into ``e^{z − m_new}`` in place and returns ``m_new``; the others leave
-    it as it is. ``widened``: the values are bfloat16 widened in registers; ``packed``: the
-    values packed (:func:`_sum_over_entries_`)."""
-    if not kernel.normalised:
-        _sum_over_entries_(part.num, block * weights[:, None], values, widened=widened,
-                           packed=packed)
-        return part, None
-    m_new = torch.maximum(part.m, _per_query(block, largest=True))  # (B,)
-    rescale = torch.exp(part.m - m_new)  # (B,), 0 where m was -inf
-    block.sub_(m_new).exp_()
-    _sum_over_entries_(part.num.mul_(rescale[:, None]), block, values, widened=widened,
-                       packed=packed)
-    den = part.den.mul_(rescale).add_(weights @ block)
-    mass = part.mass.mul_(rescale).add_(weights.abs() @ block)
-    return Partial(m_new, part.num, den, mass), m_new
-
-
-class _Reader:
-    """How chunks of a store tensor (keys or values) are read for their products: as they
-    are, or converted to the queries' dtype (``upcast``: a half store on a device without
-    native half products, :mod:`rcdl.ops.half`: only the chunk is converted, the store keeps its
-    bytes). The converted chunk is written into one buffer per chunk shape, reused from
-    chunk to chunk (a fresh chunk-sized allocation each time costs page faults): a chunk
-    read is valid until the next read of the same reader."""
-
-    def __init__(self, dtype: torch.dtype, upcast: bool) -> None:
-        self.dtype, self.upcast = dtype, upcast
-        self.buffers: dict[torch.Size, Tensor] = {}
-
-    def __call__(self, rows: Tensor) -> Tensor:
-        if not self.upcast:
-            return rows
-        buffer = self.buffers.get(rows.shape)
-        if buffer is None:
-            buffer = self.buffers[rows.shape] = torch.empty(rows.shape, dtype=self.dtype,
-                                                            device=rows.device)
-        return buffer.copy_(rows)
-
-
-class _Pass:
+class _Pass(Products):
     """What every pass over the entries for the queries ``q`` shares: how the products run
-    (decided once per call), the rows per chunk (``chunk``, else :func:`_chunk_rows`'s; a
-    backward pass takes its forward's), the queries as the products take them, their norms
-    for a distance kernel, ``τ``, the chunk readers and the store's chunk cache where the
-    products take its rows as they lie (:mod:`rcdl.ops.packed`: the keys' norms for any
-    batch, the packed copies for a training batch)."""
+    (:class:`~rcdl.ops.partials.Products`, decided once per call), the rows per chunk
+    (``chunk``, else :func:`_chunk_rows`'s; a backward pass takes its forward's) and the
+    store's chunk cache where the products take its rows as they lie (:mod:`rcdl.ops.packed`:
+    the keys' norms for any batch, the packed copies for a training batch)."""
+
+    kernel: Kernel
 
     def __init__(self, q: Tensor, entries: Entries, chunk: int | None = None) -> None:
-        keys = entries.keys
-        products = _products(q, keys, entries.values, entries.half_products)
-        upcast, self.widened = products == "float32", products == "widen"
-        if chunk is None:
-            chunk = _chunk_rows(q, keys, products, entries.chunk_size)
-        self.kernel, self.chunk, self.tau = entries.kernel, chunk, entries.tau(q.shape[1])
-        # (B, key_dim), q itself if dtypes agree or the store is converted or widened
-        self.q = q if upcast or self.widened else q.to(keys.dtype)
-        # (B,) formed as the keys' are (each square in the queries' dtype)
-        self.q_sqnorm = row_sq_norms(self.q, q.dtype) if self.kernel.distance else None
-        self.read_keys, self.read_values = _Reader(q.dtype, upcast), _Reader(q.dtype, upcast)
+        super().__init__(q, entries.keys, entries.values, entries.half_products,
+                         entries.kernel, entries.tau(q.shape[1]))
+        self.chunk = _chunk_rows(q, entries.keys, self.path, entries.chunk_size) if (
+            chunk is None) else chunk
         self.products: dict[torch.Size, Tensor] = {}  # _mm_into's buffers, reused per chunk
-        self.dtype = q.dtype
         # the store's chunk cache where the products take its rows as they lie; its packed
         # copies for training batches only, its keys' norms for any
-        self.chunks = entries.packed if products == "store" else None
+        self.chunks = entries.packed if self.path == "store" else None
         self.packed = self.chunks if q.shape[0] <= packing.MAX_BATCH else None
 
     def _full_chunk(self, rows: Tensor, begin: int | None) -> bool:
@@ -285,10 +140,8 @@ class _Pass:
         if self.kernel.distance and self._full_chunk(keys, begin):
             assert self.chunks is not None and begin is not None  # checked by _full_chunk
             k_sqnorm = self.chunks.sq_norms(keys, begin, self.dtype)  # (c,), kept per chunk
-        return _chunk_kernel_values(self.kernel, self.q, self.q_sqnorm, keys, self.tau,
-                                    self.dtype, self.widened,
-                                    self.packed_rows("keys", keys, begin, scores=True),
-                                    k_sqnorm)
+        return self.kernel_values(keys, self.packed_rows("keys", keys, begin, scores=True),
+                                  k_sqnorm)
 
     def scores(self, rows: Tensor, x: Tensor, begin: int | None = None) -> Tensor:  # (c, B)
         """``rows @ xᵀ`` in the queries' dtype: a chunk's store rows (as read) times
@@ -311,9 +164,9 @@ class _Pass:
             block = self.block(self.read_keys(keys[rows]), begin)
             # the keys' converted chunk is spent once its block is formed: the values take
             # the same buffer (where their shapes agree), so half as much is written per chunk
-            part, m_used = _fold_chunk(self.kernel, part, block, self.read_keys(values[rows]),
-                                       weights[rows], self.widened,
-                                       self.packed_rows("values", values[rows], begin))
+            part, m_used = fold_block(self.kernel, part, block, self.read_keys(values[rows]),
+                                      weights[rows], self.widened,
+                                      self.packed_rows("values", values[rows], begin))
             yield begin + self.chunk, part, block, m_used
 
 
@@ -431,8 +284,8 @@ class Streaming:
                 # φ = exp(−|q−k|²/2τ), dφ/dq = φ (k − q)/τ, so the factor is φ
                 grad_scores = kernel.grad_factor_(g_dot_v.mul_(w_c[:, None]), block, tau)
             if grad_q is not None:
-                _sum_over_entries_(grad_q, grad_scores, k_c, alpha=scale, widened=run.widened,
-                                   packed=run.packed_rows("keys", k_c, start))
+                run.sum_over_entries_(grad_q, grad_scores, k_c, alpha=scale,
+                                      packed=run.packed_rows("keys", k_c, start))
                 if kernel.distance:
                     dist_q_coef += grad_scores.sum(0)
             if grad_k is not None:  # the scale folded into the (c, B) factor, not the (c, d)
@@ -464,9 +317,9 @@ class Streaming:
             block = run.block(run.read_keys(keys[rows]), start)  # (c, B)
             along = v_c.to(q.dtype) @ direction.T  # (c, B) ⟨u_b, v_j⟩, in the queries' dtype
             if kernel.normalised:
-                term = _as_multiplied(block.sub_(whole.m).exp_(), v_c, run.widened) / den
+                term = run.as_multiplied(block.sub_(whole.m).exp_(), v_c) / den
             else:
-                term = _as_multiplied(block * weights[rows][:, None], v_c, run.widened)
+                term = run.as_multiplied(block * weights[rows][:, None], v_c)
             blocks.append((term * along).T)  # (B, c)
         return torch.cat(blocks, dim=1) if blocks else q.new_zeros(q.shape[0], 0)
 
@@ -492,21 +345,19 @@ def nearest_sq_distance(
     if q.dim() != 2 or keys.dim() != 2 or q.shape[1] != keys.shape[1]:
         raise ValueError(f"nearest_sq_distance expects q (B, d) and keys (N, d), got "
                          f"{tuple(q.shape)} and {tuple(keys.shape)}")
-    products = _products(q, keys, None, half_products)
-    upcast, widened = products == "float32", products == "widen"
-    chunk = _chunk_rows(q, keys, products, chunk_size)
-    q_keys = q if upcast or widened else q.to(keys.dtype)
-    q_sqnorm = row_sq_norms(q_keys, q.dtype)  # (B,)
-    read = _Reader(q.dtype, upcast)
+    run = Products(q, keys, None, half_products)  # no kernel: the squared norms are formed
+    chunk = _chunk_rows(q, keys, run.path, chunk_size)
+    q_sqnorm = run.q_sqnorm  # (B,)
+    assert q_sqnorm is not None
     best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
     for start in range(0, keys.shape[0], chunk):
-        k_c = read(keys[start : start + chunk])  # (c, d)
-        if widened:
-            block, k_sqnorm = widen.scores(k_c, q_keys, sqnorm=True)  # (c, B), (c,)
+        k_c = run.read_keys(keys[start : start + chunk])  # (c, d)
+        if run.widened:
+            block, k_sqnorm = widen.scores(k_c, run.q, sqnorm=True)  # (c, B), (c,)
             assert k_sqnorm is not None
         else:
-            block = (k_c @ q_keys.T).to(q.dtype)  # (c, B)
+            block = (k_c @ run.q.T).to(q.dtype)  # (c, B)
             k_sqnorm = row_sq_norms(k_c, q.dtype)  # (c,)
         block.mul_(-2).add_(k_sqnorm[:, None])  # ‖k‖² − 2⟨q, k⟩
-        best = torch.minimum(best, _per_query(block, largest=False))
+        best = torch.minimum(best, per_query(block, largest=False))
     return (best + q_sqnorm).clamp_min_(0.0)

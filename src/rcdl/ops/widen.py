@@ -13,12 +13,14 @@ float32 store:
   norm ``‖widen(rows_i)‖²`` (what a distance kernel needs, in float32);
 - :func:`sum_over_entries_` — ``acc += α · blockᵀ @ widen(rows)``, ``(B, d)``.
 
-They are compiled by numba (the ``fast-cpu`` extra) on first use for the CPU they run on
-and run on torch's thread count; without numba, :func:`available` is ``False`` and the
-attention takes the float32-chunk path. Results equal the float32-chunk path's up to the
-order of float32 summation (the tests compare the two). The machine class numba compiles for
-follows an emulated class's caps, or ``NUMBA_CPU_NAME`` and ``NUMBA_CPU_FEATURES`` where set
-(:func:`_numba_target`; docs/precision.md, "Emulating another machine class").
+They are compiled by numba (the ``fast-cpu`` extra) on first use for the CPU they run on and
+run on the threads :func:`rcdl.options.set_threads` set (numba's pool takes torch's count
+when it starts, and follows ``set_threads`` after); without numba, :func:`available` is
+``False`` and the attention takes the float32-chunk path. Results equal the float32-chunk
+path's up to the order of float32 summation (the tests compare the two). The machine class
+numba compiles for follows an emulated class's caps, or ``NUMBA_CPU_NAME`` and
+``NUMBA_CPU_FEATURES`` where set (:func:`_numba_target`; docs/precision.md, "Emulating
+another machine class").
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ import torch
 from torch import Tensor
 
 from rcdl._cpu import capped_below_half, cpuinfo_flags
+from rcdl.options import numba_threads
 
-__all__ = ["as_bits", "available", "queries_per_pass", "scores", "sum_over_entries_",
-           "use_torch_threads"]
+__all__ = ["as_bits", "available", "queries_per_pass", "scores", "sum_over_entries_"]
 
 
 _FULL_WIDTH = "-prefer-256-bit"  # LLVM's tuning for Intel's AVX512 CPUs keeps 256-bit vectors
@@ -96,12 +98,7 @@ def _kernels() -> dict[str, Any] | None:
         from rcdl.ops import _widen_kernels as kernels
     except ImportError:
         return None
-    # numba's OpenMP thread pool, started here rather than inside a kernel call, resets the
-    # process's OpenMP thread count as it starts (torch.get_num_threads() then answers the
-    # number of cores): put torch's back
-    threads = torch.get_num_threads()
-    numba.get_num_threads()  # starts the pool
-    torch.set_num_threads(threads)
+    numba_threads()  # the pool starts here, on torch's count, not inside a kernel call
     return {"scores": kernels.scores_kernel, "sum": kernels.sum_kernel, "np": np,
             "numba": numba, "four": _wide_registers()}
 
@@ -124,14 +121,6 @@ def as_bits(t: Tensor) -> Any:  # numpy uint16 view of a bfloat16 CPU tensor's b
     return t.detach().view(torch.int16).numpy().view("uint16")
 
 
-def use_torch_threads() -> None:
-    """Let numba's kernels run on torch's thread count (``torch.set_num_threads``)."""
-    numba = _kernels()["numba"]  # type: ignore[index]
-    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if numba.get_num_threads() != n:
-        numba.set_num_threads(n)
-
-
 def _check(rows: Tensor, *others: Tensor) -> dict[str, Any]:
     k = _kernels()
     if k is None:
@@ -143,7 +132,6 @@ def _check(rows: Tensor, *others: Tensor) -> dict[str, Any]:
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"widen: the other operands must be float32 CPU tensors, got "
                              f"{t.dtype} on {t.device}")
-    use_torch_threads()
     return k
 
 

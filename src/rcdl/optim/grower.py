@@ -33,10 +33,13 @@ stores sharded over ranks (:mod:`rcdl.distributed`) the budget is per shard: eac
 at most ``capacity`` entries of its shard, choosing (and merging) among its own entries, so
 a layer holds at most ``W · capacity`` in all and ``evicted`` counts this rank's evictions.
 
-The checks read nothing back to the host while the step runs: each is a fault tensor on the
-device (:mod:`rcdl.nn.divergence`). By default (on CPU, where a read costs nothing) the grower
-reads a step's faults twice, once after validating the records and once before committing,
-and raises at once as described above. With ``defer_checks`` (the default for stores on a
+The grower holds a divergence guard for each layer (:attr:`Grower.guards`) and wraps every
+layer's step in it, as ``optax.apply_if_finite`` wraps an update; the step itself is
+:mod:`rcdl.optim._step`'s (propose, commit, undo). The checks read nothing back to the host
+while the step runs: each is a fault tensor on the device (:mod:`rcdl.nn.divergence`). By
+default (on CPU, where a read costs nothing) the grower reads a step's faults twice, once
+after validating the records and once before committing, and raises at once as described
+above. With ``defer_checks`` (the default for stores on a
 GPU, where each read stalls the device until it has caught up) it reads nothing in the step:
 a refused step writes its entries with zero keys, values and weights (their number is all the
 host knows; no NaN reaches a store) and does not advance the layers' step counters, so no
@@ -64,8 +67,9 @@ import torch
 from torch import Tensor, nn
 
 from rcdl.memory.budgets import MemoryBudget
-from rcdl.nn.divergence import first_fault, raise_first
+from rcdl.nn.divergence import DivergenceGuard, first_fault, raise_first
 from rcdl.nn.layers import GrowingLayer, growing_layers
+from rcdl.optim import _step
 
 __all__ = ["Grower"]
 
@@ -91,6 +95,8 @@ class Grower(torch.optim.Optimizer):
             empty list), ``lr`` (the η of its rule) and ``layer`` (its name).
         evicted (dict[str, int]): entries evicted so far, by layer name (all zeros without a
             budget).
+        guards (dict[str, DivergenceGuard]): each layer's divergence guard, by layer name
+            (:mod:`rcdl.nn.divergence`): its reference scale is saved in :meth:`state_dict`.
     """
 
     def __init__(self, model: nn.Module, budget: MemoryBudget | None = None,
@@ -101,7 +107,6 @@ class Grower(torch.optim.Optimizer):
         self.layers: list[GrowingLayer] = []
         for name, layer in growing_layers(model):
             layer.bind_name(name)
-            layer.expect_steps()  # a backward without a step is warned of from the start
             self.layers.append(layer)
         if not self.layers:
             raise ValueError(f"Grower: {type(model).__name__} has no growing layers")
@@ -112,8 +117,9 @@ class Grower(torch.optim.Optimizer):
         if defer_checks is None:
             defer_checks = self.layers[0].store.device.type == "cuda"
         self.defer_checks = defer_checks
-        for layer in self.layers:
-            layer.defer_checks(defer_checks)
+        for layer in self.layers:  # a backward without a step is warned of from the start
+            layer.recorder.follow(deferred=defer_checks)
+        self.guards = {layer.name: DivergenceGuard() for layer in self.layers}
         self._record_faults: Tensor | None = None  # (L, 3) this step's, deferred
         self._pending: Tensor | None = None  # (2L, 4) the first refused step's faults and step
         # steps taken, counted from 0 as the training loop counts them (a step that recorded
@@ -153,8 +159,8 @@ class Grower(torch.optim.Optimizer):
         recorded. (:class:`rcdl.optim.hybrid_grower.HybridGrower` runs them before its Adam
         step.)"""
         self.check_mode()
-        if not any(layer.ready_records() for layer in self.layers):
-            pending = [layer.where for layer in self.layers if layer.has_pending]
+        if not any(layer.recorder.ready() for layer in self.layers):
+            pending = [layer.where for layer in self.layers if layer.recorder.has_pending]
             if pending:
                 raise RuntimeError(
                     f"Grower.step(): {', '.join(pending)} ran a training forward pass that no "
@@ -164,7 +170,7 @@ class Grower(torch.optim.Optimizer):
             return False
         faults, clean = [], None  # a layer sets its scale only if none faulted before it
         for layer in self.layers:
-            fault = layer.guard.check_records(layer, clean)  # (3,)
+            fault = self.guards[layer.name].check_records(layer, clean)  # (3,)
             clean = (fault[0] == 0) if clean is None else clean & (fault[0] == 0)
             faults.append(fault)
         self._record_faults = record_faults = self._stack(faults)  # (L, 3)
@@ -184,7 +190,7 @@ class Grower(torch.optim.Optimizer):
         """Commit every layer's proposed entries, or none, then evict down to the budget
         (after :meth:`validate`). With ``defer_checks`` a refused step commits its entries
         zeroed without advancing the layers' step counters
-        (:meth:`~rcdl.nn.layers.GrowingLayer.commit`) and is remembered for :meth:`check`;
+        (:func:`rcdl.optim._step.commit`) and is remembered for :meth:`check`;
         with a budget too, the step's verdict is read (one read; the budget's eviction
         reads once per layer anyway) and a refused step's rows are taken back instead of
         evicting, so the store is as the step found it."""
@@ -193,9 +199,11 @@ class Grower(torch.optim.Optimizer):
         def propose() -> tuple[list, list]:
             proposals, faults = [], []
             for layer in self.layers:
-                entries, fault = layer.proposal()
-                proposals.append(entries)
-                faults.append(first_fault(fault, layer.guard.lookahead(layer, entries)))
+                made, fault = _step.proposal(layer)
+                proposals.append(made)
+                entries = None if made is None else made.entries
+                guard = self.guards[layer.name]
+                faults.append(first_fault(fault, guard.lookahead(layer, entries)))
             return proposals, faults
 
         proposals, faults = self._refusing(propose)
@@ -211,11 +219,11 @@ class Grower(torch.optim.Optimizer):
         before = None if self.budget is None or ok is None else [
             (len(layer.store), layer.store.next_id) for layer in self.layers]
         for layer, entries in zip(self.layers, proposals, strict=True):
-            layer.commit(entries, ok)
+            _step.commit(layer, entries, ok)
         if self.budget is not None:
             if before is not None and not bool(ok):  # refused: the zero rows go, nothing else
                 for layer, (size, next_id) in zip(self.layers, before, strict=True):
-                    layer.take_back_rows(size, next_id)
+                    _step.take_back_rows(layer, size, next_id)
                 return
             masks = [self.budget.evict_mask(layer) for layer in self.layers]  # (N,) each
             for layer, mask in zip(self.layers, masks, strict=True):
@@ -239,9 +247,9 @@ class Grower(torch.optim.Optimizer):
         first = (self._pending[:, 0] == 0).all()  # no refused step remembered yet
         self._pending = torch.where(first, rows, self._pending)
         ok = (faults[:, 0] == 0).all()  # () the step passed every check
-        return [None if entries is None else
-                tuple(torch.where(ok, t, t.new_zeros(())) for t in entries)
-                for entries in proposals], ok
+        return [None if made is None else
+                made.with_entries(tuple(torch.where(ok, t, t.new_zeros(())) for t in made.entries))
+                for made in proposals], ok
 
     def check(self) -> None:
         """Raise the error of the first step refused since the last check, if any (one read
@@ -293,7 +301,7 @@ class Grower(torch.optim.Optimizer):
         """Forget what was recorded since the last step (nothing is written); records whose
         backward runs later are ignored too. ``set_to_none`` is accepted for compatibility."""
         for layer in self.layers:
-            layer.discard()
+            _step.discard(layer)
         self._record_faults = None
 
     def discard(self) -> None:
@@ -301,12 +309,12 @@ class Grower(torch.optim.Optimizer):
         self.zero_grad()
 
     def drop_last_step(self) -> int:
-        """Undo the last step in every layer (:meth:`rcdl.nn.layers.GrowingLayer.drop_last_step`):
+        """Undo the last step in every layer (:func:`rcdl.optim._step.drop_last_step`):
         after a step that was accepted but should not have been (a learning rate that was
         far too high for one step: the next steps are then refused as diverging), the model
         computes again what it did before it. Returns the entries removed, all layers."""
         self.zero_grad()
-        return sum(layer.drop_last_step() for layer in self.layers)
+        return sum(_step.drop_last_step(layer) for layer in self.layers)
 
     def reserve(self, entries_per_layer: int) -> None:
         """Preallocate room for this many more entries in every layer's store."""
@@ -326,7 +334,7 @@ class Grower(torch.optim.Optimizer):
             "param_groups": groups,
             "steps": {layer.name: int(layer.steps) for layer in self.layers},
             "evicted": dict(self.evicted),
-            "output_scale": {layer.name: layer.output_scale for layer in self.layers},
+            "output_scale": {name: guard.output_scale for name, guard in self.guards.items()},
             "shard": self._shard_place(),
             "steps_taken": self._steps,
         }
@@ -345,8 +353,8 @@ class Grower(torch.optim.Optimizer):
         for group, saved_group, layer in zip(self.param_groups, state["param_groups"],
                                              self.layers, strict=True):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
-            layer.restore_step_state(state["steps"][layer.name],
-                                     state["output_scale"][layer.name])
+            layer.count_steps(state["steps"][layer.name] - int(layer.steps))
+            self.guards[layer.name].restore(state["output_scale"][layer.name])
         self.evicted = dict(state["evicted"])
         self._steps = state.get("steps_taken", max(state["steps"].values()))
         self._apply_learning_rates()

@@ -114,9 +114,7 @@ def _adam_fused(param: Tensor, m: Tensor, v: Tensor, grad: Tensor, a: Tensor, c:
     kernel = _fused_kernel()
     assert kernel is not None and param.dtype == torch.bfloat16  # adam_path chose it
     from rcdl.ops.rounding import noise_keys
-    from rcdl.ops.widen import as_bits, use_torch_threads
-
-    use_torch_threads()
+    from rcdl.ops.widen import as_bits
     row, col = noise_keys(seed=seed, step=step, ids=ids, width=param.shape[1], stream=stream)
     none = torch.empty(0, 0)  # (0, 0): the gradient is given in the other dtype
     if grad.dtype == torch.bfloat16:

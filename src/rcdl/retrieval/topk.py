@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rcdl.nn.backends import use_retrieval
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.store import EntryStore
 from rcdl.ops.entries import Entries
@@ -551,7 +552,7 @@ def use_topk(model: nn.Module, k: int, *, backend: Backend = "faiss-hnsw",
                   refresh_every=refresh_every, **index_kw)
              for _ in chosen]  # validated before any layer changes
     for layer, mode in zip(chosen, modes, strict=True):
-        layer.use_retrieval(mode)
+        use_retrieval(layer, mode)
     return model
 
 
@@ -559,7 +560,7 @@ def use_exact(model: nn.Module) -> nn.Module:
     """Turn top-k retrieval off in every growing layer of ``model`` (exact streaming
     attention again, indices freed); returns ``model``."""
     for _, layer in growing_layers(model):
-        layer.use_retrieval(None)
+        use_retrieval(layer, None)
     return model
 
 

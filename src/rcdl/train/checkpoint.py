@@ -63,7 +63,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -498,6 +498,12 @@ def _known_layout(template: dict[str, Any]) -> tuple[frozenset[str], Any] | None
     return next((layout for layout in _LAYOUTS if layout[0] <= template.keys()), None)
 
 
+class _Stateful(Protocol):
+    """An object saved as its state dict (the training loop's state)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+
 class Checkpointer:
     """Saves the loop's whole state (model, optimizer, grower, top-k indices, the loop's
     counters) every ``every`` steps as a checkpoint at ``path`` (see the module docstring),
@@ -851,9 +857,13 @@ a replay log (``replay``) saves it with the rest, so that a resumed run keeps re
         """Whether to save after ``step`` steps (never after the last: the result is saved)."""
         return step % self.every == 0 and step < steps
 
-    def save(self, loop: dict[str, Any]) -> None:
-        """Write this rank's file of ``loop["step"]``, then commit it (see the module
-        docstring)."""
+    def save(self, loop: dict[str, Any] | _Stateful) -> None:
+        """Write this rank's file of the loop's step, then commit it (see the module
+        docstring). ``loop`` is the loop's state, saved as its ``state_dict()`` where it has
+        one (:class:`rcdl.train.loop.LoopState`), else as the dict it is; a restore returns
+        that dict."""
+        if not isinstance(loop, dict):
+            loop = loop.state_dict()
         rank, world = self._place()
         self._lock(rank, world)
         if self._committed is None:  # saving without a restore first: what is on disk

@@ -12,6 +12,13 @@ Global step ``s`` is batch ``t = s mod S`` of epoch ``e = s div S`` (``S = ceil(
 steps per epoch), i.e. ``perm_e[t*B : (t+1)*B]`` with ``perm_e = epoch_permutation(N, seed,
 e)`` a pure function of ``(seed, e)``, so a run is fully described by ``(seed, step)`` — the
 seam a checkpoint/resume needs.
+
+:func:`train_one_pass` puts the loop together from its pieces: a :class:`LoopConfig` (how it
+runs), the :class:`Schedule` of its batches, a :class:`LoopState` (where it stands: the step,
+the clocks, the losses and the evaluation records, all a checkpoint holds of the loop), the
+steps (:func:`train_step` on each batch), and beside them the callbacks due after some steps,
+in this order: the evaluation (:class:`Evaluator`, logged to ``metrics.jsonl`` and the
+progress bar), the replay snapshot and the checkpoint.
 """
 
 from __future__ import annotations
@@ -35,27 +42,30 @@ with warnings.catch_warnings():  # in Jupyter without ipywidgets tqdm.auto falls
 
 from rcdl.memory.forgetting import sample_index_tensor
 from rcdl.memory.provenance import samples
+from rcdl.nn.backends import disable_eval_cache, enable_eval_cache, start_evaluation
 from rcdl.nn.layers import growing_layers
 from rcdl.nn.networks import eval_mode
-from rcdl.nn.store import format_bytes
 from rcdl.ops.half import products_as
+from rcdl.train._callbacks import (
+    Callback,
+    EvaluationLog,
+    MetricLog,
+    SaveCheckpoints,
+    TakeSnapshots,
+    store_size,
+)
+from rcdl.train._state import LoopState
 from rcdl.train.checkpoint import Checkpointer
 from rcdl.train.replay import ReplayLog
 
-__all__ = ["Checkpointer", "Evaluator", "GrowerLike", "MetricLog", "Schedule", "accuracy",
-           "epoch_permutation", "evaluate", "predict", "train_one_pass",
+__all__ = ["Checkpointer", "Evaluator", "GrowerLike", "LoopConfig", "LoopState", "MetricLog",
+           "Schedule", "accuracy", "epoch_permutation", "evaluate", "predict", "train_one_pass",
            "train_step"]
 
 Metric = Callable[[Tensor, Tensor], Tensor]  # (predictions, targets) -> scalar
 # the keys of an evaluation record besides the metrics (see ``train_one_pass``)
 _RECORD_KEYS = frozenset({"model", "step", "samples", "epoch", "train_loss", "entries", "bytes",
                           "train_seconds", "eval_seconds"})  # fmt: skip
-
-
-class MetricLog(Protocol):
-    """Where the loop appends its evaluation records (e.g. a run folder's ``metrics.jsonl``)."""
-
-    def log(self, record: Mapping[str, Any] | None = None, **fields: Any) -> None: ...
 
 
 class GrowerLike(Protocol):
@@ -147,12 +157,12 @@ def default_metrics(loss_fn: Metric, y_test: Tensor) -> dict[str, Metric]:
 def _eval_caches(layers: list) -> Iterator[None]:  # noqa: ANN001
     """Incremental evaluation for these growing layers while the block runs; then freed."""
     for layer in layers:
-        layer.enable_eval_cache()
+        enable_eval_cache(layer)
     try:
         yield
     finally:
         for layer in layers:
-            layer.disable_eval_cache()
+            disable_eval_cache(layer)
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> Tensor:
@@ -237,48 +247,30 @@ def _replay_problem(part: Any, replay: ReplayLog | None, schedule: Schedule, bat
     return None
 
 
-def _new_loop() -> dict[str, Any]:
-    """The loop's whole state besides the model and optimizer: what a checkpoint holds."""
-    return {"step": 0, "history": [], "clock": {"train": 0.0, "eval": 0.0},
-            "loss_sum": 0.0, "loss_count": 0, "last_loss": None}  # fmt: skip
-
-
-def _loop_problem(loop: dict[str, Any]) -> str | None:
-    """What makes a checkpoint's loop state other than one :func:`_new_loop` starts and the
-    loop keeps (``None`` if nothing): the checkpoint is then skipped as a damaged one."""
-    number: tuple[type, ...] = (int, float)
-    kinds: dict[str, type | tuple[type, ...]] = {
-        "history": list, "clock": dict, "loss_sum": number, "loss_count": int,
-        "last_loss": (*number, type(None))}
-    for key, kind in kinds.items():
-        value = loop.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            return f"{key} is {type(value).__name__}, not what the training loop keeps"
-    if not all(isinstance(loop["clock"].get(k), number) for k in ("train", "eval")):
-        return "clock does not hold the train and eval seconds"
-    if not all(isinstance(r, dict) and isinstance(r.get("step"), int) for r in loop["history"]):
-        return "history is not a list of evaluation records"
-    return None
-
-
 class Evaluator:
-    """Measures the test metrics (and ``on_epoch_end``'s values at epoch ends) and records
-    them: in the loop's history, in ``run`` (``metrics.jsonl``) and on the progress bar.
+    """The evaluation beside the loop, due every ``every`` steps and at the end of every
+    epoch: measures the test metrics (and ``on_epoch_end``'s values at epoch ends), records
+    them in the loop's state (:meth:`LoopState.record`, the time on the eval clock) and hands
+    the record to ``log`` (``metrics.jsonl`` and the progress bar: an ``EvaluationLog``).
     ``cached`` growing layers evaluate incrementally (:func:`train_one_pass`)."""
 
     def __init__(self, model: nn.Module, test: tuple[Tensor, Tensor],
-                 metrics: Mapping[str, Metric], *, schedule: Schedule, batch_size: int,
-                 device: torch.device, name: str, grower: Any, run: MetricLog | None,
-                 bar: Any, on_epoch_end: Callable[[int], Mapping[str, float]] | None,
-                 cached: list) -> None:  # fmt: skip
+                 metrics: Mapping[str, Metric], *, schedule: Schedule, every: int,
+                 batch_size: int, device: torch.device, name: str,
+                 on_epoch_end: Callable[[int], Mapping[str, float]] | None, cached: list,
+                 log: Callable[[dict[str, Any], LoopState], None]) -> None:  # fmt: skip
         self.model, self.test, self.metrics, self.schedule = model, test, metrics, schedule
-        self.batch_size, self.device, self.name, self.grower = batch_size, device, name, grower
-        self.run, self.bar, self.on_epoch_end, self.cached = run, bar, on_epoch_end, cached
+        self.every, self.batch_size, self.device, self.name = every, batch_size, device, name
+        self.on_epoch_end, self.cached, self.log = on_epoch_end, cached, log
+
+    def due(self, step: int) -> bool:
+        """Whether to evaluate after ``step`` steps: every ``every``, and at epoch ends."""
+        return step % self.every == 0 or self.schedule.ends_epoch(step)
 
     def measure(self, step: int) -> dict[str, float]:
         """The metrics after ``step`` steps, plus ``on_epoch_end``'s at an epoch's end."""
         for layer in self.cached:
-            layer.start_evaluation()
+            start_evaluation(layer)
         values = evaluate(self.model, *self.test, self.metrics, batch_size=self.batch_size,
                           device=self.device)  # fmt: skip
         if self.on_epoch_end is not None and self.schedule.ends_epoch(step):
@@ -293,39 +285,16 @@ class Evaluator:
             values |= extra
         return values
 
-    def __call__(self, step: int, loop: dict[str, Any]) -> dict[str, float]:
-        """Measure after ``step`` steps and record it; returns the history entry."""
+    def __call__(self, step: int, state: LoopState) -> None:
+        """Measure after ``step`` steps, record it in ``state`` and log it."""
         _sync(self.device)
         t0 = time.perf_counter()
         values = self.measure(step)
         _sync(self.device)
-        loop["clock"]["eval"] += time.perf_counter() - t0
-        samples, n = self.schedule.seen(step), self.schedule.n
-        loop["history"].append({"step": step, "samples": samples, "epoch": samples / n, **values})
-        if loop["loss_count"]:
-            loop["last_loss"] = loop["loss_sum"] / loop["loss_count"]
-            loop["loss_sum"], loop["loss_count"] = 0.0, 0
-        entries, nbytes = _store_size(self.grower)
-        if self.run is not None:
-            self.run.log({
-                "model": self.name, "step": step, "samples": samples, "epoch": samples / n,
-                **values, "train_loss": loop["last_loss"], "entries": entries,
-                "bytes": nbytes, "train_seconds": loop["clock"]["train"],
-                "eval_seconds": loop["clock"]["eval"],
-            })  # fmt: skip
-        first = next(iter(self.metrics))
-        postfix: dict[str, object] = {first: f"{values[first]:.4g}"}
-        if nbytes is not None:  # a grower
-            postfix |= {"entries": entries, "store": format_bytes(nbytes)}
-        self.bar.set_postfix(postfix, refresh=False)
-        return loop["history"][-1]
-
-
-def _store_size(grower: Any) -> tuple[int | None, int | None]:
-    """Entries and bytes the grower's stores hold (None without a grower)."""
-    if grower is None:
-        return None, None
-    return grower.num_entries_all_ranks(), grower.nbytes_all_ranks()  # every rank runs this
+        seconds = time.perf_counter() - t0
+        samples = self.schedule.seen(step)
+        record = {"step": step, "samples": samples, "epoch": samples / self.schedule.n, **values}
+        self.log(state.record(record, seconds), state)
 
 
 @overload
@@ -393,9 +362,9 @@ class _DeferredLoss:
         self.state = torch.cat([(self.state[0] + loss)[None], bad])
         self.count += 1
 
-    def settle(self, name: str, loop: dict[str, Any]) -> None:
-        """Fold the losses into ``loop``'s sum; raise ``FloatingPointError`` naming the first
-        step whose loss was not finite."""
+    def settle(self, name: str, state: LoopState) -> None:
+        """Add the losses to ``state`` (:meth:`LoopState.add_loss`); raise
+        ``FloatingPointError`` naming the first step whose loss was not finite."""
         if self.state is None:
             return
         total, step, value = self.state.tolist()  # the one read
@@ -403,8 +372,7 @@ class _DeferredLoss:
         if step >= 0:
             raise FloatingPointError(f"{name}: training loss is {value} at step {int(step)} "
                                      "(found at a deferred check)")
-        loop["loss_sum"] += total
-        loop["loss_count"] += self.count
+        state.add_loss(total, self.count)
         self.count = 0
 
 
@@ -451,6 +419,156 @@ def _check_order(name: str, order: Tensor, n: int, epochs: int) -> Tensor:  # (M
     if epochs != 1:
         raise ValueError(f"{name}: an order is one epoch, got epochs={epochs}")
     return order
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """How :func:`train_one_pass` runs its steps, evaluations and checkpoints (its arguments
+    of the same names, documented there): the batches (``batch_size``, ``seed``,
+    ``epochs``), the evaluation cadence (``eval_every`` steps, ``eval_batch_size`` rows per
+    prediction batch), the ``device``, the run's ``name`` and progress bar, the checkpoints
+    (``checkpoint_path``, every ``checkpoint_every`` steps, default ``eval_every``) and
+    incremental evaluation."""
+
+    batch_size: int
+    seed: int = 0
+    epochs: int = 1
+    eval_every: int = 50
+    eval_batch_size: int = 1000
+    device: torch.device | str = "cpu"
+    name: str = "model"
+    progress: bool = True
+    checkpoint_path: str | Path | None = None
+    checkpoint_every: int | None = None
+    incremental_eval: bool = False
+
+    @property
+    def save_every(self) -> int:
+        """Steps between checkpoints."""
+        return self.checkpoint_every or self.eval_every
+
+
+class _Steps:
+    """The training side of the loop: one :func:`train_step` of the learners on a batch of
+    ``train`` (moved to the device), the entries it writes remembering their samples
+    (``sample_ids``, default the rows' positions), and its loss added to the loop's state.
+    With a grower whose checks are deferred the step reads nothing back: the losses stay on
+    the device until :meth:`settle` checks them and the grower's steps."""
+
+    def __init__(self, model: nn.Module, train: tuple[Tensor, Tensor], loss_fn: Metric,
+                 optimizer: torch.optim.Optimizer | None, grower: GrowerLike | None,
+                 config: LoopConfig, sample_ids: Tensor | None) -> None:  # fmt: skip
+        self.model, (self.x, self.y), self.loss_fn = model, train, loss_fn
+        self.optimizer, self.grower, self.sample_ids = optimizer, grower, sample_ids
+        self.device, self.name = torch.device(config.device), config.name
+        self.deferred = grower is not None and grower.defer_checks
+        self.losses = _DeferredLoss()
+
+    def __call__(self, step: int, idx: Tensor, state: LoopState) -> None:
+        """Train on the samples ``idx`` ``(B,)`` as step ``step``."""
+        xb, yb = self.x[idx].to(self.device), self.y[idx].to(self.device)
+        ids = idx if self.sample_ids is None else self.sample_ids[idx]
+        args = self.model, xb, yb, self.loss_fn, self.optimizer, self.grower
+        with samples(self.model, ids):  # the entries written remember their samples
+            if self.deferred:  # no read back: the loss is checked at the next settle()
+                self.losses.add(train_step(*args, sync=False), step)
+            else:
+                loss_value = train_step(*args)
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(
+                        f"{self.name}: training loss is {loss_value} at step {step}")
+                state.add_loss(loss_value)
+
+    def settle(self, state: LoopState) -> None:
+        """The deferred checks (none unless deferred): the losses, then the grower's."""
+        if self.deferred:
+            self.losses.settle(self.name, state)
+            assert self.grower is not None
+            self.grower.check()
+
+
+def _run(schedule: Schedule, state: LoopState, steps: _Steps, evaluate: Evaluator,
+         callbacks: list[Callback], bar: Any) -> None:
+    """The loop: an evaluation first (unless ``state`` holds one), then the steps from
+    ``state.step`` on, each on the train clock. After a step the deferred checks run where a
+    callback is due or the run ends, before anything is recorded or saved; then the
+    callbacks due, in their order."""
+    if not state.history:
+        evaluate(0, state)
+    for step, idx in schedule.batches(state.step):
+        t0 = time.perf_counter()
+        steps(step, idx, state)
+        state.advance(step + 1, time.perf_counter() - t0)
+        bar.update(len(idx))
+        due = [callback for callback in callbacks if callback.due(step + 1)]
+        if due or step + 1 == schedule.steps:
+            steps.settle(state)
+        for callback in due:
+            callback(step + 1, state)
+
+
+def _checkpointer(config: LoopConfig, schedule: Schedule, model: nn.Module,
+                  optimizer: torch.optim.Optimizer | None, grower: GrowerLike | None,
+                  replay: ReplayLog | None, sample_ids: Tensor | None) -> Checkpointer | None:
+    """The run's checkpoints at ``config.checkpoint_path`` (``None`` without one), which
+    refuse a checkpoint of another run, loop state or replay stream."""
+    if config.checkpoint_path is None:
+        return None
+    identity = {"name": config.name, "seed": config.seed, "batch_size": config.batch_size,
+                "train_samples": schedule.n}  # fmt: skip
+    return Checkpointer(
+        config.checkpoint_path, config.save_every, identity, model, optimizer, grower,
+        loop_problem=LoopState.state_problem, replay=replay,
+        replay_problem=lambda part: _replay_problem(part, replay, schedule, config.batch_size,
+                                                    sample_ids))
+
+
+def _resume(config: LoopConfig, schedule: Schedule, checkpoints: Checkpointer | None,
+            replay: ReplayLog | None, model: nn.Module, learners: list[Any],
+            sample_ids: Tensor | None) -> tuple[LoopState, bool]:
+    """The state the loop starts from, and whether it was resumed: the newest usable
+    checkpoint's (its model and learners loaded, :meth:`Checkpointer.restore`), else a fresh
+    one. A replay log continues the checkpoint's, or starts with a snapshot at step 0."""
+    name, path = config.name, config.checkpoint_path
+    loop = None if checkpoints is None else checkpoints.restore()
+    if loop is not None and loop["step"] > schedule.steps:
+        raise ValueError(
+            f"{name}: checkpoint {path} is at step {loop['step']}, past the "
+            f"{schedule.steps} steps of {config.epochs} epoch(s); delete it or train for more "
+            "epochs")
+    state = LoopState() if loop is None else LoopState.from_state_dict(loop)
+    if replay is not None and state.step != 0:  # resumed: the log from the checkpoint
+        assert checkpoints is not None
+        if checkpoints.replay_state is None:
+            raise ValueError(
+                f"{name}: a replay log records a run from step 0; checkpoint {path} resumes "
+                f"at step {state.step} and holds no replay log (its run recorded none): "
+                "delete it, or resume without replay=")
+        replay.load_state_dict(checkpoints.replay_state)  # checked at the restore
+    elif replay is not None:
+        replay.start(schedule.permutation(0), config.batch_size, sample_ids)
+        replay.take(0, model, learners)
+    return state, loop is not None
+
+
+def _summary(state: LoopState, schedule: Schedule, metrics: Mapping[str, Metric],
+             grower: GrowerLike | None, resumed: bool) -> dict[str, Any]:
+    """What :func:`train_one_pass` returns."""
+    final = state.history[-1]
+    entries, nbytes = store_size(grower)
+    return {
+        **{k: final[k] for k in metrics},
+        "train_loss": state.last_loss,
+        "entries": entries,
+        "bytes": nbytes,
+        "steps": schedule.steps,
+        "samples": schedule.epochs * schedule.n,
+        "epochs": schedule.epochs,
+        "train_seconds": state.train_seconds,
+        "eval_seconds": state.eval_seconds,
+        "history": state.history,
+        "resumed": resumed,
+    }
 
 
 def train_one_pass(
@@ -521,7 +639,7 @@ def train_one_pass(
         incremental_eval: evaluate each growing layer incrementally: it keeps the state of
             its streaming attention over the test inputs after the last full chunk and folds
             only the chunks from there on at the next evaluation (see
-            :meth:`rcdl.nn.layers.GrowingLayer.enable_eval_cache`). The chunks are a full
+            :func:`rcdl.nn.backends.enable_eval_cache`). The chunks are a full
             pass's, so the evaluations are bit for bit those of a full pass, also after a
             resume. The first growing layer's queries are the test inputs themselves, so
             its evaluation cost stops growing with the store. Off by default: it costs the
@@ -572,99 +690,36 @@ def train_one_pass(
     if replay is not None and epochs != 1:
         raise ValueError(f"{name}: a replay log records one epoch, got epochs={epochs}")
     device = torch.device(device)
+    config = LoopConfig(batch_size=batch_size, seed=seed, epochs=epochs, eval_every=eval_every,
+                        eval_batch_size=eval_batch_size, device=device, name=name,
+                        progress=progress, checkpoint_path=checkpoint_path,
+                        checkpoint_every=checkpoint_every, incremental_eval=incremental_eval)
     schedule = Schedule(len(x_train) if order is None else len(order), batch_size, epochs,
                         seed, order)
-    identity = {"name": name, "seed": seed, "batch_size": batch_size, "train_samples": schedule.n}
-    checkpoints = None if checkpoint_path is None else Checkpointer(
-        checkpoint_path, checkpoint_every or eval_every, identity, model, optimizer, grower,
-        loop_problem=_loop_problem, replay=replay,
-        replay_problem=lambda part: _replay_problem(part, replay, schedule, batch_size,
-                                                    sample_ids))
+    checkpoints = _checkpointer(config, schedule, model, optimizer, grower, replay, sample_ids)
     try:
-        loop = None if checkpoints is None else checkpoints.restore()
-        resumed = loop is not None
-        if loop is not None and loop["step"] > schedule.steps:  # resumed
-            raise ValueError(
-                f"{name}: checkpoint {checkpoint_path} is at step {loop['step']}, past the "
-                f"{schedule.steps} steps of {epochs} epoch(s); delete it or train for more epochs"
-            )
-        loop = loop or _new_loop()
-        if replay is not None and loop["step"] != 0:  # resumed: the log from the checkpoint
-            assert checkpoints is not None
-            if checkpoints.replay_state is None:
-                raise ValueError(
-                    f"{name}: a replay log records a run from step 0; checkpoint "
-                    f"{checkpoint_path} resumes at step {loop['step']} and holds no replay log "
-                    "(its run recorded none): delete it, or resume without replay=")
-            replay.load_state_dict(checkpoints.replay_state)  # checked at the restore
-        elif replay is not None:
-            replay.start(schedule.permutation(0), batch_size, sample_ids)
-            replay.take(0, model, [optimizer, grower])
-        bar = tqdm(total=epochs * schedule.n, initial=schedule.seen(loop["step"]), unit="sample",
+        state, resumed = _resume(config, schedule, checkpoints, replay, model, [optimizer, grower],
+                                 sample_ids)
+        bar = tqdm(total=epochs * schedule.n, initial=schedule.seen(state.step), unit="sample",
                    desc=name, disable=not progress, dynamic_ncols=True)  # fmt: skip
         cached = [layer for _, layer in growing_layers(model)] if incremental_eval else []
-        record = Evaluator(model, (x_test, y_test), metrics, schedule=schedule,
-                           batch_size=eval_batch_size, device=device, name=name, grower=grower,
-                           run=run, bar=bar, on_epoch_end=on_epoch_end, cached=cached)  # fmt: skip
+        evaluator = Evaluator(
+            model, (x_test, y_test), metrics, schedule=schedule, every=eval_every,
+            batch_size=eval_batch_size, device=torch.device(device), name=name,
+            on_epoch_end=on_epoch_end, cached=cached,
+            log=EvaluationLog(name, grower, run, bar, next(iter(metrics))))
+        callbacks: list[Callback] = [evaluator]  # in this order after a step: see _run
+        if replay is not None:
+            callbacks.append(TakeSnapshots(replay, model, [optimizer, grower]))
+        if checkpoints is not None:
+            callbacks.append(SaveCheckpoints(checkpoints, schedule.steps))
         model.train()
-        deferred = grower is not None and grower.defer_checks
-        losses = _DeferredLoss()
-
-        def settle() -> None:  # the deferred checks, before anything is recorded or saved
-            if deferred:
-                losses.settle(name, loop)
-                assert grower is not None
-                grower.check()
-
+        steps = _Steps(model, (x_train, y_train), loss_fn, optimizer, grower, config, sample_ids)
         # a resumed run multiplies half-precision stores as the interrupted one did
         products = products_as(None if checkpoints is None else checkpoints.products)
         with bar, _eval_caches(cached), products:
-            final = loop["history"][-1] if loop["history"] else record(0, loop)
-            for step, idx in schedule.batches(loop["step"]):
-                t0 = time.perf_counter()
-                xb, yb = x_train[idx].to(device), y_train[idx].to(device)
-                ids = idx if sample_ids is None else sample_ids[idx]
-                with samples(model, ids):  # the entries written remember their samples
-                    if deferred:  # no read back: the loss is checked at the next settle()
-                        losses.add(train_step(model, xb, yb, loss_fn, optimizer, grower,
-                                              sync=False), step)
-                    else:
-                        loss_value = train_step(model, xb, yb, loss_fn, optimizer, grower)
-                        if not math.isfinite(loss_value):
-                            raise FloatingPointError(
-                                f"{name}: training loss is {loss_value} at step {step}")
-                        loop["loss_sum"] += loss_value
-                        loop["loss_count"] += 1
-                loop["step"] = step + 1
-                loop["clock"]["train"] += time.perf_counter() - t0
-                bar.update(len(idx))
-                evaluating = (step + 1) % eval_every == 0 or schedule.ends_epoch(step + 1)
-                snapshot = replay is not None and replay.due(step + 1)
-                saving = checkpoints is not None and checkpoints.due(step + 1, schedule.steps)
-                if evaluating or snapshot or saving or step + 1 == schedule.steps:
-                    settle()
-                if evaluating:
-                    final = record(step + 1, loop)
-                if snapshot:
-                    assert replay is not None
-                    replay.take(step + 1, model, [optimizer, grower])
-                if saving:
-                    assert checkpoints is not None
-                    checkpoints.save(loop)
+            _run(schedule, state, steps, evaluator, callbacks, bar)
     finally:
         if checkpoints is not None:
             checkpoints.close()  # the lock on the checkpoint path
-    entries, nbytes = _store_size(grower)
-    return {
-        **{k: final[k] for k in metrics},
-        "train_loss": loop["last_loss"],
-        "entries": entries,
-        "bytes": nbytes,
-        "steps": schedule.steps,
-        "samples": epochs * schedule.n,
-        "epochs": epochs,
-        "train_seconds": loop["clock"]["train"],
-        "eval_seconds": loop["clock"]["eval"],
-        "history": loop["history"],
-        "resumed": resumed,
-    }
+    return _summary(state, schedule, metrics, grower, resumed)

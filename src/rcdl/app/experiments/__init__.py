@@ -1,11 +1,15 @@
-"""Experiments: one module per experiment, each declaring its command (``EXPERIMENT =
-"name"``), its config and its ``EXPERIMENT_SPEC`` (:class:`rcdl.app.runner.Experiment`);
-docs/adding_an_experiment.md. The package finds them itself (:data:`COMMANDS`), reading each
-module's source rather than importing it. What several experiments train with is in
-:mod:`rcdl.app.recipes`; the one-epoch comparison's model zoo, settings, report and
-``--combine`` are in ``cifar10_models``, ``cifar10_config``, ``cifar10_report`` and
-``cifar10_combine`` beside it, and the continual study's baselines in
-``continual_baselines``.
+"""Experiments: one module per experiment, or one package for an experiment with a toolbox of
+its own, each declaring its command (``EXPERIMENT = "name"``), its config and its
+``EXPERIMENT_SPEC`` (:class:`rcdl.app.runner.Experiment`; a package declares them in its
+``__init__.py``); docs/adding_an_experiment.md. The package finds them itself
+(:data:`COMMANDS`), reading each module's source rather than importing it. What several
+experiments train with is in :mod:`rcdl.app.recipes`, and the models they train in
+:mod:`rcdl.app.models`; the one-epoch comparison (``cifar10/``) keeps its settings, runs,
+report and ``--combine`` in ``cifar10.config``, ``cifar10.run``, ``cifar10.report`` and
+``cifar10.combine``, and the continual study (``continual/``) its model names, runs,
+baselines, analysis, report and figures in ``continual.spec``, ``continual.run``,
+``continual.baselines``, ``continual.analysis``, ``continual.report`` and
+``continual.plots``.
 
 - :mod:`rcdl.app.experiments.demo` — teacher–student regression: a growing RBF network against
   MLPs trained by SGD and by Adam, one pass over the data (``rcdl demo``).
@@ -42,7 +46,7 @@ module's source rather than importing it. What several experiments train with is
 import re
 from pathlib import Path
 
-__all__ = ["COMMANDS", "MAIN", "declared_commands"]
+__all__ = ["COMMANDS", "MAIN", "declared_commands", "experiment_sources"]
 
 # An experiment module declares its command on a line of its own, `EXPERIMENT = "name"`, and
 # its spec as `EXPERIMENT_SPEC = ...`; the index reads those lines from the source, so that
@@ -51,16 +55,26 @@ _COMMAND = re.compile(r'^EXPERIMENT = "([a-z0-9][a-z0-9-]*)"', re.MULTILINE)
 _SPEC = re.compile(r"^EXPERIMENT_SPEC = ", re.MULTILINE)
 
 
+def experiment_sources(folder: Path = Path(__file__).parent) -> dict[str, Path]:
+    """``{module: source}`` of the modules of ``folder`` (``name.py``) and of its packages
+    (``name/__init__.py``, where a package declares its experiment), sorted by module."""
+    found = {path.stem: path for path in folder.glob("*.py") if path.stem != "__init__"}
+    found |= {path.parent.name: path for path in folder.glob("*/__init__.py")}
+    return dict(sorted(found.items()))
+
+
 def declared_commands(folder: Path = Path(__file__).parent) -> dict[str, str]:
-    """``{command: module}`` for every module of ``folder`` that declares an experiment (an
-    ``EXPERIMENT_SPEC`` and its ``EXPERIMENT = "command"`` line), sorted by command.
+    """``{command: module}`` for every module or package of ``folder`` that declares an
+    experiment (an ``EXPERIMENT_SPEC`` and its ``EXPERIMENT = "command"`` line), sorted by
+    command.
 
     Raises:
         ImportError: a module declares a spec without its command line, or two modules
             declare the same command.
     """
     found: dict[str, str] = {}
-    for path in sorted(folder.glob("*.py")):
+    sources = experiment_sources(folder)
+    for module, path in sources.items():
         text = path.read_text(encoding="utf-8")
         if not _SPEC.search(text):
             continue  # a module the experiments share, not an experiment
@@ -71,9 +85,9 @@ def declared_commands(folder: Path = Path(__file__).parent) -> dict[str, str]:
                               "(docs/adding_an_experiment.md)")
         command = match.group(1)
         if command in found:
-            raise ImportError(f"{path} and {folder / found[command]}.py both declare the "
+            raise ImportError(f"{path} and {sources[found[command]]} both declare the "
                               f"command {command!r}")
-        found[command] = path.stem
+        found[command] = module
     return dict(sorted(found.items()))
 
 

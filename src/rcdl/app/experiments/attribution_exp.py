@@ -3,7 +3,7 @@ detection by self-influence, and test images beside the training images they res
 (docs/attribution.md, "rcdl reproduce attribution").
 
 Run it with ``rcdl reproduce attribution``. Every model is a growing model of the one-epoch
-comparison (:mod:`rcdl.app.experiments.cifar10_models`), trained one epoch, batch 16, on a
+comparison (:mod:`rcdl.app.models`), trained one epoch, batch 16, on a
 random CIFAR-10 training subset (docs/cifar10.md). rcdl's score ``τ(x, i)`` of training
 image ``i`` for an output ``f(x)`` is :func:`rcdl.memory.attribution.explain`'s per-sample
 contribution: the sum, over the entries ``i`` wrote in every growing layer, of their
@@ -28,7 +28,7 @@ model answers it with its own entries deleted from every layer, exactly
 (:func:`rcdl.memory.leave_one_out.leave_one_out`): a flipped label that only its own
 entries supported loses its margin. By the **leave-one-out label vote**: minus the label's
 margin when the labels of the samples that wrote the readout's entries vote, weighed by the
-readout's kernel (:class:`~rcdl.app.experiments.continual_baselines.LabelVote`), the image's
+readout's kernel (:class:`~rcdl.app.experiments.continual.baselines.LabelVote`), the image's
 own entries left out (:func:`leave_one_out_vote_margins`); and by the mean of its ranks
 under the two leave-one-out rankings. Baselines: the trained model's cross-entropy on each
 training image, and a random ranking. Measured: the ROC-AUC of telling flipped from clean
@@ -68,8 +68,8 @@ from torch import Tensor, nn
 from rcdl._io import atomic_save_torch, save_figure
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.experiments.cifar10_models import model_spec
-from rcdl.app.experiments.continual_baselines import LabelVote, class_scores
+from rcdl.app.experiments.continual.baselines import LabelVote, class_scores
+from rcdl.app.models import model_spec
 from rcdl.app.recipes import train_model
 from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
@@ -120,7 +120,7 @@ TRAK_AUC = 0.67
 LDS_TARGETS = {"gws": 0.30, "rbf": 0.45}
 MISLABEL_TARGET = (0.80, 0.60)
 FULL_SEED, HALVES_SEED, FIRST_HALF_SEED, FLIP_SEED = 0, 1, 100, 2
-VOTE_SHARPNESS = 4.0  # the label vote's default (continual_baselines.LabelVote), not tuned here
+VOTE_SHARPNESS = 4.0  # the label vote's default (continual.baselines.LabelVote), not tuned here
 EVAL_IMAGES = 16  # test images the trainer scores before and after a pass (not reported)
 CURVE = tuple(i / 50 for i in range(1, 51))  # shares inspected, for the detection curve
 
@@ -417,7 +417,7 @@ def leave_one_out_vote_margins(model: nn.Module, x: Tensor, y: Tensor, *,
                                sharpness: float = VOTE_SHARPNESS, batch_size: int = 500,
                                device: torch.device | str = "cpu") -> Tensor:  # (n,) float64
     """Each training image's label margin ``score_y − log Σ_{c ≠ y} e^{score_c}`` under the
-    readout's label vote (:class:`rcdl.app.experiments.continual_baselines.LabelVote`:
+    readout's label vote (:class:`rcdl.app.experiments.continual.baselines.LabelVote`:
     ``score_c = log Σ_{j : y_j = c} φ(q, k_j; τ / s)`` over the readout's entries, ``y_j``
     the label, ``y``, of the sample that wrote entry ``j``) with the entries the image wrote
     left out: what the labels of the other stored samples near it in the readout's input

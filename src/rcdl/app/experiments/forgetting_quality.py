@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.experiments.cifar10_models import model_spec
+from rcdl.app.models import model_spec
 from rcdl.app.recipes import (
     check_unlearning_settings,
     copy_trained,

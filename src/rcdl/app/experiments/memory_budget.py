@@ -40,9 +40,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import rcdl.app.experiments.cifar10.config as cifar10_config
+from rcdl.app import models as cifar10_models
 from rcdl.app.cifar import CifarData, cifar_summary
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.experiments import cifar10_config, cifar10_models
 from rcdl.app.report import Curve, Panel, csv_text, markdown_table, plot_panels, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session, run_experiment
@@ -124,7 +125,7 @@ class MemoryBudgetConfig(ExperimentConfig):
 
 def load_data(cfg: MemoryBudgetConfig, *, download: bool = True) -> CifarData:
     """CIFAR-10 subset as ``cfg`` asks, exactly as the one-epoch comparison loads it
-    (:func:`rcdl.app.experiments.cifar10_config.load_data`: same files, standardisation and
+    (:func:`rcdl.app.experiments.cifar10.config.load_data`: same files, standardisation and
     subsets)."""
     as_cifar10 = cifar10_config.Cifar10Config(models=(cfg.model,), train_size=cfg.train_size,
                                               test_size=cfg.test_size, data_dir=cfg.data_dir,

@@ -38,10 +38,11 @@ from typing import Any
 import torch
 
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.experiments import cifar10, cifar10_report
-from rcdl.app.experiments.cifar10_combine import combine_runs, finished_runs
-from rcdl.app.experiments.cifar10_config import DTYPES, Cifar10Config
-from rcdl.app.experiments.cifar10_models import hybrid_name, hybrid_tau, model_spec
+from rcdl.app.experiments import cifar10
+from rcdl.app.experiments.cifar10 import report as cifar10_report
+from rcdl.app.experiments.cifar10.combine import combine_runs, finished_runs
+from rcdl.app.experiments.cifar10.config import DTYPES, Cifar10Config
+from rcdl.app.models import hybrid_name, hybrid_tau, model_spec
 from rcdl.app.report import csv_text, markdown_table
 from rcdl.app.rundir import RunDir, atomic_write_text, read_config, save_figure
 from rcdl.app.runner import Combine, run_experiment
@@ -132,7 +133,7 @@ def _finish(cfg: Cifar10Config, summary: dict[str, Any]) -> None:
 
 def write_report(run: RunDir, cfg: Cifar10Config, summary: dict[str, Any],
                  device: torch.device) -> str:  # fmt: skip
-    """The comparison's report (:func:`rcdl.app.experiments.cifar10_report.write_report`), then the
+    """The comparison's report (:func:`rcdl.app.experiments.cifar10.report.write_report`), then the
     sweep's (:func:`write_sweep_report`)."""
     comparison = cifar10_report.write_report(run, cfg, summary, device)
     return comparison + "\n" + write_sweep_report(run, summary["tau_sweep"], summary)

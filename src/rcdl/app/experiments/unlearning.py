@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.experiments.cifar10_models import model_spec
+from rcdl.app.models import model_spec
 from rcdl.app.recipes import (
     check_unlearning_settings,
     copy_trained,
@@ -95,7 +95,7 @@ MIA_SPLITS = 10
 @dataclass(frozen=True)
 class UnlearningConfig(ExperimentConfig):
     """Settings of the unlearning experiment (module docstring). Most of a default run's
-    time is the ResNet-MLP's three trainings (run times in docs/attribution.md, "Measured:
+    time is the ResNet-MLP's three trainings (run times in results/attribution/LOG.md, "Measured:
     forgetting against retraining")."""
 
     QUICK = {"models": ("gws", "rbf"), "train_size": 1000, "test_size": 500, "seeds": (0,),
