@@ -6,9 +6,10 @@ the query gradient) and the evaluation batch (500 queries, forward), over ``--en
 entries of width ``--width``: the largest relative error of the output and of the query
 gradient of the Triton path against the streaming path with float32 products
 (``half_products("float32")``: both multiply the stored numbers in float32, so they agree to
-float32's rounding), and each path's median time per call. Prints
-one line per case and exits non-zero when an error exceeds ``--rtol``: the first step of
-``benchmarks/gpu_speed.sh``.
+float32's rounding), and each path's median time per call, with the Triton path's floor on
+this GPU by the traffic model (:mod:`rcdl.ops.triton_traffic`; an H200's rates on an H200,
+an H100 SXM's on any other). Prints one line per case and exits non-zero when an error
+exceeds ``--rtol``: the first step of ``benchmarks/gpu_speed.sh``.
 
     python benchmarks/check_triton.py [--entries 50000 --width 3072]
 
@@ -21,24 +22,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
-
-def timed(fn, device: torch.device, repeats: int = 5) -> float:  # noqa: ANN001 - median s
-    times = []
-    for _ in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+from harness import machine_line, timeit
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,6 +49,14 @@ def main() -> int:
     from rcdl.ops.attention import attention, register_path, unregister_path
     from rcdl.ops.half import half_products
     from rcdl.ops.triton_attention import TRITON, TritonAttention, triton_available, triton_paths
+    from rcdl.ops.triton_traffic import (
+        GPUS,
+        Problem,
+        backward_launches,
+        forward_launches,
+        keeps,
+        seconds,
+    )
 
     if not triton_available():
         print("triton is not installed: pip install -e '.[triton]'")
@@ -77,8 +73,12 @@ def main() -> int:
     values = 0.01 * torch.randn(n, d, generator=gen)
     weights = torch.rand(n, generator=gen) + 0.1
     failed = False
-    print(f"# {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}),"
-          f" {n} entries of width {d}; rtol {args.rtol}")
+    gpu = None
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        gpu = GPUS["h200" if "H200" in properties.name else "h100"]
+    print(f"# {device}: {machine_line(device)}; {n} entries of width {d}; rtol {args.rtol}"
+          + (f"; floors by the traffic model at {gpu.name} rates" if gpu else ""))
     for dtype in (torch.float32, torch.bfloat16):
         k, v, w = (t.to(device) for t in (keys.to(dtype), values.to(dtype), weights))
         for kernel in args.kernels:
@@ -93,11 +93,11 @@ def main() -> int:
                             out.square().sum().backward()
                     return out.detach(), (q.grad if train else None)
 
-                fast, fast_s = call(), timed(call, device)
+                fast, fast_s = call(), timeit(call, 5).median
                 unregister_path(path)
                 try:
                     with half_products("float32"):
-                        slow, slow_s = call(), timed(call, device)
+                        slow, slow_s = call(), timeit(call, 5).median
                 finally:
                     register_path(path, device=device.type,
                                   dtypes=[torch.float32, torch.bfloat16], kernels=args.kernels)
@@ -106,10 +106,18 @@ def main() -> int:
                     errors.append(relative_error(fast[1], slow[1]))
                 bad = max(errors) > args.rtol
                 failed |= bad
+                floor = ""
+                if gpu is not None:
+                    problem = Problem(batch, n, d, d, kernel, store_bytes=k.element_size(),
+                                      multiprocessors=gpu.multiprocessors)
+                    launches = forward_launches(problem) + (
+                        backward_launches(problem, (True, False, False, False), keeps(problem))
+                        if train else [])
+                    floor = f" (floor {seconds(launches, gpu) * 1e3:.2f} ms)"
                 print(f"{str(dtype).removeprefix('torch.'):8} {kernel:8} B={batch:3} "
                       f"{'train' if train else 'eval '}: rel. error "
                       f"{' / '.join(f'{e:.1e}' for e in errors)}{'  FAILED' if bad else ''}; "
-                      f"triton {fast_s * 1e3:.2f} ms, streaming {slow_s * 1e3:.2f} ms",
+                      f"triton {fast_s * 1e3:.2f} ms{floor}, streaming {slow_s * 1e3:.2f} ms",
                       flush=True)
     # on a GPU the path checks itself at its first call and, where it disagrees, leaves the
     # calls to streaming: the rows above then compared streaming with itself

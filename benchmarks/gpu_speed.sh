@@ -4,11 +4,13 @@
 # usage: benchmarks/gpu_speed.sh DATA_DIR OUT_DIR [SECONDS]
 #
 # DATA_DIR holds cifar10.npz (on the workplace's device machine it arrives in parts and is
-# rejoined first: see results/gpu-h200/gpu.sh). Within SECONDS (default 540) it runs, in turn,
+# rejoined first: see results/machines/gpu-h200/gpu.sh). Within SECONDS (default 540) it runs, in turn,
 # until the time runs out:
 #   0. the Triton attention kernel against the streaming op on real shapes, every kernel,
 #      float32 and bfloat16 stores, with both paths' times (benchmarks/check_triton.py;
-#      a failed check stops the script: nothing after it would time the right thing);
+#      a failed check stops the script: nothing after it would time the right thing),
+#      after the traffic model's floors for this GPU (benchmarks/triton_traffic.py, no
+#      device time) to set the times against;
 # and then, each as one `rcdl reproduce cifar10-1epoch` at full scale (50 000 / 10 000 images,
 # batch 16, the paper's protocol) with --no-checkpoint:
 #   1. a profile of gws training steps at 50 000 entries per layer (host reads, top kernels);
@@ -34,6 +36,8 @@ run() {  # run one command if time remains; its output goes to the log
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee -a "$OUT/gpu_speed.log"
 C10="python3 -m rcdl reproduce cifar10-1epoch --data-dir $DATA --device cuda --no-progress --no-checkpoint"
+GPU_MODEL=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -qi h200 && echo h200 || echo h100)
+run python3 benchmarks/triton_traffic.py --gpu "$GPU_MODEL"
 run python3 benchmarks/check_triton.py --entries 50000 --width 3072 \
   || { echo "the Triton kernel disagrees with the streaming op: stopped" | tee -a "$OUT/gpu_speed.log"; exit 1; }
 run python3 benchmarks/profile_step.py --model gws --entries 50000 --device cuda

@@ -5,7 +5,8 @@ twin: outputs, partial statistics and every gradient, on CPU through Triton's in
 (whose module is imported on first use) take CPU tensors. The path is registered for
 ``"cpu"`` by a fixture, with blocks of 16 so that the small shapes below span several blocks
 of entries, of key and of value columns, and several blocks per split (the online softmax's
-rescaling within a program) as well as several splits (their merge).
+rescaling within a program) as well as several splits (their merge). The backward runs from
+the scores the forward kept and, where the op keeps none, computing them again (``SAVED``).
 
 Tolerances: float64 (the interpreter runs ``tl.dot`` in float64) agrees to summation order,
 ``rtol 1e-10``; float32 queries over a float32 or bfloat16 store agree with the streaming path
@@ -33,6 +34,7 @@ from rcdl.ops.attention import (  # noqa: E402
     attend_partial,
     path_for,
     register_path,
+    shares,
     unregister_path,
 )
 from rcdl.ops.entries import Entries, merge_partials  # noqa: E402
@@ -71,10 +73,14 @@ def make(n=50, d_in=12, d_out=20, batch=5, signs="mixed", seed=0, dtype=torch.fl
     return q, keys, values, weights
 
 
-def outputs_and_grads(q, keys, values, weights, grad, **settings):
+# the backward from the forward's kept scores, or computing them again (attend's save_fraction)
+SAVED = {"kept": 1e3, "recomputed": 0.0}
+
+
+def outputs_and_grads(q, keys, values, weights, grad, save_fraction=0.05, **settings):
     """The op's output and its four gradients (the path is whichever the op picks)."""
     leaves = [t.detach().requires_grad_() for t in (q, keys, values, weights)]
-    out = attend(leaves[0], Entries(*leaves[1:], **settings))
+    out = attend(leaves[0], Entries(*leaves[1:], **settings), save_fraction=save_fraction)
     return (out, *torch.autograd.grad(out, leaves, grad))
 
 
@@ -90,16 +96,17 @@ def assert_all_close(got, want, **tol):
         assert_close(a, b, **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("saved", list(SAVED))
 @pytest.mark.parametrize(("kernel", "signs"), [
     *((kernel, "mixed") for kernel in KERNELS), ("softmax", "positive")])
 def test_outputs_and_gradients_match_the_dense_twin_and_streaming_float64(
-        triton_path, kernel, signs):
+        triton_path, kernel, signs, saved):
     """40 entries: two splits, of two blocks and one; two chunks of key and of value
-    columns."""
+    columns; the backward from the forward's scores or computing them again."""
     tensors = make(n=40, d_in=20, d_out=18, signs=signs)
     grad = torch.randn(5, 18, **F64)
     settings = {"kernel": kernel, "temperature": 0.8}
-    got = outputs_and_grads(*tensors, grad, **settings)
+    got = outputs_and_grads(*tensors, grad, SAVED[saved], **settings)
     assert path_for(tensors[0], Entries(*tensors[1:], **settings)) is triton_path
     dense = dense_outputs_and_grads(*tensors, grad, kernel, temperature=0.8)
     streaming = outputs_and_grads(*tensors, grad, **settings, chunk_size=7)
@@ -107,15 +114,17 @@ def test_outputs_and_gradients_match_the_dense_twin_and_streaming_float64(
     assert_all_close(got, streaming, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("saved", list(SAVED))
 @pytest.mark.parametrize("kernel", ["rbf", "laplacian"])
-def test_gradcheck(triton_path, kernel):
+def test_gradcheck(triton_path, kernel, saved):
     """The backward against finite differences of the forward (float64, both signs), for the
     distance kernels (the softmax's: with its guard, below; every kernel's gradients match
     the dense twin's autograd above)."""
     tensors = [t.requires_grad_() for t in make(n=20, d_in=4, d_out=3, batch=3)]
 
     def f(q, keys, values, weights):
-        return attend(q, Entries(keys, values, weights, kernel, temperature=0.9))
+        return attend(q, Entries(keys, values, weights, kernel, temperature=0.9),
+                      save_fraction=SAVED[saved])
 
     assert torch.autograd.gradcheck(f, tensors, fast_mode=True)
 
@@ -164,11 +173,12 @@ def test_partials_match_streaming_and_merge(kernel, splits):
         assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("saved", list(SAVED))
 @pytest.mark.parametrize(("kernel", "store"), [
     ("softmax", torch.float32), ("softmax", torch.bfloat16), ("rbf", torch.bfloat16),
     ("linear", torch.bfloat16)], ids=["softmax-float32", "softmax-bfloat16", "rbf-bfloat16",
                                       "linear-bfloat16"])
-def test_float32_queries_over_float32_and_bfloat16_stores(triton_path, kernel, store):
+def test_float32_queries_over_float32_and_bfloat16_stores(triton_path, kernel, store, saved):
     """float32 queries over a float32 or bfloat16 store: the streaming path with products on
     float32 copies of the store's chunks (what the Triton path does), and the dense twin in
     float64 on the stored numbers."""
@@ -176,7 +186,7 @@ def test_float32_queries_over_float32_and_bfloat16_stores(triton_path, kernel, s
     keys, values = keys.to(store), values.to(store)
     grad = torch.randn(5, 6)
     settings = {"kernel": kernel, "temperature": 0.9, "half_products": "float32"}
-    got = outputs_and_grads(q, keys, values, weights, grad, **settings)
+    got = outputs_and_grads(q, keys, values, weights, grad, SAVED[saved], **settings)
     assert [t.dtype for t in got] == [torch.float32, torch.float32, store, store, torch.float32]
     streaming = outputs_and_grads(q, keys, values, weights, grad, **settings, chunk_size=11)
     dense = dense_outputs_and_grads(*(t.double() for t in (q, keys, values, weights)),
@@ -206,6 +216,29 @@ def test_float64_queries_over_a_bfloat16_store_match_exactly_in_float64(triton_p
     assert_close(got[4], dense[4], rtol=1e-10, atol=1e-12)
     assert_close(got[2].double(), dense[2], rtol=2.0**-8, atol=1e-6)  # rounded to bfloat16
     assert_close(got[3].double(), dense[3], rtol=2.0**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_shares_match_streaming_and_sum_to_the_output(triton_path, kernel):
+    """The entries' shares of the output projected on a direction per query
+    (``rcdl.ops.attention.shares``, which takes the Triton path's own): the streaming path's
+    in float64, summing over the entries to the output's projection; the softmax with its
+    guard acting for some queries."""
+    q, keys, values, weights = make(n=40, d_out=4, signs="mixed", seed=3)  # as for the guard
+    eps = 0.3 if kernel == "softmax" else 1e-6
+    entries = Entries(keys, values, weights - 0.1, kernel, eps=eps)
+    direction = torch.randn(5, 4, **F64)
+    got = shares(q, entries, direction)
+    whole = None
+    if kernel == "softmax":
+        whole, _ = STREAMING.forward(q, entries.replace(values=values[:, :0]), keep=False)
+        clamped = whole.den.abs() < eps * whole.mass
+        assert clamped.any() and not clamped.all(), clamped
+    want = STREAMING.shares(q, entries, direction, whole)
+    assert_close(got, want, rtol=1e-10, atol=1e-12)
+    out = attend(q, entries)
+    assert_close(got.sum(1), (out * direction).sum(1), rtol=1e-10, atol=1e-12)
+    assert torch.equal(shares(q, entries.rows(slice(0, 0)), direction), torch.zeros(5, 0, **F64))
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "rbf"])
@@ -257,13 +290,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from rcdl.ops import _triton_kernels as K
-blocks = dict(BLOCK_B=16, BLOCK_N=64, BLOCK_D=64, BLOCK_V=64)
+blocks = dict(BLOCK_B=16, BLOCK_N=64, BLOCK_D=128, BLOCK_V=128)  # the defaults
 code, distance = int(sys.argv[1]), sys.argv[2] == "distance"  # the kernel's code and kind
 for fn in (K.attention_forward, K.attention_grad_queries, K.attention_grad_entries):
     names = fn.arg_names
-    const = dict(KERNEL=code, DISTANCE=distance, **blocks)
-    if "NEED_K" in names:
-        const |= dict(NEED_K=True, NEED_V=True, NEED_W=True)
+    const = dict(KERNEL=code, DISTANCE=distance, SAVED=True, NEED_Q=True, NEED_K=True,
+                 NEED_V=True, NEED_W=True, SHARES=False, **blocks)
+    const = {k: v for k, v in const.items() if k in names}
     signature = {n: "constexpr" if n in const else "*bf16" if n in ("k_ptr", "v_ptr")
                  else "*fp32" if n.endswith("_ptr") else "fp32" if n in ("tau", "scale")
                  else "i32" for n in names}

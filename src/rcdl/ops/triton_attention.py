@@ -1,6 +1,10 @@
 """A fused compute path of the attention op in Triton (docs/precision.md, "The GPU path"): the
-forward partial and every gradient, each in one kernel launch, for the linear, RBF,
-Laplacian and softmax kernels.
+forward partial in one kernel launch, every gradient in two, and the entries' shares of the
+output (:meth:`TritonAttention.shares`, for attribution) in one, for the linear, RBF,
+Laplacian and softmax kernels. It does not resume a pass (the op's ``resume``): its splits
+are merged as a whole, not folded in the streaming path's fixed order, so a resumed partial
+would not be a full pass's bit for bit; the op's ``resume`` then makes a full pass on it
+each call (the evaluation cache never hits).
 
 **Chosen** for queries on a CUDA device when triton is installed (``pip install -e
 '.[triton]'``): importing ``rcdl`` registers :data:`TRITON` for ``"cuda"``, float32
@@ -47,13 +51,23 @@ float32 products are exact float32 (no TF32). This is the streaming path's ``"fl
 product mode (:mod:`rcdl.ops.half`) whatever ``half_products`` says; the results differ from
 the streaming path's by rounding only.
 
-**Blocks.** A program holds a ``(block_b, block_n)`` block of scores; the key and value
-dimensions are read in chunks of ``block_d`` and ``block_v`` columns. Accumulators are
-register tiles of ``block_v`` value columns (forward), ``block_d`` key columns (the query
-gradient) or both (the entries' gradients): a program owns one such column block and
-recomputes the scores of its entries, so wide layers recompute the scores once per column
-block (``⌈d_out / block_v⌉`` times forward). No ``(B, N)`` tensor is formed, and no program
-reads what another writes.
+**Blocks and traffic.** A program holds a ``(block_b, block_n)`` block of scores and reads
+the key and value dimensions in chunks of ``block_d`` and ``block_v`` columns. The forward
+runs on a grid of (query blocks, splits): a program computes the scores of its split's
+entries once, over the full key width, keeping each block's in a ``(B, N)`` scratch (its own
+columns; the split's ``m``, ``den`` and ``mass`` in registers), then forms the values product
+chunk by chunk of value columns from the scratch, so it reads each row of the keys and of the
+values once. With ``keep`` (a training call whose scores are small against the store) the
+scratch is the backward's: its first launch, on the same grid, reads the values once for
+``⟨g, v⟩``, writes the coefficients each asked-for gradient needs to ``(B, N)`` scratches,
+and reads the keys once more for the query gradient's share of its split; the second, one
+program per block of entries, sums the entries' gradients over the queries from the
+scratches (the distance kernels' key gradient reads the keys once more). Each row of the
+store is read once per block of queries in the forward, and in the backward the values once
+and the keys at most three times (once where only the query gradient is asked for and the
+scores are kept). :mod:`rcdl.ops.triton_traffic` models every launch's loads, stores and
+FLOPs; tests/test_triton_traffic.py counts them under the interpreter. No program reads what
+another writes within a launch, and no gradient is accumulated with atomics.
 
 **Checking it** without a GPU: the kernels run on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1`` before triton is imported); tests/test_triton_attention.py registers a
@@ -79,8 +93,9 @@ from torch import Tensor
 from rcdl.ops.attention import attend, register_path
 from rcdl.ops.entries import Entries, Partial, empty_partial
 from rcdl.ops.half import HALF_DTYPES
-from rcdl.ops.kernels import check_kernel
+from rcdl.ops.kernels import check_kernel, guard_denominator
 from rcdl.ops.streaming import STREAMING
+from rcdl.ops.triton_traffic import split_rows
 
 __all__ = ["KERNEL_CODES", "TRITON", "TritonAttention", "TritonPathWarning",
            "check_against_streaming", "interpreting", "triton_available", "triton_paths"]
@@ -209,8 +224,10 @@ class TritonAttention:
         block_d: key columns per chunk and per key-column block (a power of two, ≥ 16).
         block_v: value columns per chunk and per value-column block (a power of two, ≥ 16).
         splits: how many splits of consecutive entries are folded apart and merged (at most
-            one per block of entries); ``None``: enough for four programs per
-            multiprocessor of the device (CUDA), 4 elsewhere.
+            one per block of entries); ``None``: enough for one program (a split and a block
+            of queries) per multiprocessor of the device (CUDA), 4 elsewhere. More splits
+            write more partials: one per multiprocessor keeps them under 10 % of a store's
+            read at ``B = 16`` (:mod:`rcdl.ops.triton_traffic`).
         check: compare one small call with the streaming path at the first call per device,
             dtypes and kernel, and decline those calls where they disagree (:meth:`checked`;
             the module docstring). ``None``: on CUDA devices, where the kernels are compiled
@@ -220,8 +237,8 @@ class TritonAttention:
 
     block_b: int = 16
     block_n: int = 64
-    block_d: int = 64
-    block_v: int = 64
+    block_d: int = 128
+    block_v: int = 128
     splits: int | None = None
     check: bool | None = None
 
@@ -274,16 +291,12 @@ class TritonAttention:
         return _CHECKS[key]
 
     def _rows_per_split(self, q: Tensor, n: int) -> int:
-        """Entries per split: a whole number of blocks of entries."""
-        blocks = _cdiv(n, self.block_n)
-        if self.splits is not None:
-            splits = self.splits
-        elif q.is_cuda:
-            programs = 4 * torch.cuda.get_device_properties(q.device).multi_processor_count
-            splits = _cdiv(programs, _cdiv(q.shape[0], self.block_b))
-        else:
-            splits = 4
-        return _cdiv(blocks, max(1, min(splits, blocks))) * self.block_n
+        """Entries per split: a whole number of blocks of entries
+        (:func:`rcdl.ops.triton_traffic.split_rows`)."""
+        multiprocessors = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                           if q.is_cuda else None)
+        return split_rows(q.shape[0], n, self.block_b, self.block_n, self.splits,
+                          multiprocessors)
 
     def _constants(self, entries: Entries) -> dict[str, int | bool]:
         """The kernels' compile-time arguments for these entries."""
@@ -292,8 +305,9 @@ class TritonAttention:
                 "BLOCK_V": self.block_v}
 
     def forward(self, q: Tensor, entries: Entries, *, keep: bool) -> tuple[Partial, Any]:
-        """The partial over all the entries (no autograd); nothing is kept for the backward
-        (it recomputes the scores), whatever ``keep`` says."""
+        """The partial over all the entries (no autograd) and, with ``keep``, the scores the
+        backward reads instead of recomputing them: ``(B, N)``, the kernel's argument per pair
+        (``z``, ``⟨q, k⟩`` or ``‖q − k‖²``)."""
         kernel = entries.kernel
         (b, d), n, d_out = q.shape, len(entries), entries.values.shape[1]
         if n == 0 or b == 0:
@@ -303,29 +317,31 @@ class TritonAttention:
         q = q.contiguous()
         rows = self._rows_per_split(q, n)
         splits = _cdiv(n, rows)
+        scores = q.new_empty(b, n)  # (B, N) scratch: each program's scores, written then read
         stats = q.new_empty(3, splits, b)  # m, den, mass of each split
         num = q.new_empty(splits, b, d_out)  # (S, B, d_out)
-        grid = (max(1, _cdiv(d_out, self.block_v)), splits, _cdiv(b, self.block_b))
-        kernels.attention_forward[grid](
+        kernels.attention_forward[(_cdiv(b, self.block_b), splits)](
             q, entries.keys.contiguous(), entries.values.contiguous(),
-            entries.weights.contiguous(), stats, num, b, n, d, d_out, rows,
+            entries.weights.contiguous(), scores, stats, num, b, n, d, d_out, rows,
             entries.tau(d), **self._constants(entries))
+        saved = scores if keep else None
         if not kernel.normalised:
             zero = q.new_zeros(b)
-            return Partial(zero, num.sum(0), zero, zero.clone()), None
+            return Partial(zero, num.sum(0), zero, zero.clone()), saved
         m_splits, den, mass = stats  # each (S, B)
         m = m_splits.amax(0)  # (B,)
         rescale = torch.exp(m_splits - m)  # (S, B); every split has entries: m finite
         return Partial(m, (num * rescale[:, :, None]).sum(0), (den * rescale).sum(0),
-                       (mass * rescale).sum(0)), None
+                       (mass * rescale).sum(0)), saved
 
     def backward(self, grad_out: Tensor, q: Tensor, entries: Entries, out: Tensor, m: Tensor,
                  den: Tensor | None, clamped: Tensor | None, *,
                  needs: tuple[bool, bool, bool, bool], saved: Any
                  ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
-        """Gradients w.r.t. ``(q, keys, values, weights)`` (those ``needs`` asks for),
-        recomputing the scores: one launch for the query gradient (its splits' shares summed
-        here), one for the entries'. As :meth:`rcdl.ops.streaming.Streaming.backward`,
+        """Gradients w.r.t. ``(q, keys, values, weights)`` (those ``needs`` asks for), from
+        the forward's scores where it kept them (``saved``), else recomputing them: one launch
+        for the coefficients and the query gradient (its splits' shares summed here), one for
+        the entries'. As :meth:`rcdl.ops.streaming.Streaming.backward`,
         ``out``, ``m``, ``den`` and ``clamped`` describe the attention over all entries (the
         entries given may be one part of them); no host read of a device value."""
         kernel = entries.kernel
@@ -345,33 +361,74 @@ class TritonAttention:
         tau = entries.tau(d)
         common = self._constants(entries)
         kernels = _kernels() if n and b else None
-        grad_q = None
-        if need_q:
-            if kernels is None:  # no entries (or no queries): nothing depends on q
-                grad_q = torch.zeros_like(q)
-            else:
-                rows = self._rows_per_split(q, n)
-                splits = _cdiv(n, rows)
-                shares = q.new_empty(splits, b, d)  # (S, B, d_in)
-                grid = (_cdiv(d, self.block_d), splits, _cdiv(b, self.block_b))
-                kernels.attention_grad_queries[grid](
-                    q, keys, values, weights, g, stats, shares, b, n, d, d_out, rows, tau,
-                    kernel.scale(tau), **common)
-                grad_q = shares.sum(0)
+        if kernels is None:  # no entries (or no queries): every gradient is zero
+            return (torch.zeros_like(q) if need_q else None,
+                    torch.zeros_like(keys) if need_k else None,
+                    torch.zeros_like(values) if need_v else None,
+                    torch.zeros_like(weights) if need_w else None)
+        rows = self._rows_per_split(q, n)
+        splits = _cdiv(n, rows)
+        flags = {"NEED_Q": need_q, "NEED_K": need_k, "NEED_V": need_v, "NEED_W": need_w,
+                 "SHARES": False}
+        nothing = q.new_empty(0)
+        # (B, N) scratch of the coefficients, each where a gradient needs it
+        coef = q.new_empty(b, n) if need_q or need_k else nothing
+        probs = q.new_empty(b, n) if need_v else nothing
+        dws = q.new_empty(b, n) if need_w else nothing
+        shares = q.new_empty(splits, b, d) if need_q else nothing  # (S, B, d_in)
+        kernels.attention_grad_queries[(_cdiv(b, self.block_b), splits)](
+            q, keys, values, weights, g, stats, nothing if saved is None else saved, coef,
+            probs, dws, shares, b, n, d, d_out, rows, tau, kernel.scale(tau),
+            SAVED=saved is not None, **flags, **common)
+        grad_q = shares.sum(0) if need_q else None
         if not (need_k or need_v or need_w):
             return grad_q, None, None, None
-        # accumulated in the queries' dtype, returned in the store's
-        grad_k = q.new_zeros(n, d) if need_k else q.new_empty(0)
-        grad_v = q.new_zeros(n, d_out) if need_v else q.new_empty(0)
-        grad_w = q.new_zeros(n) if need_w else q.new_empty(0)
-        if kernels is not None:
-            columns = max(_cdiv(d, self.block_d), _cdiv(d_out, self.block_v), 1)
-            kernels.attention_grad_entries[(columns, _cdiv(n, self.block_n))](
-                q, keys, values, weights, g, stats, grad_k, grad_v, grad_w, b, n, d, d_out,
-                tau, kernel.scale(tau), NEED_K=need_k, NEED_V=need_v, NEED_W=need_w, **common)
+        # accumulated in the queries' dtype, written in the store's; float64 queries (the
+        # interpreter's only) write float64, rounded here (the interpreter's own float64 to
+        # bfloat16 conversion gives NaN)
+        wide = q.dtype == torch.float64
+        grad_k = keys.new_empty(n, d, dtype=q.dtype if wide else None) if need_k else nothing
+        grad_v = (values.new_empty(n, d_out, dtype=q.dtype if wide else None) if need_v
+                  else nothing)
+        grad_w = weights.new_empty(n) if need_w else nothing
+        del flags["NEED_Q"], flags["SHARES"], common["KERNEL"]
+        kernels.attention_grad_entries[(_cdiv(n, self.block_n),)](
+            q, keys, g, coef, probs, dws, grad_k, grad_v, grad_w, b, n, d, d_out,
+            kernel.scale(tau), **flags, **common)
         return (grad_q, grad_k.to(keys.dtype) if need_k else None,
-                grad_v.to(values.dtype) if need_v else None,
-                grad_w.to(weights.dtype) if need_w else None)
+                grad_v.to(values.dtype) if need_v else None, grad_w if need_w else None)
+
+    def shares(self, q: Tensor, entries: Entries, direction: Tensor, whole: Partial | None
+               ) -> Tensor:  # (B, N)
+        """``⟨direction_b, share_j(q_b)⟩`` for every entry ``j``, as
+        :meth:`rcdl.ops.streaming.Streaming.shares` defines them: ``w_j φ_bj ⟨u_b, v_j⟩``, or
+        for the softmax ``e^{z_bj − m_b} ⟨u_b, ṽ_j⟩ / D'_b`` with ``m`` and the guarded
+        ``D'`` of ``whole``, the partial over all entries. The backward's first launch with
+        ``direction`` for ``g``: its coefficient ``p_bj`` (the factor of ``v_j`` in the
+        output, in the queries' dtype) times ``⟨u_b, v_j⟩``, each row of the keys and the
+        values read once per block of queries."""
+        kernel = entries.kernel
+        (b, d), n, d_out = q.shape, len(entries), entries.values.shape[1]
+        kernels = _kernels() if n and b else None
+        if kernels is None:
+            return q.new_zeros(b, n)
+        q = q.contiguous()
+        stats = q.new_zeros(4, b)  # as the backward reads them: m, 1/D' (the softmax)
+        if kernel.normalised:
+            assert whole is not None  # given for the softmax kernel
+            stats[0] = whole.m
+            stats[1] = 1.0 / guard_denominator(whole.den, whole.mass, entries.eps)
+        rows = self._rows_per_split(q, n)
+        out = q.new_empty(b, n)  # (B, N)
+        nothing = q.new_empty(0)
+        tau = entries.tau(d)
+        kernels.attention_grad_queries[(_cdiv(b, self.block_b), _cdiv(n, rows))](
+            q, entries.keys.contiguous(), entries.values.contiguous(),
+            entries.weights.contiguous(), direction.to(q.dtype).contiguous(), stats, nothing,
+            nothing, out, nothing, nothing, b, n, d, d_out, rows, tau, kernel.scale(tau),
+            SAVED=False, NEED_Q=False, NEED_K=False, NEED_V=True, NEED_W=False, SHARES=True,
+            **self._constants(entries))
+        return out
 
 
 TRITON = TritonAttention()
