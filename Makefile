@@ -61,7 +61,7 @@ bench:
 	$(PYTHON) benchmarks/bench_attention.py
 
 lint:
-	$(PYTHON) -m ruff check src tests benchmarks
+	$(PYTHON) -m ruff check src tests benchmarks tools
 
 # mypy over src/rcdl with the settings of [tool.mypy] in pyproject.toml (mypy: the dev extra)
 typecheck:

@@ -4,7 +4,7 @@ Trains the paper's gws network (docs/reference.md §6) on a CIFAR-10 subset twic
 same process and on the same images, once evaluating every growing layer over its whole
 store (`incremental_eval=False`, the default) and once reusing each layer's partial results
 over the entries it held at the previous evaluation (`incremental_eval=True`, see
-`rcdl.nn.layers.GrowingLayer.enable_eval_cache`). Prints the training and evaluation seconds of
+`rcdl.nn.backends.enable_eval_cache`). Prints the training and evaluation seconds of
 both, their ratio, and the largest difference of the test metrics (rounding only).
 
     python benchmarks/bench_incremental_eval.py --data-dir ../shared/data

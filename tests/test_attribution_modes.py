@@ -114,7 +114,7 @@ def test_leave_one_out_refuses_a_model_in_topk_mode_and_says_how_to_proceed(topk
     net, x = topk_net
     with pytest.raises(ValueError, match=r"leave_one_out: growing layers \['blocks\.0', "
                        r"'blocks\.1', 'readout'\] answer by top-k retrieval.*\(k\+1\)-th row"
-                       r".*use_exact\(model\).*layer\.use_retrieval\(None\)"):
+                       r".*use_exact\(model\).*layer\.retrieval = None"):
         leave_one_out(net, x[:3], torch.arange(3))
     readout = dict(growing_layers(net))["readout"]
     with pytest.raises(ValueError, match=r"left_out_attention: growing layers \['readout'\]"):

@@ -83,8 +83,8 @@ def refuse_topk(where: str, layers: list[tuple[str, GrowingLayer]], why: str) ->
             f"{where}: growing layers {topk} answer by top-k retrieval (layer.retrieval): "
             f"{why}; switch them to exact attention for the call (rcdl.use_exact(model), "
             "then use_topk again; or per layer: mode = layer.retrieval, "
-            "layer.use_retrieval(None), and layer.use_retrieval(mode) after, which keeps "
-            "its index)")
+            "layer.retrieval = None, and layer.retrieval = mode after, which keeps its "
+            "index)")
 
 
 def _entries(layer: GrowingLayer) -> Entries:
