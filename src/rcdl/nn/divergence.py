@@ -32,6 +32,7 @@ from torch import Tensor
 from rcdl.nn.records import Record
 from rcdl.nn.rules import NewEntries
 from rcdl.ops.attention import attend, attend_partial
+from rcdl.ops.partials import output_with
 
 if TYPE_CHECKING:
     from rcdl.nn.layers import GrowingLayer
@@ -130,11 +131,7 @@ def outputs_after(layer: GrowingLayer, records: list[Record], keys: Tensor, valu
     m, den = (torch.cat(t) for t in zip(*(r.normaliser for r in records), strict=True))
     cheap = (den > 0).all()  # () False where the guard acted (negative weights)
     log_z = m + torch.log(den)  # (B,) of the pre-step store
-    new = attend_partial(q, new_entries)  # the new entries alone
-    top = torch.maximum(log_z, new.m)  # (B,)
-    old_w, new_w = torch.exp(log_z - top), torch.exp(new.m - top)  # (B,)
-    after = (s * old_w[:, None] + new.num * new_w[:, None]) / (
-        old_w + new.den * new_w)[:, None]
+    after = output_with(s, log_z, attend_partial(q, new_entries))  # the new entries merged in
     return torch.where(cheap, after, s)
 
 
