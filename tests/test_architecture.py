@@ -176,7 +176,7 @@ def test_the_attention_op_and_its_paths_import_only_maths():
     backends, sharding or retrieval."""
     graph = import_graph()
     maths = {"rcdl.ops.half", "rcdl.ops.kernels", "rcdl.options", "rcdl.ops.widen",
-             "rcdl.ops.packed", "rcdl.ops.partials"}
+             "rcdl.ops.packed", "rcdl.ops.partials", "rcdl.ops.plan"}
     assert graph["rcdl.ops.packed"] <= maths, graph["rcdl.ops.packed"]
     assert graph["rcdl.ops.entries"] <= maths, graph["rcdl.ops.entries"]
     assert graph["rcdl.ops.streaming"] <= maths | {"rcdl.ops.entries"}, graph["rcdl.ops.streaming"]

@@ -61,6 +61,7 @@ from rcdl.ops.half import (
     product_record,
 )
 from rcdl.ops.packed import PACKED, packed_dtypes
+from rcdl.ops.plan import clear_layer_products, layer_products
 from rcdl.ops.triton_attention import triton_paths
 from rcdl.optim.half_adam import ADAM_MODE, path_description
 
@@ -229,9 +230,12 @@ def run_paths() -> dict[str, Any]:
     taken, else ``None``; :func:`rcdl.ops.half.product_record`), and ``triton_paths``, the
     path each (kernel, device, dtypes) took after the Triton attention's first-use check
     (:func:`rcdl.ops.triton_attention.triton_paths`; :meth:`RunDir.record_paths` adds those
-    checked later)."""
+    checked later), and ``layer_products``, each growing layer's store dtype and the
+    half-product and packing modes its products ran under, by the layer's name
+    (:func:`rcdl.ops.plan.layer_products`: the layer's own options, else the process
+    defaults; :meth:`RunDir.record_paths` adds the layers that attend later)."""
     return {"half_products_auto": product_record()["auto_path"],
-            "triton_paths": triton_paths()}
+            "triton_paths": triton_paths(), "layer_products": layer_products()}
 
 
 # ----------------------------------------------------------------------------- run folder
@@ -384,6 +388,7 @@ class RunDir:
         run = cls(folder)
         if config is not None:
             run.write_json(cls.CONFIG, config)
+        clear_layer_products()  # the layers this run's own calls run from here on
         run.write_json(cls.ENVIRONMENT, {"experiment": name, **environment_info(device),
                                          **run_paths()})
         return run
@@ -417,7 +422,9 @@ class RunDir:
     def record_paths(self) -> None:
         """Add the Triton attention's checks made since ``environment.json`` was written
         (:func:`rcdl.ops.triton_attention.triton_paths`: the path each kernel, device and
-        dtype took) to its ``triton_paths``; the runner calls it after each sub-run."""
+        dtype took) to its ``triton_paths``, and the layers that attended since to its
+        ``layer_products`` (:func:`rcdl.ops.plan.layer_products`); the runner calls it after
+        each sub-run."""
         path = self.file(self.ENVIRONMENT)
         try:
             env = json.loads(path.read_text(encoding="utf-8"))
@@ -426,8 +433,10 @@ class RunDir:
         if not isinstance(env, dict):
             return
         paths = {**env.get("triton_paths", {}), **triton_paths()}
-        if paths != env.get("triton_paths"):
-            self.write_json(self.ENVIRONMENT, {**env, "triton_paths": paths})
+        layers = {**env.get("layer_products", {}), **layer_products()}
+        if paths != env.get("triton_paths") or layers != env.get("layer_products", {}):
+            self.write_json(self.ENVIRONMENT, {**env, "triton_paths": paths,
+                                               "layer_products": layers})
 
     def file(self, name: str) -> Path:
         """The path of a file in this run folder."""

@@ -44,6 +44,8 @@ from rcdl.ops.attention import attention
 from rcdl.ops.entries import Entries
 from rcdl.ops.half import PRODUCTS
 from rcdl.ops.kernels import Kernel, check_kernel, softmax_scale
+from rcdl.ops.packed import PACKED
+from rcdl.ops.plan import options_from, options_tensor, record_layer
 
 __all__ = [
     "GrowingLaplacian", "GrowingLayer", "GrowingLinear", "GrowingRBF", "GrowingSoftmax",
@@ -103,6 +105,9 @@ class GrowingLayer(nn.Module):
         store_dtype: what the store keeps keys and values as (default: the layer's dtype);
             ``torch.bfloat16`` or ``torch.float16`` halve its bytes, and where the CPU
             multiplies bf16 natively also the attention's time (docs/precision.md).
+        half_products, packing: how a half store multiplies (:mod:`rcdl.ops.half`) and if
+            full chunks multiply from packed copies (:mod:`rcdl.ops.packed`); ``None``: the
+            process defaults. Saved in the state dict; each call plans by them.
     """
 
     steps: Tensor  # buffer (): the growth steps taken so far
@@ -124,6 +129,7 @@ class GrowingLayer(nn.Module):
         dtype: torch.dtype | None = None,
         store_dtype: torch.dtype | None = None,
         half_products: str | None = None,
+        packing: str | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -138,8 +144,9 @@ class GrowingLayer(nn.Module):
             raise ValueError(f"max_output_growth must be > 1 or None, got {max_output_growth}")
         self.rule = rule
         self.chunk_size = chunk_size
-        # how a half-precision store multiplies (rcdl.ops.half; None: the process default)
+        # how the products run (rcdl.ops.plan; None: the process defaults), saved with it
         self.half_products = None if half_products is None else PRODUCTS.check(half_products)
+        self.packing = None if packing is None else PACKED.check(packing)
         self.max_output_growth = max_output_growth  # the divergence guard's limit
         self.store = EntryStore(key_dim or d_in, d_out, capacity=capacity, dtype=dtype,
                                 storage_dtype=store_dtype, device=device)
@@ -187,19 +194,30 @@ class GrowingLayer(nn.Module):
                 weights: Tensor | None = None) -> Entries:
         """The store's rows as the attention op takes them (:mod:`rcdl.ops.attention`): keys,
         values, :meth:`entry_weights`, and the layer's kernel, temperature, chunk size and
-        half-product mode; ``keys``, ``values``, ``weights`` replace the store's (the
+        product options; ``keys``, ``values``, ``weights`` replace the store's (the
         hybrid's trainable leaves). Where keys and values are the store's own and no
         optimizer moves them (not ``trains_entries``), the store's packed chunks go with them
         (:mod:`rcdl.ops.packed`)."""
         store = self.store
         # the store's packed chunks apply to its own rows, where no optimizer moves them
         own_rows = keys is None and values is None and not self.trains_entries
+        record_layer(self.name, store.keys.dtype, self.half_products, self.packing)
         return Entries(store.keys if keys is None else keys,
                        store.values if values is None else values,
                        self.entry_weights() if weights is None else weights,
                        self.kernel, self.temperature, self.chunk_size,
                        half_products=self.half_products,
-                       packed=store.packed_chunks if own_rows else None)
+                       packed=store.packed_chunks if own_rows else None, packing=self.packing)
+
+    def get_extra_state(self) -> Tensor:  # (2,) the product options, rcdl.ops.plan's codes
+        return options_tensor(self.half_products, self.packing)
+
+    def set_extra_state(self, state: object) -> None:
+        self.half_products, self.packing = options_from(state, self.name)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:  # noqa: ANN001, ANN002
+        state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())  # none saved: keep
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def attend(self, q: Tensor) -> Tensor:  # (B, key_dim) -> (B, d_out)
         """Attention from (already prepared) queries over the whole store (every rank's

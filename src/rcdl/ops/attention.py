@@ -3,7 +3,8 @@ question, every caller through it (docs/reference.md §2, docs/architecture.md "
 attention op").
 
 With ``entries`` an :class:`~rcdl.ops.entries.Entries` (keys, values, weights, kernel,
-temperature, chunk size, guard, half-product mode):
+temperature, chunk size, guard, half-product and packing modes; each call's products are
+planned once from them, :class:`~rcdl.ops.plan.ProductPlan`):
 
 - :func:`attend` — the differentiable output ``(B, d_out)``; gradients w.r.t. the queries
   and each of the entries' tensors that requires one (first order);

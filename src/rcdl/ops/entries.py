@@ -3,12 +3,13 @@
 
 - :class:`Entries`: the rows attended over, ``keys (N, key_dim)``, ``values (N, d_out)``,
   ``weights (N,)``, with how they are attended over: the kernel, the temperature ``T``
-  (``τ = T √key_dim``), the chunk size, the softmax denominator's guard ``eps`` and the
-  half-precision product mode. A layer hands its store to the op as one
+  (``τ = T √key_dim``), the chunk size, the softmax denominator's guard ``eps``, the
+  half-precision product mode and the packing mode. A layer hands its store to the op as one
   (:meth:`rcdl.nn.layers.GrowingLayer.entries`).
 - :class:`~rcdl.ops.partials.Partial`: the attention over a subset of the entries,
   ``(m, num, den, mass)``, with its algebra (merge, fold, take out, finalize) in
-  :mod:`rcdl.ops.partials`; :meth:`Entries.products` says how a call's products run.
+  :mod:`rcdl.ops.partials`; :meth:`Entries.plan` decides how a call's products run, once
+  (:class:`~rcdl.ops.plan.ProductPlan`), and :meth:`Entries.products` runs them so.
 
 This module computes nothing over a store; the compute paths (:mod:`rcdl.ops.streaming`, or
 one registered with :func:`rcdl.ops.attention.register_path`) do.
@@ -24,8 +25,9 @@ from torch import Tensor
 
 from rcdl.ops.half import HALF_DTYPES
 from rcdl.ops.kernels import Kernel, check_kernel, softmax_scale
-from rcdl.ops.packed import PackedChunks
+from rcdl.ops.packed import PACKED, PackedChunks
 from rcdl.ops.partials import Partial, Products, empty_partial, finalize, merge_partials
+from rcdl.ops.plan import ProductPlan, plan_products
 
 # the partials' names stay importable from here, where the op's data is
 __all__ = ["Entries", "Partial", "empty_partial", "finalize", "merge_partials"]
@@ -39,10 +41,12 @@ class Entries:
     a streaming path folds at a time (``None``: the path's default); ``eps`` the softmax
     denominator's floor relative to the weight mass (:func:`rcdl.ops.kernels.guard_denominator`);
     ``half_products`` how a half-precision store multiplies (``"auto"``, ``"native"``,
-    ``"float32"``; ``None``: the process default :data:`rcdl.ops.half.PRODUCTS`); ``packed``
-    the store's packed chunks (:mod:`rcdl.ops.packed`) where ``keys`` and ``values`` are that
-    store's rows, all of them and in order (``None``: the plain products). Entries over other
-    tensors or rows (:meth:`rows`, :meth:`replace` of keys or values) leave it out.
+    ``"float32"``, ``"widen"``; ``None``: the process default :data:`rcdl.ops.half.PRODUCTS`);
+    ``packed`` the store's packed chunks (:mod:`rcdl.ops.packed`) where ``keys`` and
+    ``values`` are that store's rows, all of them and in order (``None``: the plain
+    products); entries over other tensors or rows (:meth:`rows`, :meth:`replace` of keys or
+    values) leave it out. ``packing`` is the mode those chunks are used in (``"auto"``,
+    ``"all"``, ``"off"``; ``None``: the process default :data:`rcdl.ops.packed.PACKED`).
 
     The tensors are checked against each other when the op receives them with the queries
     (:meth:`check`), not here: a layer builds one per call from its own store.
@@ -57,11 +61,14 @@ class Entries:
     eps: float = 1e-6
     half_products: str | None = None
     packed: PackedChunks | None = None
+    packing: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernel", check_kernel(self.kernel))
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.packing is not None:
+            PACKED.check(self.packing)
 
     def __len__(self) -> int:
         return self.keys.shape[0]
@@ -88,12 +95,20 @@ class Entries:
         """``τ = T √key_dim`` (:func:`rcdl.ops.kernels.softmax_scale`)."""
         return softmax_scale(self.temperature, key_dim)
 
-    def products(self, q: Tensor) -> Products:
-        """How the products of the queries ``q (B, key_dim)`` with these entries run: by
-        their ``half_products`` mode, the store's dtype and device and the batch
-        (:class:`~rcdl.ops.partials.Products`), as the attention's forward runs them."""
-        return Products(q, self.keys, self.values, self.half_products, self.kernel,
-                        self.tau(q.shape[1]))
+    def plan(self, q: Tensor) -> ProductPlan:
+        """How the products of the queries ``q (B, key_dim)`` with these entries run, decided
+        once for the call (:func:`rcdl.ops.plan.plan_products`): by the store's dtype and
+        device, the queries' dtype, the batch, and these entries' ``half_products``,
+        ``packing`` and ``chunk_size``."""
+        return plan_products(q, self.keys, self.values, half_products=self.half_products,
+                             packing_mode=self.packing, chunk_size=self.chunk_size)
+
+    def products(self, q: Tensor, plan: ProductPlan | None = None) -> Products:
+        """The products of the queries ``q (B, key_dim)`` with these entries, as the
+        attention's forward runs them (:class:`~rcdl.ops.partials.Products`) by ``plan``
+        (``None``: :meth:`plan`'s)."""
+        return Products(q, self.keys, self.values, kernel=self.kernel,
+                        tau=self.tau(q.shape[1]), plan=self.plan(q) if plan is None else plan)
 
     def check(self, q: Tensor) -> None:
         """Raise a ``ValueError``/``TypeError`` naming what does not fit between the queries

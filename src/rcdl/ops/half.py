@@ -18,11 +18,14 @@ The mode is ``"auto"`` (the default: native where the device multiplies the dtyp
 elsewhere, for training batches, :func:`auto_path`'s choice between widening in registers and
 float32 chunks, float32 chunks for larger batches), ``"native"``, ``"float32"`` or
 ``"widen"`` (widened in registers for training batches of bfloat16 stores, where numba is
-installed; float32 chunks otherwise): the process-wide default
+installed; float32 chunks otherwise): a layer's own (``GrowingLayer(half_products=...)``,
+saved with it; :attr:`rcdl.ops.entries.Entries.half_products`), else the process-wide default
 :data:`PRODUCTS` (:class:`rcdl.options.ProcessDefault`), set with :func:`set_half_products`,
 for a block with :func:`half_products`, or by the environment variable
-``RCDL_HALF_PRODUCTS`` before its first use. A run records it, and the path each half dtype
-takes under it (:func:`product_path`), in ``environment.json``. The paths give the same
+``RCDL_HALF_PRODUCTS`` before its first use. :func:`chunk_products` is the rule; each
+attention call applies it once, in its plan (:mod:`rcdl.ops.plan`). A run records the
+default, the path each half dtype takes under it (:func:`product_path`) and each layer's
+mode in ``environment.json``. The paths give the same
 results up to rounding: the float32 path multiplies the stored (rounded) keys and values by
 the unrounded queries, the native one by queries rounded to the store's dtype, and the
 widened one sums the float32 path's products in another order.

@@ -51,10 +51,13 @@ of a third copy of the rows.
   :func:`rcdl.memory.forgetting.forget` removes is not kept in them.
 
 The mode is ``"auto"`` (pack for the sums where the rules above allow), ``"all"`` (for the
-score products too) or ``"off"``: the process-wide default :data:`PACKED`
+score products too) or ``"off"``: a layer's own (``GrowingLayer(packing=...)``, saved with
+it; :attr:`rcdl.ops.entries.Entries.packing`), else the process-wide default :data:`PACKED`
 (:class:`rcdl.options.ProcessDefault`), set with :func:`set_packed_chunks`, for a block with
 :func:`packed_chunks`, or by the environment variable ``RCDL_PACKED_CHUNKS`` before its first
-use. A run records it, and the dtypes packed here, in ``environment.json``.
+use. Each call applies the rules once (:func:`packs`, through the call's
+:class:`~rcdl.ops.plan.ProductPlan`). A run records the default, the dtypes packed here and
+each layer's own mode in ``environment.json``.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ from rcdl.ops.kernels import row_sq_norms
 from rcdl.options import ProcessDefault
 
 __all__ = ["MAX_BATCH", "MODES", "PACKED", "PackedChunks", "packed_chunks", "packed_dtypes",
-           "packed_product", "set_packed_chunks", "supported"]
+           "packed_product", "packs", "set_packed_chunks", "supported"]
 
 MODES = ("auto", "all", "off")
 MAX_BATCH = 128  # the largest query batch whose sums over entries use packed chunks
@@ -117,6 +120,21 @@ def supported(dtype: torch.dtype) -> bool:
                 and (out.double() - want).abs().max() <= 1e-2 * want.abs().max())
 
 
+def packs(mode: str | None, device: torch.device | str, dtype: torch.dtype, batch: int
+          ) -> tuple[bool, bool]:
+    """Whether the products of ``batch`` queries with a store of ``dtype`` on ``device``,
+    multiplied as its rows lie, run from packed chunks under the packing ``mode``
+    (``None``: the default :data:`PACKED`): ``(the sums over entries, the score products)``.
+    Both only for a training batch (at most :data:`MAX_BATCH` queries) on a CPU where oneDNN
+    packs ``dtype`` (:func:`supported`), not in the mode ``"off"``; the scores in the mode
+    ``"all"`` only. The rule :func:`rcdl.ops.plan.plan_products` plans each call by."""
+    mode = PACKED.resolve(mode)
+    if (batch > MAX_BATCH or torch.device(device).type != "cpu" or mode == "off"
+            or not supported(dtype)):
+        return False, False
+    return True, mode == "all"
+
+
 def packed_dtypes() -> dict[str, bool]:
     """Whether a CPU store of each dtype packing applies to has its chunks packed here,
     under the mode now: oneDNN packs it (:func:`supported`) and the attention multiplies it
@@ -140,7 +158,8 @@ class PackedChunks:
     from (``"keys"`` or ``"values"``), the product they serve, the first row and the rows
     per chunk, and its full chunks' key norms (:meth:`sq_norms`). The store that owns it
     calls :meth:`clear` on every change of its keys or values other than an append; the
-    compute path asks :meth:`get` for each full chunk of a training batch's products."""
+    compute path asks :meth:`packed` for each full chunk whose products its call's plan packs
+    (:func:`packs`), and :meth:`get` asks the rule itself."""
 
     def __init__(self) -> None:
         self._packs: dict[tuple[str, bool, int, int], Tensor] = {}
@@ -179,10 +198,16 @@ class PackedChunks:
         (``rows`` packed; the mode ``"all"`` only); ``None`` where the plain product is to be
         used: the mode says so, or the batch or the rows do not qualify. The answer depends
         on these alone, never on what the cache holds."""
-        mode = PACKED.get()
-        if (batch > MAX_BATCH or rows.device.type != "cpu" or mode == "off"
-                or (scores and mode != "all") or not supported(rows.dtype)):
+        sums, all_products = packs(None, rows.device, rows.dtype, batch)
+        if not (all_products if scores else sums):
             return None
+        return self.packed(which, rows, begin, scores=scores)
+
+    def packed(self, which: str, rows: Tensor, begin: int, *, scores: bool = False) -> Tensor:
+        """``rows (c, d)`` of ``which`` from row ``begin`` (a full chunk of the store, as they
+        lie), packed for a sum over entries (or with ``scores`` for a score product): now,
+        or kept from an earlier call. Where a call's plan packs them
+        (:class:`rcdl.ops.plan.ProductPlan`); :meth:`get` asks the rule first."""
         key = (which, scores, begin, rows.shape[0])
         packed = self._packs.get(key)
         if packed is not None:

@@ -41,8 +41,9 @@ from torch import Tensor
 
 from rcdl.ops import packed as packing
 from rcdl.ops import widen
-from rcdl.ops.half import HALF_DTYPES, chunk_products
+from rcdl.ops.half import HALF_DTYPES
 from rcdl.ops.kernels import Kernel, check_kernel, guard_denominator, row_sq_norms
+from rcdl.ops.plan import ProductPlan, plan_products
 
 __all__ = ["Partial", "Products", "block_partial", "empty_partial", "finalize", "fold",
            "fold_block", "merge_partials", "output_with", "take_out", "without_each"]
@@ -104,17 +105,6 @@ def finalize(part: Partial, *, kernel: str | Kernel, eps: float = 1e-6) -> Tenso
 
 
 # ------------------------------------------------------------------------------ products
-def product_path(q: Tensor, keys: Tensor, values: Tensor | None, mode: str | None) -> str:
-    """How a call's products run (:func:`rcdl.ops.half.chunk_products`): ``"store"``,
-    ``"float32"`` (each chunk converted to the queries' dtype) or ``"widen"`` (in
-    registers: float32 queries and contiguous stores only, else ``"float32"``)."""
-    path = chunk_products(keys.dtype, keys.device, q.shape[0], mode)
-    if path == "widen" and not (q.dtype == torch.float32 and keys.is_contiguous()
-                                and (values is None or values.is_contiguous())):
-        return "float32"
-    return path
-
-
 class Reader:
     """How chunks of a store tensor (keys or values) are read for their products: as they
     are, or converted to the queries' dtype (``upcast``: a half store on a device without
@@ -141,18 +131,20 @@ class Reader:
 # suits small B on CPU. The products that sum over the chunk's entries (``blockᵀ @ values_c``,
 # and ``gradᵀ @ keys_c`` backward) take the block transposed into a contiguous (B, c) copy and
 # the store chunk as it lies, rather than ``values_c.T @ block``. For a half-precision store
-# and B > 128 (evaluation) the scores are formed as ``q @ keys_c.T`` instead. Each order is
+# and an evaluation batch (more than rcdl.ops.plan.TRAINING_BATCH queries) the scores are
+# formed as ``q @ keys_c.T`` instead. Each order is
 # the faster one where it is used; docs/precision.md gives the measurements.
 
 
 class Products:
     """How the products of one call of queries ``q (B, key_dim)`` with a store's
-    ``keys (N, key_dim)`` and ``values (N, d_out)`` run, decided once
-    (:func:`product_path`, by the product ``mode``; ``None``: the process default): the
-    queries as the products take them (``q``: in the keys' dtype where the products run on
-    the store as it lies, else as given), their squared norms for a distance ``kernel``
-    (``kernel`` ``None``: always, for distances alone), ``τ``, and the readers of the store's
-    chunks. ``dtype`` is the queries': every block is in it.
+    ``keys (N, key_dim)`` and ``values (N, d_out)`` run, by the call's ``plan``
+    (:func:`rcdl.ops.plan.plan_products`; ``None``: planned here by the half-product
+    ``mode``, ``None`` taking the process default): the queries as the products take them
+    (``q``: in the keys' dtype where the products run on the store as it lies, else as
+    given), their squared norms for a distance ``kernel`` (``kernel`` ``None``: always, for
+    distances alone), ``τ``, and the readers of the store's chunks. ``dtype`` is the
+    queries': every block is in it.
 
     A half-precision store multiplied natively (``path`` ``"store"``) multiplies queries
     rounded to its dtype, and each block is rounded to it before multiplying the values;
@@ -161,9 +153,9 @@ class Products:
 
     def __init__(self, q: Tensor, keys: Tensor, values: Tensor | None = None,
                  mode: str | None = None, kernel: Kernel | None = None,
-                 tau: float = 1.0) -> None:
-        self.path = product_path(q, keys, values, mode)
-        self.upcast, self.widened = self.path == "float32", self.path == "widen"
+                 tau: float = 1.0, *, plan: ProductPlan | None = None) -> None:
+        self.plan = plan_products(q, keys, values, half_products=mode) if plan is None else plan
+        self.path, self.upcast, self.widened = self.plan.path, self.plan.upcast, self.plan.widened
         self.kernel, self.tau, self.dtype = kernel, tau, q.dtype
         # (B, key_dim), q itself if dtypes agree or the store is converted or widened
         self.q = q if self.upcast or self.widened else q.to(keys.dtype)
@@ -191,7 +183,7 @@ class Products:
                 return kernel.values_(scores, self.q_sqnorm, keys, self.tau, dtype,
                                       k_sqnorm=k_sqnorm)
             return kernel.values_(scores, self.q_sqnorm, keys, self.tau, dtype)
-        if keys.dtype in HALF_DTYPES and q.shape[0] > 128:  # see the layout note above
+        if keys.dtype in HALF_DTYPES and not self.plan.training:  # the layout note above
             scores = (q @ keys.T).T.to(dtype)  # (c, B) view of a (B, c) product
         else:
             scores = (keys @ q.T).to(dtype)  # (c, B), no copy when the dtypes agree

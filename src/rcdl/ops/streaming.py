@@ -11,12 +11,14 @@ backward pass streams the same chunks again, or reuses the blocks the forward ke
 from the same products, rounded as the output's are, so they sum to the output to its own
 rounding.
 
-A half-precision store multiplies natively, on float32 copies of each chunk, or widened in
-registers inside the products (:mod:`rcdl.ops.half`, :mod:`rcdl.ops.widen`; chosen per call
-by the entries' ``half_products`` and the batch size: :class:`rcdl.ops.partials.Products`).
-Where the products run on the rows as they lie and the batch is a training batch, the sums
-over a full chunk's entries (and in the mode ``"all"`` its score products) run from the
-store's packed copies of the chunk (:mod:`rcdl.ops.packed`).
+How the products run is the call's :class:`~rcdl.ops.plan.ProductPlan`
+(:meth:`rcdl.ops.entries.Entries.plan`), decided once as the forward starts and kept for its
+backward: a half-precision store multiplies natively, on float32 copies of each chunk, or
+widened in registers inside the products (:mod:`rcdl.ops.half`, :mod:`rcdl.ops.widen`);
+where the products run on the rows as they lie and the batch is a training batch, the sums
+over a full chunk's entries (and in the packing mode ``"all"`` its score products) run from
+the store's packed copies of the chunk (:mod:`rcdl.ops.packed`); and the plan gives the rows
+per chunk.
 """
 
 from __future__ import annotations
@@ -32,42 +34,9 @@ from rcdl.ops import widen
 from rcdl.ops.entries import Entries
 from rcdl.ops.kernels import Kernel, guard_denominator, row_sq_norms
 from rcdl.ops.partials import Partial, Products, empty_partial, fold_block, per_query
+from rcdl.ops.plan import ProductPlan, default_chunk_size, plan_products
 
 __all__ = ["STREAMING", "Streaming", "default_chunk_size", "nearest_sq_distance"]
-
-
-def default_chunk_size(batch: int, device: torch.device | str | None = None) -> int:
-    """Entries per chunk.
-
-    On CPU: 2048 for small batches, 1024 beyond 128 queries, so that a chunk's keys stay in
-    cache (``benchmarks/bench_attention.py`` compares sizes; docs/precision.md). On a GPU
-    the cost is kernel launches, not cache misses, so chunks are large: 65 536 entries, whose
-    ``(c, B)`` block is 131 MB at B = 500 in float32.
-    """
-    if device is not None and torch.device(device).type == "cuda":
-        return 1 << 16
-    return 2048 if batch <= 128 else 1024
-
-
-def _chunk_rows(q: Tensor, keys: Tensor, products: str, chunk_size: int | None) -> int:
-    """``chunk_size``, else :func:`default_chunk_size`, except for a half store whose chunks
-    are converted to float32 (``products`` ``"float32"``, :mod:`rcdl.ops.half`) and a training
-    batch (at most 128 queries): the rows whose float32 copy stays in cache while it is
-    multiplied, 2 MiB of them (at least 256 rows; a larger converted chunk leaves the cache
-    before its second product reads it), and for one widened in registers (``"widen"``):
-    4 096 rows, nothing being copied, so that fewer calls cross into the kernels. A larger
-    batch's converted chunks have float32's rows: its products are bound by arithmetic, and
-    each chunk's sum over entries reads and writes the whole ``(B, d)`` accumulator, so
-    fewer, longer chunks pay more than a cache-sized copy (``benchmarks/bench_half_paths.py``;
-    docs/precision.md)."""
-    if chunk_size is not None:
-        return chunk_size
-    if products == "widen":
-        return 4096
-    rows = default_chunk_size(q.shape[0], q.device)
-    if products != "float32" or q.shape[0] > 128:
-        return rows
-    return max(256, min(rows, (1 << 21) // (q.element_size() * max(1, keys.shape[1]))))
 
 
 _NARROW_BLOCK_BYTES = 1 << 23  # the float32 product block a half gradient is rounded from
@@ -98,24 +67,25 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor,
 
 
 class _Pass(Products):
-    """What every pass over the entries for the queries ``q`` shares: how the products run
-    (:class:`~rcdl.ops.partials.Products`, decided once per call), the rows per chunk
-    (``chunk``, else :func:`_chunk_rows`'s; a backward pass takes its forward's) and the
-    store's chunk cache where the products take its rows as they lie (:mod:`rcdl.ops.packed`:
-    the keys' norms for any batch, the packed copies for a training batch)."""
+    """What every pass over the entries for the queries ``q`` shares: the call's ``plan``
+    (:meth:`rcdl.ops.entries.Entries.plan`; ``None``: planned now; a backward pass takes its
+    forward's) and the products it runs (:class:`~rcdl.ops.partials.Products`), the rows per
+    chunk (the plan's) and the store's chunk cache where the products take its rows as they
+    lie (:mod:`rcdl.ops.packed`: the keys' norms for any batch, the packed copies where the
+    plan packs)."""
 
     kernel: Kernel
 
-    def __init__(self, q: Tensor, entries: Entries, chunk: int | None = None) -> None:
-        super().__init__(q, entries.keys, entries.values, entries.half_products,
-                         entries.kernel, entries.tau(q.shape[1]))
-        self.chunk = _chunk_rows(q, entries.keys, self.path, entries.chunk_size) if (
-            chunk is None) else chunk
+    def __init__(self, q: Tensor, entries: Entries, plan: ProductPlan | None = None) -> None:
+        plan = entries.plan(q) if plan is None else plan
+        super().__init__(q, entries.keys, entries.values, kernel=entries.kernel,
+                         tau=entries.tau(q.shape[1]), plan=plan)
+        self.chunk = plan.chunk
         self.products: dict[torch.Size, Tensor] = {}  # _mm_into's buffers, reused per chunk
         # the store's chunk cache where the products take its rows as they lie; its packed
-        # copies for training batches only, its keys' norms for any
-        self.chunks = entries.packed if self.path == "store" else None
-        self.packed = self.chunks if q.shape[0] <= packing.MAX_BATCH else None
+        # copies where the plan packs, its keys' norms for any batch
+        self.chunks = entries.packed if plan.path == "store" else None
+        self.packed = entries.packed if plan.pack_sums else None
 
     def _full_chunk(self, rows: Tensor, begin: int | None) -> bool:
         """Whether ``rows`` are a full chunk of the store's own rows (``begin`` ``None``: not
@@ -127,10 +97,11 @@ class _Pass(Products):
         """The store's chunk ``rows`` of ``which`` (``"keys"``/``"values"``) from row
         ``begin``, packed for a sum over its entries (or with ``scores`` for a score
         product), where it is a full chunk the store packs (else ``None``)."""
-        if self.packed is None or not self._full_chunk(rows, begin):
+        if (self.packed is None or (scores and not self.plan.pack_scores)
+                or not self._full_chunk(rows, begin)):
             return None
         assert begin is not None  # checked by _full_chunk
-        return self.packed.get(which, rows, begin, self.q.shape[0], scores=scores)
+        return self.packed.packed(which, rows, begin, scores=scores)
 
     def block(self, keys: Tensor, begin: int | None = None) -> Tensor:  # (c, B)
         """A chunk's unweighted kernel values (the softmax's raw logits), in the queries'
@@ -182,7 +153,7 @@ class Streaming:
 
     def forward(self, q: Tensor, entries: Entries, *, keep: bool) -> tuple[Partial, Any]:
         """The partial over all the entries (no autograd), and what :meth:`backward` needs
-        of this pass: the chunk size, and with ``keep`` each chunk's block."""
+        of this pass: its plan, and with ``keep`` each chunk's block."""
         run = _Pass(q, entries)
         part = empty_partial(q, entries.values.shape[1], entries.kernel)
         saved = []  # per chunk: (block, m used for it) when keep
@@ -190,7 +161,7 @@ class Streaming:
             part = folded
             if keep:
                 saved.append((block, m_used))
-        return part, (run.chunk, saved if keep else None)
+        return part, (run.plan, saved if keep else None)
 
     def resume(self, q: Tensor, entries: Entries, start: tuple[int, Partial] | None
                ) -> tuple[Partial, tuple[int, Partial]]:
@@ -233,14 +204,14 @@ class Streaming:
         compute (the others are ``None``); ``saved`` is what :meth:`forward` returned."""
         keys, values, weights = entries.keys, entries.values, entries.weights
         kernel = entries.kernel
-        chunk, saved_blocks = saved
+        plan, saved_blocks = saved
         need_q, need_k, need_v, need_w = needs
         grad_q = q.new_zeros(q.shape) if need_q else None  # (B, d_in)
         grad_k = torch.empty_like(keys) if need_k else None
         grad_v = torch.empty_like(values) if need_v else None
         grad_w = torch.empty_like(weights) if need_w else None
-        run = _Pass(q, entries, chunk)
-        tau = run.tau
+        run = _Pass(q, entries, plan)
+        tau, chunk = run.tau, run.chunk
         grad_out_v = grad_out.to(run.q.dtype)  # (B, d_out) for the products with the values
         scale = kernel.scale(tau)  # d(score)/dq = k * scale
         dist_q_coef = q.new_zeros(q.shape[0])  # Σ_j c_j per query (distance kernels only)
@@ -345,8 +316,9 @@ def nearest_sq_distance(
     if q.dim() != 2 or keys.dim() != 2 or q.shape[1] != keys.shape[1]:
         raise ValueError(f"nearest_sq_distance expects q (B, d) and keys (N, d), got "
                          f"{tuple(q.shape)} and {tuple(keys.shape)}")
-    run = Products(q, keys, None, half_products)  # no kernel: the squared norms are formed
-    chunk = _chunk_rows(q, keys, run.path, chunk_size)
+    plan = plan_products(q, keys, half_products=half_products, chunk_size=chunk_size)
+    run = Products(q, keys, plan=plan)  # no kernel: the squared norms are formed
+    chunk = plan.chunk
     q_sqnorm = run.q_sqnorm  # (B,)
     assert q_sqnorm is not None
     best = q.new_full((q.shape[0],), float("inf"))  # (B,) min over j of ‖k_j‖² − 2⟨q, k_j⟩
