@@ -1,5 +1,5 @@
 """A step refused at a deferred check leaves the model as a step refused in the step does
-(docs/precision.md, "Host reads in a step"), its error names the step as the training loop
+(docs/gpu.md, "Host reads in a step"), its error names the step as the training loop
 counts it, also after a resume, and a grower's state is checked whole before it is loaded."""
 
 import copy

@@ -1,4 +1,4 @@
-"""A training step reads nothing back to the host (docs/precision.md, "Host reads in a step").
+"""A training step reads nothing back to the host (docs/gpu.md, "Host reads in a step").
 
 On a GPU every read of a device value (``.item()``, ``bool(t)``, ``.tolist()``, ``int(t)``,
 ``float(t)``, ``.cpu()``) stalls the host until the device has caught up. These tests count

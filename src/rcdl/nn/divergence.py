@@ -14,7 +14,7 @@ Every check is computed on the layer's device and answered as a :data:`Fault`, a
 float64 tensor ``[code, value, reference]`` (code 0: passed), so that a step reads nothing
 back to the host: the learner reads the faults of all its layers at once where it raises
 (:meth:`raise_first`), now or at a later check point (``Grower(defer_checks=True)``,
-docs/precision.md, "Host reads in a step"). A refusal raises a ``ValueError`` naming the
+docs/gpu.md, "Host reads in a step"). A refusal raises a ``ValueError`` naming the
 layer and what to change; the learner then drops the step's records
 (:class:`rcdl.optim.grower.Grower`). The guard's one piece of state is the reference scale,
 set at the first step that writes; a grower's state dict saves it.

@@ -105,9 +105,9 @@ class GrowingLayer(nn.Module):
         store_dtype: what the store keeps keys and values as (default: the layer's dtype);
             ``torch.bfloat16`` or ``torch.float16`` halve its bytes, and where the CPU
             multiplies bf16 natively also the attention's time (docs/precision.md).
-        half_products, packing: how a half store multiplies (:mod:`rcdl.ops.half`) and if
-            full chunks multiply from packed copies (:mod:`rcdl.ops.packed`); ``None``: the
-            process defaults. Saved in the state dict; each call plans by them.
+        half_products: how a half store multiplies (:mod:`rcdl.ops.half`); ``None``: the
+            process default. Saved in the state dict; each call plans by it.
+        packing: whether full chunks multiply from packed copies (:mod:`rcdl.ops.packed`), as above.
     """
 
     steps: Tensor  # buffer (): the growth steps taken so far

@@ -1,4 +1,4 @@
-"""A fused compute path of the attention op in Triton (docs/precision.md, "The GPU path"): the
+"""A fused compute path of the attention op in Triton (docs/gpu.md): the
 forward partial in one kernel launch, every gradient in two, and the entries' shares of the
 output (:meth:`TritonAttention.shares`, for attribution) in one, for the linear, RBF,
 Laplacian and softmax kernels. It does not resume a pass (the op's ``resume``): its splits

@@ -49,7 +49,7 @@ The error of the first refused step is raised at the next check point, :meth:`Gr
 which the training loop calls at every evaluation, checkpoint and at the end, and
 :meth:`Grower.state_dict` calls before anything is saved. It names the step as the training
 loop counts them: a grower counts its steps from 0 and saves the count in its state dict
-(docs/precision.md, "Host reads in a step", says what a refused step still leaves).
+(docs/gpu.md, "Host reads in a step", says what a refused step still leaves).
 
 For a hybrid network (entries also trained by Adam) use
 :class:`rcdl.optim.hybrid_grower.HybridGrower`,

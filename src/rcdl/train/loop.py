@@ -676,7 +676,7 @@ def train_one_pass(
     GPU) a step reads nothing back to the host: the losses are summed on the device, and
     both errors are raised at the next check point (an evaluation, a checkpoint, a replay
     snapshot, the last step), naming the first step at fault, before anything is recorded
-    or saved (docs/precision.md, "Host reads in a step"). Both name the step as this loop
+    or saved (docs/gpu.md, "Host reads in a step"). Both name the step as this loop
     counts it, also after a resume: the grower counts the steps it takes from 0 and saves
     the count with its state.
     """
