@@ -100,7 +100,7 @@ def numba_threads() -> int:
     count = torch.get_num_threads()
     numba.get_num_threads()  # starts the pool, if it has not started
     torch.set_num_threads(count)
-    n = min(count, numba.config.NUMBA_NUM_THREADS)
+    n = min(count, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n

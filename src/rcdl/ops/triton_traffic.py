@@ -161,8 +161,9 @@ class Launch:
         read = 0
         for name, count in self.loads.items():
             itemsize, size = self.tensors.itemsize[name], self.tensors.sizes.get(name)
-            small = size is not None and size * itemsize <= cached
-            read += (min(count, size) if small else count) * itemsize
+            if size is not None and size * itemsize <= cached:
+                count = min(count, size)
+            read += count * itemsize
         return read + self.bytes_written
 
 

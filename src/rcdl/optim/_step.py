@@ -118,8 +118,9 @@ def commit(layer: GrowingLayer, entries: Proposal | NewEntries | None,
     only the accepted rows, and none where ``ok`` is False, as a step refused in the step
     writes nothing: selecting rows by a device mask sizes the append from the device (an
     implicit synchronisation, the one the trigger's choice always made)."""
-    made = entries if isinstance(entries, Proposal) else None
-    new = made.entries if made is not None else entries
+    made: Proposal | None
+    new: NewEntries | None
+    made, new = (entries, entries.entries) if isinstance(entries, Proposal) else (None, entries)
     samples, refused = (None, 0) if made is None else (made.samples, made.refused)
     if new is not None and isinstance(layer, HybridSoftmax):
         count = new[0].shape[0]
@@ -145,7 +146,7 @@ def commit(layer: GrowingLayer, entries: Proposal | NewEntries | None,
     shard = layer.shard
     if shard is not None:  # this rank stores its rows of the batch
         keep_rows = shard.owned(count, new[0].device, offset=int(layer.steps) * count)  # (B,)
-        new, ids = tuple(t[keep_rows] for t in new), ids[keep_rows]
+        new, ids = (new[0][keep_rows], new[1][keep_rows], new[2][keep_rows]), ids[keep_rows]
     # checked finite by proposal(); the write step as a tensor: no device sync
     layer.store.append(*new, written_at=layer.steps, ids=ids, check_finite=False)
 
