@@ -1,5 +1,5 @@
 """The gap between fast forgetting and retraining against its time budget, on CIFAR-10
-(docs/unlearning.md, "The fast mode").
+(docs/fast_forgetting.md).
 
 For each model and seed: trains the model one pass (batch 16) on a CIFAR-10 subset, and
 retrains it on the same stream without the forgotten images (a random 10 %, or every image

@@ -1,5 +1,5 @@
 """Fast forgetting: remove a sample's entries, then re-write the readout's later entries
-under the model without them (docs/unlearning.md, "The fast mode").
+under the model without them (docs/fast_forgetting.md).
 
 :func:`rcdl.memory.forgetting.forget` removes what the forgotten samples wrote, but every
 entry written *after* one of them was fitted to a model that still held it: it corrects an
@@ -53,7 +53,7 @@ needs every row that a re-written entry's output saw in training, other than the
 ones. A memory budget (:mod:`rcdl.memory.budgets`) that evicted rows breaks this: every
 entry written while an evicted row was held was fitted to an output that included it, and
 its value is gone, so the re-write would change even what nothing forgotten touched
-(docs/unlearning.md, "The fast mode"). The readout is then refused, as one whose budget
+(docs/fast_forgetting.md). The readout is then refused, as one whose budget
 merged rows is, and so are the layers below it when the keys are recomputed. An evicted
 row is told apart from a forgotten one by the layer's provenance map: both leave an id
 below the store's ``next_id`` that it no longer holds, but

@@ -1,5 +1,5 @@
 """The forgetting quality of the NeurIPS 2023 machine-unlearning challenge, at a scale two
-cores afford (docs/unlearning.md, "Forgetting quality").
+cores afford (docs/fast_forgetting.md, "Forgetting quality").
 
 Run it with ``rcdl reproduce forgetting-quality`` (see docs/unlearning.md). The challenge
 judges an unlearning method by how well an attacker tells, for each forgotten example on its
