@@ -3,6 +3,7 @@ replay tests (not a test module)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +18,18 @@ from rcdl.nn.layers import growing_layers
 TEACHER_DATA = make_teacher_data(TeacherConfig(d_in=5, hidden=8, d_out=2, n_train=64,
                                                n_test=16, dtype="float64"))
 TEACHER_KW = {"batch_size": 8, "eval_every": 2, "progress": False, "seed": 1}
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """The smallest experiment config a run folder takes (``run_experiment`` saves and reads
+    it back)."""
+
+    device: str = "cpu"
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> TinyConfig:
+        return cls(**saved)
 
 
 def teacher_net() -> tuple[nn.Module, Grower]:

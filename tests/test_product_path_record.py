@@ -11,7 +11,6 @@ as its timing would (monkeypatched, one way in the first process and the other i
 """
 
 import json
-from dataclasses import dataclass
 from functools import partial
 
 import pytest
@@ -29,6 +28,7 @@ from rcdl.ops.attention import attention
 from rcdl.train.loop import accuracy, train_one_pass
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly, stream_without
+from small_runs import TinyConfig
 
 pytestmark = pytest.mark.extra("fast-cpu")
 
@@ -51,15 +51,6 @@ def new_process(monkeypatch, widen_is_faster: bool) -> None:
 
 
 # --------------------------------------------------------------------------- a resumed run
-
-
-@dataclass(frozen=True)
-class TinyConfig:
-    device: str = "cpu"
-
-    @classmethod
-    def from_dict(cls, saved):
-        return cls(**saved)
 
 
 def training_call(seed: int, interrupt: set[int]) -> dict:

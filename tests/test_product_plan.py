@@ -5,7 +5,6 @@ state dict (a state without them still loads, strictly, and leaves the layer's o
 recorded per layer in a run's ``environment.json``."""
 
 import json
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from rcdl.ops.entries import Entries
 from rcdl.ops.packed import PackedChunks, packed_chunks
 from rcdl.ops.plan import TRAINING_BATCH, default_chunk_size, layer_products, plan_products
 from rcdl.train.checkpoint import load_model_state
+from small_runs import TinyConfig
 
 BF16, CPU = torch.bfloat16, torch.device("cpu")
 needs_packing = pytest.mark.skipif(not packing.supported(torch.float32),
@@ -156,15 +156,6 @@ def test_each_layer_records_what_its_calls_ran_under():
                                  half.PRODUCTS.get(), "packing": "off"}
     assert used["net.second"] == {"store_dtype": "float32", "half_products": "float32",
                                   "packing": "all"}
-
-
-@dataclass(frozen=True)
-class TinyConfig:
-    device: str = "cpu"
-
-    @classmethod
-    def from_dict(cls, saved):
-        return cls(**saved)
 
 
 def test_a_run_records_its_layers_products_in_its_environment(tmp_path):

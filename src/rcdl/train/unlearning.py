@@ -89,13 +89,7 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
     """
     start = time.perf_counter()
     wanted = sample_index_tensor(sample_indices, "forget_exactly")
-    if model_shard(model, "forget_exactly") is not None:
-        raise ValueError("forget_exactly: the model's stores are sharded over ranks; exact "
-                         "forgetting replays one process's run")
-    x_train, y_train = data
-    _check_data(replay, x_train, y_train, "forget_exactly")
-    learners = [optimizer, grower]
-    _check_budgets(learners, "forget_exactly")
+    learners = _checked_request("forget_exactly", model, replay, data, optimizer, grower)
     layers = growing_layers(model)
     earlier = replay.forgotten[~torch.isin(replay.forgotten, wanted)]  # (F,) told forgets
     keep = ~torch.isin(replay.stream, torch.cat([wanted, earlier]))  # (N,) by stream position
@@ -112,13 +106,9 @@ def forget_exactly(model: nn.Module, sample_indices: Tensor | Sequence[int], *,
                              {name: ["nothing to replay"] for name, _ in layers})
     batch = replay.batch_size
     first_step = int((~keep).nonzero()[0]) // batch  # the first batch that changes
-    snap = replay.newest_at_or_before(first_step)
-    problem = replay.restore_problem(snap, model) or replay.steps_problem(model)
-    if problem is not None:
-        raise ValueError(f"forget_exactly: {problem}")
-    dropped = [f"replay snapshot at step {s}" for s in sorted(replay.snapshots) if s > snap.step]
-    steps = _replay_or_put_back("forget_exactly", model, learners, replay, snap, keep,
-                                (x_train, y_train), loss_fn, optimizer, grower, device)
+    snap, dropped = _snapshot_for("forget_exactly", replay, model, first_step)
+    steps = _replay_or_put_back("forget_exactly", model, learners, replay, snap, keep, data,
+                                loss_fn, optimizer, grower, device)
     seconds = time.perf_counter() - start
     found = None
     if scan:
@@ -183,13 +173,7 @@ def rewind(model: nn.Module, steps: int, *, replay: ReplayLog, data: tuple[Tenso
         FloatingPointError: a non-finite training loss while replaying (nothing changed).
     """
     start = time.perf_counter()
-    if model_shard(model, "rewind") is not None:
-        raise ValueError("rewind: the model's stores are sharded over ranks; a rewind replays "
-                         "one process's run")
-    x_train, y_train = data
-    _check_data(replay, x_train, y_train, "rewind")
-    learners = [optimizer, grower]
-    _check_budgets(learners, "rewind")
+    learners = _checked_request("rewind", model, replay, data, optimizer, grower)
     kept = ~torch.isin(replay.stream, replay.forgotten.to(replay.stream.device))  # (N,)
     batch = replay.batch_size
     total = -(-int(kept.sum()) // batch)
@@ -197,16 +181,37 @@ def rewind(model: nn.Module, steps: int, *, replay: ReplayLog, data: tuple[Tenso
         raise ValueError(f"rewind: steps must be an integer in 0..{total} (the steps of the "
                          f"log's stream), got {steps!r}")
     keep = kept & (kept.cumsum(0) <= steps * batch)  # (N,) the first steps' positions
-    snap = replay.newest_at_or_before(steps)
-    problem = replay.restore_problem(snap, model) or replay.steps_problem(model)
-    if problem is not None:
-        raise ValueError(f"rewind: {problem}")
+    snap, dropped = _snapshot_for("rewind", replay, model, steps)
     if bool(keep.all()):
         return Rewound(steps, steps, 0, [], time.perf_counter() - start)
-    dropped = [f"replay snapshot at step {s}" for s in sorted(replay.snapshots) if s > snap.step]
-    _replay_or_put_back("rewind", model, learners, replay, snap, keep, (x_train, y_train),
-                        loss_fn, optimizer, grower, device)
+    _replay_or_put_back("rewind", model, learners, replay, snap, keep, data, loss_fn,
+                        optimizer, grower, device)
     return Rewound(steps, snap.step, steps - snap.step, dropped, time.perf_counter() - start)
+
+
+def _checked_request(who: str, model: nn.Module, replay: ReplayLog,
+                     data: tuple[Tensor, Tensor], optimizer: Any, grower: Any) -> list[Any]:
+    """What every replay request checks before it looks at its samples or steps: one
+    process, data that match the log, no merging budget. Returns the learners."""
+    if model_shard(model, who) is not None:
+        raise ValueError(f"{who}: the model's stores are sharded over ranks; a replay runs "
+                         "one process's run")
+    _check_data(replay, *data, who)
+    learners = [optimizer, grower]
+    _check_budgets(learners, who)
+    return learners
+
+
+def _snapshot_for(who: str, replay: ReplayLog, model: nn.Module, step: int
+                  ) -> tuple[Snapshot, list[str]]:
+    """The newest snapshot at or before ``step``, checked against ``model`` (nothing changes
+    where it is refused), and the later snapshots the replay will drop, named."""
+    snap = replay.newest_at_or_before(step)
+    problem = replay.restore_problem(snap, model) or replay.steps_problem(model)
+    if problem is not None:
+        raise ValueError(f"{who}: {problem}")
+    return snap, [f"replay snapshot at step {s}" for s in sorted(replay.snapshots)
+                  if s > snap.step]
 
 
 def _replay_or_put_back(who: str, model: nn.Module, learners: list[Any], replay: ReplayLog,
