@@ -201,7 +201,6 @@ class GrowingLayer(nn.Module):
         store = self.store
         # the store's packed chunks apply to its own rows, where no optimizer moves them
         own_rows = keys is None and values is None and not self.trains_entries
-        record_layer(self.name, store.keys.dtype, self.half_products, self.packing)
         return Entries(store.keys if keys is None else keys,
                        store.values if values is None else values,
                        self.entry_weights() if weights is None else weights,
@@ -236,6 +235,7 @@ class GrowingLayer(nn.Module):
         # deferred checks: the guard checks a recorded query for NaN/inf on the device
         q = self._check_input(x, finite=not (recording and self.recorder.deferred))
         q = q.reshape(-1, self.d_in)  # (B, d_in)
+        record_layer(self.name, self.store.keys.dtype, self.half_products, self.packing)
         if recording:
             self._drop_unstepped()
             if self.kernel.normalised and not self.trains_entries:

@@ -168,11 +168,10 @@ _LAYERS: dict[str, tuple[torch.dtype, str, str]] = {}
 
 def record_layer(name: str, dtype: torch.dtype, half_products: str | None,
                  packing_mode: str | None) -> None:
-    """Note that the layer ``name`` attends over a store of ``dtype`` under these options
+    """Note, once per forward of the layer, that ``name`` attends over a store of ``dtype``
+    under these options
     (``None`` resolved to the process default now): what :func:`layer_products` reports."""
-    used = (dtype, PRODUCTS.resolve(half_products), packing.PACKED.resolve(packing_mode))
-    if _LAYERS.get(name) != used:
-        _LAYERS[name] = used
+    _LAYERS[name] = (dtype, PRODUCTS.resolve(half_products), packing.PACKED.resolve(packing_mode))
 
 
 def layer_products() -> dict[str, dict[str, str]]:

@@ -95,7 +95,7 @@ from rcdl.ops.entries import Entries, Partial, empty_partial
 from rcdl.ops.half import HALF_DTYPES
 from rcdl.ops.kernels import check_kernel, guard_denominator
 from rcdl.ops.streaming import STREAMING
-from rcdl.ops.triton_traffic import split_rows
+from rcdl.ops.triton_traffic import cdiv, split_rows
 
 __all__ = ["KERNEL_CODES", "TRITON", "TritonAttention", "TritonPathWarning",
            "check_against_streaming", "interpreting", "triton_available", "triton_paths"]
@@ -128,10 +128,6 @@ def _kernels() -> ModuleType | None:
             _loaded["module"] = f"{type(err).__name__}: {err}"
     module = _loaded["module"]
     return module if isinstance(module, ModuleType) else None
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class TritonPathWarning(RuntimeWarning):
@@ -316,11 +312,11 @@ class TritonAttention:
         assert kernels is not None  # supports() said so
         q = q.contiguous()
         rows = self._rows_per_split(q, n)
-        splits = _cdiv(n, rows)
+        splits = cdiv(n, rows)
         scores = q.new_empty(b, n)  # (B, N) scratch: each program's scores, written then read
         stats = q.new_empty(3, splits, b)  # m, den, mass of each split
         num = q.new_empty(splits, b, d_out)  # (S, B, d_out)
-        kernels.attention_forward[(_cdiv(b, self.block_b), splits)](
+        kernels.attention_forward[(cdiv(b, self.block_b), splits)](
             q, entries.keys.contiguous(), entries.values.contiguous(),
             entries.weights.contiguous(), scores, stats, num, b, n, d, d_out, rows,
             entries.tau(d), **self._constants(entries))
@@ -367,7 +363,7 @@ class TritonAttention:
                     torch.zeros_like(values) if need_v else None,
                     torch.zeros_like(weights) if need_w else None)
         rows = self._rows_per_split(q, n)
-        splits = _cdiv(n, rows)
+        splits = cdiv(n, rows)
         flags = {"NEED_Q": need_q, "NEED_K": need_k, "NEED_V": need_v, "NEED_W": need_w,
                  "SHARES": False}
         nothing = q.new_empty(0)
@@ -376,7 +372,7 @@ class TritonAttention:
         probs = q.new_empty(b, n) if need_v else nothing
         dws = q.new_empty(b, n) if need_w else nothing
         shares = q.new_empty(splits, b, d) if need_q else nothing  # (S, B, d_in)
-        kernels.attention_grad_queries[(_cdiv(b, self.block_b), splits)](
+        kernels.attention_grad_queries[(cdiv(b, self.block_b), splits)](
             q, keys, values, weights, g, stats, nothing if saved is None else saved, coef,
             probs, dws, shares, b, n, d, d_out, rows, tau, kernel.scale(tau),
             SAVED=saved is not None, **flags, **common)
@@ -392,7 +388,7 @@ class TritonAttention:
                   else nothing)
         grad_w = weights.new_empty(n) if need_w else nothing
         del flags["NEED_Q"], flags["SHARES"], common["KERNEL"]
-        kernels.attention_grad_entries[(_cdiv(n, self.block_n),)](
+        kernels.attention_grad_entries[(cdiv(n, self.block_n),)](
             q, keys, g, coef, probs, dws, grad_k, grad_v, grad_w, b, n, d, d_out,
             kernel.scale(tau), **flags, **common)
         return (grad_q, grad_k.to(keys.dtype) if need_k else None,
@@ -422,7 +418,7 @@ class TritonAttention:
         out = q.new_empty(b, n)  # (B, N)
         nothing = q.new_empty(0)
         tau = entries.tau(d)
-        kernels.attention_grad_queries[(_cdiv(b, self.block_b), _cdiv(n, rows))](
+        kernels.attention_grad_queries[(cdiv(b, self.block_b), cdiv(n, rows))](
             q, entries.keys.contiguous(), entries.values.contiguous(),
             entries.weights.contiguous(), direction.to(q.dtype).contiguous(), stats, nothing,
             nothing, out, nothing, nothing, b, n, d, d_out, rows, tau, kernel.scale(tau),

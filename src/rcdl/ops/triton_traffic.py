@@ -49,11 +49,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 __all__ = ["GPU", "GPUS", "H100_SXM", "H200", "Launch", "Problem", "Tensors", "backward_launches",
-           "forward_launches", "keeps", "old_backward_launches", "old_forward_launches",
+           "cdiv", "forward_launches", "keeps", "old_backward_launches", "old_forward_launches",
            "seconds", "split_rows", "store_bytes"]
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """``⌈a / b⌉`` for positive integers (a launch's grid, a loop's trip count)."""
     return -(-a // b)
 
 
@@ -111,11 +112,11 @@ def split_rows(b: int, n: int, block_b: int, block_n: int, splits: int | None,
     else enough splits for ``programs_per_multiprocessor`` programs (each a split and a block
     of queries) per multiprocessor, else (no device: ``multiprocessors=None``) 4 splits. At
     most one split per block of entries."""
-    blocks = _cdiv(n, block_n)
+    blocks = cdiv(n, block_n)
     if splits is None:
         splits = (4 if multiprocessors is None else
-                  _cdiv(programs_per_multiprocessor * multiprocessors, _cdiv(b, block_b)))
-    return _cdiv(blocks, max(1, min(splits, blocks))) * block_n
+                  cdiv(programs_per_multiprocessor * multiprocessors, cdiv(b, block_b)))
+    return cdiv(blocks, max(1, min(splits, blocks))) * block_n
 
 
 @dataclass(frozen=True)
@@ -187,8 +188,8 @@ def _blocks(p: Problem, splits: int) -> tuple[int, int, int, int, int]:
     """``qb, nb, S, kt, vt``."""
     rows = split_rows(p.b, p.n, p.block_b, p.block_n, p.splits if splits == 0 else splits,
                       p.multiprocessors)
-    return (_cdiv(p.b, p.block_b), _cdiv(p.n, p.block_n), _cdiv(p.n, rows),
-            _cdiv(p.d, p.block_d), max(1, _cdiv(p.d_out, p.block_v)))
+    return (cdiv(p.b, p.block_b), cdiv(p.n, p.block_n), cdiv(p.n, rows),
+            cdiv(p.d, p.block_d), max(1, cdiv(p.d_out, p.block_v)))
 
 
 def _dots(p: Problem, qb: int, nb: int, kt: int, vt: int) -> tuple[int, int, int]:
@@ -214,7 +215,7 @@ def forward_launches(p: Problem) -> list[Launch]:
     """The forward's launches: ``attention_forward`` on a ``(qb, S)`` grid, then the merge
     of the partials."""
     qb, nb, s, kt, _ = _blocks(p, 0)
-    vt = _cdiv(p.d_out, p.block_v)  # no chunk of value columns where there are none
+    vt = cdiv(p.d_out, p.block_v)  # no chunk of value columns where there are none
     scores, values, _ = _dots(p, qb, nb, kt, vt)
     kernel = Launch(
         "attention_forward", (qb, s),
@@ -252,7 +253,7 @@ def backward_launches(p: Problem, needs: tuple[bool, bool, bool, bool] = (True, 
     gradients in the store's dtype."""
     need_q, need_k, need_v, need_w = needs
     qb, nb, s, kt, _ = _blocks(p, 0)
-    vt = _cdiv(p.d_out, p.block_v)
+    vt = cdiv(p.d_out, p.block_v)
     scores, values, keys = _dots(p, qb, nb, kt, vt)
     dist = p.distance
     softmax = p.kernel == "softmax"
@@ -290,7 +291,7 @@ def old_forward_launches(p: Problem) -> list[Launch]:
     value columns; splits for four programs per multiprocessor; the merge through an
     ``(S, B, d_out)`` temporary."""
     rows = split_rows(p.b, p.n, p.block_b, p.block_n, p.splits, p.multiprocessors, 4)
-    qb, nb, s, kt, vt = _blocks(p, _cdiv(p.n, rows))
+    qb, nb, s, kt, vt = _blocks(p, cdiv(p.n, rows))
     scores, values, _ = _dots(p, qb, nb, kt, vt)
     kernel = Launch(
         "attention_forward (before)", (vt, s, qb),
@@ -308,7 +309,7 @@ def old_backward_launches(p: Problem,
     program recomputing its block's scores and ``⟨g, v⟩`` over the full widths."""
     need_q, need_k, need_v, need_w = needs
     rows = split_rows(p.b, p.n, p.block_b, p.block_n, p.splits, p.multiprocessors, 4)
-    qb, nb, s, kt, vt = _blocks(p, _cdiv(p.n, rows))
+    qb, nb, s, kt, vt = _blocks(p, cdiv(p.n, rows))
     scores, values, keys = _dots(p, qb, nb, kt, vt)
     dist, softmax = p.distance, p.kernel == "softmax"
     launches = []

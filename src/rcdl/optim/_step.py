@@ -129,9 +129,12 @@ def commit(layer: GrowingLayer, entries: Proposal | NewEntries | None,
             ok = ok.to(new[0].device)
             keep = ok.expand(count) if keep is None else keep & ok
             refused = refused * ok  # a refused step's samples are not the trigger's
-        if keep is not None:
-            new = (new[0][keep], new[1][keep], new[2][keep])
-            samples = None if samples is None else samples[keep.to(samples.device)]
+        if keep is not None:  # the accepted rows' positions, read from the device once
+            rows = keep.nonzero().squeeze(1)  # (A,)
+            new = (new[0].index_select(0, rows), new[1].index_select(0, rows),
+                   new[2].index_select(0, rows))
+            samples = None if samples is None else samples.index_select(
+                0, rows.to(samples.device))
     if isinstance(layer, HybridSoftmax):
         layer.note_growth(0 if new is None else int(new[0].shape[0]), refused)
     discard(layer, stepped=True)

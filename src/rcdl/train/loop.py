@@ -538,12 +538,9 @@ def _resume(config: LoopConfig, schedule: Schedule, checkpoints: Checkpointer | 
             "epochs")
     state = LoopState() if loop is None else LoopState.from_state_dict(loop)
     if replay is not None and state.step != 0:  # resumed: the log from the checkpoint
-        assert checkpoints is not None
-        if checkpoints.replay_state is None:
-            raise ValueError(
-                f"{name}: a replay log records a run from step 0; checkpoint {path} resumes "
-                f"at step {state.step} and holds no replay log (its run recorded none): "
-                "delete it, or resume without replay=")
+        # a checkpoint without a log is refused to a run with one before it loads
+        # (rcdl.train.checkpoint.Checkpointer): a resumed run has the log's state
+        assert checkpoints is not None and checkpoints.replay_state is not None
         replay.load_state_dict(checkpoints.replay_state)  # checked at the restore
     elif replay is not None:
         replay.start(schedule.permutation(0), config.batch_size, sample_ids)
@@ -701,11 +698,11 @@ def train_one_pass(
         state, resumed = _resume(config, schedule, checkpoints, replay, model, [optimizer, grower],
                                  sample_ids)
         bar = tqdm(total=epochs * schedule.n, initial=schedule.seen(state.step), unit="sample",
-                   desc=name, disable=not progress, dynamic_ncols=True)  # fmt: skip
-        cached = [layer for _, layer in growing_layers(model)] if incremental_eval else []
+                   desc=name, disable=not config.progress, dynamic_ncols=True)  # fmt: skip
+        cached = [layer for _, layer in growing_layers(model)] if config.incremental_eval else []
         evaluator = Evaluator(
-            model, (x_test, y_test), metrics, schedule=schedule, every=eval_every,
-            batch_size=eval_batch_size, device=torch.device(device), name=name,
+            model, (x_test, y_test), metrics, schedule=schedule, every=config.eval_every,
+            batch_size=config.eval_batch_size, device=config.device, name=name,
             on_epoch_end=on_epoch_end, cached=cached,
             log=EvaluationLog(name, grower, run, bar, next(iter(metrics))))
         callbacks: list[Callback] = [evaluator]  # in this order after a step: see _run
