@@ -405,12 +405,9 @@ class RunDir:
                 file.
         """
         path = self.file(self.ENVIRONMENT)
-        try:
-            env = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        env = read_environment(self.path)
+        if env is None or "half_products" not in env:
             return None  # no environment record: nothing to follow
-        if not isinstance(env, dict) or "half_products" not in env:
-            return None
         record = {"mode": env["half_products"], "auto_path": env.get("half_products_auto")}
         if record["mode"] not in PRODUCTS.choices or record["auto_path"] not in (
                 None, *AUTO_PATHS):
@@ -425,13 +422,9 @@ class RunDir:
         dtype took) to its ``triton_paths``, and the layers that attended since to its
         ``layer_products`` (:func:`rcdl.ops.plan.layer_products`); the runner calls it after
         each sub-run."""
-        path = self.file(self.ENVIRONMENT)
-        try:
-            env = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        env = read_environment(self.path)
+        if env is None:
             return  # nothing to add to
-        if not isinstance(env, dict):
-            return
         paths = {**env.get("triton_paths", {}), **triton_paths()}
         layers = {**env.get("layer_products", {}), **layer_products()}
         if paths != env.get("triton_paths") or layers != env.get("layer_products", {}):
@@ -644,11 +637,18 @@ def resume_command(command: str, folder: str | os.PathLike,
 def recorded_experiment(run_dir: str | os.PathLike) -> str | None:
     """The experiment a run folder's ``environment.json`` names (``None``: no readable
     record, as in an older folder)."""
+    recorded = read_environment(run_dir)
+    return None if recorded is None else recorded.get("experiment")
+
+
+def read_environment(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """A run folder's ``environment.json`` as a dict (``None``: missing, unreadable, or not
+    a JSON object)."""
     try:
-        recorded = json.loads((Path(run_dir) / RunDir.ENVIRONMENT).read_text(encoding="utf-8"))
+        env = json.loads((Path(run_dir) / RunDir.ENVIRONMENT).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return recorded.get("experiment") if isinstance(recorded, dict) else None
+    return env if isinstance(env, dict) else None
 
 
 def read_config(run_dir: str | os.PathLike, config_cls: Any) -> Any:

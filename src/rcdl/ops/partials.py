@@ -43,7 +43,7 @@ from rcdl.ops import packed as packing
 from rcdl.ops import widen
 from rcdl.ops.half import HALF_DTYPES
 from rcdl.ops.kernels import Kernel, check_kernel, guard_denominator, row_sq_norms
-from rcdl.ops.plan import ProductPlan, plan_products
+from rcdl.ops.plan import ProductPlan
 
 __all__ = ["Partial", "Products", "block_partial", "empty_partial", "finalize", "fold",
            "fold_block", "merge_partials", "output_with", "take_out", "without_each"]
@@ -139,8 +139,7 @@ class Reader:
 class Products:
     """How the products of one call of queries ``q (B, key_dim)`` with a store's
     ``keys (N, key_dim)`` and ``values (N, d_out)`` run, by the call's ``plan``
-    (:func:`rcdl.ops.plan.plan_products`; ``None``: planned here by the half-product
-    ``mode``, ``None`` taking the process default): the queries as the products take them
+    (:func:`rcdl.ops.plan.plan_products`): the queries as the products take them
     (``q``: in the keys' dtype where the products run on the store as it lies, else as
     given), their squared norms for a distance ``kernel`` (``kernel`` ``None``: always, for
     distances alone), ``τ``, and the readers of the store's chunks. ``dtype`` is the
@@ -152,10 +151,8 @@ class Products:
     the unrounded queries and blocks. Built by :meth:`rcdl.ops.entries.Entries.products`."""
 
     def __init__(self, q: Tensor, keys: Tensor, values: Tensor | None = None,
-                 mode: str | None = None, kernel: Kernel | None = None,
-                 tau: float = 1.0, *, plan: ProductPlan | None = None) -> None:
-        self.plan = plan_products(q, keys, values, half_products=mode) if plan is None else plan
-        self.path, self.upcast, self.widened = self.plan.path, self.plan.upcast, self.plan.widened
+                 kernel: Kernel | None = None, tau: float = 1.0, *, plan: ProductPlan) -> None:
+        self.plan = plan
         self.kernel, self.tau, self.dtype = kernel, tau, q.dtype
         # (B, key_dim), q itself if dtypes agree or the store is converted or widened
         self.q = q if self.upcast or self.widened else q.to(keys.dtype)
@@ -164,6 +161,21 @@ class Products:
         self.q_sqnorm = row_sq_norms(self.q, q.dtype) if distance else None
         self.read_keys, self.read_values = Reader(q.dtype, self.upcast), Reader(q.dtype,
                                                                                 self.upcast)
+
+    @property
+    def path(self) -> str:
+        """The plan's product path: ``"store"``, ``"float32"`` or ``"widen"``."""
+        return self.plan.path
+
+    @property
+    def upcast(self) -> bool:
+        """Whether the store's chunks are converted to the queries' dtype (the plan's)."""
+        return self.plan.upcast
+
+    @property
+    def widened(self) -> bool:
+        """Whether the store's chunks are widened in registers (the plan's)."""
+        return self.plan.widened
 
     def kernel_values(self, keys: Tensor, packed: Tensor | None = None,
                       k_sqnorm: Tensor | None = None) -> Tensor:  # (c, B)

@@ -65,8 +65,11 @@ def proposal(layer: GrowingLayer) -> tuple[Proposal | None, Fault]:
     records = layer.recorder.ready()
     if not records:
         return None, no_fault(layer.store.device)
-    gate = getattr(layer, "accepts", None)  # the layer's trigger, where it has one
-    parts, samples, accepted, refused = [], [], [], 0
+    # the layer's trigger, where it has one: the gated layer is the hybrid, whose commit and
+    # discard below handle its accepted rows and entry gradients
+    gate = layer.accepts if isinstance(layer, HybridSoftmax) else None
+    parts, samples, accepted = [], [], []
+    refused: Tensor | int = 0
     for record in records:
         keys, values, weights = layer.make_entries(record)
         if gate is not None:  # zeroed where refused: one selection on the device at commit

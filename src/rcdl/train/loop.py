@@ -702,7 +702,7 @@ def train_one_pass(
         cached = [layer for _, layer in growing_layers(model)] if config.incremental_eval else []
         evaluator = Evaluator(
             model, (x_test, y_test), metrics, schedule=schedule, every=config.eval_every,
-            batch_size=config.eval_batch_size, device=config.device, name=name,
+            batch_size=config.eval_batch_size, device=device, name=name,
             on_epoch_end=on_epoch_end, cached=cached,
             log=EvaluationLog(name, grower, run, bar, next(iter(metrics))))
         callbacks: list[Callback] = [evaluator]  # in this order after a step: see _run
