@@ -13,8 +13,8 @@ import torch
 
 from rcdl.app.cifar import CIFAR10_MEAN, CIFAR10_STD, standardize
 from rcdl.app.cli import main
-from rcdl.app.experiments import attribution_exp
-from rcdl.app.experiments.attribution_exp import (
+from rcdl.app.experiments import attribution as attribution_exp
+from rcdl.app.experiments.attribution import (
     COLUMNS,
     AttributionConfig,
     auc,
@@ -256,3 +256,58 @@ def test_leave_one_out_vote_is_the_vote_of_a_readout_without_the_images_entries(
         scores = LabelVote(without, y, sharpness=2.0)(x[i:i + 1])[0].double()  # (C,)
         others = torch.cat([scores[:y[i]], scores[y[i] + 1:]])
         torch.testing.assert_close(found[i], scores[y[i]] - others.logsumexp(0))
+
+
+# --------------------------------------------------------------------------- the options
+
+
+def test_the_cascade_option_adds_its_lds_for_rbf_and_notes_gws_refused(data_dir, tmp_path):
+    """``--cascade``: the readout cascade's two scores join RBF's LDS (one more sub-run,
+    the default ones unchanged); gws's softmax readout is refused with its reason."""
+    out = tmp_path / "run"
+    summary = run(out, data_dir, "--cascade", "--measurements", "lds", "--train-size", "24",
+                  "--test-size", "12", "--halves", "2", "--shown", "0")
+    assert list(json.loads((out / "finished.json").read_text())) == [
+        f"{m}-{s}" for m in ("gws", "rbf") for s in ("lds-full", "lds-halves-0", "lds",
+                                                     "lds-cascade")]
+    cascade = {r["model"]: r for r in summary["runs"] if r["measurement"] == "lds-cascade"}
+    assert "does not normalise" in cascade["gws"]["refused"]
+    variants = cascade["rbf"]["variants"]
+    assert set(variants) == set(attribution_exp.CASCADE_VARIANTS)
+    assert all(-1 <= v["lds"] <= 1 and v["test_images"] <= 12 for v in variants.values())
+    rbf = [r["scores"] for r in summary["rows"] if r["model"] == "rbf"]
+    assert rbf == [*attribution_exp.VARIANTS, *attribution_exp.CASCADE_VARIANTS]
+    assert [r["scores"] for r in summary["rows"] if r["model"] == "gws"] == list(
+        attribution_exp.VARIANTS)
+    report = (out / "results.md").read_text()
+    assert "No readout cascade for gws" in report and "rcdl.readout_cascade" in report
+
+
+def test_the_seed_ceiling_option_retrains_each_half_with_a_second_seed(data_dir, tmp_path):
+    out = tmp_path / "run"
+    summary = run(out, data_dir, "--seed-ceiling", "--models", "rbf", "--measurements", "lds",
+                  "--train-size", "32", "--test-size", "16", "--halves", "3",
+                  "--halves-per-sub-run", "2", "--shown", "0")
+    assert list(json.loads((out / "finished.json").read_text())) == [
+        "rbf-lds-full", "rbf-lds-halves-0", "rbf-lds-halves-2", "rbf-lds-again-0",
+        "rbf-lds-again-2", "rbf-lds", "rbf-lds-ceiling"]
+    first = torch.cat([torch.load(out / f"lds-rbf-margins-{k}.pt") for k in (0, 2)])
+    again = torch.cat([torch.load(out / f"lds-rbf-again-{k}.pt") for k in (0, 2)])
+    assert first.shape == again.shape == (3, 16) and not torch.equal(first, again)
+    (ceiling,) = [r for r in summary["rows"] if r["scores"] == "seed ceiling"]
+    found = spearman(again, first)
+    assert ceiling["lds"] == pytest.approx(float(found[torch.isfinite(found)].mean()))
+    assert "The seed ceiling" in (out / "results.md").read_text()
+
+
+def test_the_trak_option_names_the_extra_when_dattri_is_missing(data_dir, tmp_path,
+                                                                 monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "dattri", None)  # as if not installed
+    argv = ["reproduce", "attribution", "--quick", "--trak", "--models", "rbf",
+            "--measurements", "lds", "--train-size", "32", "--test-size", "16", "--halves",
+            "2", "--shown", "0", "--data-dir", str(data_dir), "--out", str(tmp_path / "run"),
+            "--device", "cpu", "--no-progress", "--no-download"]
+    assert main(argv) != 0
+    assert "pip install 'rcdl[peers]'" in capsys.readouterr().err

@@ -1,11 +1,8 @@
-"""benchmarks/trak_peer.py (TRAK from dattri on the ResNet-MLP): the flat-parameter MLP it
-hands dattri is the same function with the same gradients, and its scores are oriented as
-the measurement reads them (self-influence is the diagonal of the train-on-train scores).
+"""rcdl.app.experiments.attribution.peer_trak (TRAK from dattri on the ResNet-MLP): the
+flat-parameter MLP it hands dattri is the same function with the same gradients, and its
+scores are oriented as the measurement reads them (self-influence is the diagonal of the
+train-on-train scores).
 Skipped without dattri (``pip install 'rcdl[peers]'``)."""
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,11 +16,7 @@ pytest.importorskip("dattri", exc_type=ImportError)  # missing or broken: skip
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("trak_peer", ROOT / "benchmarks" / "trak_peer.py")
-trak_peer = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("trak_peer", trak_peer)  # its dataclass looks its module up there
-_spec.loader.exec_module(trak_peer)
+from rcdl.app.experiments.attribution import peer_trak as trak_peer  # noqa: E402
 
 
 def mlp(seed, width=16):

@@ -35,6 +35,7 @@ attention and its partials (:mod:`rcdl.ops.attention`), kernels and the dense re
 from rcdl._version import __version__
 from rcdl.memory.attribution import explain
 from rcdl.memory.budgets import EVICTION_POLICIES, MemoryBudget
+from rcdl.memory.cascade import readout_cascade
 from rcdl.memory.forgetting import forget
 from rcdl.memory.repair import forget_and_repair
 from rcdl.nn.gates import AlwaysGrow, CapacityGate, DistanceGate, ErrorScaledGate, default_tau
@@ -101,7 +102,7 @@ __all__ = [
     # training
     "evaluate", "train_one_pass",
     # attribution and forgetting
-    "explain", "forget", "forget_and_repair",
+    "explain", "forget", "forget_and_repair", "readout_cascade",
     # checkpoints
     "CheckpointInUse", "DamagedCheckpoint", "UnsafeCheckpoint", "load_checkpoint",
     "load_model_state", "save_checkpoint",
