@@ -55,6 +55,13 @@ writes (:mod:`rcdl.app.runner`; ``environment.json`` is the first session's)::
     models/<model>-seed<k>.log.pt    with ``replay_every`` too, the run's replay log
                         (:class:`rcdl.train.replay.ReplayLog`), what exact forgetting replays
 
+Diagnostics (:class:`~rcdl.app.experiments.cifar10.config.DiagnosticConfig`, the command's
+settings; a run saves them only when one is asked for): ``bf16_effect`` trains the hybrid with
+one bfloat16 effect switched on for that run only, by the application's diagnostic changes
+of :mod:`~rcdl.app.experiments.cifar10.bf16_effects` (results/speed/LOG.md, "The hybrid's
+accuracy with a bfloat16 store"), and ``entry_grads`` writes every hybrid layer's entry
+gradients' size at every Adam step to ``entry_grads/<model>-seed<k>.jsonl``.
+
 The finished pairs are kept in ``summary.json`` (no ``finished.json``:
 :attr:`rcdl.app.runner.Experiment.finished_in_summary`). A resumed run continues an
 interrupted pair from its checkpoint to the result of an uninterrupted run
@@ -64,8 +71,9 @@ between the last checkpoint and the interruption.
 The package, by role: :mod:`~rcdl.app.experiments.cifar10.config` (the settings and the
 data), :mod:`~rcdl.app.experiments.cifar10.run` (one (model, seed) trained or fitted, the
 sub-runs, the files a run keeps), :mod:`~rcdl.app.experiments.cifar10.report` (rows, tables,
-the figure) and :mod:`~rcdl.app.experiments.cifar10.combine` (one table from several run
-folders); the models are the application's zoo, :mod:`rcdl.app.models`.
+the figure), :mod:`~rcdl.app.experiments.cifar10.combine` (one table from several run
+folders) and :mod:`~rcdl.app.experiments.cifar10.bf16_effects` (the hybrid's bfloat16
+diagnostics); the models are the application's zoo, :mod:`rcdl.app.models`.
 """
 
 from __future__ import annotations
@@ -73,7 +81,12 @@ from __future__ import annotations
 from typing import Any
 
 from rcdl.app.experiments.cifar10.combine import combine_runs
-from rcdl.app.experiments.cifar10.config import Cifar10Config, load_data
+from rcdl.app.experiments.cifar10.config import (
+    Cifar10Config,
+    DiagnosticConfig,
+    load_data,
+    saved_config,
+)
 from rcdl.app.experiments.cifar10.report import model_rows, write_report
 from rcdl.app.experiments.cifar10.run import (
     MODEL_FORMAT,
@@ -89,8 +102,9 @@ from rcdl.app.experiments.cifar10.run import (
 from rcdl.app.rundir import RunDir
 from rcdl.app.runner import Combine, Experiment, run_experiment
 
-__all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "MODEL_FORMAT", "Cifar10Config", "combine_runs",
-           "data_digest", "log_path", "model_path", "model_rows", "run_cifar10", "save_model"]
+__all__ = ["EXPERIMENT", "EXPERIMENT_SPEC", "MODEL_FORMAT", "Cifar10Config", "DiagnosticConfig",
+           "combine_runs", "data_digest", "log_path", "model_path", "model_rows", "run_cifar10",
+           "save_model"]
 
 EXPERIMENT = "cifar10-1epoch"  # also the run folders' `experiment` (config.EXPERIMENT)
 
@@ -104,7 +118,8 @@ def run_cifar10(cfg: Cifar10Config, **kw: Any) -> tuple[RunDir, dict[str, Any]]:
 
 
 EXPERIMENT_SPEC = Experiment(
-    name=EXPERIMENT, config=Cifar10Config,
+    name=EXPERIMENT, config=DiagnosticConfig, saved_config=Cifar10Config,
+    to_saved=saved_config,
     help="the paper's Fig. 2: growing and parametric models, one epoch of CIFAR-10 "
     "(docs/reference.md §6)",
     description="One epoch of CIFAR-10, batch 16, for the growing models (gws, gauge, rbf, "

@@ -42,7 +42,8 @@ def finished_runs(run_dir: Path) -> tuple[Cifar10Config | None, dict[str, Any]]:
 
 def _protocol(cfg: Cifar10Config, data: Mapping[str, Any]) -> dict[str, Any]:
     """What must agree between runs for their numbers to share a table."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in _PER_RUN_SETTINGS}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in _PER_RUN_SETTINGS
+                and not (k == "bf16_effect" and v is None)}  # a plain run's, either class
     return {**settings, "n_train": data["n_train"], "n_test": data["n_test"],
             "provenance": data.get("provenance")}
 
@@ -75,7 +76,8 @@ def _merge(loaded: list[tuple[Path, Cifar10Config | None, dict[str, Any]]],
         theirs = ({"store_dtype": None, **summary["protocol"]} if cfg is None  # older tables
                   else _protocol(cfg, summary["data"]))
         if theirs != protocol:
-            diff = {k: (protocol[k], theirs[k]) for k in protocol if protocol[k] != theirs[k]}
+            diff = {k: (protocol.get(k), theirs.get(k)) for k in {**protocol, **theirs}
+                    if protocol.get(k) != theirs.get(k)}
             raise ValueError(f"combine: {folder} used another protocol than {first_folder} "
                              f"(theirs first, then this one's): {diff}")
         kept = [r for r in summary["runs"] if models is None or r["model"] in models]

@@ -1,27 +1,73 @@
 """The one-epoch CIFAR-10 comparison's settings and data (docs/reference.md §6): what every
 model of ``rcdl reproduce cifar10-1epoch`` shares (the experiment is
-:mod:`rcdl.app.experiments.cifar10`)."""
+:mod:`rcdl.app.experiments.cifar10`), and the command's diagnostic settings
+(:class:`DiagnosticConfig`: the hybrid's bfloat16 variants, checked here, made by
+:mod:`~rcdl.app.experiments.cifar10.bf16_effects`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from rcdl.app.cifar import load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.models import PAPER_MODELS, model_spec
+from rcdl.app.models import PAPER_MODELS, hybrid_tau, model_spec
 from rcdl.train.loop import Metric, accuracy
 
-__all__ = ["DTYPES", "EXPERIMENT", "METRICS", "STORE_DTYPES", "Cifar10Config", "load_data"]
+__all__ = ["DTYPES", "EXPERIMENT", "HALF_STORE", "METRICS", "STORE_DTYPES", "VARIANTS",
+           "Cifar10Config", "DiagnosticConfig", "check_variant", "load_data", "perturbation",
+           "saved_config"]
 
 EXPERIMENT = "cifar10-1epoch"
 METRICS: dict[str, Metric] = {  # the first: the progress bar's
     "test_acc": accuracy, "test_loss": F.cross_entropy}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# the hybrid's bfloat16 diagnostics (--bf16-effect; what each does: cifar10.bf16_effects)
+VARIANTS = ("rounded-at-eval", "bf16-gradients", "compensated", "sr-keys", "sr-values",
+            "sr-entries", "sr-entries-bf16-gradients", "sr-entries-hash", "bfloat16-torch-noise",
+            "nearest-forward", "nearest-forward-keys", "nearest-forward-values",
+            "nearest-forward-readout", "nearest-forward-blocks", "jitter-forward",
+            "jitter-forward-fine", "float32-chunks-1000", "float32-perturbed-once",
+            "rounded-steps-exact-gate", "rounded-gate-only")
+# the variants that act on a bfloat16 store; every other one acts on a float32 store
+HALF_STORE = ("compensated", "bfloat16-torch-noise")
+_PERTURBED = re.compile(r"float32-perturbed-once(?:-step([0-9]+))?(?:-seed([0-9]+))?")
+
+
+# --------------------------------------------------------------------------- the variants
+
+
+def perturbation(variant: str) -> tuple[int, int] | None:
+    """``(Adam step, seed)`` of a ``float32-perturbed-once[-stepN][-seedK]`` variant (step 1
+    and seed 0 unless named); ``None`` for any other variant."""
+    match = _PERTURBED.fullmatch(variant)
+    return None if match is None else (int(match.group(1) or 1), int(match.group(2) or 0))
+
+
+def check_variant(variant: str, store_dtype: str | None) -> None:
+    """Refuse an unknown ``variant`` and one that does not act on ``store_dtype`` (the
+    store's dtype: ``None`` is float32).
+
+    Raises:
+        ValueError: naming the variants, or the store dtype the variant needs.
+    """
+    if variant not in VARIANTS and perturbation(variant) is None:
+        raise ValueError(f"unknown bf16_effect {variant!r}; known: {', '.join(VARIANTS)} "
+                         "(and float32-perturbed-once-stepN-seedK)")
+    half = variant in HALF_STORE
+    if half and store_dtype != "bfloat16":
+        raise ValueError(f"bf16_effect {variant!r} acts on a bfloat16 store: give "
+                         "--store-dtype bfloat16")
+    if not half and store_dtype is not None:
+        raise ValueError(f"bf16_effect {variant!r} acts on a float32 store: give no "
+                         f"--store-dtype (got {store_dtype})")
 
 
 # --------------------------------------------------------------------------- the config
@@ -82,6 +128,62 @@ class Cifar10Config(ExperimentConfig):
     @property
     def torch_store_dtype(self) -> torch.dtype | None:
         return None if self.store_dtype is None else STORE_DTYPES[self.store_dtype]
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any]) -> Any:
+        """The config saved as ``config.json``: a :class:`DiagnosticConfig` where it holds
+        a diagnostic setting (a run with ``--bf16-effect`` or ``--entry-grads``), else this
+        class."""
+        if cls is Cifar10Config and any(name in saved for name in _DIAGNOSTICS):
+            return DiagnosticConfig.from_dict(saved)
+        return super().from_dict(saved)
+
+
+@dataclass(frozen=True)
+class DiagnosticConfig(Cifar10Config):
+    """The command's settings: :class:`Cifar10Config` and the hybrid's bfloat16 diagnostics
+    (:mod:`~rcdl.app.experiments.cifar10.bf16_effects`; results/speed/LOG.md, "The hybrid's
+    accuracy with a bfloat16 store"). A run saves this class only when a diagnostic is
+    asked for (:func:`saved_config`), so the ``config.json`` of a run without one is a
+    :class:`Cifar10Config`'s, as before these settings existed."""
+
+    bf16_effect: str | None = setting(
+        None, "train the hybrid with one bfloat16 effect switched on, a diagnostic change "
+        "made for this run only (docs/cifar10.md, \"The hybrid's bfloat16 diagnostics\"): "
+        + ", ".join(VARIANTS) + ", float32-perturbed-once-stepN-seedK", metavar="VARIANT",
+        default_text="none")
+    entry_grads: bool = setting(
+        False, "write every hybrid layer's entry gradients' size at every Adam step to "
+        "entry_grads/<model>-seed<k>.jsonl (two such files are compared by python -m "
+        "rcdl.app.experiments.cifar10.bf16_effects A B)")
+
+    def check(self) -> None:
+        super().check()
+        if self.bf16_effect is None:
+            return
+        check_variant(self.bf16_effect, self.store_dtype)
+        if self.checkpoint:
+            raise ValueError("DiagnosticConfig: a bf16_effect's own state (master copies, "
+                             "compensation terms, random generators) is not checkpointed, so "
+                             "a resumed model would not train as an uninterrupted one: give "
+                             "--no-checkpoint")
+        others = [name for name in self.models if not hybrid_tau(name)[0]]
+        if others:
+            raise ValueError(f"DiagnosticConfig: bf16_effect changes how the hybrid trains; "
+                             f"train only hybrids (hybrid, hybrid-tau<τ>, hybrid-always) with "
+                             f"it, not {', '.join(others)}")
+
+
+_DIAGNOSTICS = tuple(f.name for f in fields(DiagnosticConfig)
+                     if f.name not in {g.name for g in fields(Cifar10Config)})
+
+
+def saved_config(cfg: Cifar10Config) -> Cifar10Config:
+    """What a run saves and trains with: ``cfg`` itself when it asks for a diagnostic, else
+    its :class:`Cifar10Config` (a ``config.json`` without the diagnostic settings)."""
+    if any(getattr(cfg, name, False) not in (None, False) for name in _DIAGNOSTICS):
+        return cfg
+    return Cifar10Config(**{f.name: getattr(cfg, f.name) for f in fields(Cifar10Config)})
 
 
 # --------------------------------------------------------------------------- the data

@@ -91,9 +91,30 @@ def _train(name: str, seed: int, cfg: Cifar10Config, data: tuple,
     """Train one (model, seed); returns its result (see ``train_one_pass``) plus identity.
     With the option ``keep_models`` a growing model is saved once trained (:func:`save_model`),
     and with ``replay_every`` it trains with a :class:`~rcdl.train.replay.ReplayLog` saved
-    beside it."""
+    beside it. A :class:`~rcdl.app.experiments.cifar10.config.DiagnosticConfig` builds and
+    trains it with its ``bf16_effect`` switched on (undone when it finishes) and, with
+    ``entry_grads``, records its entry gradients under ``entry_grads/``."""
     if model_spec(name).classical:
         return _fit_classical(name, seed, cfg, data, session)
+    if getattr(cfg, "bf16_effect", None) is None and not getattr(cfg, "entry_grads", False):
+        return _train_by_passes(name, seed, cfg, data, session)
+    # imported by the runs that ask for a diagnostic only (and so `python -m` runs the module
+    # without the package having imported it first)
+    from rcdl.app.experiments.cifar10.bf16_effects import bf16_effect, record_entry_grads
+
+    with contextlib.ExitStack() as stack:
+        notes = stack.enter_context(bf16_effect(getattr(cfg, "bf16_effect", None)))
+        if getattr(cfg, "entry_grads", False):
+            folder = session.run.file("entry_grads")
+            folder.mkdir(exist_ok=True)
+            stack.enter_context(record_entry_grads(folder / f"{_run_name(name, seed)}.jsonl"))
+        result = _train_by_passes(name, seed, cfg, data, session)
+    return {**result, "rounded_evaluations": notes} if notes else result
+
+
+def _train_by_passes(name: str, seed: int, cfg: Cifar10Config, data: tuple,
+                     session: Session) -> dict[str, Any]:  # fmt: skip
+    """:func:`_train` for a model trained by passes (growing or parametric)."""
     world = rank_and_world()[1]
     model, optimizer, grower = build_model(name, seed, device=session.device,
                                            dtype=cfg.torch_dtype,

@@ -47,7 +47,13 @@ Measured, for each (model, order, seed) — one sub-run:
   Restriction, not re-weighting: it is exact, takes nothing to tune, and asks one plain
   question — can the task's own entries still classify its images? (docs/continual.md).
   A parametric network has nothing to restrict. And the signed value mass the readout's
-  entries put on each class, by the task that wrote them (:func:`value_mass`).
+  entries put on each class, by the task that wrote them (:func:`value_mass`);
+- with ``readouts`` (``--readouts as-trained task-inference task-balanced sharper-kernel``,
+  default none), for a model with an RBF readout (``rbf``, ``rbf+labels``), the test images
+  read out of its trained readout's entries in other ways, nothing trained again
+  (:func:`~rcdl.app.experiments.continual.analysis.readouts`; a table of the report and
+  ``readouts.json``). A run without it saves a :class:`ContinualConfig`, one with it a
+  :class:`~rcdl.app.experiments.continual.spec.ReadoutsConfig`.
 
 and for each (model, seed) the i.i.d. reference: one pass over the same training images
 shuffled over all classes (EWC and LwF: their network and optimizer, which is plain
@@ -81,6 +87,7 @@ from rcdl.app.experiments.continual.analysis import (
     finish,
     forgetting,
     own_entries_copy,
+    readouts,
     rows,
     value_mass,
 )
@@ -90,16 +97,18 @@ from rcdl.app.experiments.continual.spec import (
     CLASSES,
     ContinualConfig,
     ModelName,
+    ReadoutsConfig,
     class_order,
     load_data,
+    saved_config,
     task_split,
 )
 from rcdl.app.runner import Experiment
 
 __all__ = ["ANCHORS", "CLASSES", "EXPERIMENT", "EXPERIMENT_SPEC", "FULL", "ContinualConfig",
-           "ModelName", "average_incremental_accuracy", "backward_transfer", "class_order",
-           "entries_by_task", "forgetting", "load_data", "own_entries_copy", "rows",
-           "run_sequence", "task_split", "value_mass"]
+           "ModelName", "ReadoutsConfig", "average_incremental_accuracy", "backward_transfer",
+           "class_order", "entries_by_task", "forgetting", "load_data", "own_entries_copy",
+           "readouts", "rows", "run_sequence", "task_split", "value_mass"]
 
 EXPERIMENT = "continual"
 
@@ -109,7 +118,8 @@ FULL = {"train_size": None, "test_size": None, "orders": ("0", "random-1"), "see
                    "pec", "knn-l2", "knn-cosine", "ncm", "slda")}
 
 EXPERIMENT_SPEC = Experiment(
-    name=EXPERIMENT, config=ContinualConfig,
+    name=EXPERIMENT, config=ReadoutsConfig, saved_config=ContinualConfig,
+    to_saved=saved_config,
     help="class-incremental Split CIFAR-10 without replay: growing models against "
     "fine-tuned, EWC and LwF MLPs and raw-pixel kNN / NCM / SLDA, and the silent memories "
     "(docs/continual.md)",
@@ -118,7 +128,8 @@ EXPERIMENT_SPEC = Experiment(
     "the accuracy matrix, final and average incremental accuracy, backward transfer and "
     "forgetting, each model's gap to its i.i.d. one-pass accuracy on the same images, and, "
     "for the growing models, whether an earlier task's entries are still stored and "
-    "whether they alone still classify its images. See docs/continual.md.",
+    "whether they alone still classify its images; with --readouts, the rbf models' "
+    "trained readout read out in other ways. See docs/continual.md.",
     sub_runs=sub_runs, report=write_report, load_data=load_data, start=start,
     finish=finish, switches={"full": (
         "the whole CIFAR-10 (all 50 000 / 10 000 images), the natural order and random-1, "

@@ -7,21 +7,24 @@ model's entries still hold after the last task (:func:`own_entries_copy`,
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from rcdl.app.experiments.continual.spec import ContinualConfig, ModelName
+from rcdl.app.experiments.continual.spec import CLASSES, ContinualConfig, ModelName
 from rcdl.app.report import mean_sd
 from rcdl.memory.forgetting import forget
 from rcdl.memory.provenance import UNKNOWN, entry_samples
 from rcdl.nn.layers import growing_layers
+from rcdl.nn.networks import eval_mode, layer_input
+from rcdl.ops.kernels import RBFKernel
 
 __all__ = ["KEPT_TARGET", "METRICS", "average_incremental_accuracy", "backward_transfer",
-           "entries_by_task", "finish", "forgetting", "mean_known", "own_entries_copy", "rows",
-           "silent_rows", "value_mass", "verdict"]
+           "entries_by_task", "finish", "forgetting", "mean_known", "own_entries_copy",
+           "readout_rows", "readouts", "rows", "silent_rows", "value_mass", "verdict"]
 
 
 # --------------------------------------------------------------------------- metrics
@@ -117,6 +120,80 @@ def value_mass(model: nn.Module, task_of_sample: Tensor,
     mass = torch.zeros(len(tasks), len(order), dtype=torch.float64)
     mass.index_add_(0, task, values[known][:, order])
     return mass.tolist()
+
+
+def readouts(model: nn.Module, x: Tensor, y: Tensor, y_train: Tensor,
+             tasks: Sequence[Sequence[int]], chosen: Sequence[str],
+             batch_size: int) -> dict[str, float]:  # fmt: skip
+    """The accuracy (percent) on the test images ``x (M, d)``, ``y (M,)`` of the trained RBF
+    X; nothing is
+    trained again and no image replayed. With ``k(q, k_j) = exp(−‖q − k_j‖² / (2τ))``,
+    ``τ = T √d`` (the readout's kernel) and the readout's logits ``s(q) = Σ_j k(q, k_j) v_j``:
+
+    - ``as-trained``: ``argmax s(q)``, the model's own 10-way answer;
+    - ``task-inference``: the task ``t* = argmax_t Σ_{j∈t} k(q, k_j)`` whose entries carry
+      the most kernel mass at the query (the retrieval analogue of PEC's per-class error),
+      then the argmax of ``s(q)`` over ``t*``'s classes;
+    - ``task-balanced``: each task's logits divided by its entries' kernel mass at ``q``;
+    - ``sharper-kernel``: ``Σ_j k(q, k_j)² v_j``, the temperature halved at test time.
+
+    An entry's task is that of the training sample that wrote it (its index into
+    ``y_train (n,)``, :func:`rcdl.memory.provenance.entry_samples`). With a task-mass
+    readout comes ``task_identified``: the share of images whose task ``t*`` is theirs.
+
+    Raises:
+        ValueError: the model's readout is not a growing RBF layer.
+    """
+    layer = getattr(model, "readout", None)
+    if layer is None or not isinstance(getattr(layer, "kernel", None), RBFKernel):
+        raise ValueError(f"readouts: expected a network whose readout is a growing RBF "
+                         f"layer, got {type(layer).__name__}")
+    device = layer.store.keys.device
+    with torch.no_grad(), eval_mode(model):
+        logits = torch.cat([model(b.to(device)).float().cpu()
+                            for b in x.split(batch_size)])  # (M, C)
+    q = torch.cat([layer_input(model, layer, b.to(device)).float().cpu()
+                   for b in x.split(batch_size)])  # (M, d)
+    keys = layer.store.keys.detach().float().cpu()  # (N, d)
+    values = layer.store.values.detach().float().cpu()  # (N, C)
+    tau = layer.temperature * math.sqrt(keys.shape[1])
+    sq = torch.cdist(q, keys).square()  # (M, N)
+    kernel = torch.exp(-sq / (2 * tau))  # (M, N)
+    torch.testing.assert_close(kernel @ values, logits, rtol=1e-3, atol=1e-3)  # the layer's
+
+    def acc(scores: Tensor) -> float:
+        return 100 * (scores.argmax(1) == y).float().mean().item()
+
+    task_of_class = torch.empty(CLASSES, dtype=torch.long)
+    for t, classes in enumerate(tasks):
+        task_of_class[list(classes)] = t
+    owners = entry_samples(layer).cpu()  # (N,)
+    entry_task = torch.where(owners == UNKNOWN, -1,
+                             task_of_class[y_train[owners.clamp_min(0)]])  # (N,), -1: unknown
+    out: dict[str, float] = {}
+    if "as-trained" in chosen:
+        out["as-trained"] = acc(logits)
+    if "task-inference" in chosen or "task-balanced" in chosen:
+        mass = torch.stack([kernel[:, entry_task == t].sum(1) for t in range(len(tasks))],
+                           1)  # (M, T)
+        inferred = mass.argmax(1)  # (M,)
+        within = torch.full_like(logits, -torch.inf)
+        balanced = logits.clone()
+        for t, classes in enumerate(tasks):
+            cols = list(classes)
+            mine = inferred == t
+            within[mine.nonzero(), torch.tensor(cols)] = logits[mine][:, cols]
+            balanced[:, cols] = logits[:, cols] / mass[:, t : t + 1].clamp_min(1e-30)
+        if "task-inference" in chosen:
+            out["task-inference"] = acc(within)
+        if "task-balanced" in chosen:
+            out["task-balanced"] = acc(balanced)
+        out["task_identified"] = 100 * (inferred == task_of_class[y]).float().mean().item()
+    if "sharper-kernel" in chosen:
+        out["sharper-kernel"] = acc(torch.exp(-sq / tau) @ values)
+    if "task_identified" in out:  # after the readouts
+        out["task_identified"] = out.pop("task_identified")
+    return out
 
 
 # --------------------------------------------------------------------------- summary rows
@@ -230,11 +307,29 @@ def verdict(rows_: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def readout_rows(cfg: ContinualConfig, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model read out (``--readouts``) and readout: the final accuracy's mean ± sd over
+    every (order, seed), and the values (``acc``, ``acc_sd``, ``runs``, ``values``)."""
+    out = []
+    for name in cfg.models:
+        done = [r for r in runs if r["model"] == name and "readouts" in r]
+        if not done:
+            continue
+        for key in dict.fromkeys(k for r in done for k in r["readouts"]):
+            values = [r["readouts"][key] for r in done if key in r["readouts"]]
+            acc, sd = mean_sd(values)
+            out.append({"model": name, "readout": key, "runs": len(values), "acc": acc,
+                        "acc_sd": sd, "values": values})
+    return out
+
+
 def finish(cfg: ContinualConfig, summary: dict[str, Any]) -> None:
     """Add to ``summary`` what the report reads from its runs: ``rows``, ``silent``,
-    ``verdict``, each growing model's mean ``value_mass`` and each model's mean accuracy
-    matrix (``matrices``)."""
+    ``verdict``, each growing model's mean ``value_mass``, each model's mean accuracy
+    matrix (``matrices``) and, with ``--readouts``, ``readouts`` (:func:`readout_rows`)."""
     runs = summary["runs"]
+    if any("readouts" in r for r in runs):
+        summary["readouts"] = readout_rows(cfg, runs)
     summary["rows"] = rows(cfg, runs)
     summary["silent"] = silent_rows(cfg, runs)
     summary["verdict"] = verdict(summary["rows"])

@@ -11,7 +11,12 @@ import torch
 
 from rcdl.app.experiments.continual.analysis import KEPT_TARGET
 from rcdl.app.experiments.continual.plots import plot_curves, plot_mass, plot_matrices, plot_silent
-from rcdl.app.experiments.continual.spec import ContinualConfig, class_order, task_split
+from rcdl.app.experiments.continual.spec import (
+    READOUTS,
+    ContinualConfig,
+    class_order,
+    task_split,
+)
 from rcdl.app.report import csv_text, markdown_table, pm, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 
@@ -100,10 +105,39 @@ def _protocol(cfg: ContinualConfig, d: dict[str, Any]) -> str:
         "seconds per class-incremental run (kNN's fits count as evaluation).")
 
 
+def _readouts_section(summary: dict[str, Any]) -> list[str]:
+    """The section of the readouts (``--readouts``): one row per model and readout."""
+    if not summary.get("readouts"):
+        return []
+    words = {**{k: v.split(":")[0] for k, v in READOUTS.items()},
+             "task_identified": "task identified (task inference's first step)"}
+    body = [(r["model"], words.get(r["readout"], r["readout"]), r["runs"],
+             pm(r["acc"], r["acc_sd"], 1)) for r in summary["readouts"]]
+    return [
+        "## Other readouts of the trained readout",
+        "After the last task, the test images read out of the trained RBF readout's stored "
+        "entries in other ways, nothing trained again, no image replayed (`readouts.json`; "
+        "results/continual/LOG.md, \"What did not help\"): "
+        + "; ".join(READOUTS.values()) + ". Final accuracy %, mean ± sd over every (order, "
+        "seed).",
+        markdown_table(("model", "readout", "runs", "final acc %"), body)]
+
+
+def _readouts_json(cfg: ContinualConfig, summary: dict[str, Any]) -> dict[str, Any]:
+    """``readouts.json``: per model and readout, the final accuracy of every (order, seed)
+    in the order of the sub-runs."""
+    results: dict[str, dict[str, list[float]]] = {}
+    for r in summary["readouts"]:
+        results.setdefault(r["model"], {})[r["readout"]] = r["values"]
+    return {"train_size": summary["data"]["n_train"], "test_size": summary["data"]["n_test"],
+            "orders": list(cfg.orders), "seeds": list(cfg.seeds), "results": results}
+
+
 def write_report(run: RunDir, cfg: ContinualConfig, summary: dict[str, Any],
                  device: torch.device) -> str:  # fmt: skip
     """Write ``results.md``, ``results.csv`` and the figures ``continual_matrix.png``,
-    ``continual_curves.png`` and ``silent_memories.png``; return the markdown."""
+    ``continual_curves.png`` and ``silent_memories.png`` (and, with ``--readouts``,
+    ``readouts.json``); return the markdown."""
     d, rows_, silent = summary["data"], summary["rows"], summary["silent"]
     parts = [
         "# Class-incremental Split CIFAR-10, no replay",
@@ -133,6 +167,7 @@ def write_report(run: RunDir, cfg: ContinualConfig, summary: dict[str, Any],
         f"kNN and streaming LDA, keeping at least {KEPT_TARGET:.0f} % of its own i.i.d. "
         "accuracy; and, the strongest rehearsal-free peer, PEC (where it was run).",
         _verdict_lines(summary["verdict"]),
+        *_readouts_section(summary),
         "Anchors (Split CIFAR-10 class-incremental, 5 tasks, ResNet-18, 50 epochs per task, "
         "DER, Buzzega et al. 2020): fine-tuning 19.62 %, online EWC 19.49 %, SI 19.48 %, "
         "LwF 19.61 %; 1-NN on raw pixels about 35–39 % on the whole CIFAR-10. kNN, NCM and "
@@ -141,6 +176,8 @@ def write_report(run: RunDir, cfg: ContinualConfig, summary: dict[str, Any],
         f"Data: {d['source']}, {d['provenance']}.\nMachine: {describe_machine(device)}.\n",
     ]
     markdown = "\n\n".join(parts)
+    if summary.get("readouts"):
+        run.write_json("readouts.json", _readouts_json(cfg, summary))
     table = ([{"table": "models", **r} for r in rows_]
              + [{"table": "silent memories", **r} for r in silent])
     columns = list(dict.fromkeys(k for r in table for k in r))  # both tables' columns

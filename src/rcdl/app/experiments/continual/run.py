@@ -16,7 +16,12 @@ from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, cifar_summary
 from rcdl.app.classical import fit_knn
-from rcdl.app.experiments.continual.analysis import entries_by_task, own_entries_copy, value_mass
+from rcdl.app.experiments.continual.analysis import (
+    entries_by_task,
+    own_entries_copy,
+    readouts,
+    value_mass,
+)
 from rcdl.app.experiments.continual.baselines import (
     EWC,
     PEC,
@@ -33,6 +38,7 @@ from rcdl.app.experiments.continual.spec import (
     ContinualConfig,
     ModelName,
     class_order,
+    reads_out,
     task_split,
 )
 from rcdl.app.models import build_model
@@ -275,13 +281,21 @@ def _silent_memories(name: str, model: nn.Module, data: CifarData,
 def continual_one(name: str, order: str, seed: int, data: CifarData, cfg: ContinualConfig,
                   session: Session) -> dict[str, Any]:  # fmt: skip
     """One sub-run: model ``name`` on the tasks of ``order`` from ``seed``
-    (:mod:`rcdl.app.experiments.continual`); with the silent memories of a growing model."""
+    (:mod:`rcdl.app.experiments.continual`); with the silent memories of a growing model
+    and, where ``cfg`` asks for ``readouts`` and the model has an RBF readout, its trained
+    readout read out in those ways (:func:`~rcdl.app.experiments.continual.analysis.readouts`)."""
     tasks = task_split(order, cfg.classes_per_task)
     log = session.log(model=name, order=order, seed=seed)
     model, out = run_sequence(name, seed, data, tasks, cfg, session.device, log=log)
     kind = ModelName.parse(name).kind
     result = {"model": name, "order": order, "seed": seed, "kind": kind,
               "tasks": [list(c) for c in tasks], **out}
+    chosen = getattr(cfg, "readouts", None)
+    if model is not None and chosen is not None and reads_out(name):
+        start = time.perf_counter()
+        result["readouts"] = readouts(model, data.x_test, data.y_test, data.y_train, tasks,
+                                      chosen, cfg.eval_batch_size)
+        result["readouts_seconds"] = time.perf_counter() - start
     if model is not None and kind == "growing":
         start = time.perf_counter()
         result["silent"] = _silent_memories(name, model, data, tasks, cfg, session.device)

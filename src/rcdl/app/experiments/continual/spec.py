@@ -5,8 +5,10 @@ tasks of a class order, the names of its models (:class:`ModelName`) and its set
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -14,8 +16,9 @@ from rcdl.app.cifar import load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
 from rcdl.app.models import model_spec
 
-__all__ = ["CLASSES", "LABELS", "PIXELS", "REGULARISED", "VOTE", "ContinualConfig", "ModelName",
-           "class_order", "load_data", "task_split"]
+__all__ = ["CLASSES", "LABELS", "PIXELS", "READOUTS", "REGULARISED", "VOTE", "ContinualConfig",
+           "ModelName", "ReadoutsConfig", "class_order", "load_data", "reads_out",
+           "saved_config", "task_split"]
 
 CLASSES = 10
 REGULARISED = {"mlp-ewc": "EWC", "mlp-lwf": "LwF"}
@@ -25,6 +28,14 @@ PIXELS = {"knn-l2": "kNN, L2", "knn-cosine": "kNN, cosine", "ncm": "nearest clas
 LABELS = {"+labels": "task", "+batch-labels": "batch"}
 # a growing network read out by its readout entries' labels (baselines.LabelVote)
 VOTE = "+vote"
+# other readouts of a trained RBF readout's entries (``--readouts``; analysis.readouts)
+READOUTS = {"as-trained": "as trained: the model's own 10-way output",
+            "task-inference": "task inference: the task whose readout entries carry the most "
+            "kernel mass at the query, then the argmax over its classes",
+            "task-balanced": "task-balanced: each task's logits divided by its entries' kernel "
+            "mass at the query",
+            "sharper-kernel": "sharper kernel: the readout's temperature halved, values as "
+            "learnt"}
 _RANDOM = re.compile(r"random-([0-9]+)")
 
 
@@ -237,6 +248,49 @@ class ContinualConfig(ExperimentConfig):
         if self.slda_shrinkage > 1:
             raise ValueError(f"ContinualConfig: slda_shrinkage must be at most 1, got "
                              f"{self.slda_shrinkage}")
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any]) -> Any:
+        """The config saved as ``config.json``: a :class:`ReadoutsConfig` where it names
+        ``readouts`` (a run with ``--readouts``), else this class."""
+        if cls is ContinualConfig and "readouts" in saved:
+            return ReadoutsConfig.from_dict(saved)
+        return super().from_dict(saved)
+
+
+def reads_out(name: str) -> bool:
+    """Whether ``--readouts`` reads model ``name``'s readout: a growing RBF network
+    answering by its own output (``rbf``, ``rbf+labels``; not a label vote)."""
+    parsed = ModelName.parse(name)
+    return parsed.network == "rbf" and not parsed.vote
+
+
+@dataclass(frozen=True)
+class ReadoutsConfig(ContinualConfig):
+    """The command's settings: :class:`ContinualConfig` and ``readouts``. A run saves this
+    class only when ``readouts`` is given (:func:`saved_config`), so the ``config.json`` of
+    a run without it is a :class:`ContinualConfig`'s, as before the setting existed."""
+
+    readouts: tuple[str, ...] | None = setting(
+        None, "after the last task, read the test images out of each rbf model's trained "
+        "readout entries in other ways, nothing trained again (results/continual/LOG.md, "
+        "\"What did not help\"): " + "; ".join(READOUTS.values()), choices=READOUTS,
+        metavar="READOUT", default_text="none")
+
+    def check(self) -> None:
+        super().check()
+        if self.readouts is not None and not any(reads_out(m) for m in self.models):
+            raise ValueError(f"ContinualConfig: readouts are read from a growing RBF "
+                             f"readout (rbf, rbf+labels, rbf+batch-labels), and no model of "
+                             f"{list(self.models)} has one")
+
+
+def saved_config(cfg: ContinualConfig) -> ContinualConfig:
+    """What a run saves and trains with: ``cfg`` itself when it asks for readouts, else its
+    :class:`ContinualConfig` (a ``config.json`` without ``readouts``)."""
+    if getattr(cfg, "readouts", None) is not None:
+        return cfg
+    return ContinualConfig(**{f.name: getattr(cfg, f.name) for f in fields(ContinualConfig)})
 
 
 load_data = partial(load_subsets, "cifar10")
