@@ -27,6 +27,11 @@ rank (``torch.set_num_threads(1)`` in every worker). Four parts, each in fresh p
 Every rank generates the same global store (rows seeded by chunk) and keeps its own rows, so
 outputs and losses are comparable between world sizes.
 
+Times are read with the benchmark harness's clock (``benchmarks/harness.py``: ``clock`` at each
+phase's end inside a rank, ``timeit`` for a collective called alone), in every rank; the ranks
+hide any accelerator (``CUDA_VISIBLE_DEVICES=""``), so the clock's device synchronisation
+neither starts one nor waits for one.
+
 Run (the committed results, ``results/distributed/README.md``)::
 
     python benchmarks/bench_distributed.py --json results/distributed/results.json
@@ -46,7 +51,6 @@ import resource
 import statistics
 import sys
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,6 +59,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from harness import clock, timeit
 from rcdl.app.rundir import SPEED_FLAGS, cpu_flags, cpu_model
 
 BATCH = 16
@@ -122,9 +127,9 @@ class Collectives:
 
         def counted(tensor_or_list, *args, **kwargs):  # noqa: ANN001, ANN202
             t = tensor_or_list if name == "all_reduce" else args[0]  # all_gather(out, t)
-            start = time.perf_counter()
+            start = clock()
             result = orig(tensor_or_list, *args, **kwargs)
-            self.seconds += time.perf_counter() - start
+            self.seconds += clock() - start
             self.calls += 1
             self.bytes += t.numel() * t.element_size()
             self.sizes.append(t.numel() * t.element_size())
@@ -180,6 +185,7 @@ def batch(step: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ------------------------------------------------------------------ workers
 def _init(rank: int, world: int, init_file: str | None) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: the clock starts no accelerator
     torch.set_num_threads(1)
     if init_file is not None:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -307,16 +313,16 @@ def time_worker(rank: int, world: int, init_file: str | None, out: str, d: int, 
         if init_file is not None:
             dist.barrier()
             counter.reset()
-        t0 = time.perf_counter()
+        t0 = clock()  # the harness's clock at each phase's end
         grower.zero_grad()
         loss = F.cross_entropy(net(x), y)
         loss_value = loss.item()
-        t1 = time.perf_counter()
+        t1 = clock()
         fwd_coll = counter.snapshot() if counter else None
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = clock()
         grower.step()
-        t3 = time.perf_counter()
+        t3 = clock()
         rec = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "total": t3 - t0,
                "loss": loss_value}
         if counter:
@@ -332,11 +338,9 @@ def time_worker(rank: int, world: int, init_file: str | None, out: str, d: int, 
         for shape in sizes:
             t = torch.zeros(shape)
             times = []
-            for _ in range(reps):
+            for _ in range(reps):  # one call at a time, each after a barrier (not timed)
                 dist.barrier()
-                start = time.perf_counter()
-                dist.all_reduce(t)
-                times.append(time.perf_counter() - start)
+                times.append(timeit(lambda t=t: dist.all_reduce(t), 1, warmup=0).times[0])
             alone[str(t.numel() * 4)] = statistics.median(times)
     _dump(out, rank, {"records": records, "alone": alone, "per_entry": per_entry,
                       "entries": [len(layer.store) for _, layer in growing_layers(net)],
@@ -589,11 +593,11 @@ def main() -> None:
     print(f"# machine: {machine_line()}")
     print(f"# settings: {json.dumps(cfg)}")
     report: dict = {"machine": machine_line(), "argv": sys.argv[1:], "config": cfg}
-    start = time.perf_counter()
+    start = clock()
     for name in args.parts:
         PARTS[name](cfg, report)
         sys.stdout.flush()
-    print(f"\n# done in {time.perf_counter() - start:.0f} s")
+    print(f"\n# done in {clock() - start:.0f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")

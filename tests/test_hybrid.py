@@ -29,14 +29,14 @@ def _layer(d_in=4, d_out=3, trigger=None, initial_entries=5, **kw):
     return layer
 
 
-def _train_step(layer, q, adam=None, target=None):
+def _train_step(layer, q, adam=None, target=None, grower=None):
     target = torch.zeros(q.shape[0], layer.d_out, **F64) if target is None else target
     loss = F.mse_loss(layer(q), target)
     loss.backward()
     if adam is not None:
         adam.step()
         adam.zero_grad()
-    Grower(layer).step()
+    (Grower(layer) if grower is None else grower).step()
     return loss.item()
 
 
@@ -69,10 +69,14 @@ def test_distance_gate_is_exact_at_tau(dtype, eps):
     q = anchor + torch.stack([(tau - eps) * direction, (tau + eps) * direction])  # (2, 3)
     loss = layer(q).sum()
     loss.backward()
-    Grower(layer).step()
+    grower = Grower(layer)
+    grower.step()
     assert len(layer.store) == 2
     assert_close(layer.store.keys[1], q[1])  # only the query beyond tau was written
-    assert layer.stats() == {"written": 2, "refused": 1, "entries": 2,
+    # the learner counts what its step wrote and refused (the anchor was committed by hand)
+    growth = grower.growth[layer.name]
+    assert (growth.written, int(growth.refused)) == (1, 1)
+    assert layer.stats() == {"written": 1, "refused": 1, "entries": 2,
                              "bytes": layer.store.nbytes}
 
 
@@ -80,9 +84,10 @@ def test_samples_far_from_everything_are_written_near_ones_refused():
     layer = _layer(trigger=DistanceGate(1.0))
     near = layer.store.keys[:2] + 0.01
     far = layer.store.keys[:2] + 10.0
-    _train_step(layer, torch.cat([near, far]))
+    grower = Grower(layer)
+    _train_step(layer, torch.cat([near, far]), grower=grower)
     assert len(layer.store) == 5 + 2
-    assert int(layer.entries_refused) == 2
+    assert int(grower.growth[layer.name].refused) == 2
 
 
 def test_always_grow_writes_every_sample():
@@ -276,13 +281,14 @@ def test_a_run_with_the_reference_adam_ends_where_the_kernel_does(monkeypatch):
             monkeypatch.setattr(EntryMoments, "step", reference_step)
         net, learner = _hybrid_net()
         result = train_one_pass(net, data, **learner, **kw)
-        runs.append((result, [m for m in net.modules() if isinstance(m, HybridSoftmax)]))
-    (kernel, kernel_layers), (reference, reference_layers) = runs
+        runs.append((result, [m for m in net.modules() if isinstance(m, HybridSoftmax)],
+                     learner["grower"]))
+    (kernel, kernel_layers, kernel_grower), (reference, reference_layers, reference_grower) = runs
     assert kernel["entries"] == reference["entries"]
     losses = [[h["test_loss"] for h in run["history"]] for run in (kernel, reference)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-10)
+    assert kernel_grower.state_dict()["growth"] == reference_grower.state_dict()["growth"]
     for mine, theirs in zip(kernel_layers, reference_layers, strict=True):
-        assert mine.stats() == theirs.stats()
         for a, b in ((mine.store.keys, theirs.store.keys), (mine.store.values,
                      theirs.store.values), (mine.store.weights, theirs.store.weights)):
             assert_close(a, b, rtol=1e-10, atol=1e-12)
@@ -359,10 +365,10 @@ def test_adam_and_growth_learn_a_small_task():
                             progress=False, **learner)
     losses = [h["test_loss"] for h in result["history"]]
     assert losses[-1] < 0.8 * losses[0]
-    layers = [m for m in net.modules() if isinstance(m, HybridSoftmax)]
-    stats = [layer.stats() for layer in layers]
-    assert all(0 < s["written"] < 256 for s in stats)  # the gate both wrote and refused
-    assert all(s["written"] + s["refused"] == 256 for s in stats)
+    counts = learner["grower"].state_dict()["growth"]  # the learner's, by layer
+    assert len(counts) == 2
+    assert all(0 < c["written"] < 256 for c in counts.values())  # the gate wrote and refused
+    assert all(c["written"] + c["refused"] == 256 for c in counts.values())
 
 
 def test_hybrid_run_resumes_to_the_same_result(interrupt_after, tmp_path):
@@ -507,3 +513,82 @@ def test_a_refusal_names_beta_for_weighted_softmax_rules_and_the_learning_rate_o
     assert divergence_advice(rbf).startswith("lower the learning rate (rule FunctionalSGD")
     assert all("raise the temperature" in divergence_advice(layer)
                for layer in (gws, gauge, rbf))
+
+
+# --------------------------------------------------------------------------- the learner's counts
+
+
+def _counts_on_the_layers(state):
+    """A grower's checkpoint ``state`` as saved when each hybrid layer held its write counts
+    as buffers (``entries_written``, ``entries_refused`` in the model part) and the grower's
+    state had none."""
+    for name, counts in state["grower"].pop("growth").items():
+        state["model"][f"{name}.entries_written"] = torch.tensor(counts["written"])
+        state["model"][f"{name}.entries_refused"] = torch.tensor(counts["refused"])
+    return state
+
+
+@pytest.mark.parametrize("layout", ["learner", "layers"])
+def test_a_resumed_run_counts_as_an_uninterrupted_one(interrupt_after, tmp_path, layout):
+    """The entries written and samples refused are the learner's and saved with it; a
+    checkpoint saved when the layers held them loads them into the learner."""
+    import json
+
+    from rcdl.train.checkpoint import load_checkpoint, save_checkpoint
+
+    gen = torch.Generator().manual_seed(1)
+    data = (*_task(96, gen), *_task(32, gen))
+    kw = {"batch_size": 8, "eval_every": 4, "progress": False, "seed": 3,
+          "loss_fn": F.cross_entropy, "metrics": {"test_loss": F.cross_entropy}}
+    net, reference = _hybrid_net()
+    train_one_pass(net, data, **reference, **kw)
+    counts = reference["grower"].state_dict()["growth"]
+    assert set(counts) == {"blocks.0", "readout"}
+    assert all(c["written"] > 0 and c["refused"] > 0 for c in counts.values())
+
+    ckpt = tmp_path / "ckpt.pt"
+    net, learner = _hybrid_net()
+    stopped = interrupt_after(learner["grower"], 7)
+    with pytest.raises(stopped):
+        train_one_pass(net, data, **learner, checkpoint_path=ckpt, checkpoint_every=3, **kw)
+    if layout == "layers":  # rewrite the checkpoints, their digests in the manifest following
+        manifest_path = tmp_path / "ckpt.manifest.json"
+        manifest = json.loads(manifest_path.read_text())
+        for entry in manifest["checkpoints"]:
+            file = tmp_path / entry["files"][0]
+            state = _counts_on_the_layers(load_checkpoint(file))
+            assert "blocks.0.entries_written" in state["model"]
+            entry["sha256"][0] = save_checkpoint(state, file)
+        manifest_path.write_text(json.dumps(manifest))
+    net, learner = _hybrid_net()  # a fresh process: only the checkpoint survives
+    resumed = train_one_pass(net, data, **learner, checkpoint_path=ckpt, **kw)
+    assert resumed["resumed"]
+    assert learner["grower"].state_dict()["growth"] == counts
+    assert "blocks.0.entries_written" not in net.state_dict()
+    assert all(layer.take_old_counts() is None for layer in learner["grower"].layers)
+
+
+def test_a_replay_snapshot_with_the_counts_on_the_layers_restores_them_to_the_learner():
+    import copy
+
+    from rcdl.train.replay import ReplayLog
+
+    gen = torch.Generator().manual_seed(1)
+    data = (*_task(48, gen), *_task(16, gen))
+    net, learner = _hybrid_net()
+    log = ReplayLog(every=2)
+    train_one_pass(net, data, batch_size=8, progress=False, loss_fn=F.cross_entropy,
+                   metrics={"test_loss": F.cross_entropy}, replay=log, **learner)
+    learners = [learner["optimizer"], learner["grower"]]
+    snap = log.snapshots[4]
+    counts = snap.learners[1]["growth"]
+    assert all(c["written"] > 0 for c in counts.values())
+    old = copy.deepcopy(snap)  # as a snapshot of the layers' buffers
+    for name, c in old.learners[1].pop("growth").items():
+        old.tensors[f"buffer:{name}.entries_written"] = torch.tensor(c["written"])
+        old.tensors[f"buffer:{name}.entries_refused"] = torch.tensor(c["refused"])
+    for grown in learner["grower"].growth.values():  # counts that the restore must replace
+        grown.written, grown.refused = 10**6, 10**6
+    assert log.restore_problem(old, net) is None
+    log.restore(old, net, learners)
+    assert learner["grower"].state_dict()["growth"] == counts

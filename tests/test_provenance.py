@@ -50,15 +50,16 @@ def test_a_gated_hybrid_tags_the_entries_it_keeps(trigger):
     gate = AlwaysGrow() if trigger == "always" else DistanceGate(2.5)
     model = HybridSoftmaxNet(D, CLASSES, 2, temperature=1.0, trigger=gate,
                              rule=ClippedSoftmaxRule(0.3, 3.0), initial_entries=4)
-    train_one_pass(model, data(), batch_size=16, grower=HybridGrower(model, lr=1e-3),
+    grower = HybridGrower(model, lr=1e-3)
+    train_one_pass(model, data(), batch_size=16, grower=grower,
                    loss_fn=F.cross_entropy, eval_every=100, progress=False,
                    metrics={"acc": accuracy})
-    for _, layer in growing_layers(model):
+    for name, layer in growing_layers(model):
         owners = entry_samples(layer)
         assert bool((owners[:4] == UNKNOWN).all())  # the initial entries
         written = owners[4:]
         assert bool((written >= 0).all()) and written.unique().numel() == written.numel()
-        assert written.numel() == int(layer.entries_written)
+        assert written.numel() == grower.growth[name].written
         if trigger == "always":
             assert sorted(written.tolist()) == list(range(N))
 

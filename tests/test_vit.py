@@ -108,7 +108,7 @@ def test_tokens_write_gated_entries_and_adam_trains_everything():
     grower.step()
     tokens = 3 * 17  # 16 patches and the class token per image, every one a new entry
     for _, layer in hybrid_layers(model):
-        assert len(layer.store) == 4 + tokens and layer.stats()["written"] == tokens
+        assert len(layer.store) == 4 + tokens and grower.growth[layer.name].written == tokens
         assert not torch.equal(layer.store.keys[:4], before[f"{layer.name}.store.keys"][:4])
     assert not torch.equal(model.blocks[0].attn.qkv.weight, before["blocks.0.attn.qkv.weight"])
 
@@ -121,7 +121,7 @@ def test_tokens_write_gated_entries_and_adam_trains_everything():
     optimizer.zero_grad()
     grower.step()
     for _, layer in hybrid_layers(model):
-        assert len(layer.store) == 4 + tokens and layer.stats()["refused"] == tokens
+        assert len(layer.store) == 4 + tokens and int(grower.growth[layer.name].refused) == tokens
 
 
 def test_a_query_farther_than_tau_writes_and_a_nearer_one_does_not():
@@ -137,7 +137,8 @@ def test_a_query_farther_than_tau_writes_and_a_nearer_one_does_not():
     far[0, 1] = 1.0  # orthogonal: ‖q − k‖ = 4 > 1
     ffn(torch.stack([near, far]).view(2, 1, 8)).sum().backward()
     grower.step()
-    assert ffn.layer.stats()["written"] == 1 and ffn.layer.stats()["refused"] == 1
+    growth = grower.growth[ffn.layer.name]
+    assert (growth.written, int(growth.refused)) == (1, 1)
     assert torch.allclose(ffn.layer.store.keys[1], ffn.norm(far)[0])
 
 

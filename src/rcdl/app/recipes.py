@@ -34,7 +34,7 @@ from rcdl.app.rundir import RunDir, save_figure
 from rcdl.app.runner import Session, TaggedLog
 from rcdl.memory.repair import forget_and_repair, repair_refusal
 from rcdl.optim.grower import Grower
-from rcdl.train.loop import Metric, accuracy, train_one_pass
+from rcdl.train.loop import LoopConfig, Metric, accuracy, train_one_pass
 
 __all__ = [
     "PAPER_WIDTH", "Build", "ProjectedConfig", "epoch_rows", "epoch_table", "final_table",
@@ -65,6 +65,13 @@ def train_model(name: str, seed: int, x: Tensor, y: Tensor, evaluation: tuple[Te
     return model, result
 
 
+def _one_pass(batch_size: int, seed: int, device: torch.device | str) -> LoopConfig:
+    """How the unlearning recipes train one pass: in ``seed``'s order, nothing evaluated
+    on the way (the end's evaluation only), no progress bar."""
+    return LoopConfig(batch_size=batch_size, seed=seed, eval_every=10**9, device=device,
+                      progress=False)
+
+
 def train_with_learners(name: str, seed: int, x: Tensor, y: Tensor,
                         evaluation: tuple[Tensor, Tensor], *, batch_size: int = 16,
                         device: torch.device | str = "cpu", **loop: Any,
@@ -73,10 +80,9 @@ def train_with_learners(name: str, seed: int, x: Tensor, y: Tensor,
     it has none), with more :func:`rcdl.train.loop.train_one_pass` arguments (``order``,
     ``replay``)."""
     model, optimizer, grower = build_model(name, seed, device=device, reserve=len(x))
-    result = train_one_pass(model, (x, y, *evaluation), batch_size=batch_size, seed=seed,
+    result = train_one_pass(model, (x, y, *evaluation), config=_one_pass(batch_size, seed, device),
                             optimizer=optimizer, grower=grower, loss_fn=F.cross_entropy,
-                            metrics={"acc": accuracy}, eval_every=10**9, device=device,
-                            progress=False, **loop)  # fmt: skip
+                            metrics={"acc": accuracy}, **loop)  # fmt: skip
     return model, optimizer, grower, result
 
 
@@ -121,10 +127,9 @@ def fine_tune(name: str, seed: int, trained: nn.Module, x: Tensor, y: Tensor, *,
     :func:`rcdl.train.loop.train_one_pass`'s result."""
     model, optimizer, _ = build_model(name, seed, device=device)
     model.load_state_dict(trained.state_dict())
-    result = train_one_pass(model, (x, y, x[:1], y[:1]), batch_size=batch_size, seed=seed,
+    result = train_one_pass(model, (x, y, x[:1], y[:1]), config=_one_pass(batch_size, seed, device),
                             optimizer=optimizer, loss_fn=F.cross_entropy,
-                            metrics={"acc": accuracy}, eval_every=10**9, device=device,
-                            progress=False)  # fmt: skip
+                            metrics={"acc": accuracy})  # fmt: skip
     return model, result
 
 

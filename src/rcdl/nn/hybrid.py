@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -51,8 +53,16 @@ from rcdl.nn.records import Record
 from rcdl.nn.rules import LearningRule
 
 __all__ = [
-    "GrowthStalledWarning", "HybridSoftmax", "hybrid_layers",
+    "GrowthCounts", "GrowthStalledWarning", "HybridSoftmax", "hybrid_layers",
 ]  # fmt: skip
+
+
+class GrowthCounts(Protocol):
+    """What a learner counts of a hybrid layer's growth steps
+    (:class:`rcdl.optim._step.Growth`): entries written, samples refused."""
+
+    written: int
+    refused: Tensor | int
 
 
 class GrowthStalledWarning(UserWarning):
@@ -95,15 +105,17 @@ class HybridSoftmax(GrowingSoftmax):
 
     Other arguments as :class:`~rcdl.nn.layers.GrowingSoftmax` (docs/reference.md §6: T = 5).
 
-    Statistics (buffers, saved with the model): ``entries_written``, ``entries_refused``.
+    The entries written and the samples refused are counted by the learner that writes
+    them (:class:`rcdl.optim._step.Growth`, one per layer in
+    :attr:`rcdl.optim.grower.Grower.growth`, saved with the learner's state); :meth:`stats`
+    reports the counts of the learner that steps the layer (:meth:`show_growth`).
     """
 
     trains_entries = True  # EntryAdam moves every entry: no cached evaluation partials
     STALL_STEPS = 100  # growth steps without a single write before GrowthStalledWarning
-    # buffers (): entries written and refused, the seed of the Adam step's rounding
-    entries_written: Tensor
-    entries_refused: Tensor
-    rounding_seed: Tensor
+    # the buffers a state saved before the learner kept the counts holds them in
+    OLD_COUNTS = {"entries_written": "written", "entries_refused": "refused"}
+    rounding_seed: Tensor  # () the seed of the Adam step's rounding
 
     def __init__(self, d_in: int, d_out: int, *, temperature: float, rule: LearningRule,
                  trigger: GrowthTrigger | None = None, initial_entries: int = 16,
@@ -119,13 +131,13 @@ class HybridSoftmax(GrowingSoftmax):
                 "(ClippedSoftmaxRule(normalize=False)) as the paper does (docs/reference.md §4)")
         self.trigger: GrowthTrigger = (
             DistanceGate(default_tau(d_in)) if trigger is None else trigger)
-        for name in ("entries_written", "entries_refused"):
-            self.register_buffer(name, torch.zeros((), dtype=torch.long,
-                                                   device=self.store.device))
         rounding_seed = int(torch.randint(1 << 62, ())) if seed is None else seed
         self.register_buffer("rounding_seed", torch.tensor(rounding_seed, dtype=torch.long))
         self._leaves: tuple[Tensor, Tensor, Tensor] | None = None
-        self._dry_steps = 0  # growth steps in a row that wrote nothing (host-side count)
+        # the counts of the learner that steps this layer (it owns and saves them), for stats()
+        self._growth: GrowthCounts | None = None
+        # the counts an older state held on the layer, until its learner's state loads
+        self._old_counts: dict[str, int] | None = None
         self._last_sq_distance: Tensor | None = None  # (B,) of the last gated batch
         self._adam_skipped = False  # a growth step dropped entry gradients Adam never used
 
@@ -219,23 +231,18 @@ class HybridSoftmax(GrowingSoftmax):
         size = self.num_entries_all_ranks() if getattr(self.trigger, "needs_size", True) else 0
         return self.trigger.accept(sq_distance, size, errors)
 
-    def note_growth(self, written: int, refused: Tensor | int) -> None:
-        """A growth step writes ``written`` rows (all ranks together) and its trigger refused
-        ``refused`` samples (a ``()`` tensor on the device, or 0), as the learner's commit
-        says (:func:`rcdl.optim._step.commit`): entry gradients no Adam step used are lost
-        (the steps ran in the wrong order: ``EntryAdam.step`` then refuses, saying so), the
-        leaves go with the rows they viewed, the statistics count the step, and a trigger
-        that refused every sample of the first :attr:`STALL_STEPS` steps is warned of."""
+    def end_growth_step(self) -> None:
+        """A growth step commits (:func:`rcdl.optim._step.commit`): entry gradients no Adam
+        step used are lost (the steps ran in the wrong order: ``EntryAdam.step`` then
+        refuses, saying so), and the leaves go with the rows they viewed."""
         if self.has_entry_grads:  # Grower.step() ran before EntryAdam.step()
             self._adam_skipped = True
         self._leaves = None
-        self.entries_written += written
-        self.entries_refused += refused
-        self._dry_steps = 0 if written else self._dry_steps + 1
-        if self._dry_steps == self.STALL_STEPS and int(self.entries_written) == 0:
-            self._warn_stalled()
 
-    def _warn_stalled(self) -> None:
+    def warn_stalled(self) -> None:
+        """Warn that the trigger refused every sample of the first :attr:`STALL_STEPS`
+        steps (the learner counts them: :class:`rcdl.optim._step.Growth`), with the
+        distances of the last batch's queries to their nearest key."""
         seen = ""
         if self._last_sq_distance is not None and self._last_sq_distance.numel():
             d = self._last_sq_distance.float().clamp_min(0).sqrt().median()
@@ -249,10 +256,44 @@ class HybridSoftmax(GrowingSoftmax):
             f"DistanceGate({default_tau(self.store.d_in):.3g}) (rcdl.nn.gates.default_tau)",
             GrowthStalledWarning, stacklevel=2)
 
+    def show_growth(self, growth: GrowthCounts) -> None:
+        """Report ``growth`` in :meth:`stats`: the counts of the learner that steps this
+        layer (:attr:`rcdl.optim.grower.Grower.growth`), which it keeps and saves."""
+        self._growth = growth
+
     def stats(self) -> dict[str, int]:
-        """Entries written and refused so far, entries stored and their bytes."""
-        return {"written": int(self.entries_written), "refused": int(self.entries_refused),
-                "entries": len(self.store), "bytes": self.store.nbytes}
+        """Entries written and samples refused by the learner that steps this layer (the
+        counts it shows, :meth:`show_growth`; 0 before any), entries stored and their bytes."""
+        growth = self._growth
+        written, refused = (0, 0) if growth is None else (growth.written, int(growth.refused))
+        return {"written": written, "refused": refused, "entries": len(self.store),
+                "bytes": self.store.nbytes}
+
+    # ---------------------------------------------------------------- older states
+    def state_keys(self) -> tuple[str, ...]:
+        """The keys (relative to the layer's prefix) its state dict part may hold besides its
+        parameters and buffers: the counts a state saved before the learner kept them holds
+        (:attr:`OLD_COUNTS`), read and handed to the learner (:meth:`keep_old_counts`)."""
+        return tuple(self.OLD_COUNTS)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:  # noqa: ANN001, ANN002
+        self.keep_old_counts({name: state_dict.pop(prefix + name) for name in self.OLD_COUNTS
+                              if prefix + name in state_dict})
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def keep_old_counts(self, found: Mapping[str, Any]) -> None:
+        """Keep the counts an older state held on the layer (``found``: values by the
+        names of :attr:`OLD_COUNTS`; none: a state of this layout) for the learner whose
+        state loads next to take over where its own state holds none
+        (:meth:`take_old_counts`, :meth:`rcdl.optim.grower.Grower.load_state_dict`)."""
+        self._old_counts = None if not found else {
+            key: int(found.get(name, 0)) for name, key in self.OLD_COUNTS.items()}
+
+    def take_old_counts(self) -> dict[str, int] | None:
+        """The counts :meth:`keep_old_counts` kept, ``{"written", "refused"}`` (``None``:
+        none), handed over once."""
+        counts, self._old_counts = self._old_counts, None
+        return counts
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, trigger={self.trigger}"

@@ -9,7 +9,10 @@ write it.
 - :func:`commit` — append a proposal (or entries of one's own) as written at the next step,
   with the samples they came from;
 - :func:`discard` — forget the step's records; :func:`drop_last_step` — undo the last step;
-  :func:`take_back_rows` — take back the rows of a step refused at a deferred check.
+  :func:`take_back_rows` — take back the rows of a step refused at a deferred check;
+- :class:`Growth` — what the learner's steps wrote into a gated layer (the hybrid's) and what
+  its trigger refused: the learner's counts, kept and saved by the learner as
+  ``torch.optim`` keeps an optimizer's step counts, not by the layer it writes.
 
 :class:`~rcdl.optim.grower.Grower` runs them over every layer at once, inside the
 divergence guards it holds for them (:mod:`rcdl.nn.divergence`). Every write of the layer's
@@ -21,7 +24,9 @@ one removal door (:meth:`~rcdl.nn.layers.GrowingLayer.remove_entries`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,8 +37,8 @@ from rcdl.nn.layers import GrowingLayer
 from rcdl.nn.rules import NewEntries
 from rcdl.nn.sample_map import UNKNOWN
 
-__all__ = ["Proposal", "commit", "discard", "drop_last_step", "proposal", "propose",
-           "take_back_rows"]
+__all__ = ["Growth", "Proposal", "commit", "discard", "drop_last_step", "gated", "proposal",
+           "propose", "take_back_rows"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +59,56 @@ class Proposal:
     def with_entries(self, entries: NewEntries) -> Proposal:
         """This proposal with other entries for the same rows (a refused step's zeros)."""
         return dataclasses.replace(self, entries=entries)
+
+
+def gated(layer: GrowingLayer) -> bool:
+    """Whether ``layer`` writes only what its trigger accepts (the hybrid): its step's
+    :func:`commit` returns what it wrote and refused, for the learner's :class:`Growth`."""
+    return isinstance(layer, HybridSoftmax)
+
+
+@dataclass
+class Growth:
+    """What a learner's steps wrote into one gated layer (the hybrid's): ``written``
+    entries (all ranks together), ``refused`` samples its trigger refused (a ``()`` int64
+    tensor on the device while training, summed without a read back; or an int), and
+    ``dry_steps``, the steps in a row that wrote nothing (the stall warning's count, not
+    saved). The learner keeps one per gated layer and saves it with its state
+    (:meth:`state_dict`), as ``torch.optim`` keeps an optimizer's step counts."""
+
+    written: int = 0
+    refused: Tensor | int = 0
+    dry_steps: int = 0
+
+    def count(self, layer: GrowingLayer, written: int, refused: Tensor | int) -> None:
+        """Count one step of the gated ``layer`` (what :func:`commit` returned). A trigger
+        that refused every sample of the first :attr:`HybridSoftmax.STALL_STEPS` steps
+        this learner counted is warned of (:meth:`HybridSoftmax.warn_stalled`)."""
+        assert isinstance(layer, HybridSoftmax), "only a gated layer's steps are counted"
+        layer.show_growth(self)  # what the layer's stats() report
+        self.written += written
+        self.refused = self.refused + refused  # () on the device: no read
+        self.dry_steps = 0 if written else self.dry_steps + 1
+        if self.dry_steps == layer.STALL_STEPS and self.written == 0:
+            layer.warn_stalled()
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"written", "refused"}`` as ints (reads ``refused`` back once)."""
+        return {"written": self.written, "refused": int(self.refused)}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Take the counts of a :meth:`state_dict` (checked by the learner)."""
+        self.written, self.refused = int(state["written"]), int(state["refused"])
+
+    @staticmethod
+    def state_problem(state: Any) -> str | None:
+        """What makes ``state`` other than a :meth:`state_dict` (``None``: nothing)."""
+        if not isinstance(state, Mapping) or set(state) != {"written", "refused"}:
+            return (f"must be a dict with 'written' and 'refused', got "
+                    f"{sorted(state) if isinstance(state, Mapping) else type(state).__name__}")
+        bad = [k for k, v in state.items() if not isinstance(v, int) or isinstance(v, bool)
+               or v < 0]
+        return None if not bad else f"{bad[0]} must be an int >= 0, got {state[bad[0]]!r}"
 
 
 @torch.no_grad()
@@ -106,7 +161,7 @@ def propose(layer: GrowingLayer) -> NewEntries | None:
 
 @torch.no_grad()
 def commit(layer: GrowingLayer, entries: Proposal | NewEntries | None,
-           ok: Tensor | None = None) -> None:
+           ok: Tensor | None = None) -> tuple[int, Tensor | int] | None:
     """Append ``entries`` to ``layer``'s store as written at the next step: a
     :class:`Proposal` (checked finite there, so not again here: its accepted rows, with their
     samples) or entries of one's own (every row, samples unknown); then the step's records
@@ -120,7 +175,11 @@ def commit(layer: GrowingLayer, entries: Proposal | NewEntries | None,
     last step that passed. Nothing is read back. A layer with a trigger (the hybrid) appends
     only the accepted rows, and none where ``ok`` is False, as a step refused in the step
     writes nothing: selecting rows by a device mask sizes the append from the device (an
-    implicit synchronisation, the one the trigger's choice always made)."""
+    implicit synchronisation, the one the trigger's choice always made).
+
+    Returns, for a gated layer (:func:`gated`), ``(written, refused)``: the rows written
+    (all ranks together) and the samples its trigger refused (a ``()`` tensor on the
+    device, or 0), for the learner's :class:`Growth`; ``None`` for any other layer."""
     made: Proposal | None
     new: NewEntries | None
     made, new = (entries, entries.entries) if isinstance(entries, Proposal) else (None, entries)
@@ -138,11 +197,13 @@ def commit(layer: GrowingLayer, entries: Proposal | NewEntries | None,
                    new[2].index_select(0, rows))
             samples = None if samples is None else samples.index_select(
                 0, rows.to(samples.device))
+    growth: tuple[int, Tensor | int] | None = None
     if isinstance(layer, HybridSoftmax):
-        layer.note_growth(0 if new is None else int(new[0].shape[0]), refused)
+        layer.end_growth_step()
+        growth = (0 if new is None else int(new[0].shape[0]), refused)
     discard(layer, stepped=True)
     if new is None:
-        return
+        return growth
     # a refused step leaves the counter: the entries' ages stay as they were
     layer.count_steps(1 if ok is None else ok.to(layer.steps.dtype))
     count = new[0].shape[0]  # B, the same on every rank
@@ -155,6 +216,7 @@ def commit(layer: GrowingLayer, entries: Proposal | NewEntries | None,
         new, ids = (new[0][keep_rows], new[1][keep_rows], new[2][keep_rows]), ids[keep_rows]
     # checked finite by proposal(); the write step as a tensor: no device sync
     layer.store.append(*new, written_at=layer.steps, ids=ids, check_finite=False)
+    return growth
 
 
 def discard(layer: GrowingLayer, stepped: bool = False) -> None:

@@ -97,6 +97,10 @@ class Grower(torch.optim.Optimizer):
             budget).
         guards (dict[str, DivergenceGuard]): each layer's divergence guard, by layer name
             (:mod:`rcdl.nn.divergence`): its reference scale is saved in :meth:`state_dict`.
+        growth (dict[str, rcdl.optim._step.Growth]): per gated layer (the hybrid's), by
+            name, the entries this grower's steps wrote and the samples the trigger refused
+            (``growth[name].written``, ``growth[name].refused``; saved in
+            :meth:`state_dict`).
     """
 
     def __init__(self, model: nn.Module, budget: MemoryBudget | None = None,
@@ -127,6 +131,9 @@ class Grower(torch.optim.Optimizer):
         # step a deferred error names, saved in the state dict
         self._steps = 0
         self.evicted: dict[str, int] = {layer.name: 0 for layer in self.layers}
+        self.growth = {layer.name: _step.Growth() for layer in self.layers if _step.gated(layer)}
+        for name, growth in self.growth.items():
+            self._layer(name).show_growth(growth)
         groups = [{"params": [], "lr": layer.rule.lr, "layer": layer.name} for layer in self.layers]
         super().__init__(groups, {})
 
@@ -219,7 +226,9 @@ class Grower(torch.optim.Optimizer):
         before = None if self.budget is None or ok is None else [
             (len(layer.store), layer.store.next_id) for layer in self.layers]
         for layer, entries in zip(self.layers, proposals, strict=True):
-            _step.commit(layer, entries, ok)
+            written = _step.commit(layer, entries, ok)
+            if written is not None:
+                self.growth[layer.name].count(layer, *written)
         if self.budget is not None:
             if before is not None and not bool(ok):  # refused: the zero rows go, nothing else
                 for layer, (size, next_id) in zip(self.layers, before, strict=True):
@@ -325,9 +334,10 @@ class Grower(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Everything besides the model's own state dict that a resumed run needs: per layer
         its step counter, evictions, output scale (the divergence check's reference) and
-        its group's learning rate, and the steps taken (``steps_taken``: the count a
-        deferred refusal names). A refusal deferred since the last :meth:`check` is raised
-        first: the state of a run with a refused step is never saved."""
+        its group's learning rate, the steps taken (``steps_taken``: the count a
+        deferred refusal names) and, per gated layer, what the steps wrote and refused
+        (``growth``, :attr:`growth`). A refusal deferred since the last :meth:`check` is
+        raised first: the state of a run with a refused step is never saved."""
         self.check()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {
@@ -337,6 +347,7 @@ class Grower(torch.optim.Optimizer):
             "output_scale": {name: guard.output_scale for name, guard in self.guards.items()},
             "shard": self._shard_place(),
             "steps_taken": self._steps,
+            "growth": {name: growth.state_dict() for name, growth in self.growth.items()},
         }
 
     def _shard_place(self) -> tuple[int, int] | None:
@@ -348,7 +359,9 @@ class Grower(torch.optim.Optimizer):
         """Load a :meth:`state_dict`; it must come from a grower over the same layers. The
         whole state is checked first (:meth:`check_state_dict`): one that would be refused
         changes nothing. A state saved before ``steps_taken`` was kept takes the layers'
-        largest step counter as the steps taken."""
+        largest step counter as the steps taken; one saved before ``growth`` was kept takes
+        the counts the model's state held on its layers, where it held them
+        (:meth:`rcdl.nn.hybrid.HybridSoftmax.keep_old_counts`: load the model first)."""
         self.check_state_dict(state)
         for group, saved_group, layer in zip(self.param_groups, state["param_groups"],
                                              self.layers, strict=True):
@@ -357,7 +370,16 @@ class Grower(torch.optim.Optimizer):
             self.guards[layer.name].restore(state["output_scale"][layer.name])
         self.evicted = dict(state["evicted"])
         self._steps = state.get("steps_taken", max(state["steps"].values()))
+        for name, growth in self.growth.items():
+            layer = self._layer(name)
+            saved = state.get("growth", {}).get(name, layer.take_old_counts())
+            if saved is not None:
+                growth.load_state_dict(saved)
+            layer.show_growth(growth)
         self._apply_learning_rates()
+
+    def _layer(self, name: str) -> Any:  # a gated layer (the hybrid), by name
+        return next(layer for layer in self.layers if layer.name == name)
 
     def check_state_dict(self, state: Any) -> None:
         """Raise the ``ValueError`` that :meth:`load_state_dict` would raise for ``state``,
@@ -412,6 +434,14 @@ class Grower(torch.optim.Optimizer):
         if "steps_taken" in state and not _count(state["steps_taken"]):
             raise ValueError(f"{where}: 'steps_taken' must be an int >= 0, got "
                              f"{_describe(state['steps_taken'])}")
+        growth = state.get("growth", {})
+        if not isinstance(growth, Mapping) or set(growth) - set(self.growth):
+            raise ValueError(f"{where}: 'growth' must be a dict by gated layer "
+                             f"({sorted(self.growth)}), got {_describe(growth)}")
+        for name, part in growth.items():
+            problem = _step.Growth.state_problem(part)
+            if problem is not None:
+                raise ValueError(f"{where}: growth of layer {name!r} {problem}")
 
     def _check_place(self, theirs: Any, where: str) -> None:
         """Refuse a state saved by another shard placement (``None``: one process)."""

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from rcdl.memory.budgets import MemoryBudget
+from rcdl.optim._step import Growth
 from rcdl.optim.entry_adam import EntryAdam
 from rcdl.optim.grower import Grower
 
@@ -25,7 +26,8 @@ class HybridGrower(torch.optim.Optimizer):
     nothing pending), then runs :class:`EntryAdam` and then :class:`rcdl.optim.grower.Grower`.
     ``param_groups`` are the Adam group followed by the grower's groups (one per layer, ``lr``
     the rule's η), so a ``torch.optim.lr_scheduler`` scheduler drives both;
-    :meth:`state_dict` holds both halves' state. ``half_adam`` is :class:`EntryAdam`'s: how
+    :meth:`state_dict` holds both halves' state, with what the steps wrote into each layer
+    and what its trigger refused (:attr:`growth`). ``half_adam`` is :class:`EntryAdam`'s: how
     the Adam pass over a half-precision store runs (:mod:`rcdl.optim.half_adam`).
     ``defer_checks`` is the grower's (:class:`rcdl.optim.grower.Grower`): deferred, the
     records' verdict is read with the Adam step's own check of the entry gradients, the
@@ -88,6 +90,13 @@ class HybridGrower(torch.optim.Optimizer):
     def check(self) -> None:
         """:meth:`rcdl.optim.grower.Grower.check`: raise a refusal deferred since the last one."""
         self.grower.check()
+
+    @property
+    def growth(self) -> dict[str, Growth]:
+        """Per hybrid layer, by name, the entries the steps wrote and the samples the
+        trigger refused (``growth[name].written``, ``growth[name].refused``): the grower's
+        counts (:attr:`rcdl.optim.grower.Grower.growth`), saved in :meth:`state_dict`."""
+        return self.grower.growth
 
     def sync(self) -> None:
         """:meth:`EntryAdam.sync`: the moments follow the rows now."""

@@ -408,7 +408,8 @@ def _is_scale(value: Any) -> bool:
 
 def _grower_problem(part: dict[str, Any], where: str) -> str | None:
     """A :meth:`rcdl.optim.grower.Grower.state_dict`: one group per layer, and per layer a
-    step count, an output scale and an eviction count."""
+    step count, an output scale and an eviction count; per gated layer the entries written
+    and the samples refused, where it holds them."""
     groups = part["param_groups"]
     if not isinstance(groups, list) or not all(
             isinstance(g, dict) and isinstance(g.get("layer"), str)
@@ -429,6 +430,11 @@ def _grower_problem(part: dict[str, Any], where: str) -> str | None:
     if shard is not None and not (isinstance(shard, list | tuple) and len(shard) == 2
                                   and all(_is_count(v) for v in shard)):
         return f"{where}['shard'] is {shard!r}, not None or (rank, world size)"
+    growth = part.get("growth", {})  # absent: saved when the layers held these counts
+    if not isinstance(growth, dict) or not all(
+            isinstance(g, dict) and set(g) == {"written", "refused"}
+            and all(_is_count(v) for v in g.values()) for g in growth.values()):
+        return f"{where}['growth'] is not the entries written and refused by layer"
     return None
 
 
@@ -520,6 +526,11 @@ a replay log (``replay``) saves it with the rest, so that a resumed run keeps re
 
     Under ``torch.distributed`` with sharded stores every rank passes the same ``path``; each
     writes its own files, and the manifest lists them.
+
+    A checkpoint saved when the hybrid layers held the counts of their writes (buffers
+    ``entries_written`` and ``entries_refused`` in the model part, none in the grower's) loads
+    as one saved since: the layers read the counts and the grower takes them over
+    (:meth:`rcdl.nn.hybrid.HybridSoftmax.keep_old_counts`, :attr:`rcdl.optim.grower.Grower.growth`).
 
     A checkpoint also records how half-precision products ran
     (:func:`rcdl.ops.half.product_record`: the mode, and ``"auto"``'s path where a timing

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, overload
+from typing import Any, Literal, Protocol, TypedDict, Unpack, overload
 
 import torch
 import torch.nn.functional as F
@@ -58,9 +58,9 @@ from rcdl.train._state import LoopState
 from rcdl.train.checkpoint import Checkpointer
 from rcdl.train.replay import ReplayLog
 
-__all__ = ["Checkpointer", "Evaluator", "GrowerLike", "LoopConfig", "LoopState", "MetricLog",
-           "Schedule", "accuracy", "epoch_permutation", "evaluate", "predict", "train_one_pass",
-           "train_step"]
+__all__ = ["Checkpointer", "Evaluator", "GrowerLike", "LoopConfig", "LoopSettings", "LoopState",
+           "MetricLog", "Schedule", "accuracy", "epoch_permutation", "evaluate", "predict",
+           "train_one_pass", "train_step"]
 
 Metric = Callable[[Tensor, Tensor], Tensor]  # (predictions, targets) -> scalar
 # the keys of an evaluation record besides the metrics (see ``train_one_pass``)
@@ -428,7 +428,8 @@ class LoopConfig:
     ``epochs``), the evaluation cadence (``eval_every`` steps, ``eval_batch_size`` rows per
     prediction batch), the ``device``, the run's ``name`` and progress bar, the checkpoints
     (``checkpoint_path``, every ``checkpoint_every`` steps, default ``eval_every``) and
-    incremental evaluation."""
+    incremental evaluation. Given whole as ``train_one_pass(..., config=...)``, or built by
+    it from those keywords."""
 
     batch_size: int
     seed: int = 0
@@ -446,6 +447,47 @@ class LoopConfig:
     def save_every(self) -> int:
         """Steps between checkpoints."""
         return self.checkpoint_every or self.eval_every
+
+
+class LoopSettings(TypedDict, total=False):
+    """The keywords of :func:`train_one_pass` that a :class:`LoopConfig` holds, one per
+    field (its types; its defaults apply to those not given)."""
+
+    batch_size: int
+    seed: int
+    epochs: int
+    eval_every: int
+    eval_batch_size: int
+    device: torch.device | str
+    name: str
+    progress: bool
+    checkpoint_path: str | Path | None
+    checkpoint_every: int | None
+    incremental_eval: bool
+
+
+def _loop_config(config: LoopConfig | None, settings: LoopSettings) -> LoopConfig:
+    """The run's :class:`LoopConfig`: ``config`` as given, else one of the keyword
+    ``settings`` (:func:`train_one_pass`); a ``TypeError`` naming the clash where both are
+    given, naming what is missing or unknown elsewhere."""
+    unknown = sorted(set(settings) - set(LoopSettings.__annotations__))
+    if unknown:
+        raise TypeError(f"train_one_pass() got unexpected keyword arguments {unknown}")
+    if config is None:
+        if "batch_size" not in settings:
+            raise TypeError("train_one_pass() needs batch_size=..., or the settings whole as "
+                            "config=LoopConfig(batch_size=...)")
+        return LoopConfig(**settings)
+    if not isinstance(config, LoopConfig):
+        raise TypeError(f"train_one_pass(): config must be a rcdl.train.loop.LoopConfig, got "
+                        f"{type(config).__name__}")
+    if settings:
+        given = ", ".join(f"{key}={value!r}" for key, value in settings.items())
+        raise TypeError(
+            f"train_one_pass() got config= and the keywords {given}, which the config "
+            f"holds too: give the settings one way (dataclasses.replace(config, "
+            f"{next(iter(settings))}=...) changes a setting of a config)")
+    return config
 
 
 class _Steps:
@@ -572,26 +614,17 @@ def train_one_pass(
     model: nn.Module,
     data: tuple[Tensor, Tensor, Tensor, Tensor],
     *,
-    batch_size: int,
-    seed: int = 0,
+    config: LoopConfig | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     grower: GrowerLike | None = None,
     loss_fn: Metric = F.mse_loss,
     metrics: Mapping[str, Metric] | None = None,
-    eval_every: int = 50,
-    eval_batch_size: int = 1000,
-    device: torch.device | str = "cpu",
     run: MetricLog | None = None,
-    name: str = "model",
-    progress: bool = True,
-    checkpoint_path: str | Path | None = None,
-    checkpoint_every: int | None = None,
-    epochs: int = 1,
     on_epoch_end: Callable[[int], Mapping[str, float]] | None = None,
-    incremental_eval: bool = False,
     sample_ids: Tensor | None = None,
     order: Tensor | None = None,
     replay: ReplayLog | None = None,
+    **settings: Unpack[LoopSettings],
 ) -> dict[str, Any]:
     """Train ``model`` for one pass (or ``epochs`` passes) over the training set; evaluate as
     it goes.
@@ -601,10 +634,19 @@ def train_one_pass(
     ``grower.step()`` and ``grower.zero_grad()`` (at least one must be given; a model
     without parameters is given only a grower).
 
+    How the loop runs (the fields of :class:`LoopConfig`: ``batch_size``, ``seed``,
+    ``epochs``, ``eval_every``, ``eval_batch_size``, ``device``, ``name``, ``progress``,
+    ``checkpoint_path``, ``checkpoint_every``, ``incremental_eval``) is given either as
+    keywords of those names (``batch_size`` required, the others with
+    :class:`LoopConfig`'s defaults) or whole as ``config=LoopConfig(...)``, not both: the two
+    train alike, bit for bit.
+
     Args:
         model: maps ``(B, D_in)`` to ``(B, D_out)``; already on ``device``.
         data: ``(x_train, y_train, x_test, y_test)``, ``(N, D_in)``, ``(N, ...)``,
             ``(M, D_in)``, ``(M, ...)``; batches are moved to ``device`` as needed.
+        config: the loop's settings whole, in place of their keywords (a caller that
+            holds a :class:`LoopConfig` passes it; ``dataclasses.replace`` changes one).
         batch_size: samples per step ``B``; the last batch may be smaller.
         seed: seeds the permutation of the training set in each epoch
             (:func:`epoch_permutation`).
@@ -665,6 +707,8 @@ def train_one_pass(
         (an integer at the end of an epoch).
 
     Raises:
+        TypeError: ``config`` given together with keywords it holds (naming them), neither
+            ``config`` nor ``batch_size`` given, or a keyword ``train_one_pass`` does not take.
         FloatingPointError: if a training loss is not finite (naming the step).
         ValueError: a growth step refused (:meth:`rcdl.optim.grower.Grower.step`), or a test
             metric that fails on the model's outputs and the targets (:func:`evaluate`).
@@ -677,8 +721,11 @@ def train_one_pass(
     counts it, also after a resume: the grower counts the steps it takes from 0 and saves
     the count with its state.
     """
+    config = _loop_config(config, settings)
+    name, batch_size, epochs = config.name, config.batch_size, config.epochs
     metrics = dict(metrics or default_metrics(loss_fn, data[3]))
-    _check_arguments(name, data, optimizer, grower, metrics, batch_size, eval_every, epochs)
+    _check_arguments(name, data, optimizer, grower, metrics, batch_size, config.eval_every,
+                     epochs)
     x_train, y_train, x_test, y_test = data
     if sample_ids is not None:
         sample_ids = _check_sample_ids(name, sample_ids, len(x_train))
@@ -686,13 +733,9 @@ def train_one_pass(
         order = _check_order(name, order, len(x_train), epochs)
     if replay is not None and epochs != 1:
         raise ValueError(f"{name}: a replay log records one epoch, got epochs={epochs}")
-    device = torch.device(device)
-    config = LoopConfig(batch_size=batch_size, seed=seed, epochs=epochs, eval_every=eval_every,
-                        eval_batch_size=eval_batch_size, device=device, name=name,
-                        progress=progress, checkpoint_path=checkpoint_path,
-                        checkpoint_every=checkpoint_every, incremental_eval=incremental_eval)
+    device = torch.device(config.device)
     schedule = Schedule(len(x_train) if order is None else len(order), batch_size, epochs,
-                        seed, order)
+                        config.seed, order)
     checkpoints = _checkpointer(config, schedule, model, optimizer, grower, replay, sample_ids)
     try:
         state, resumed = _resume(config, schedule, checkpoints, replay, model, [optimizer, grower],

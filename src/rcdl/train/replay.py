@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rcdl.nn.hybrid import HybridSoftmax
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.sample_map import UNKNOWN
 from rcdl.ops.half import AUTO_PATHS, MODES, product_record
@@ -290,7 +291,9 @@ class ReplayLog:
         row a layer held at the snapshot has gone since (ids only grow along a store's rows,
         so the snapshot's last row is still in its place exactly when none before it went;
         a save and load keep them), or if a forget the log was not told of removed rows that
-        the restore or the replay would bring back (:meth:`restore_problem`)."""
+        the restore or the replay would bring back (:meth:`restore_problem`). A snapshot
+        taken when the hybrid layers held the counts of their writes as buffers hands them
+        to the learners (:func:`_old_counts`)."""
         problem = self.restore_problem(snap, model)
         if problem is not None:
             raise ValueError(f"ReplayLog.restore: {problem}")
@@ -304,8 +307,14 @@ class ReplayLog:
                 layer.store.load_rows(state.rows, next_id=state.next_id)
             layer.provenance.rewind(state.next_id)
         own = dict(_named_tensors(model))
+        old = _old_counts(snap, model)
         for key, saved in snap.tensors.items():
-            own[key].copy_(saved)
+            if not any(key in counts for counts in old.values()):
+                own[key].copy_(saved)
+        for name, layer in growing_layers(model):  # an older snapshot's counts: the learner's
+            if isinstance(layer, HybridSoftmax):
+                layer.keep_old_counts({key.rsplit(".", 1)[-1]: value
+                                       for key, value in old.get(name, {}).items()})
         for learner, state_dict in zip(learners, snap.learners, strict=True):
             if learner is not None and state_dict is not None:
                 learner.load_state_dict(copy.deepcopy(state_dict))
@@ -356,11 +365,13 @@ class ReplayLog:
             return (f"the snapshot is of layers {sorted(snap.layers)}, the model has "
                     f"{sorted(layers)}")
         own = dict(_named_tensors(model))
-        if set(own) != set(snap.tensors):
+        old = set().union(*_old_counts(snap, model).values())
+        tensors = {k: v for k, v in snap.tensors.items() if k not in old}
+        if set(own) != set(tensors):
             return (f"the snapshot at step {snap.step} holds the parameters and buffers "
-                    f"{sorted(snap.tensors)}, the model has {sorted(own)}: a log of another "
+                    f"{sorted(tensors)}, the model has {sorted(own)}: a log of another "
                     "model")
-        for key, saved in snap.tensors.items():
+        for key, saved in tensors.items():
             if saved.shape != own[key].shape or saved.dtype != own[key].dtype:
                 return (f"the snapshot at step {snap.step} holds {key} as {saved.dtype} "
                         f"{tuple(saved.shape)}, the model has {own[key].dtype} "
@@ -408,6 +419,24 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
     """The model's parameters and buffers (the stores' rows are neither)."""
     return [(f"param:{k}", p) for k, p in model.named_parameters()] + [
         (f"buffer:{k}", b) for k, b in model.named_buffers()]
+
+
+def _old_counts(snap: Snapshot, model: nn.Module) -> dict[str, dict[str, Tensor]]:
+    """The write counts ``snap`` holds as buffers of ``model``'s hybrid layers (by layer,
+    then by the snapshot's key): a snapshot taken when the layers held them
+    (:attr:`rcdl.nn.hybrid.HybridSoftmax.OLD_COUNTS`), where the learners' states now do. A
+    restore hands them to the layers (:meth:`~rcdl.nn.hybrid.HybridSoftmax.keep_old_counts`)
+    for their learner to take."""
+    own = {k for k, _ in _named_tensors(model)}
+    found = {}
+    for name, layer in growing_layers(model):
+        if isinstance(layer, HybridSoftmax):
+            keys = [f"buffer:{name}.{old}" if name else f"buffer:{old}"
+                    for old in layer.OLD_COUNTS]
+            counts = {k: snap.tensors[k] for k in keys if k in snap.tensors and k not in own}
+            if counts:
+                found[name] = counts
+    return found
 
 
 # --------------------------------------------------------------------------- the log as a file
