@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -52,17 +52,7 @@ from rcdl.nn.layers import GrowingSoftmax
 from rcdl.nn.records import Record
 from rcdl.nn.rules import LearningRule
 
-__all__ = [
-    "GrowthCounts", "GrowthStalledWarning", "HybridSoftmax", "hybrid_layers",
-]  # fmt: skip
-
-
-class GrowthCounts(Protocol):
-    """What a learner counts of a hybrid layer's growth steps
-    (:class:`rcdl.optim._step.Growth`): entries written, samples refused."""
-
-    written: int
-    refused: Tensor | int
+__all__ = ["GrowthStalledWarning", "HybridSoftmax", "hybrid_layers"]
 
 
 class GrowthStalledWarning(UserWarning):
@@ -108,7 +98,7 @@ class HybridSoftmax(GrowingSoftmax):
     The entries written and the samples refused are counted by the learner that writes
     them (:class:`rcdl.optim._step.Growth`, one per layer in
     :attr:`rcdl.optim.grower.Grower.growth`, saved with the learner's state); :meth:`stats`
-    reports the counts of the learner that steps the layer (:meth:`show_growth`).
+    reports what the layer holds.
     """
 
     trains_entries = True  # EntryAdam moves every entry: no cached evaluation partials
@@ -135,7 +125,6 @@ class HybridSoftmax(GrowingSoftmax):
         self.register_buffer("rounding_seed", torch.tensor(rounding_seed, dtype=torch.long))
         self._leaves: tuple[Tensor, Tensor, Tensor] | None = None
         # the counts of the learner that steps this layer (it owns and saves them), for stats()
-        self._growth: GrowthCounts | None = None
         # the counts an older state held on the layer, until its learner's state loads
         self._old_counts: dict[str, int] | None = None
         self._last_sq_distance: Tensor | None = None  # (B,) of the last gated batch
@@ -256,18 +245,10 @@ class HybridSoftmax(GrowingSoftmax):
             f"DistanceGate({default_tau(self.store.d_in):.3g}) (rcdl.nn.gates.default_tau)",
             GrowthStalledWarning, stacklevel=2)
 
-    def show_growth(self, growth: GrowthCounts) -> None:
-        """Report ``growth`` in :meth:`stats`: the counts of the learner that steps this
-        layer (:attr:`rcdl.optim.grower.Grower.growth`), which it keeps and saves."""
-        self._growth = growth
-
     def stats(self) -> dict[str, int]:
-        """Entries written and samples refused by the learner that steps this layer (the
-        counts it shows, :meth:`show_growth`; 0 before any), entries stored and their bytes."""
-        growth = self._growth
-        written, refused = (0, 0) if growth is None else (growth.written, int(growth.refused))
-        return {"written": written, "refused": refused, "entries": len(self.store),
-                "bytes": self.store.nbytes}
+        """Entries stored and their bytes (what was written and refused is the learner's:
+        :attr:`rcdl.optim.grower.Grower.growth`)."""
+        return {"entries": len(self.store), "bytes": self.store.nbytes}
 
     # ---------------------------------------------------------------- older states
     def state_keys(self) -> tuple[str, ...]:

@@ -85,7 +85,6 @@ class Growth:
         that refused every sample of the first :attr:`HybridSoftmax.STALL_STEPS` steps
         this learner counted is warned of (:meth:`HybridSoftmax.warn_stalled`)."""
         assert isinstance(layer, HybridSoftmax), "only a gated layer's steps are counted"
-        layer.show_growth(self)  # what the layer's stats() report
         self.written += written
         self.refused = self.refused + refused  # () on the device: no read
         self.dry_steps = 0 if written else self.dry_steps + 1

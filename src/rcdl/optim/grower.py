@@ -132,8 +132,6 @@ class Grower(torch.optim.Optimizer):
         self._steps = 0
         self.evicted: dict[str, int] = {layer.name: 0 for layer in self.layers}
         self.growth = {layer.name: _step.Growth() for layer in self.layers if _step.gated(layer)}
-        for name, growth in self.growth.items():
-            self._layer(name).show_growth(growth)
         groups = [{"params": [], "lr": layer.rule.lr, "layer": layer.name} for layer in self.layers]
         super().__init__(groups, {})
 
@@ -375,7 +373,6 @@ class Grower(torch.optim.Optimizer):
             saved = state.get("growth", {}).get(name, layer.take_old_counts())
             if saved is not None:
                 growth.load_state_dict(saved)
-            layer.show_growth(growth)
         self._apply_learning_rates()
 
     def _layer(self, name: str) -> Any:  # a gated layer (the hybrid), by name

@@ -232,7 +232,8 @@ def _train(name: str, seed: int, cfg: ViTConfig, tensors: tuple,
            "parameters": sum(p.numel() for p in model.parameters()), **result}  # fmt: skip
     if grower is not None:
         tokens = len(tensors[0]) * cfg.tokens  # tokens seen per layer: the possible entries
-        out["layers"] = [{"name": layer.name, **layer.stats(), "possible": tokens}
+        out["layers"] = [{"name": layer.name, **grower.growth[layer.name].state_dict(),
+                          **layer.stats(), "possible": tokens}
                          for _, layer in hybrid_layers(model)]  # fmt: skip
         out["sizes"] = log.sizes
     return out

@@ -145,8 +145,10 @@ def _train_by_passes(name: str, seed: int, cfg: Cifar10Config, data: tuple,
         save_model(model_path(session.run, name, seed), name, seed, model, optimizer, grower,
                    digest)
     parameters = sum(p.numel() for p in model.parameters())
-    layer_stats = {layer.name: layer.stats() for layer in (grower.layers if grower else [])
-                   if isinstance(layer, HybridSoftmax)}  # written / refused per hybrid layer
+    growth = grower.growth if grower else {}  # written / refused per hybrid layer
+    layer_stats = {layer.name: {**growth[layer.name].state_dict(), **layer.stats()}
+                   for layer in (grower.layers if grower else [])
+                   if isinstance(layer, HybridSoftmax)}
     return {"model": name, "seed": seed, "parameters": parameters,
             "possible_entries": possible, **result,
             **({"layer_stats": layer_stats} if layer_stats else {})}
