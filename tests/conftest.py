@@ -59,13 +59,24 @@ def interrupt_after():
     return patch
 
 
+# modules whose tests read one run made by a module-scoped fixture (seconds each): on one
+# worker, the run is made once instead of once per worker that runs some of the tests
+SHARED_RUN_MODULES = {"test_cifar10_experiment", "test_optimizer_experiments",
+                      "test_teacher_student", "test_memory_budget", "test_tau_sweep",
+                      "test_generalisation", "test_vit"}
+
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist with ``--dist loadgroup`` (``make test``), the tests marked
     ``spawns`` (they start processes of their own: torchrun-like ranks, a second run) run one
-    after another on one worker, so that no two of them share the cores and time out."""
+    after another on one worker, so that no two of them share the cores and time out; the
+    tests of a module of :data:`SHARED_RUN_MODULES` run on one worker, which makes the
+    module's run once."""
     for item in items:
         if item.get_closest_marker("spawns") is not None:
             item.add_marker(pytest.mark.xdist_group("spawns"))
+        elif item.module.__name__.rpartition(".")[2] in SHARED_RUN_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 # A test that needs an optional extra is marked @pytest.mark.extra("classical"): where the

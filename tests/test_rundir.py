@@ -243,3 +243,31 @@ def test_the_environment_records_the_instruction_set_caps(monkeypatch):
     assert env["isa_caps"]["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
     assert "MKL_ENABLE_INSTRUCTIONS" not in env["isa_caps"]
     assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_a_sub_run_collection_frees_the_new_cycles_and_gives_the_old_objects_back():
+    """collecting_new_objects: inside, the objects made before are set aside (a collection
+    scans only the new ones, which it still frees); after, the collector has them all."""
+    import gc
+    import weakref
+
+    from rcdl.app.rundir import collecting_new_objects, release_memory
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    assert gc.get_freeze_count() == 0
+    with collecting_new_objects():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with collecting_new_objects():  # nested: the outer freeze stays
+            new = cycle()
+            release_memory("cpu")
+            assert new() is None  # the new cycle was collected
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0

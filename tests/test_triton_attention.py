@@ -332,8 +332,8 @@ def test_the_gpu_check_script_agrees_on_cpu_through_the_interpreter():
     interpreter, at small shapes, the two agree."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "check_triton.py"
     run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--entries", "40",
-                          "--width", "16", "--batches", "5", "18", "--kernels", "softmax",
-                          "rbf"], capture_output=True, text=True, timeout=120)
+                          "--width", "16", "--batches", "5", "18", "--kernels", "softmax"],
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = [line for line in run.stdout.splitlines() if "rel. error" in line]
-    assert len(lines) == 8 and not any("FAILED" in line for line in lines), run.stdout
+    assert len(lines) == 4 and not any("FAILED" in line for line in lines), run.stdout

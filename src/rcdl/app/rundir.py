@@ -775,6 +775,25 @@ def release_memory(device: str | torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def collecting_new_objects() -> Iterator[None]:
+    """Within the block, a collection (:func:`release_memory`) scans only the objects made
+    inside it: those that existed before (the imported modules, the caller's data) are set
+    aside (``gc.freeze``) and given back to the collector when the block ends, so the
+    collection after each sub-run does not scan every object of the process again; the
+    models a sub-run made are all new. Nested blocks keep the outermost's freeze."""
+    import gc
+
+    if gc.get_freeze_count():  # an enclosing block froze them already
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def rank0_run(open_run: Callable[[], RunDir]) -> RunDir:
     """The run folder of a run that may be distributed: rank 0 opens it (``open_run()``:
     creates it, or opens the one to resume) and tells the others its path; they get a

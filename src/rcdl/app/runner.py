@@ -55,6 +55,7 @@ import torch
 
 from rcdl.app.rundir import (
     RunDir,
+    collecting_new_objects,
     environment_info,
     open_run,
     rank0_run,
@@ -284,14 +285,15 @@ def _run_in(experiment: Experiment, cfg: Any, run: RunDir, summary: dict[str, An
     # the session is recorded as it starts: a kill before the first sub-run finishes leaves
     # it listed (and a finished sub-run kept in the summary stays there meanwhile)
     run.write_summary({**summary, "runs": saved.get("runs", []) if finished is not None else []})
-    for name, train in experiment.sub_runs(cfg, data, session):
-        summary["runs"].append(_sub_run(run, name, train, finished))
-        if experiment.update is not None:
-            experiment.update(cfg, summary)
-        clock["seconds"] = time.perf_counter() - began
-        run.write_summary(summary)
-        run.record_paths()
-        release_memory(device)
+    with collecting_new_objects():
+        for name, train in experiment.sub_runs(cfg, data, session):
+            summary["runs"].append(_sub_run(run, name, train, finished))
+            if experiment.update is not None:
+                experiment.update(cfg, summary)
+            clock["seconds"] = time.perf_counter() - began
+            run.write_summary(summary)
+            run.record_paths()
+            release_memory(device)
     if experiment.finish is not None:  # (update ran after the last sub-run)
         experiment.finish(cfg, summary)
         run.record_paths()
