@@ -279,7 +279,7 @@ def test_a_rule_written_as_the_architecture_page_says_trains_a_layer():
 # zoo; the tau sweep runs it once per tau), and the continual study's baselines. Nothing else
 # crosses.
 SHARED_EXPERIMENT_PARTS = {"cifar10", "cifar10.config", "cifar10.report", "cifar10.combine",
-                           "continual.baselines"}
+                           "continual.baselines", "attribution.lds"}
 
 
 def _experiment(module: str) -> str:

@@ -104,6 +104,10 @@ TINY: dict[str, list[str]] = {
         "reproduce", "continual", "--quick", "--models", "gws", "hybrid", "rbf+labels",
         "mlp-sgd", "mlp-ewc", "mlp-lwf", "knn-cosine", "ncm", "slda", "--train-size", "48",
         "--test-size", "24", "--device", "cpu"],
+    "single-model-attribution": [
+        "reproduce", "single-model-attribution", "--quick", "--models", "rbf", "--train-size",
+        "32", "--test-size", "8", "--fractions", "0.125", "--sets", "3", "--no-set-level",
+        "--positions", "2", "--protocol", "re-formed", "--device", "cpu"],
 }  # fmt: skip
 
 FULL: dict[str, list[str]] = {
@@ -120,6 +124,8 @@ FULL: dict[str, list[str]] = {
     "unlearning": ["reproduce", "unlearning", "--quick", "--device", "cpu"],
     "forgetting-quality": ["reproduce", "forgetting-quality", "--quick", "--device", "cpu"],
     "continual": ["reproduce", "continual", "--quick", "--device", "cpu"],
+    "single-model-attribution": ["reproduce", "single-model-attribution", "--quick",
+                                 "--device", "cpu"],
 }  # fmt: skip
 
 NO_DATA = {"demo", "teacher-student"}

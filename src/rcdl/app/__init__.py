@@ -15,9 +15,11 @@
 
 An experiment takes from another only what later studies build on: the one-epoch
 comparison's settings, report and runs (``cifar10.config``, ``cifar10.report``,
-``cifar10.combine``, and ``cifar10`` itself, which the τ sweep runs once per τ), and the
+``cifar10.combine``, and ``cifar10`` itself, which the τ sweep runs once per τ), the
 continual study's baselines (``continual.baselines``, which the attribution study scores
-too). ``tests/test_architecture.py`` checks that nothing else crosses.
+too), and the attribution study's scores and margins (``attribution.lds``, which the
+single-model protocol scores against exact replay). ``tests/test_architecture.py`` checks
+that nothing else crosses.
 
 The library (``rcdl``, the package above) never imports from here.
 """

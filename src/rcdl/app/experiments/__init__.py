@@ -5,11 +5,11 @@ its own, each declaring its command (``EXPERIMENT = "name"``), its config and it
 (:data:`COMMANDS`), reading each module's source rather than importing it. What several
 experiments train with is in :mod:`rcdl.app.recipes`, and the models they train in
 :mod:`rcdl.app.models`; the one-epoch comparison (``cifar10/``) keeps its settings, runs,
-report and ``--combine`` in ``cifar10.config``, ``cifar10.run``, ``cifar10.report`` and
-``cifar10.combine``, and the continual study (``continual/``) its model names, runs,
-baselines, analysis, report and figures in ``continual.spec``, ``continual.run``,
-``continual.baselines``, ``continual.analysis``, ``continual.report`` and
-``continual.plots``.
+report, ``--combine`` and the hybrid's bfloat16 diagnostics in ``cifar10.config``,
+``cifar10.run``, ``cifar10.report``, ``cifar10.combine`` and ``cifar10.bf16_effects``, and
+the continual study (``continual/``) its model names, runs, baselines, analysis, report
+and figures in ``continual.spec``, ``continual.run``, ``continual.baselines``,
+``continual.analysis``, ``continual.report`` and ``continual.plots``.
 
 - :mod:`rcdl.app.experiments.demo` — teacher–student regression: a growing RBF network against
   MLPs trained by SGD and by Adam, one pass over the data (``rcdl demo``).
@@ -32,12 +32,14 @@ baselines, analysis, report and figures in ``continual.spec``, ``continual.run``
   blocks, one epoch (docs/reference.md §8; ``rcdl reproduce vit``).
 - :mod:`rcdl.app.experiments.attention_bench` — the streaming attention's speed against the
   matrix products it is made of (``rcdl reproduce attention-bench``).
-- :mod:`rcdl.app.experiments.attribution_exp` — rcdl's native attribution measured: the linear
+- :mod:`rcdl.app.experiments.attribution` — rcdl's native attribution measured: the linear
   datamodeling score against retrained models, mislabel detection by self-influence, and
-  test images beside the training images they rest on (``rcdl reproduce attribution``).
+  test images beside the training images they rest on; as options the readout cascade, the
+  seed ceiling and the TRAK peer (``rcdl reproduce attribution``).
 - :mod:`rcdl.app.experiments.unlearning` — forgetting training samples (``rcdl.forget``)
-  against retraining without them, with a membership-inference score
-  (``rcdl reproduce unlearning``).
+  against retraining without them, with a membership-inference score, and the studies of
+  ``--studies`` (exact forgetting's cost, the ``rcdl forget`` command, a replay log's size,
+  the repair's time budget), a module each in the package (``rcdl reproduce unlearning``).
 - :mod:`rcdl.app.experiments.continual` — class-incremental Split CIFAR-10 without replay:
   growing models against fine-tuned, EWC and LwF MLPs and raw-pixel baselines, and whether
   an earlier task's entries still classify its images (``rcdl reproduce continual``).
