@@ -72,6 +72,8 @@ def pytest_collection_modifyitems(config, items):
     after another on one worker, so that no two of them share the cores and time out; the
     tests of a module of :data:`SHARED_RUN_MODULES` run on one worker, which makes the
     module's run once."""
+    if not config.pluginmanager.hasplugin("xdist"):  # no workers, no groups (nor their mark)
+        return
     for item in items:
         if item.get_closest_marker("spawns") is not None:
             item.add_marker(pytest.mark.xdist_group("spawns"))
