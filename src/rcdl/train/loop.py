@@ -647,43 +647,16 @@ def train_one_pass(
             ``(M, D_in)``, ``(M, ...)``; batches are moved to ``device`` as needed.
         config: the loop's settings whole, in place of their keywords (a caller that
             holds a :class:`LoopConfig` passes it; ``dataclasses.replace`` changes one).
-        batch_size: samples per step ``B``; the last batch may be smaller.
-        seed: seeds the permutation of the training set in each epoch
-            (:func:`epoch_permutation`).
         metrics: ``{name: fn(predictions, targets)}`` on the test set; the first is shown
             in the progress bar. Default (:func:`default_metrics`): ``{"test_mse": mse}``
             with the default loss; the accuracy and the loss, ``{"test_acc", "test_loss"}``,
             for integer class targets; else the loss, ``{"test_loss": loss_fn}``.
-        eval_every: evaluate every this many steps, counted over all epochs (also before the
-            first step and after the last step of every epoch).
         run: if given, every evaluation is appended to its ``metrics.jsonl``.
-        name: the model's name in logs and the progress bar.
-        checkpoint_path: if given, the loop saves its whole state as a checkpoint there
-            every ``checkpoint_every`` steps (default ``eval_every``): checksummed files
-            tagged with the step and a manifest ``<stem>.manifest.json`` that commits them,
-            the last two kept (:class:`rcdl.train.checkpoint.Checkpointer`). If a checkpoint is
-            there at the start, training resumes from the newest one that reads back whole
-            (saying on stderr which it skipped) and ends with the same result as an
-            uninterrupted run (batches are a pure function of ``seed`` and the step). The
-            state at a step does not depend on ``epochs``, so a run may also be continued
-            for more epochs than it was started with. Under ``torchrun`` every rank passes
-            the same path.
-        epochs: passes over the training set, each in a fresh order (docs/reference.md §8); 1 is the
-            one-pass protocol of docs/reference.md §6, unchanged.
         on_epoch_end: called as ``on_epoch_end(e)`` right after the evaluation before the
             first step (``e = 0``) and after the last step of each epoch (``e = 1, 2, ...``
             epochs done), e.g. to measure accuracy on the training data; the values it returns
             join that evaluation's record (under names the record does not already use). It
             must not train the model; its time counts as evaluation time.
-        incremental_eval: evaluate each growing layer incrementally: it keeps the state of
-            its streaming attention over the test inputs after the last full chunk and folds
-            only the chunks from there on at the next evaluation (see
-            :func:`rcdl.nn.backends.enable_eval_cache`). The chunks are a full
-            pass's, so the evaluations are bit for bit those of a full pass, also after a
-            resume. The first growing layer's queries are the test inputs themselves, so
-            its evaluation cost stops growing with the store. Off by default: it costs the
-            queries and partials of one evaluation in memory. Training is unaffected either
-            way.
         sample_ids: ``(N,)`` int64, the index each training row is recorded under as the
             sample that wrote its entries (:mod:`rcdl.memory.provenance`), e.g. its index in
             the full dataset when ``x_train`` is a subset of it; what
@@ -697,6 +670,34 @@ def train_one_pass(
             every ``replay.every`` steps into, for exact forgetting (one epoch, from step 0).
             With ``checkpoint_path`` each checkpoint holds the log too, and a resumed run
             continues the log its checkpoint holds (one that holds none is refused).
+
+    Keyword Args:
+        batch_size (int): samples per step ``B``; the last batch may be smaller.
+        seed (int): seeds the permutation of the training set in each epoch
+            (:func:`epoch_permutation`).
+        eval_every (int): evaluate every this many steps, counted over all epochs (also
+            before the first step and after the last step of every epoch).
+        name (str): the model's name in logs and the progress bar.
+        checkpoint_path (str | Path | None): if given, the loop saves its whole state as a
+            checkpoint there every ``checkpoint_every`` steps (default ``eval_every``):
+            checksummed files tagged with the step and a manifest ``<stem>.manifest.json``
+            that commits them, the last two kept
+            (:class:`rcdl.train.checkpoint.Checkpointer`). If a checkpoint is there at the
+            start, training resumes from the newest one that reads back whole (saying on
+            stderr which it skipped) and ends with the same result as an uninterrupted run
+            (batches are a pure function of ``seed`` and the step). The state at a step does
+            not depend on ``epochs``, so a run may also be continued for more epochs than it
+            was started with. Under ``torchrun`` every rank passes the same path.
+        epochs (int): passes over the training set, each in a fresh order (docs/reference.md
+            §8); 1 is the one-pass protocol of docs/reference.md §6, unchanged.
+        incremental_eval (bool): evaluate each growing layer incrementally: it keeps the
+            state of its streaming attention over the test inputs after the last full chunk
+            and folds only the chunks from there on at the next evaluation (see
+            :func:`rcdl.nn.backends.enable_eval_cache`). The chunks are a full pass's, so
+            the evaluations are bit for bit those of a full pass, also after a resume. The
+            first growing layer's queries are the test inputs themselves, so its evaluation
+            cost stops growing with the store. Off by default: it costs the queries and
+            partials of one evaluation in memory. Training is unaffected either way.
 
     Returns:
         ``{<metric names>, "train_loss", "entries", "bytes", "steps", "samples", "epochs",
