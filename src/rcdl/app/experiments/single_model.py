@@ -370,23 +370,27 @@ def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot(path: Path, runs: list[dict[str, Any]]) -> None:
     """Per model, each method's single-model LDS against the removal fraction (set-level
-    references dashed), with the standard protocol's LDS and seed ceiling as lines."""
+    references dashed, the oracle dotted; one colour per method in every panel), with the
+    standard protocol's LDS and seed ceiling as grey lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in runs))
-    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4), squeeze=False)
+    methods = list(dict.fromkeys(k for r in runs for k in r["methods"]))
+    fractions = sorted({100 * r["fraction"] for r in runs})
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.6), squeeze=False)
     for ax, name in zip(axes[0], models, strict=True):
         mine = sorted((r for r in runs if r["model"] == name), key=lambda r: r["fraction"])
-        for i, key in enumerate(dict.fromkeys(k for r in mine for k in r["methods"])):
+        for i, key in enumerate(methods):
             points = [(100 * r["fraction"], r["methods"][key]["lds"]) for r in mine
                       if key in r["methods"]]
-            kind = mine[0]["methods"].get(key, {}).get("kind")
+            if not points:
+                continue
+            kind = next(r["methods"][key]["kind"] for r in mine if key in r["methods"])
             style = {"attribution": "o-", "oracle": "^:"}.get(kind, "s--")
-            ax.plot(*zip(*points, strict=True), style, color=f"C{i}" if kind != "oracle"
-                    else "black", label=key)
+            ax.plot(*zip(*points, strict=True), style, color=f"C{i}", label=key)
         if name in STANDARD:
             ax.axhline(STANDARD[name]["lds"], color="grey", lw=0.8, ls=":",
                        label="standard LDS (all layers)")
@@ -394,11 +398,20 @@ def plot(path: Path, runs: list[dict[str, Any]]) -> None:
                        label="standard protocol's seed ceiling")
         ax.axhline(1.0, color="black", lw=0.5)
         ax.set_xscale("log")
+        ax.set_xticks(fractions, [f"{f:g}" for f in fractions])
+        ax.minorticks_off()
+        ax.set_ylim(min(-0.05, ax.get_ylim()[0]), 1.05)
         ax.set_xlabel("removal set, % of the training images")
         ax.set_ylabel("single-model LDS")
         ax.set_title(name)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:  # every method and line once, whichever panel drew it
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
