@@ -94,7 +94,7 @@ def test_no_import_cycles():
 # The packages in their layers (docs/architecture.md, "The packages"): a module imports from
 # its own package and from packages of a lower layer only. Layer 0 holds the internals and
 # the options; ``rcdl`` itself (the public API) and ``python -m rcdl`` sit on top.
-LAYERS = [("_version", "_cpu", "_io", "options"), ("ops",), ("nn",), ("distributed",),
+LAYERS = [("_version", "_cpu", "_io", "_checks", "options"), ("ops",), ("nn",), ("distributed",),
           ("retrieval", "memory"), ("optim",), ("train",), ("app",), ("", "__main__")]
 
 

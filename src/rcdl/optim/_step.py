@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rcdl._checks import is_count
 from rcdl.nn.divergence import KEYS, VALUES, WEIGHTS, Fault, first_fault, no_fault, raise_first
 from rcdl.nn.hybrid import HybridSoftmax
 from rcdl.nn.layers import GrowingLayer
@@ -105,8 +106,7 @@ class Growth:
         if not isinstance(state, Mapping) or set(state) != {"written", "refused"}:
             return (f"must be a dict with 'written' and 'refused', got "
                     f"{sorted(state) if isinstance(state, Mapping) else type(state).__name__}")
-        bad = [k for k, v in state.items() if not isinstance(v, int) or isinstance(v, bool)
-               or v < 0]
+        bad = [k for k, v in state.items() if not is_count(v)]
         return None if not bad else f"{bad[0]} must be an int >= 0, got {state[bad[0]]!r}"
 
 

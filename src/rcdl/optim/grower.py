@@ -66,6 +66,7 @@ from typing import Any, NoReturn, overload
 import torch
 from torch import Tensor, nn
 
+from rcdl._checks import is_count
 from rcdl.memory.budgets import MemoryBudget
 from rcdl.nn.divergence import DivergenceGuard, first_fault, raise_first
 from rcdl.nn.layers import GrowingLayer, growing_layers
@@ -416,8 +417,8 @@ class Grower(torch.optim.Optimizer):
         for group, layer in zip(groups, self.layers, strict=True):
             name = layer.name
             for key, value, check, expected in (
-                    ("steps", state["steps"][name], _count, "an int >= 0"),
-                    ("evicted", state["evicted"][name], _count, "an int >= 0"),
+                    ("steps", state["steps"][name], is_count, "an int >= 0"),
+                    ("evicted", state["evicted"][name], is_count, "an int >= 0"),
                     ("output_scale", state["output_scale"][name],
                      lambda v: v is None or _real(v) and v >= 0, "None or a float >= 0"),
                     ("param_groups' lr", group.get("lr"), _real, "a finite float")):
@@ -428,7 +429,7 @@ class Grower(torch.optim.Optimizer):
                 layer.rule.with_lr(group["lr"])  # what _apply_learning_rates will do
             except ValueError as err:
                 raise ValueError(f"{where}: {layer.where}: {err}") from None
-        if "steps_taken" in state and not _count(state["steps_taken"]):
+        if "steps_taken" in state and not is_count(state["steps_taken"]):
             raise ValueError(f"{where}: 'steps_taken' must be an int >= 0, got "
                              f"{_describe(state['steps_taken'])}")
         growth = state.get("growth", {})
@@ -443,7 +444,7 @@ class Grower(torch.optim.Optimizer):
     def _check_place(self, theirs: Any, where: str) -> None:
         """Refuse a state saved by another shard placement (``None``: one process)."""
         if theirs is not None and not (isinstance(theirs, (list, tuple)) and len(theirs) == 2
-                                       and all(_count(p) for p in theirs)):
+                                       and all(is_count(p) for p in theirs)):
             raise ValueError(f"{where}: 'shard' must be None or (rank, world size), got "
                              f"{_describe(theirs)}")
         place = self._shard_place()
@@ -524,11 +525,6 @@ class Grower(torch.optim.Optimizer):
             return counts
         local = torch.tensor(counts, dtype=torch.long, device=sharded.store.device)
         return sharded.shard.all_reduce(local).tolist()
-
-
-def _count(value: Any) -> bool:
-    """Whether ``value`` is an int >= 0 (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _real(value: Any) -> bool:

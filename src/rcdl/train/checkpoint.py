@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from rcdl._checks import is_count
 from rcdl._io import LockHeld, atomic_write, atomic_write_json, holder, lock_exclusively
 from rcdl._version import __version__
 from rcdl.distributed import is_sharded, rank_and_world
@@ -398,10 +399,6 @@ def _warn(message: str) -> None:
 # is loaded, and a file that fails is skipped as a damaged one.
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _is_scale(value: Any) -> bool:
     return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
 
@@ -417,9 +414,9 @@ def _grower_problem(part: dict[str, Any], where: str) -> str | None:
         return (f"{where}['param_groups'] is not a list of groups, each naming its layer and "
                 "its learning rate")
     layers = [g["layer"] for g in groups]
-    for key, fits, what in (("steps", _is_count, "a step count"),
+    for key, fits, what in (("steps", is_count, "a step count"),
                             ("output_scale", _is_scale, "an output scale or None"),
-                            ("evicted", _is_count, "an eviction count")):
+                            ("evicted", is_count, "an eviction count")):
         value = part[key]
         if not isinstance(value, dict) or not all(fits(v) for v in value.values()):
             return f"{where}[{key!r}] is not {what} by layer"
@@ -428,12 +425,12 @@ def _grower_problem(part: dict[str, Any], where: str) -> str | None:
                     f"{sorted(value)}")
     shard = part["shard"]
     if shard is not None and not (isinstance(shard, list | tuple) and len(shard) == 2
-                                  and all(_is_count(v) for v in shard)):
+                                  and all(is_count(v) for v in shard)):
         return f"{where}['shard'] is {shard!r}, not None or (rank, world size)"
     growth = part.get("growth", {})  # absent: saved when the layers held these counts
     if not isinstance(growth, dict) or not all(
             isinstance(g, dict) and set(g) == {"written", "refused"}
-            and all(_is_count(v) for v in g.values()) for g in growth.values()):
+            and all(is_count(v) for v in g.values()) for g in growth.values()):
         return f"{where}['growth'] is not the entries written and refused by layer"
     return None
 
@@ -447,7 +444,7 @@ def _optimizer_problem(part: dict[str, Any], where: str) -> str | None:
     groups = part["param_groups"]
     if not isinstance(groups, list) or not all(
             isinstance(g, dict) and isinstance(g.get("params"), list)
-            and all(_is_count(i) for i in g["params"]) for g in groups):
+            and all(is_count(i) for i in g["params"]) for g in groups):
         return f"{where}['param_groups'] is not a list of groups, each listing its parameters"
     return None
 
@@ -459,7 +456,7 @@ def _entry_adam_problem(part: dict[str, Any], where: str) -> str | None:
     if not isinstance(groups, list) or not groups or not isinstance(groups[0], dict):
         return f"{where}['param_groups'] is not a list holding a group"
     if not isinstance(layers, dict) or not all(
-            isinstance(m, dict) and _is_count(m.get("adam_steps"))
+            isinstance(m, dict) and is_count(m.get("adam_steps"))
             and all(isinstance(m.get(k), dict) and isinstance(m[k].get("keys"), Tensor)
                     for k in ("m", "v")) for m in layers.values()):  # fmt: skip
         return f"{where}['layers'] is not the moments' rows and step count by layer"
@@ -761,7 +758,7 @@ a replay log (``replay``) saves it with the rest, so that a resumed run keeps re
         if not isinstance(state["run"], dict):
             return f"its run part is a {type(state['run']).__name__}, not a dict"
         loop = state["loop"]
-        if not isinstance(loop, dict) or not _is_count(loop.get("step")):
+        if not isinstance(loop, dict) or not is_count(loop.get("step")):
             return "its loop part is not a dict with an integer step"
         if loop["step"] != step:
             return f"its loop is at step {loop['step']}, its name and manifest say {step}"

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rcdl._checks import is_count
 from rcdl.nn.hybrid import HybridSoftmax
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.sample_map import UNKNOWN
@@ -455,10 +456,6 @@ def _snapshot(part: dict[str, Any]) -> Snapshot:
     return Snapshot(part["step"], layers, dict(part["tensors"]), list(part["learners"]))
 
 
-def _is_int(value: Any, least: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
 def _ids_problem(value: Any, where: str, length: int | None = None) -> str | None:
     """Unless ``value`` is a 1-D int64 tensor (of ``length`` elements, if given): what it is."""
     if not isinstance(value, Tensor) or value.dtype != torch.long or value.dim() != 1:
@@ -490,9 +487,9 @@ def _log_problem(state: Any) -> str | None:
     if state["format"] != FORMAT:
         return f"its format is {state['format']!r}; this rcdl reads format {FORMAT}"
     every, batch = state["every"], state["batch_size"]
-    if not _is_int(every, 1):
+    if not is_count(every, 1):
         return f"every is {every!r}, not an integer >= 1"
-    if not _is_int(batch):
+    if not is_count(batch):
         return f"batch_size is {batch!r}, not an integer >= 0"
     order, ids = state["order"], state["sample_ids"]
     if order is None:
@@ -533,7 +530,7 @@ def _log_problem(state: Any) -> str | None:
     layers: set[str] | None = None
     for step, part in snapshots.items():
         where = f"snapshots[{step!r}]"
-        if not _is_int(step) or step % every or (steps is not None and step > steps):
+        if not is_count(step) or step % every or (steps is not None and step > steps):
             return (f"{where}: a snapshot is kept at a step that is a multiple of every "
                     f"({every}) in 0..{steps}")
         problem = _snapshot_problem(part, step, where)
@@ -560,7 +557,7 @@ def _snapshot_problem(part: Any, step: int, where: str) -> str | None:
         if problem is not None:
             return problem
         for key, least in (("size", 0), ("next_id", 0), ("last_id", -1)):
-            if not _is_int(layer[key], least):
+            if not is_count(layer[key], least):
                 return f"{at}[{key!r}] is {layer[key]!r}, not an integer >= {least}"
         rows, owners = layer["rows"], layer["samples"]
         if rows is None:
