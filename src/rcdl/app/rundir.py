@@ -54,11 +54,11 @@ from rcdl._version import __version__
 from rcdl.app.allocator import allocator_setting
 from rcdl.distributed import rank_and_world
 from rcdl.ops.half import (
-    AUTO_PATHS,
     PRODUCTS,
     native_products,
     product_path,
     product_record,
+    product_record_problem,
 )
 from rcdl.ops.packed import PACKED, packed_dtypes
 from rcdl.ops.plan import clear_layer_products, layer_products
@@ -409,11 +409,10 @@ class RunDir:
         if env is None or "half_products" not in env:
             return None  # no environment record: nothing to follow
         record = {"mode": env["half_products"], "auto_path": env.get("half_products_auto")}
-        if record["mode"] not in PRODUCTS.choices or record["auto_path"] not in (
-                None, *AUTO_PATHS):
-            raise ValueError(f"{path} records half-precision products {record}, which rcdl "
-                             f"does not know (modes {', '.join(PRODUCTS.choices)}; paths "
-                             f"{', '.join(AUTO_PATHS)})")
+        problem = product_record_problem(record)
+        if problem is not None:
+            raise ValueError(f"{path} records half-precision products rcdl does not know: "
+                             f"{problem}")
         return record
 
     def record_paths(self) -> None:

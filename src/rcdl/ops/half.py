@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import functools
 import os
+import reprlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import torch
 
@@ -55,7 +57,8 @@ from rcdl.options import ProcessDefault, threads
 
 __all__ = ["AUTO_PATHS", "HALF_DTYPES", "MODES", "PRODUCTS", "WIDEN_MAX_BATCH", "auto_path",
            "capped_below_half", "chunk_products", "half_products", "native_products",
-           "product_mode", "product_path", "product_record", "products_as", "set_auto_path",
+           "product_mode", "product_path", "product_record", "product_record_problem",
+           "products_as", "set_auto_path",
            "set_half_products", "upcast_chunks", "widen_pays"]
 
 MODES = ("auto", "native", "float32", "widen")
@@ -184,6 +187,17 @@ def product_record() -> dict[str, str | None]:
     mode = PRODUCTS.get()
     needed = mode == "auto" and not native_products(torch.bfloat16, "cpu")
     return {"mode": mode, "auto_path": auto_path() if needed else None}
+
+
+def product_record_problem(record: Any) -> str | None:
+    """What makes ``record`` other than a :func:`product_record` (``None``: nothing): a
+    dict of exactly ``"mode"`` (one of :data:`MODES`) and ``"auto_path"`` (``None`` or one
+    of :data:`AUTO_PATHS`). Every reader of a saved record checks it so."""
+    if (isinstance(record, dict) and set(record) == {"mode", "auto_path"}
+            and record["mode"] in MODES and record["auto_path"] in (None, *AUTO_PATHS)):
+        return None
+    return (f"{reprlib.repr(record)} is not a product record (mode one of "
+            f"{', '.join(MODES)}; auto_path None or one of {', '.join(AUTO_PATHS)})")
 
 
 @contextmanager

@@ -73,7 +73,7 @@ from rcdl._checks import is_count
 from rcdl._io import LockHeld, atomic_write, atomic_write_json, holder, lock_exclusively
 from rcdl._version import __version__
 from rcdl.distributed import is_sharded, rank_and_world
-from rcdl.ops.half import AUTO_PATHS, MODES, product_record
+from rcdl.ops.half import product_record, product_record_problem
 from rcdl.retrieval.topk import load_retrieval_state, retrieval_state
 
 __all__ = ["CheckpointInUse", "Checkpointer", "DamagedCheckpoint", "UnsafeCheckpoint",
@@ -774,12 +774,8 @@ a replay log (``replay``) saves it with the rest, so that a resumed run keeps re
                 return (f"its model part holds {type(value).__name__} {reprlib.repr(value)} "
                         f"under {key!r}, not a tensor by name")
         products = state.get("products")
-        if products is not None and not (
-                isinstance(products, dict) and products.get("mode") in MODES
-                and products.get("auto_path") in (None, *AUTO_PATHS)):
-            return (f"its products part {reprlib.repr(products)} is not a product record "
-                    f"(mode one of {', '.join(MODES)}; auto_path None or one of "
-                    f"{', '.join(AUTO_PATHS)})")
+        if products is not None and (problem := product_record_problem(products)):
+            return f"its products part {problem}"
         replay = state.get("replay")
         if self.replay is not None and replay is not None and self.replay_problem is not None:
             problem = self.replay_problem(replay)

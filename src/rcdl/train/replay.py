@@ -54,7 +54,7 @@ from rcdl._checks import is_count
 from rcdl.nn.hybrid import HybridSoftmax
 from rcdl.nn.layers import GrowingLayer, growing_layers
 from rcdl.nn.sample_map import UNKNOWN
-from rcdl.ops.half import AUTO_PATHS, MODES, product_record
+from rcdl.ops.half import product_record, product_record_problem
 from rcdl.train.checkpoint import DamagedCheckpoint, load_checkpoint, save_checkpoint
 
 __all__ = ["ReplayLog", "Snapshot"]
@@ -508,10 +508,8 @@ def _log_problem(state: Any) -> str | None:
                                                        and int(order.max()) >= rows)):
             return f"order holds positions outside the {rows} sample ids"
     products = state["products"]
-    if products is not None and not (
-            isinstance(products, dict) and set(products) == {"mode", "auto_path"}
-            and products["mode"] in MODES and products["auto_path"] in (None, *AUTO_PATHS)):
-        return f"products is {products!r}, not None or a product record"
+    if products is not None and (problem := product_record_problem(products)):
+        return f"products {problem}"
     problem = _ids_problem(state["forgotten"], "forgotten")
     if problem is not None:
         return problem
