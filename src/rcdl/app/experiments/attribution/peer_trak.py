@@ -27,22 +27,18 @@ self-influence; baselines: the seed-0 model's loss, the random ranking of rcdl's
 measurement (the same draws).
 
 Width. At the paper's width (3 072) the MLP has 75.5 M parameters, and TRAK materialises a
-per-sample gradient of that size for every training image of every ensemble model. On two CPU
-cores that does not fit; the blocks run at width ``W`` = 192 (298 k parameters) behind the
-backbone's fixed random lift 3072 → W (``ResNetMLP(..., width=W)``; the lift is the same for
-every model and is not trained), chosen to fit the whole measurement at 5 000 / 500 images in
-20–30 minutes on the 2-core machine of results/attribution/lds/trak-mlp.md: featurising a
-training image (its per-sample gradient and projection) took about 9 ms at width 192 and
-21 ms at 256, and the run featurises ~115 000 images.
-
-Threads: on that machine, shared with other jobs, one thread (``--threads 1``) trained the
-MLP for an epoch of 5 000 images in 1 s against 49 s with two (two threads wait on each other
-for tiny batch-16 products), and featurised twice as fast.
+per-sample gradient of that size for every training image of every ensemble model, which
+does not fit a small CPU machine; the blocks run at width ``W`` = 192 (298 k parameters)
+behind the backbone's fixed random lift 3072 → W (``ResNetMLP(..., width=W)``; the lift is
+the same for every model and is not trained). Why 192, and why one thread
+(``--threads 1``: batch-16 products are too small for two threads to share), with the times
+that decided both: results/attribution/lds/trak-mlp.md.
 
 dattri's gradient path differentiates through one flattened parameter vector sliced into the
 model's tensors; on the CPU each slice's backward fills and adds a whole ``(B, p)`` gradient,
 so the cost grows with the number of parameter tensors (18 here). :class:`FlatMLP` hands dattri
-the same MLP with its parameters as one vector (one slice): the same gradients, ~5× faster.
+the same MLP with its parameters as one vector (one slice): the same gradients, one slice's
+cost (the speed-up: results/attribution/lds/trak-mlp.md).
 
 This module imports without dattri; :func:`require_dattri` says how to install it.
 

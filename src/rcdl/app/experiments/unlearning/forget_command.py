@@ -14,8 +14,9 @@ For each growing model and seed, one sub-run:
    half-precision product path) and compares the two models' test outputs, bit for bit.
 
 Both processes run on the CPU with this process's thread count. The kept run's folder is
-removed once measured (its model file is about 300 MB at 5 000 images); its file sizes, the
-receipt and the times are in the result and in ``forget_command.json``.
+removed once measured (its model file holds every store whole: its size at 5 000 images is
+in results/unlearning/forget-command/); its file sizes, the receipt and the times are in the
+result and in ``forget_command.json``.
 """
 
 from __future__ import annotations
