@@ -31,7 +31,7 @@ from torch import nn
 from rcdl._io import atomic_write_text
 from rcdl.app.cifar import CifarData
 from rcdl.app.experiments.unlearning.config import UnlearningConfig
-from rcdl.app.experiments.unlearning.run import Sets, forget_indices, measure, train
+from rcdl.app.experiments.unlearning.run import measure, scenario_of, train
 from rcdl.app.models import build_model, model_spec
 from rcdl.app.rundir import RunDir
 from rcdl.app.runner import Session
@@ -65,16 +65,8 @@ def repair_budget(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
     out: dict[str, Any] = {"study": STUDY, "model": name, "seed": seed,
                            "train_seconds": train_seconds, "runs": []}
     for scenario in cfg.scenarios:
-        gone = forget_indices(scenario, y, cfg, seed)
-        keep = torch.ones(len(y), dtype=torch.bool)
-        keep[gone] = False
-        kept = keep.nonzero().squeeze(1)  # (R,)
-        g = torch.Generator().manual_seed(20_000 + seed)
-        evaluated = kept[torch.randperm(len(kept), generator=g)[: cfg.retain_eval_size]]
-        mia_test = (torch.ones_like(data.y_test, dtype=torch.bool) if scenario == "random"
-                    else data.y_test == cfg.forget_class)
-        sets = Sets(x[gone], y[gone], x[evaluated], y[evaluated], data.x_test, data.y_test,
-                    mia_test)
+        chosen = scenario_of(scenario, data, cfg, seed)
+        gone, keep, sets = chosen.forget_idx, chosen.keep, chosen.sets
         retrained, _, _, again = train(name, seed, x, y, cfg, session,
                                        order=stream[keep[stream]])
         run: dict[str, Any] = {"model": name, "seed": seed, "scenario": scenario,

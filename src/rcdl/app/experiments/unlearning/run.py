@@ -25,8 +25,9 @@ from rcdl.train.loop import epoch_permutation, predict
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly
 
-__all__ = ["MIA_SPLITS", "Sets", "exactly_forgotten", "forget_indices", "measure", "mia_score",
-           "per_sample_losses", "start", "sub_runs", "train", "unlearn_one"]
+__all__ = ["MIA_SPLITS", "Scenario", "Sets", "exactly_forgotten", "forget_indices", "measure",
+           "mia_score", "per_sample_losses", "scenario_of", "start", "sub_runs", "train",
+           "unlearn_one"]
 
 MIA_SPLITS = 10
 
@@ -99,6 +100,37 @@ class Sets:
     mia_test: Tensor  # (T,) bool: the test images the attack compares the forget set with
 
 
+@dataclass
+class Scenario:
+    """One scenario's forget set, the retained images, the images it is measured on, and
+    the generator that drew the evaluated retained subset (it draws on for the fine-tune
+    part)."""
+
+    forget_idx: Tensor  # (F,)
+    keep: Tensor  # (N,) bool: the retained images
+    retain_idx: Tensor  # (R,)
+    sets: Sets
+    generator: torch.Generator
+
+
+def scenario_of(scenario: str, data: CifarData, cfg: ForgettingConfig, seed: int) -> Scenario:
+    """The forget set of ``scenario`` for ``seed``, and a random ``retain_eval_size`` subset
+    of the retained images drawn from ``20 000 + seed``; the attack compares the forget set
+    with every test image (random) or the forgotten class's."""
+    x, y = data.x_train, data.y_train
+    forget_idx = forget_indices(scenario, y, cfg, seed)
+    keep = torch.ones(len(y), dtype=torch.bool)
+    keep[forget_idx] = False
+    retain_idx = keep.nonzero().squeeze(1)  # (R,)
+    g = torch.Generator().manual_seed(20_000 + seed)
+    evaluated = retain_idx[torch.randperm(len(retain_idx), generator=g)[: cfg.retain_eval_size]]
+    mia_test = (torch.ones_like(data.y_test, dtype=torch.bool) if scenario == "random"
+                else data.y_test == cfg.forget_class)
+    sets = Sets(x[forget_idx], y[forget_idx], x[evaluated], y[evaluated], data.x_test,
+                data.y_test, mia_test)
+    return Scenario(forget_idx, keep, retain_idx, sets, g)
+
+
 def measure(model: nn.Module, sets: Sets, cfg: ForgettingConfig, seed: int,
             device: torch.device) -> dict[str, float | None]:
     """Accuracy on the forget, retained and test images (percent) and the MIA score."""
@@ -153,17 +185,10 @@ def unlearn_one(name: str, seed: int, data: CifarData, cfg: ForgettingConfig,
     out: dict[str, Any] = {"model": name, "seed": seed, "growing": growing,
                            "original_train_seconds": original_seconds, "scenarios": {}}
     for scenario in cfg.scenarios:
-        forget_idx = forget_indices(scenario, y, cfg, seed)
-        keep = torch.ones(len(y), dtype=torch.bool)
-        keep[forget_idx] = False
-        retain_idx = keep.nonzero().squeeze(1)  # (R,)
-        g = torch.Generator().manual_seed(20_000 + seed)
-        evaluated = retain_idx[torch.randperm(len(retain_idx), generator=g)
-                               [: cfg.retain_eval_size]]
-        mia_test = (torch.ones_like(data.y_test, dtype=torch.bool) if scenario == "random"
-                    else data.y_test == cfg.forget_class)
-        sets = Sets(x[forget_idx], y[forget_idx], x[evaluated], y[evaluated],
-                     data.x_test, data.y_test, mia_test)
+        chosen = scenario_of(scenario, data, cfg, seed)
+        forget_idx, keep, retain_idx, sets = (chosen.forget_idx, chosen.keep,
+                                              chosen.retain_idx, chosen.sets)
+        g = chosen.generator
         variants: dict[str, dict[str, Any]] = {
             "original": {**measure(original, sets, cfg, seed, device),
                          "seconds": original_seconds}}
@@ -203,7 +228,7 @@ def unlearn_one(name: str, seed: int, data: CifarData, cfg: ForgettingConfig,
                 retrained, data.x_test, batch_size=cfg.eval_batch_size, device=device)))
         del retrained
         out["scenarios"][scenario] = {"forget_size": len(forget_idx),
-                                      "mia_test_size": int(mia_test.sum()),
+                                      "mia_test_size": int(sets.mia_test.sum()),
                                       "variants": variants}
     return out
 
