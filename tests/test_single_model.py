@@ -99,3 +99,15 @@ def test_a_normalised_readout_gets_no_cascade():
     assert set(scores) == set(seconds) == {"shares, all layers", "readout shares",
                                            "readout deletion"}
     assert all(s.shape == (4, 16) for s in scores.values())
+
+
+def test_a_non_finite_loss_while_retraining_with_holes_is_refused(monkeypatch):
+    """A step with a non-finite loss is skipped by train_step; the retraining says so rather
+    than return a model that silently missed it."""
+    from rcdl.app.experiments import single_model
+
+    monkeypatch.setattr(single_model, "train_step", lambda *args: float("nan"))
+    x, y = torch.randn(20, 3072), torch.randint(0, 10, (20,))
+    with pytest.raises(FloatingPointError, match="rbf without 1 images: training loss is nan"):
+        train_with_holes("rbf", 0, x, y, torch.tensor([2]), batch_size=16,
+                         device=torch.device("cpu"))

@@ -68,6 +68,7 @@ spread, which no per-sample score summed over the set follows.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -227,8 +228,11 @@ def train_with_holes(name: str, seed: int, x: Tensor, y: Tensor, removed: Tensor
         idx = idx[~out[idx]]  # (b,) the batch without the removed images
         if len(idx):
             with samples(model, idx):
-                train_step(model, x[idx].to(device), y[idx].to(device), F.cross_entropy,
-                           optimizer, grower)
+                loss = train_step(model, x[idx].to(device), y[idx].to(device),
+                                  F.cross_entropy, optimizer, grower)
+            if not math.isfinite(loss):  # train_step skipped the step: say so, as the loop does
+                raise FloatingPointError(f"{name} without {len(removed)} images: training "
+                                         f"loss is {loss} at step {begin // batch_size}")
     return model
 
 
@@ -278,12 +282,12 @@ def measure(name: str, fraction: float, data: CifarData, cfg: SingleModelConfig,
     train_seconds = time.perf_counter() - start
     model = trained[0]
     retrain = _Retrainer(name, data, cfg, device, trained, replay)
+    base = margins(model, xt, yt, device=device)  # (T,)
 
     def change(removed: Tensor) -> tuple[Tensor, float]:  # (T,), seconds
         changed, took = retrain(removed)
         return margins(changed, xt, yt, device=device) - base, took
 
-    base = margins(model, xt, yt, device=device)  # (T,)
     scores, seconds = method_scores(model, xt, yt, n, batch_size=cfg.explain_batch_size,
                                     device=device)
     sets = removal_sets(n, fraction, cfg.sets, cfg.set_seed)
