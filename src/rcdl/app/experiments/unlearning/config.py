@@ -11,6 +11,7 @@ folders saved either way resume and combine alike (:func:`full`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -21,7 +22,8 @@ from rcdl.app.models import model_spec
 from rcdl.app.recipes import check_unlearning_settings
 
 __all__ = ["EXPERIMENT", "SCENARIOS", "STUDIES", "ForgettingConfig", "SavedConfig",
-           "UnlearningConfig", "full", "load_data", "saved_form", "study_of"]  # fmt: skip
+           "UnlearningConfig", "full", "load_data", "saved_form", "study_of",
+           "study_runs"]  # fmt: skip
 
 EXPERIMENT = "unlearning"  # also the run folders' `experiment` (the package's declaration)
 SCENARIOS = {"random": "a random share of the training images",
@@ -155,6 +157,18 @@ def full(cfg: ForgettingConfig) -> UnlearningConfig:
     if isinstance(cfg, UnlearningConfig):
         return cfg
     return UnlearningConfig(**dataclasses.asdict(cfg))
+
+
+def study_runs(study: str, cfg: UnlearningConfig, models: Iterable[str] | None = None
+               ) -> Iterator[tuple[str, str, int]]:
+    """A study's sub-runs, seeds outer: ``(<study>-<model>-seed<k>, model, seed)`` for each of
+    ``models`` (default: the config's growing ones) in the config's order."""
+    wanted = set(models) if models is not None else {
+        name for name in cfg.models if model_spec(name).growing}
+    for seed in cfg.seeds:
+        for name in cfg.models:
+            if name in wanted:
+                yield f"{study}-{name}-seed{seed}", name, seed
 
 
 def study_of(result: dict[str, Any]) -> str:

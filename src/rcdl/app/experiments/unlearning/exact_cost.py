@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from rcdl.app.cifar import CifarData
-from rcdl.app.experiments.unlearning.config import UnlearningConfig
+from rcdl.app.experiments.unlearning.config import UnlearningConfig, study_runs
 from rcdl.app.experiments.unlearning.run import train
-from rcdl.app.models import model_spec
 from rcdl.app.recipes import copy_trained
 from rcdl.app.report import markdown_table
 from rcdl.app.rundir import RunDir, describe_machine
@@ -102,11 +101,8 @@ def exact_cost(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
 
 def sub_runs(cfg: UnlearningConfig, data: CifarData, session: Session) -> Iterator:
     """``exact-cost-<model>-seed<k>`` for each growing model (seeds outer)."""
-    for seed in cfg.seeds:
-        for name in cfg.models:
-            if model_spec(name).growing:
-                yield (f"{STUDY}-{name}-seed{seed}",
-                       partial(exact_cost, name, seed, data, cfg, session))
+    for key, name, seed in study_runs(STUDY, cfg):
+        yield key, partial(exact_cost, name, seed, data, cfg, session)
 
 
 def report(run: RunDir, cfg: UnlearningConfig, runs: list[dict[str, Any]],

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from rcdl.app.cifar import CifarData
 from rcdl.app.experiments.cifar10.config import Cifar10Config
 from rcdl.app.experiments.cifar10.config import load_data as load_kept_data
-from rcdl.app.experiments.unlearning.config import UnlearningConfig
-from rcdl.app.models import build_model, model_spec
+from rcdl.app.experiments.unlearning.config import UnlearningConfig, study_runs
+from rcdl.app.models import build_model
 from rcdl.app.report import markdown_table
 from rcdl.app.rundir import RunDir, read_config
 from rcdl.app.runner import Session
@@ -122,11 +122,8 @@ def forget_command(name: str, seed: int, data: CifarData, cfg: UnlearningConfig,
 
 def sub_runs(cfg: UnlearningConfig, data: CifarData, session: Session) -> Iterator:
     """``forget-command-<model>-seed<k>`` for each growing model (seeds outer)."""
-    for seed in cfg.seeds:
-        for name in cfg.models:
-            if model_spec(name).growing:
-                yield (f"{STUDY}-{name}-seed{seed}",
-                       partial(forget_command, name, seed, data, cfg, session))
+    for key, name, seed in study_runs(STUDY, cfg):
+        yield key, partial(forget_command, name, seed, data, cfg, session)
 
 
 def report(run: RunDir, cfg: UnlearningConfig, runs: list[dict[str, Any]],

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rcdl.app.cifar import CifarData, load_subsets
-from rcdl.app.experiments.unlearning.config import UnlearningConfig
-from rcdl.app.models import model_spec
+from rcdl.app.experiments.unlearning.config import UnlearningConfig, study_runs
 from rcdl.app.recipes import train_with_learners
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Session
@@ -125,11 +124,8 @@ def sub_runs(cfg: UnlearningConfig, data: CifarData, session: Session) -> Iterat
     everies = dict(zip(cfg.models, cfg.log_size_every * len(cfg.models) if
                        len(cfg.log_size_every) == 1 else cfg.log_size_every, strict=True))
     leading = cache(partial(leading_images, cfg))
-    for seed in cfg.seeds:
-        for name in cfg.models:
-            if model_spec(name).growing:
-                yield (f"{STUDY}-{name}-seed{seed}",
-                       partial(log_size, name, seed, everies[name], leading, cfg, session))
+    for key, name, seed in study_runs(STUDY, cfg):
+        yield key, partial(log_size, name, seed, everies[name], leading, cfg, session)
 
 
 def tables(rows: list[dict[str, Any]]) -> str:

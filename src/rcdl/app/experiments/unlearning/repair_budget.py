@@ -30,7 +30,7 @@ from torch import nn
 
 from rcdl._io import atomic_write_text
 from rcdl.app.cifar import CifarData
-from rcdl.app.experiments.unlearning.config import UnlearningConfig
+from rcdl.app.experiments.unlearning.config import UnlearningConfig, study_runs
 from rcdl.app.experiments.unlearning.run import measure, scenario_of, train
 from rcdl.app.models import build_model, model_spec
 from rcdl.app.rundir import RunDir
@@ -93,11 +93,8 @@ def sub_runs(cfg: UnlearningConfig, data: CifarData, session: Session) -> Iterat
     model whose readout a rule writes: not the hybrid), seeds outer."""
     repairable = {name for name in cfg.models if model_spec(name).growing
                   and repair_refusal(build_model(name, 0)[0]) is None}
-    for seed in cfg.seeds:
-        for name in cfg.models:
-            if name in repairable:
-                yield (f"{STUDY}-{name}-seed{seed}",
-                       partial(repair_budget, name, seed, data, cfg, session))
+    for key, name, seed in study_runs(STUDY, cfg, repairable):
+        yield key, partial(repair_budget, name, seed, data, cfg, session)
 
 
 def _mean(values: list[float]) -> str:
