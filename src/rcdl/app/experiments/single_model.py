@@ -82,17 +82,19 @@ from torch import Tensor, nn
 
 from rcdl.app.cifar import CifarData, cifar_summary, load_subsets
 from rcdl.app.config import ExperimentConfig, data_dir_setting, device_setting, setting
-from rcdl.app.experiments.attribution.lds import attribution_scores, margins, spearman
+from rcdl.app.experiments.attribution.lds import (
+    attribution_scores,
+    cascade_scores,
+    margins,
+    spearman,
+)
 from rcdl.app.models import build_model, model_spec
 from rcdl.app.recipes import copy_trained, repaired_copies, train_with_learners
 from rcdl.app.report import csv_text, markdown_table, write_outputs
 from rcdl.app.rundir import RunDir, describe_machine
 from rcdl.app.runner import Experiment, Session
-from rcdl.memory.cascade import readout_cascade
 from rcdl.memory.forgetting import forget
-from rcdl.memory.provenance import UNKNOWN, entry_samples, samples
-from rcdl.nn.layers import growing_layers
-from rcdl.nn.networks import layer_input
+from rcdl.memory.provenance import samples
 from rcdl.train.loop import epoch_permutation, train_step
 from rcdl.train.replay import ReplayLog
 from rcdl.train.unlearning import forget_exactly
@@ -181,12 +183,6 @@ def single_model_lds(predicted: Tensor, exact: Tensor) -> float:
     return float(r.mean()) if r.numel() else float("nan")
 
 
-def _per_sample(effect: Tensor, owners: Tensor, n: int) -> Tensor:  # (T, N) -> (T, n)
-    known = owners != UNKNOWN
-    out = torch.zeros(effect.shape[0], n, dtype=torch.float64)
-    return out.index_add_(1, owners[known].cpu(), effect[:, known].cpu().double())
-
-
 def method_scores(model: nn.Module, x: Tensor, y: Tensor, n: int, *, batch_size: int,
                   device: torch.device) -> tuple[dict[str, Tensor], dict[str, float]]:
     """Every method's ``τ (T, n)`` for the test images ``x``, labels ``y`` and the seconds
@@ -197,18 +193,15 @@ def method_scores(model: nn.Module, x: Tensor, y: Tensor, n: int, *, batch_size:
     scores = {"shares, all layers": found["all layers"], "readout shares": found["readout"],
               "readout deletion": found["readout deletion"]}
     seconds = dict.fromkeys(scores, shared)
-    readout = growing_layers(model)[-1][1]
     try:
         start = time.perf_counter()
-        q = layer_input(model, readout, x.to(device))
-        cascade = readout_cascade(readout, q, F.one_hot(y, readout.d_out).to(q))
-        owners = entry_samples(readout)
-        for key, label in (("cascade", "readout cascade"), ("one_level", "readout one-level")):
-            scores[label] = _per_sample(cascade[key], owners, n)
-        took = time.perf_counter() - start
-        seconds["readout cascade"] = seconds["readout one-level"] = took
+        cascade = cascade_scores(model, x, y, n, device=device)
     except ValueError:
-        pass  # a normalised readout: no cascade (module docstring)
+        return scores, seconds  # a normalised readout: no cascade (module docstring)
+    took = time.perf_counter() - start
+    for variant, label in (("readout, cascade", "readout cascade"),
+                           ("readout, one-level", "readout one-level")):
+        scores[label], seconds[label] = cascade[variant], took
     return scores, seconds
 
 
