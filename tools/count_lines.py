@@ -4,6 +4,10 @@ A code line holds a token that is not part of a docstring (a module's, class's o
 function's first string), a comment or blank space. Prints one row per file and a total.
 
     python tools/count_lines.py src/rcdl/app/experiments/*.py src/rcdl/app/cli.py
+
+With ``--longest N`` it prints instead the ``N`` longest functions and methods of the files
+(lines from ``def`` to the last line, docstring included), and each class's lines and
+methods — e.g. ``python tools/count_lines.py --longest 10 $(git ls-files 'src/rcdl/*.py')``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,27 @@ def code_lines(source: str) -> int:
     return len(lines)
 
 
+def longest(paths: list[str], count: int) -> None:
+    """The ``count`` longest functions of ``paths``, then every class's size."""
+    functions, classes = [], []
+    for path in paths:
+        for node in ast.walk(ast.parse(Path(path).read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                continue
+            size = (node.end_lineno or node.lineno) - node.lineno + 1
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                functions.append((size, f"{path}:{node.name}"))
+            else:
+                methods = sum(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                              for n in node.body)
+                classes.append((size, methods, f"{path}:{node.name}"))
+    for size, name in sorted(functions, reverse=True)[:count]:
+        print(f"{size:6d} {name}")
+    print("classes (lines, methods):")
+    for size, methods, name in sorted(classes, reverse=True):
+        print(f"{size:6d} {methods:4d} {name}")
+
+
 def main(paths: list[str]) -> None:
     total_lines = total_code = 0
     for path in paths:
@@ -50,4 +75,7 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if len(sys.argv) > 2 and sys.argv[1] == "--longest":
+        longest(sys.argv[3:], int(sys.argv[2]))
+    else:
+        main(sys.argv[1:])
